@@ -1,0 +1,149 @@
+"""Transformer layers: RMSNorm, RoPE, GQA attention with an optional fixed-capacity KV cache, SwiGLU MLP.
+
+Parameters carry `logical_axes` metadata; `mtpjax.sharding` maps those names onto the mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtpjax.config import ModelConfig
+
+
+def dtype_of(name: str):
+    """jnp dtype from its config name."""
+    return jnp.dtype(name)
+
+
+def param(rngs: nnx.Rngs, shape, std: float, axes: tuple, dtype) -> nnx.Param:
+    """A normal(0, std) parameter tagged with logical axis names (std 0 means ones: norm scales)."""
+    if std == 0.0:
+        value = jnp.ones(shape, dtype)
+    else:
+        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=axes)
+
+
+class Dense(nnx.Module):
+    """Bias-free projection; inputs are flattened to 2-D (XLA CPU's backward is slow on 3-D dots)."""
+
+    def __init__(self, d_in: int, d_out: int, axes: tuple, cfg: ModelConfig, rngs: nnx.Rngs, std=None):
+        std = cfg.init_std if std is None else std
+        self.kernel = param(rngs, (d_in, d_out), std, axes, dtype_of(cfg.param_dtype))
+        self.dtype = dtype_of(cfg.dtype)
+
+    def __call__(self, x_ND):
+        lead = x_ND.shape[:-1]
+        x2 = x_ND.reshape(-1, x_ND.shape[-1]).astype(self.dtype)
+        y2 = jnp.dot(x2, self.kernel[...].astype(self.dtype))
+        return y2.reshape(*lead, y2.shape[-1])
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32, cast back to the compute dtype."""
+
+    def __init__(self, d: int, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.scale = param(rngs, (d,), 0.0, ("embed",), dtype_of(cfg.param_dtype))
+        self.eps = cfg.norm_eps
+        self.dtype = dtype_of(cfg.dtype)
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+def rope(x_BTHK, pos_BT, theta: float):
+    """Rotary embedding on the last axis (half-split convention), positions per token."""
+    half = x_BTHK.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    ang_BTK = pos_BT.astype(jnp.float32)[..., None] * freq
+    sin, cos = jnp.sin(ang_BTK)[:, :, None, :], jnp.cos(ang_BTK)[:, :, None, :]
+    x1, x2 = jnp.split(x_BTHK.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTHK.dtype)
+
+
+class KV(NamedTuple):
+    """One attention layer's cache: keys/values at absolute positions [0, S)."""
+
+    k_BSKH: jax.Array
+    v_BSKH: jax.Array
+
+
+def write_kv(cache: KV, k_BTKH, v_BTKH, start_B) -> KV:
+    """Write T new entries at per-row positions start_B .. start_B+T-1 (capacity must allow it)."""
+    upd = jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (s, 0, 0)))
+    return KV(upd(cache.k_BSKH, k_BTKH, start_B), upd(cache.v_BSKH, v_BTKH, start_B))
+
+
+class Attention(nnx.Module):
+    """Grouped-query causal attention with RoPE, segment masking and an optional KV cache."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+        self.n_heads, self.n_kv, self.head_dim, self.theta = h, kv, hd, cfg.rope_theta
+        out_std = cfg.init_std / math.sqrt(2 * max(1, cfg.n_layers))
+        self.wq = Dense(d, h * hd, ("embed", "heads"), cfg, rngs)
+        self.wk = Dense(d, kv * hd, ("embed", "kv_heads"), cfg, rngs)
+        self.wv = Dense(d, kv * hd, ("embed", "kv_heads"), cfg, rngs)
+        self.wo = Dense(h * hd, d, ("heads", "embed"), cfg, rngs, std=out_std)
+
+    def __call__(self, x_BTD, pos_BT, seg_BT=None, cache: KV | None = None):
+        B, T, _ = x_BTD.shape
+        q = rope(self.wq(x_BTD).reshape(B, T, self.n_heads, self.head_dim), pos_BT, self.theta)
+        k = rope(self.wk(x_BTD).reshape(B, T, self.n_kv, self.head_dim), pos_BT, self.theta)
+        v = self.wv(x_BTD).reshape(B, T, self.n_kv, self.head_dim)
+        if cache is None:
+            keys, vals, kpos_BS = k, v, pos_BT
+            mask_BTS = kpos_BS[:, None, :] <= pos_BT[:, :, None]
+            if seg_BT is not None:
+                mask_BTS &= seg_BT[:, None, :] == seg_BT[:, :, None]
+            new_cache = None
+        else:
+            # Entries past a row's committed length are stale but unseen: a query at position p
+            # only sees keys <= p, and all of those were written by this call or committed before.
+            new_cache = write_kv(cache, k, v, pos_BT[:, 0])
+            keys, vals = new_cache.k_BSKH.astype(k.dtype), new_cache.v_BSKH.astype(v.dtype)
+            kpos_S = jnp.arange(keys.shape[1])
+            mask_BTS = kpos_S[None, None, :] <= pos_BT[:, :, None]
+        G = self.n_heads // self.n_kv
+        q = q.reshape(B, T, self.n_kv, G, self.head_dim)
+        s = jnp.einsum("btkgh,bskh->bkgts", q, keys).astype(jnp.float32) / math.sqrt(self.head_dim)
+        s = jnp.where(mask_BTS[:, None, None], s, -1e30)
+        p = jax.nn.softmax(s, axis=-1).astype(vals.dtype)
+        o = jnp.einsum("bkgts,bskh->btkgh", p, vals).reshape(B, T, self.n_heads * self.head_dim)
+        return self.wo(o), new_cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.resolved_d_ff
+        self.gate = Dense(d, f, ("embed", "mlp"), cfg, rngs)
+        self.up = Dense(d, f, ("embed", "mlp"), cfg, rngs)
+        self.down = Dense(f, d, ("mlp", "embed"), cfg, rngs, std=cfg.init_std / math.sqrt(2 * max(1, cfg.n_layers)))
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x_BTD, pos_BT, seg_BT=None, cache: KV | None = None):
+        a, new_cache = self.attn(self.attn_norm(x_BTD), pos_BT, seg_BT, cache)
+        x_BTD = x_BTD + a
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), new_cache

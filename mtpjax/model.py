@@ -1,0 +1,183 @@
+"""Trunk + D MTP modules (DeepSeek-V3 sequential, or parallel heads); returns hidden states, never losses.
+
+Convention: module k consumes the *raw* (pre-final-norm) hidden state of depth k-1; each depth's
+own final norm is applied only on the way to the shared head. Training and decoding use the same
+methods below, so the convention cannot drift between them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from mtpjax.config import Config, ModelConfig
+from mtpjax.layers import KV, Block, Dense, RMSNorm, dtype_of, param
+
+
+@struct.dataclass
+class MTPOutput:
+    hidden: jax.Array  # float[D+1, B, T, d]: index 0 the trunk, k the MTP depth k, each normed for the head
+
+
+class DecodeCache(NamedTuple):
+    """KV caches of the trunk (leading axis = layer) and of every MTP module (leading axis = depth)."""
+
+    trunk: KV
+    mtp: KV | None
+
+
+_REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+}
+
+
+def _run_block(block: Block, x, pos, seg, kv, remat: str):
+    """Apply one block functionally, rematerialized if configured."""
+    gdef, st = nnx.split(block)
+
+    def f(st, x, kv):
+        return nnx.merge(gdef, st)(x, pos, seg, kv)
+
+    if remat != "none":
+        f = jax.checkpoint(f, policy=_REMAT[remat])
+    return f(st, x, kv)
+
+
+class MTPModule(nnx.Module):
+    """One MTP depth: [enorm(E(x[i+k])); hnorm(h_{k-1}[i])] -> eh_proj -> block (sequential), or block(h0)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.sequential = cfg.mtp_kind == "sequential"
+        d = cfg.d_model
+        if self.sequential:
+            self.enorm = RMSNorm(d, cfg, rngs)
+            self.hnorm = RMSNorm(d, cfg, rngs)
+            self.eh_proj = Dense(2 * d, d, (None, "embed"), cfg, rngs)
+        self.block = Block(cfg, rngs)
+        self.norm = RMSNorm(d, cfg, rngs)
+
+    def __call__(self, h_prev_BTD, emb_next_BTD, pos_BT, seg_BT, kv, remat: str):
+        x = h_prev_BTD
+        if self.sequential:
+            x = self.eh_proj(jnp.concatenate([self.enorm(emb_next_BTD), self.hnorm(h_prev_BTD)], axis=-1))
+        return _run_block(self.block, x, pos_BT, seg_BT, kv, remat)
+
+
+class MTPTransformer(nnx.Module):
+    """Decoder-only LM with D multi-token-prediction modules sharing its embedding and head."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        V, d, L = cfg.vocab_size, cfg.d_model, cfg.n_layers
+        pdt = dtype_of(cfg.param_dtype)
+        self.embed = param(rngs, (V, d), cfg.init_std, ("vocab", "embed"), pdt)
+        if cfg.scan_layers:
+            @nnx.split_rngs(splits=L)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(r):
+                return Block(cfg, r)
+
+            self.blocks = make(rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs) for _ in range(L)])
+        self.final_norm = RMSNorm(d, cfg, rngs)
+        if not cfg.tie_embeddings:
+            self.head = param(rngs, (d, V), cfg.init_std, ("embed", "vocab"), pdt)
+        self.mtp = nnx.List([MTPModule(cfg, rngs) for _ in range(cfg.mtp_depth)])
+
+    # ------------------------------------------------------------------ pieces shared with decoding
+
+    def embed_tokens(self, tokens_BT):
+        """Shared embedding lookup."""
+        return jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype_of(self.cfg.dtype))
+
+    def logits(self, h_ND):
+        """Shared output head on normed hidden states; float32 logits."""
+        w = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
+        lead = h_ND.shape[:-1]
+        h2 = h_ND.reshape(-1, h_ND.shape[-1])
+        out = jnp.dot(h2, w.astype(h2.dtype), preferred_element_type=jnp.float32)
+        return out.reshape(*lead, out.shape[-1])
+
+    def head_norm(self, k: int, h_raw):
+        """Depth k's final norm (k=0: the trunk's), making h ready for the shared head."""
+        return self.final_norm(h_raw) if k == 0 else self.mtp[k - 1].norm(h_raw)
+
+    def trunk(self, tokens_BT, pos_BT=None, seg_BT=None, cache: KV | None = None):
+        """Trunk forward; returns raw hidden states [B,T,d] and the updated cache (None without one)."""
+        pos_BT = _positions(tokens_BT) if pos_BT is None else pos_BT
+        x = self.embed_tokens(tokens_BT)
+        remat = self.cfg.remat
+        if self.cfg.scan_layers:
+            gdef, st = nnx.split(self.blocks)
+
+            def body(x, xs):
+                st_l, kv_l = xs
+                return _run_block(nnx.merge(gdef, st_l), x, pos_BT, seg_BT, kv_l, remat)
+
+            x, new = jax.lax.scan(body, x, (st, cache))
+            return x, new
+        news = []
+        for i, blk in enumerate(self.blocks):
+            kv = None if cache is None else KV(cache.k_BSKH[i], cache.v_BSKH[i])
+            x, nkv = _run_block(blk, x, pos_BT, seg_BT, kv, remat)
+            news.append(nkv)
+        if cache is None:
+            return x, None
+        return x, KV(jnp.stack([n.k_BSKH for n in news]), jnp.stack([n.v_BSKH for n in news]))
+
+    def mtp_forward(self, k: int, h_prev_BTD, next_tokens_BT, pos_BT=None, seg_BT=None, cache: KV | None = None):
+        """MTP depth k (1-based): raw h_{k-1}[i] and token x[i+k] -> raw h_k[i], updated cache."""
+        pos_BT = _positions(next_tokens_BT) if pos_BT is None else pos_BT
+        mod = self.mtp[k - 1]
+        emb = self.embed_tokens(next_tokens_BT) if mod.sequential else None
+        return mod(h_prev_BTD, emb, pos_BT, seg_BT, cache, self.cfg.remat)
+
+    # ------------------------------------------------------------------ training forward
+
+    def __call__(self, tokens_BT, segment_ids_BT=None) -> MTPOutput:
+        """All depths over a batch; hidden[k] at position i is ready to predict x[i+k+1]."""
+        h, _ = self.trunk(tokens_BT, seg_BT=segment_ids_BT)
+        hidden = [self.final_norm(h)]
+        h0 = h
+        for k in range(1, self.cfg.mtp_depth + 1):
+            # Positions past the end read token 0; their targets are masked in the loss and causal
+            # attention keeps them from touching earlier positions.
+            nxt = shift_left(tokens_BT, k)
+            prev = h if self.cfg.mtp_kind == "sequential" else h0
+            h, _ = self.mtp_forward(k, prev, nxt, seg_BT=segment_ids_BT)
+            hidden.append(self.mtp[k - 1].norm(h))
+        return MTPOutput(hidden=jnp.stack(hidden))
+
+
+def shift_left(x_BT, k: int, fill=0):
+    """x[:, i+k] at position i; positions past the end get `fill` (shapes stay fixed)."""
+    if k == 0:
+        return x_BT
+    pad = jnp.full((x_BT.shape[0], k), fill, x_BT.dtype)
+    return jnp.concatenate([x_BT[:, k:], pad], axis=1)
+
+
+def _positions(tokens_BT):
+    return jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
+
+
+def build_model(cfg: Config | ModelConfig, *, seed: int = 0) -> MTPTransformer:
+    """Build the model from a Config (or its model section) with parameters from `seed`."""
+    mcfg = cfg.model if isinstance(cfg, Config) else cfg
+    return MTPTransformer(mcfg, rngs=nnx.Rngs(params=seed))
+
+
+def param_counts(model: MTPTransformer) -> dict[str, int]:
+    """Parameter counts: total, shared embedding/head, trunk blocks+norm, and each MTP module."""
+    def count(node) -> int:
+        return sum(int(x.size) for x in jax.tree.leaves(nnx.state(node, nnx.Param)))
+
+    shared = int(model.embed.size) + (0 if model.cfg.tie_embeddings else int(model.head.size))
+    mtp = [count(m) for m in model.mtp]
+    total = count(model)
+    return {"total": total, "shared_embed_head": shared, "trunk": total - shared - sum(mtp), "mtp": mtp}
