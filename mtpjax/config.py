@@ -229,7 +229,9 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
 def _set(tree: dict, parts: list[str], value: Any, full: str) -> None:
     node = tree
     for p in parts[:-1]:
-        child = node.setdefault(p, {})
+        child = node.get(p)
+        if child is None:  # an empty YAML section (`model:`) reads as None
+            child = node[p] = {}
         if not isinstance(child, dict):
             raise ConfigError(f"override '{full}': '{p}' is a value, not a section")
         node = child
@@ -307,6 +309,8 @@ def parse_lambda(spec: str) -> tuple[str, dict]:
                 raise bad
             return kind, {"values": values, "boundaries": bounds}
         m = pattern.match(body)
+        if int(m["n"]) <= 0:
+            raise bad
         return kind, {"init": float(m["a"]), "end": float(m["b"]), "steps": int(m["n"])}
     except ValueError:
         raise bad from None
