@@ -1,0 +1,60 @@
+"""Samplers as small frozen dataclasses; one function turns logits into the distribution sampled from.
+
+The same `probs` serves the target (p) and the draft (q), so speculative sampling compares like with like.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """temperature 0 = greedy; top_k 0 and top_p 1 disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_sampler(temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None) -> Sampler:
+    """Normalize user arguments (None = off) into a Sampler; raises ValueError on impossible values."""
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k={top_k} must be >= 0 (0 or None disables it)")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    return Sampler(float(temperature), int(top_k or 0), float(1.0 if top_p is None else top_p))
+
+
+def probs(sampler: Sampler, logits_NV):
+    """float32 probabilities after temperature, top-k and top-p (greedy: one-hot of the argmax)."""
+    logits = logits_NV.astype(jnp.float32)
+    V = logits.shape[-1]
+    if sampler.greedy:
+        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+    logits = logits / sampler.temperature
+    if 0 < sampler.top_k < V:
+        kth = jax.lax.top_k(logits, sampler.top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if sampler.top_p < 1.0:
+        sorted_desc = jnp.sort(logits, axis=-1)[..., ::-1]
+        p_sorted = jax.nn.softmax(sorted_desc, axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
+        mass_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted
+        cutoff = jnp.min(jnp.where(mass_before < sampler.top_p, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.nn.softmax(logits, axis=-1)
+
+
+def sample(key, p_NV):
+    """One token per row from probabilities (rows of a greedy one-hot give their argmax)."""
+    return jax.random.categorical(key, jnp.log(jnp.maximum(p_NV, 1e-30)), axis=-1).astype(jnp.int32)
