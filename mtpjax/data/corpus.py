@@ -1,0 +1,296 @@
+"""Corpus preparation: read a source, tokenize, split, and cache flat token arrays atomically.
+
+The cache directory `<data.cache_dir>/<source>-<tokenizer>-<key>` is keyed by a hash of the source,
+its files' paths/sizes/mtimes, the tokenizer spec (and its file's stat), bpe_vocab_size and val_fraction.
+It holds `train.npy`, `val.npy` (uint16, or int32 for vocabularies over 65536; documents joined with
+EOS after each), `meta.json` and the tokenizer's files. It is built in a `.tmp-*` sibling and renamed
+into place, so a killed preparation never leaves a directory that is later mistaken for a finished one;
+temp dirs of dead processes on this host are deleted by the next `prepare`.
+
+Split: text documents go to validation by a hash of their key (see sources.is_val). When that leaves a
+side empty (e.g. a single .txt file) and for pre-tokenized arrays, the joined stream is cut instead:
+the last `val_fraction` of its tokens is the validation split (meta["split"] says which was used).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mtpjax.data import sources
+from mtpjax.data.errors import DataError
+from mtpjax.data.tokenizer import (ByteTokenizer, Tokenizer, load_spec, tokenizer_file, tokenizer_from_dir,
+                                   tokenizer_kind, train_bpe)
+
+FORMAT = 1
+BPE_MAX_TRAIN_BYTES = 32 << 20  # BPE merges stabilise long before this; keeps training to seconds
+_BATCH_BYTES = 4 << 20
+
+
+@dataclass
+class PreparedData:
+    """A prepared corpus: its cache dir, meta.json contents, tokenizer and (memory-mapped) token arrays."""
+
+    dir: Path
+    meta: dict
+    tokenizer: Tokenizer
+    train_tokens: np.ndarray
+    val_tokens: np.ndarray
+
+    def tokens(self, split: str) -> np.ndarray:
+        """The flat token array of 'train' or 'val'."""
+        if split not in ("train", "val"):
+            raise DataError(f"unknown split '{split}'; use 'train' or 'val'")
+        return self.train_tokens if split == "train" else self.val_tokens
+
+    @property
+    def content_hash(self) -> str:
+        return self.meta["content_hash"]
+
+
+def _files(cfg) -> list[tuple[Path, str]]:
+    if cfg.source == "stdlib":
+        return sources.stdlib_files()
+    if cfg.source == "text":
+        return sources.text_files(tuple(cfg.paths))
+    if cfg.source == "array":
+        return sources.array_files(tuple(cfg.paths))
+    raise DataError(f"unknown data.source '{cfg.source}'; use stdlib, text or array")
+
+
+def _key(cfg, files, kind: str) -> str:
+    spec: dict[str, Any] = {"format": FORMAT, "source": cfg.source, "files": sources.file_stats(files),
+                            "tokenizer": cfg.tokenizer, "val_fraction": cfg.val_fraction}
+    if cfg.source == "stdlib":
+        spec["python"] = sys.version
+    if kind == "bpe":
+        spec["bpe_vocab_size"] = cfg.bpe_vocab_size
+    tf = tokenizer_file(cfg.tokenizer)
+    if tf is not None:
+        if not tf.is_file():
+            raise DataError(f"tokenizer file '{tf}' does not exist; set data.tokenizer to byte, bpe or an existing file")
+        spec["tokenizer_file"] = sources.file_stats([(tf, "")])
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_path(cfg) -> Path:
+    """Where `prepare(cfg)` keeps (or will keep) this corpus."""
+    kind = tokenizer_kind(cfg.tokenizer)
+    return Path(cfg.cache_dir).expanduser() / f"{cfg.source}-{kind}-{_key(cfg, _files(cfg), kind)}"
+
+
+def _load(d: Path) -> PreparedData:
+    meta = json.loads((d / "meta.json").read_text())
+    return PreparedData(d, meta, tokenizer_from_dir(d), np.load(d / "train.npy", mmap_mode="r"),
+                        np.load(d / "val.npy", mmap_mode="r"))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clean_stale(final: Path) -> None:
+    """Delete temp dirs of this cache entry left by dead processes on this host."""
+    host = socket.gethostname()
+    for t in final.parent.glob(f".tmp-{final.name}-*"):
+        parts = t.name[len(f".tmp-{final.name}-"):].split("~")
+        if len(parts) == 3 and parts[0] == host and parts[1].isdigit() and not _pid_alive(int(parts[1])):
+            shutil.rmtree(t, ignore_errors=True)
+
+
+def prepare(data_cfg, *, progress: bool = False) -> PreparedData:
+    """Return the prepared corpus for `data_cfg` (a DataConfig), building and caching it if needed."""
+    kind = tokenizer_kind(data_cfg.tokenizer)
+    files = _files(data_cfg)
+    final = Path(data_cfg.cache_dir).expanduser() / f"{data_cfg.source}-{kind}-{_key(data_cfg, files, kind)}"
+    if (final / "meta.json").is_file():
+        return _load(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale(final)
+    if final.exists():  # no meta.json: not ours to trust
+        shutil.rmtree(final, ignore_errors=True)
+    tmp = final.parent / f".tmp-{final.name}-{socket.gethostname()}~{os.getpid()}~{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _build(data_cfg, files, kind, tmp, progress)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process finished first: its copy is equivalent
+            if not (final / "meta.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _load(final)
+
+
+class _Sink:
+    """Appends token ids to a raw file; `to_npy` turns a slice of it into a .npy."""
+
+    def __init__(self, path: Path, dtype):
+        self.path, self.dtype, self.n, self.docs = path, np.dtype(dtype), 0, 0
+        self._f = open(path, "wb")
+
+    def add(self, ids: np.ndarray, docs: int) -> None:
+        self._f.write(np.ascontiguousarray(ids, dtype=self.dtype).tobytes())
+        self.n += len(ids)
+        self.docs += docs
+
+    def close(self) -> None:
+        self._f.close()
+
+    def to_npy(self, out: Path, start: int = 0, stop: int | None = None, chunk: int = 1 << 24) -> int:
+        stop = self.n if stop is None else stop
+        src = np.memmap(self.path, dtype=self.dtype, mode="r") if self.n else np.zeros(0, self.dtype)
+        dst = np.lib.format.open_memmap(out, mode="w+", dtype=self.dtype, shape=(stop - start,))
+        for s in range(start, stop, chunk):
+            dst[s - start:min(s + chunk, stop) - start] = src[s:min(s + chunk, stop)]
+        dst.flush()
+        del dst, src
+        return stop - start
+
+
+def _tqdm(progress: bool, total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="file", disable=not progress, leave=False)
+
+
+def _make_tokenizer(cfg, files, kind: str, progress: bool) -> Tokenizer:
+    if kind != "bpe":
+        return load_spec(cfg.tokenizer)
+
+    def texts():
+        seen = 0
+        with _tqdm(progress, len(files), "train bpe") as bar:
+            for key, text in sources.iter_documents(files, bar):
+                if sources.is_val(key, cfg.val_fraction):
+                    continue
+                yield text
+                seen += len(text)
+                if seen >= BPE_MAX_TRAIN_BYTES:
+                    return
+
+    tok = train_bpe(texts(), cfg.bpe_vocab_size)
+    if tok.eos_id != 0:
+        raise AssertionError("the trained BPE must have <|eos|> as id 0")
+    return tok
+
+
+def _tokenize_batch(tok: Tokenizer, texts: list[str]) -> np.ndarray:
+    """Documents → one id array with EOS after each."""
+    if isinstance(tok, ByteTokenizer):
+        sep = bytes([tok.eos_id])
+        return np.frombuffer(sep.join(tok.encode_bytes(t) for t in texts) + sep, dtype=np.uint8)
+    ids = tok.encode_batch(texts)
+    return np.concatenate([np.asarray(x + [tok.eos_id], dtype=np.int64) for x in ids])
+
+
+def _text_streams(cfg, files, tok, sinks, progress) -> str:
+    """Tokenize text documents into the train/val sinks by key hash; returns the content hash."""
+    h = hashlib.sha256()
+    pending: dict[str, list[str]] = {"train": [], "val": []}
+    size = {"train": 0, "val": 0}
+
+    def flush(split):
+        if pending[split]:
+            sinks[split].add(_tokenize_batch(tok, pending[split]), len(pending[split]))
+            pending[split], size[split] = [], 0
+
+    with _tqdm(progress, len(files), "tokenize") as bar:
+        for key, text in sources.iter_documents(files, bar):
+            h.update(key.encode() + b"\0" + text.encode("utf-8", errors="replace") + b"\0")
+            split = "val" if sources.is_val(key, cfg.val_fraction) else "train"
+            pending[split].append(text)
+            size[split] += len(text)
+            if size[split] >= _BATCH_BYTES:
+                flush(split)
+    flush("train")
+    flush("val")
+    return h.hexdigest()
+
+
+def _array_stream(files, tok, sink, progress) -> str:
+    """Copy pre-tokenized arrays into one sink (EOS between files), checking ids; returns the content hash."""
+    h = hashlib.sha256()
+    with _tqdm(progress, len(files), "copy arrays") as bar:
+        for f, key in files:
+            arr = sources.load_array(f)
+            if len(arr):
+                sources.check_ids(arr, tok.vocab_size, str(f))
+                h.update(key.encode() + b"\0" + np.ascontiguousarray(arr).tobytes())
+                sink.add(arr, 0)
+                if int(arr[-1]) != tok.eos_id:
+                    sink.add(np.array([tok.eos_id]), 0)
+            bar.update(1)
+    return h.hexdigest()
+
+
+def _build(cfg, files, kind: str, out: Path, progress: bool) -> None:
+    t0 = time.time()
+    tok = _make_tokenizer(cfg, files, kind, progress)
+    dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.int32
+    sinks = {s: _Sink(out / f"{s}.raw", dtype) for s in ("train", "val")}
+    if cfg.source == "array":
+        content_hash = _array_stream(files, tok, sinks["train"], progress)
+    else:
+        content_hash = _text_streams(cfg, files, tok, sinks, progress)
+    for s in sinks.values():
+        s.close()
+    total = sinks["train"].n + sinks["val"].n
+    if total == 0:
+        raise DataError(f"data.paths {list(cfg.paths)} hold no data ({len(files)} file(s), all empty); "
+                        "point data.paths at non-empty files")
+    split = "hash"
+    if sinks["train"].n and sinks["val"].n:
+        stats = {s: {"docs": sinks[s].docs, "tokens": sinks[s].to_npy(out / f"{s}.npy")} for s in sinks}
+    else:
+        split = "tail"
+        whole = sinks["train"] if sinks["train"].n else sinks["val"]
+        if whole.n < 2:
+            raise DataError(f"the corpus has only {whole.n} token(s); it cannot be split into train and val")
+        cut = whole.n - min(whole.n - 1, max(1, round(whole.n * cfg.val_fraction)))
+        stats = {"train": {"docs": None, "tokens": whole.to_npy(out / "train.npy", 0, cut)},
+                 "val": {"docs": None, "tokens": whole.to_npy(out / "val.npy", cut)}}
+    for s in sinks.values():
+        s.path.unlink()
+    tok.save(out)
+    meta = {"format": FORMAT, "source": cfg.source, "paths": list(cfg.paths), "files": len(files),
+            "tokenizer": cfg.tokenizer, "tokenizer_kind": tok.kind, "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id, "dtype": np.dtype(dtype).name, "val_fraction": cfg.val_fraction,
+            "bpe_vocab_size": cfg.bpe_vocab_size if kind == "bpe" else None, "content_hash": content_hash,
+            "split": split, "train": stats["train"], "val": stats["val"],
+            "seconds": round(time.time() - t0, 3)}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def summary(p: PreparedData) -> str:
+    """A few human-readable lines about a prepared corpus."""
+    m = p.meta
+    tr, va = m["train"], m["val"]
+    docs = lambda s: f"{s['docs']} docs, " if s["docs"] is not None else ""
+    return (f"prepared {m['source']} corpus in {p.dir}\n"
+            f"  tokenizer {m['tokenizer']} ({m['tokenizer_kind']}, vocab {m['vocab_size']}, eos {m['eos_id']})\n"
+            f"  train: {docs(tr)}{tr['tokens']} tokens; val: {docs(va)}{va['tokens']} tokens ({m['split']} split)\n"
+            f"  content hash {m['content_hash'][:16]}  ({m['seconds']} s to build)")
+
+
+def data_config_of(cfg):
+    """The DataConfig of a Config, or the DataConfig itself."""
+    return cfg.data if hasattr(cfg, "data") and hasattr(cfg, "model") else cfg

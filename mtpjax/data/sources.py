@@ -1,0 +1,166 @@
+"""Corpus sources: the running interpreter's stdlib, users' text / JSON-lines files, pre-tokenized arrays.
+
+Text sources yield `(key, text)` documents; the key (a relative path, plus a line number for JSON lines)
+decides the train/validation split by hash, so the split does not depend on where the corpus lives.
+Non-UTF-8 bytes are decoded with errors="replace" and one warning names the affected files (the
+corpus stays usable; an error would block e.g. a stdlib with one latin-1 file).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from mtpjax.data.errors import DataError
+
+STDLIB_EXCLUDE = frozenset({"test", "tests", "idlelib", "encodings", "pydoc_data", "site-packages",
+                            "__pycache__"})
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+JSONL_SUFFIXES = (".jsonl", ".json")
+ARRAY_SUFFIXES = (".npy", ".bin")
+
+
+def stdlib_root() -> Path:
+    """The standard library directory of the running interpreter."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files() -> list[tuple[Path, str]]:
+    """(path, relative key) of the stdlib's *.py files outside the excluded directories, sorted."""
+    root = stdlib_root()
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in STDLIB_EXCLUDE)
+        rel_dir = Path(dirpath).relative_to(root)
+        out += [(Path(dirpath) / f, (rel_dir / f).as_posix()) for f in filenames if f.endswith(".py")]
+    if not out:
+        raise DataError(f"no .py files under the stdlib '{root}'; use data.source=text with data.paths")
+    return sorted(out, key=lambda x: x[1])
+
+
+def _walk(paths: tuple[str, ...], suffixes: tuple[str, ...], what: str) -> list[tuple[Path, str]]:
+    """(file, key) for every path (files as given, directories walked for `suffixes`), sorted per path."""
+    if not paths:
+        raise DataError(f"data.paths is empty; list the {what} files or directories to read")
+    out = []
+    for raw in paths:
+        p = Path(raw).expanduser()
+        if not p.exists():
+            raise DataError(f"data path '{raw}' does not exist; fix data.paths")
+        if p.is_file():
+            out.append((p, p.name))
+            continue
+        found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in suffixes)
+        if not found:
+            raise DataError(f"data path '{raw}' has no {'/'.join(suffixes)} files; fix data.paths")
+        out += [(f, f.relative_to(p).as_posix()) for f in found]
+    return out
+
+
+def text_files(paths: tuple[str, ...]) -> list[tuple[Path, str]]:
+    """The files of a text source (.txt: one document per file; .jsonl/.json: one per line)."""
+    return _walk(paths, TEXT_SUFFIXES + JSONL_SUFFIXES, "text (.txt/.jsonl)")
+
+
+def array_files(paths: tuple[str, ...]) -> list[tuple[Path, str]]:
+    """The files of a pre-tokenized source (.npy int arrays or .bin raw uint16)."""
+    files = _walk(paths, ARRAY_SUFFIXES, "token array (.npy/.bin)")
+    for f, _ in files:
+        if f.suffix not in ARRAY_SUFFIXES:
+            raise DataError(f"data path '{f}' is not a .npy or .bin file; data.source=array reads only those")
+    return files
+
+
+def file_stats(files: list[tuple[Path, str]]) -> list[list]:
+    """[resolved path, size, mtime_ns] per file: what the cache key depends on."""
+    out = []
+    for f, _ in files:
+        st = f.stat()
+        out.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    return out
+
+
+class _Utf8Tracker:
+    """Decodes bytes as UTF-8 with replacement and remembers which files needed it."""
+
+    def __init__(self):
+        self.bad: list[str] = []
+
+    def decode(self, raw: bytes, name: str) -> str:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            self.bad.append(name)
+            return raw.decode("utf-8", errors="replace")
+
+    def warn(self) -> None:
+        if self.bad:
+            warnings.warn(f"{len(self.bad)} file(s) are not valid UTF-8 (first: {self.bad[0]}); "
+                          "undecodable bytes were replaced with U+FFFD", stacklevel=3)
+
+
+def _jsonl_docs(f: Path, key: str, text: str) -> Iterator[tuple[str, str]]:
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise DataError(f"{f}:{n} is not a JSON object with a string \"text\" field; "
+                            "write one {\"text\": ...} object per line")
+        yield f"{key}:{n}", obj["text"]
+
+
+def iter_documents(files: list[tuple[Path, str]], progress=None) -> Iterator[tuple[str, str]]:
+    """(key, text) for every non-empty document of the files, in order; warns once about non-UTF-8 files."""
+    utf8 = _Utf8Tracker()
+    for f, key in files:
+        text = utf8.decode(f.read_bytes(), str(f))
+        if f.suffix in JSONL_SUFFIXES:
+            yield from ((k, t) for k, t in _jsonl_docs(f, key, text) if t)
+        elif text:
+            yield key, text
+        if progress is not None:
+            progress.update(1)
+    utf8.warn()
+
+
+def is_val(key: str, val_fraction: float) -> bool:
+    """Deterministic split: the document goes to validation when the hash of its key falls below the fraction."""
+    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
+    return h < val_fraction * 2**64
+
+
+def load_array(f: Path) -> np.ndarray:
+    """A read-only view of one pre-tokenized file (memory-mapped); DataError if it is not 1-D integers."""
+    if f.suffix == ".bin":
+        if f.stat().st_size % 2:
+            raise DataError(f"'{f}' has an odd number of bytes; .bin files hold raw uint16 tokens")
+        return np.memmap(f, dtype=np.uint16, mode="r") if f.stat().st_size else np.zeros(0, np.uint16)
+    try:
+        arr = np.load(f, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise DataError(f"'{f}' is not a readable .npy file ({e}); save it with numpy.save") from None
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise DataError(f"'{f}' holds a {arr.dtype} array of shape {arr.shape}; expected a 1-D integer array")
+    return arr
+
+
+def check_ids(arr: np.ndarray, vocab_size: int, name: str, chunk: int = 1 << 24) -> None:
+    """DataError when any id is negative or >= vocab_size (scanned in chunks so memmaps stay cheap)."""
+    for s in range(0, len(arr), chunk):
+        part = np.asarray(arr[s:s + chunk])
+        lo, hi = int(part.min()), int(part.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise DataError(f"'{name}' holds token id {bad} outside the tokenizer's vocab [0, {vocab_size}); "
+                            "use the tokenizer the array was made with (data.tokenizer)")
