@@ -1,0 +1,63 @@
+"""TensorBoard writing (process 0 only) and MFU: FLOPs/token from mtpjax.flops against a peak FLOP/s."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def measure_peak_flops(n: int = 1024, seconds: float = 1.0) -> float:
+    """FLOP/s of one device on a jitted float32 n×n matmul chain, timed for about `seconds`."""
+    x = jnp.ones((n, n), jnp.float32) / n
+    f = jax.jit(lambda a: a @ a @ a @ a)  # 3 matmuls per call keeps dispatch overhead small
+    f(x).block_until_ready()
+    calls, t0 = 0, time.perf_counter()
+    while True:
+        f(x).block_until_ready()
+        calls += 1
+        dt = time.perf_counter() - t0
+        if dt >= seconds:
+            return 3 * 2.0 * n**3 * calls / dt
+
+
+def mfu(tokens_per_sec: float, flops_per_token: float, peak_flops_per_device: float, n_devices: int) -> float:
+    """Model FLOPs utilization: achieved training FLOP/s over the devices' combined peak."""
+    return tokens_per_sec * flops_per_token / (peak_flops_per_device * n_devices)
+
+
+class Writer:
+    """tensorboardX SummaryWriter under `<run_dir>/tensorboard`; a no-op when disabled (processes > 0)."""
+
+    def __init__(self, run_dir: str | Path, enabled: bool = True):
+        self.tb = None
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def scalars(self, step: int, values: dict, prefix: str = "") -> None:
+        """One scalar per key (keys are TensorBoard tags)."""
+        if self.tb is None:
+            return
+        for k, v in values.items():
+            v = float(np.asarray(v))
+            if np.isfinite(v):
+                self.tb.add_scalar(prefix + k, v, step)
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        """A text entry (config, generated samples); markdown, so wrap code in a block."""
+        if self.tb is not None:
+            self.tb.add_text(tag, "```\n" + text + "\n```", step)
+
+    def flush(self) -> None:
+        if self.tb is not None:
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None

@@ -1,0 +1,89 @@
+"""Mesh, logical-axis rules and the NamedShardings of model/optimizer state and batches (DESIGN §3)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mtpjax.config import MeshConfig
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# One table maps every logical axis name onto a mesh axis (None: replicated).
+LOGICAL_RULES: dict[str | None, str | None] = {
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "layers": None,
+    "head_dim": None,
+    None: None,
+}
+
+
+class MeshError(ValueError):
+    """The mesh shape does not fit the devices; the message names the numbers and the fix."""
+
+
+def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Mesh ('data','fsdp','tensor') from cfg.mesh over `devices` (default: all); raises MeshError."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = (mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
+    n = int(np.prod(shape))
+    if n != len(devices):
+        raise MeshError(
+            f"mesh data*fsdp*tensor = {shape[0]}*{shape[1]}*{shape[2]} = {n} but {len(devices)} device(s) "
+            f"are available; set mesh.data/mesh.fsdp/mesh.tensor so their product is {len(devices)}")
+    return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices)
+
+
+def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
+    """PartitionSpec for an array with these logical axes; a dim its mesh axis doesn't divide is replicated."""
+    axes = tuple(axes)
+    if len(axes) == len(shape) - 1:
+        axes = ("layers",) + axes  # scanned stack: the leading axis is not named in the metadata
+    if len(axes) != len(shape):
+        raise ValueError(f"logical axes {axes} do not match shape {tuple(shape)}")
+    spec, used = [], set()
+    for name, dim in zip(axes, shape):
+        if name not in LOGICAL_RULES:
+            raise ValueError(f"logical axis '{name}' has no sharding rule; add it to LOGICAL_RULES")
+        mesh_axis = LOGICAL_RULES[name]
+        ok = mesh_axis is not None and mesh_axis not in used and dim % mesh.shape[mesh_axis] == 0
+        spec.append(mesh_axis if ok else None)
+        if ok:
+            used.add(mesh_axis)
+    return P(*spec)
+
+
+def _var_sharding(var: nnx.Variable, mesh: Mesh):
+    axes = var.get_metadata().get("logical_axes")
+    shape = np.shape(var.get_value())  # get_value(): var[...] cannot index an abstract ShapeDtypeStruct
+    spec = P() if axes is None else logical_to_spec(axes, shape, mesh)
+    return var.replace(NamedSharding(mesh, spec))
+
+
+def state_shardings(state, mesh: Mesh):
+    """NamedShardings mirroring an nnx state (arrays or ShapeDtypeStructs); moments shard like their params."""
+    return jax.tree.map(lambda v: _var_sharding(v, mesh), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Batch arrays [B, ...]: the batch axis over ('data','fsdp'), the rest replicated."""
+    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Fully replicated sharding (scalars, RNG keys)."""
+    return NamedSharding(mesh, P())
+
+
+def data_parallelism(mesh: Mesh) -> int:
+    """Number of batch shards: mesh.data * mesh.fsdp."""
+    return mesh.shape["data"] * mesh.shape["fsdp"]
