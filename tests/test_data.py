@@ -116,6 +116,13 @@ def test_state_restore_continues_exactly_across_epochs():
     assert _same(reference, _take(resumed, 6))
 
 
+def test_prefetch_threads_do_not_change_batches_or_state():
+    kw = dict(split="train", seq_len=4, batch_size=4, seed=5)
+    plain, threaded = make_iterator(_numbered(30), **kw), make_iterator(_numbered(30), **kw, num_workers=2)
+    assert _same(_take(plain, 9), _take(threaded, 9))
+    assert threaded.get_state() == plain.get_state()
+
+
 def test_state_from_other_settings_is_refused():
     state = make_iterator(_numbered(12), split="train", seq_len=4, batch_size=4, seed=1).get_state()
     other = make_iterator(_numbered(12), split="train", seq_len=4, batch_size=2, seed=1)
@@ -148,6 +155,12 @@ def test_corpus_smaller_than_one_batch_names_both_counts():
 def test_batch_must_divide_over_processes():
     with pytest.raises(DataError, match="not divisible by the 3 processes"):
         make_iterator(_numbered(10), split="train", seq_len=4, batch_size=4, seed=0, process_count=3)
+
+
+def test_process_index_out_of_range():
+    with pytest.raises(DataError, match=r"process_index 2 is outside \[0, 2\)"):
+        make_iterator(_numbered(10), split="train", seq_len=4, batch_size=2, seed=0, process_index=2,
+                      process_count=2)
 
 
 def test_unknown_split():
@@ -293,6 +306,28 @@ def test_missing_path(tmp_path):
         prepare(_cfg(tmp_path, source="text", paths=(str(tmp_path / "nope"),)))
 
 
+def test_unknown_source_and_empty_paths(tmp_path):
+    with pytest.raises(DataError, match="unknown data.source 'web'"):
+        prepare(_cfg(tmp_path, source="web"))
+    with pytest.raises(DataError, match="data.paths is empty"):
+        prepare(_cfg(tmp_path, source="text"))
+
+
+def test_stdlib_without_sources(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "stdlib_root", lambda: tmp_path)
+    with pytest.raises(DataError, match="no .py files under the stdlib"):
+        prepare(_cfg(tmp_path))
+
+
+def test_unreadable_npy_and_unsplittable_corpus(tmp_path):
+    (tmp_path / "bad.npy").write_bytes(b"not numpy")
+    with pytest.raises(DataError, match="not a readable .npy file"):
+        prepare(_cfg(tmp_path, source="array", paths=(str(tmp_path / "bad.npy"),)))
+    np.save(tmp_path / "one.npy", np.array([0], np.int32))
+    with pytest.raises(DataError, match="only 1 token"):
+        prepare(_cfg(tmp_path, source="array", paths=(str(tmp_path / "one.npy"),)))
+
+
 def test_directory_without_data_files(tmp_path):
     (tmp_path / "d").mkdir()
     with pytest.raises(DataError, match="has no .txt/"):
@@ -325,6 +360,8 @@ def test_byte_tokenizer_round_trip_and_conventions():
     assert tok.decode(ids) == text.replace("\x00", "")
     assert tok.decode([104, 0, 105, 300, 106]) == "hi\ufffdj"  # EOS dropped, unknown id marked
     assert tok.decode([0xC3]) == "\ufffd"  # a cut multi-byte character decodes with replacement
+    assert tok.decode([300, 104, -1]) == "\ufffdh\ufffd" and tok.decode(np.array(ids)) == text.replace("\x00", "")
+    assert isinstance(load_tokenizer("byte"), ByteTokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -345,6 +382,8 @@ def test_bpe_trains_and_round_trips(bpe_prepared):
     ids = tok.encode(text)
     assert len(ids) < len(text.encode()) and tok.decode(ids) == text
     assert tok.decode(ids + [0] + ids) == text + text
+    assert 0 not in tok.encode("a <|eos|> b") and tok.decode(tok.encode("a <|eos|> b")) == "a <|eos|> b"
+    assert tok.encode_batch([text, "x"]) == [ids, tok.encode("x")]
     assert (bpe_prepared.dir / "tokenizer.json").is_file()
     assert int(np.max(bpe_prepared.train_tokens)) < 400
     first = _docs(bpe_prepared, "train")[0]
@@ -395,6 +434,8 @@ def test_tokenizer_without_eos(tmp_path):
 def test_missing_tokenizer_file(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         prepare(_cfg(tmp_path, tokenizer=str(tmp_path / "nope.json")))
+    with pytest.raises(DataError, match="does not exist"):
+        load_tokenizer(str(tmp_path / "nope.json"))
 
 
 def test_sentencepiece_model_needs_the_package_or_a_valid_file(tmp_path):
@@ -406,6 +447,59 @@ def test_sentencepiece_model_needs_the_package_or_a_valid_file(tmp_path):
         match = "pip install sentencepiece"
     with pytest.raises(DataError, match=match):
         load_tokenizer(DataConfig(tokenizer=str(tmp_path / "sp.model")))
+
+
+class _FakeSentencePiece:
+    """Stands in for the optional package: ids are characters a..z (3..28), eos 2."""
+
+    class SentencePieceProcessor:
+        def __init__(self, model_file):
+            assert Path(model_file).read_bytes() == b"fake sp model"
+
+        def get_piece_size(self):
+            return 29
+
+        def eos_id(self):
+            return 2
+
+        def encode(self, text):
+            return [ord(c) - 94 for c in text]
+
+        def decode(self, ids):
+            return "".join(chr(i + 94) for i in ids)
+
+
+def test_sentencepiece_wrapper(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sentencepiece", _FakeSentencePiece)
+    (tmp_path / "m.model").write_bytes(b"fake sp model")
+    (tmp_path / "t.txt").write_text("abcabc" * 20)
+    p = prepare(_cfg(tmp_path, source="text", paths=(str(tmp_path / "t.txt"),), tokenizer=str(tmp_path / "m.model")))
+    assert p.meta["tokenizer_kind"] == "sentencepiece" and p.tokenizer.vocab_size == 29 and p.tokenizer.eos_id == 2
+    np.testing.assert_array_equal(np.concatenate([p.train_tokens, p.val_tokens]), [3, 4, 5] * 40 + [2])
+    assert p.tokenizer.decode([3, 2, 4, 99, 5]) == "ab\ufffdc"
+    again = tokenizer_from_dir(p.tokenizer.save(tmp_path / "run"))
+    assert (tmp_path / "run" / "tokenizer.model").read_bytes() == b"fake sp model" and again.encode("cab") == [5, 3, 4]
+
+
+def test_sentencepiece_without_eos_or_file(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sentencepiece", _FakeSentencePiece)
+    monkeypatch.setattr(_FakeSentencePiece.SentencePieceProcessor, "eos_id", lambda self: -1)
+    (tmp_path / "m.model").write_bytes(b"fake sp model")
+    with pytest.raises(DataError, match="has no EOS id"):
+        load_tokenizer(str(tmp_path / "m.model"))
+    with pytest.raises(DataError, match="does not exist"):
+        load_tokenizer(str(tmp_path / "other.model"))
+
+
+def test_bpe_spec_needs_preparation_and_dir_meta_must_be_valid(tmp_path):
+    with pytest.raises(DataError, match="call mtpjax.data.prepare first"):
+        load_tokenizer("bpe")
+    (tmp_path / "tokenizer_meta.json").write_text("{broken")
+    with pytest.raises(DataError, match="is corrupt"):
+        tokenizer_from_dir(tmp_path)
+    (tmp_path / "tokenizer_meta.json").write_text('{"kind": "wordpiece"}')
+    with pytest.raises(DataError, match="unknown tokenizer kind 'wordpiece'"):
+        tokenizer_from_dir(tmp_path)
 
 
 def test_unknown_tokenizer_spec():

@@ -27,9 +27,11 @@ def __getattr__(name: str):
 
 
 def load_tokenizer(data_cfg_or_dir) -> Tokenizer:
-    """The tokenizer of a DataConfig/Config (bpe: prepares the corpus, cached) or of a saved directory."""
+    """The tokenizer of a DataConfig/Config (bpe: prepares the corpus, cached), a saved directory or a spec."""
     if isinstance(data_cfg_or_dir, (str, Path)):
-        return tokenizer_from_dir(data_cfg_or_dir)
+        if Path(data_cfg_or_dir).expanduser().is_dir():
+            return tokenizer_from_dir(data_cfg_or_dir)
+        return load_spec(str(data_cfg_or_dir))
     cfg = data_config_of(data_cfg_or_dir)
     if cfg.tokenizer == "bpe":
         return prepare(cfg).tokenizer
@@ -47,5 +49,5 @@ def check_vocab_early(data_cfg, vocab_size: int) -> None:
 
 
 __all__ = ["BatchIterator", "ByteTokenizer", "DataError", "HFTokenizer", "PreparedData", "SentencePieceTokenizer",
-           "Tokenizer", "cache_path", "check_vocab", "check_vocab_early", "load_tokenizer", "make_iterator", "prepare", "segment_ids",
-           "summary", "tokenizer_from_dir", "train_bpe"]
+           "Tokenizer", "cache_path", "check_vocab", "check_vocab_early", "load_tokenizer", "make_iterator",
+           "prepare", "segment_ids", "summary", "tokenizer_from_dir", "train_bpe"]

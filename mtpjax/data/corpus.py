@@ -79,7 +79,8 @@ def _key(cfg, files, kind: str) -> str:
     tf = tokenizer_file(cfg.tokenizer)
     if tf is not None:
         if not tf.is_file():
-            raise DataError(f"tokenizer file '{tf}' does not exist; set data.tokenizer to byte, bpe or an existing file")
+            raise DataError(f"tokenizer file '{tf}' does not exist; "
+                            "set data.tokenizer to byte, bpe or an existing file")
         spec["tokenizer_file"] = sources.file_stats([(tf, "")])
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 

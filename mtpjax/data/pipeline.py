@@ -6,6 +6,7 @@ partial window is dropped, so there is no padding. `segment_ids` number the docu
 Process p of P reads windows [p*W/P, (p+1)*W/P) only; with `num_epochs=None` the shard repeats
 forever, reshuffled every epoch (grain reseeds with seed + epoch), and batches may straddle epochs.
 
+`num_workers` sets grain's prefetch threads (worker processes would only add start-up time here).
 Iterator state (`get_state()`) is a small JSON-serializable dict: grain's `next_index` plus the settings
 it is only meaningful for; save it with orbax `args.JsonSave(state)` / `args.JsonRestore()`.
 """
@@ -27,35 +28,23 @@ def segment_ids(tokens_BT: np.ndarray, eos_id: int) -> np.ndarray:
 
 
 class _Windows:
-    """Maps a batch of shard-local window indices to a batch dict; picklable without the token array."""
+    """Maps a batch of shard-local window indices to a batch dict."""
 
-    def __init__(self, tokens: np.ndarray, path, seq_len: int, first: int, eos_id: int):
-        self._tokens, self._path = tokens, path
-        self.seq_len, self.first, self.eos_id = seq_len, first, eos_id
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        if self._path is not None:  # workers reopen the memmap instead of receiving a copy of the corpus
-            state["_tokens"] = None
-        return state
+    def __init__(self, tokens: np.ndarray, seq_len: int, first: int, eos_id: int):
+        self.tokens, self.seq_len, self.first, self.eos_id = tokens, seq_len, first, eos_id
 
     def __call__(self, idx_B: np.ndarray) -> dict[str, np.ndarray]:
-        if self._tokens is None:
-            self._tokens = np.load(self._path, mmap_mode="r")
         starts_B = (self.first + np.asarray(idx_B, dtype=np.int64)) * self.seq_len
-        tokens_BT = np.asarray(self._tokens[starts_B[:, None] + np.arange(self.seq_len)], dtype=np.int32)
+        tokens_BT = np.asarray(self.tokens[starts_B[:, None] + np.arange(self.seq_len)], dtype=np.int32)
         return {"tokens": tokens_BT, "segment_ids": segment_ids(tokens_BT, self.eos_id)}
 
 
 class BatchIterator:
     """Iterator of {"tokens", "segment_ids"} int32 [B, T] numpy batches with get_state/set_state."""
 
-    def __init__(self, dataset: grain.MapDataset, info: dict, read_options, num_workers: int):
+    def __init__(self, dataset: grain.MapDataset, info: dict, read_options):
         self.info = info
-        ds = dataset.to_iter_dataset(read_options)
-        if num_workers > 0:
-            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
-        self._it = iter(ds)
+        self._it = iter(dataset.to_iter_dataset(read_options))
 
     def __iter__(self):
         return self
@@ -96,10 +85,10 @@ def make_iterator(prepared, *, split: str, seq_len: int, batch_size: int, seed: 
     if shuffle:
         ds = ds.shuffle(seed=seed % 2**32)
     ds = ds.repeat(num_epochs).batch(local_bs, drop_remainder=True)
-    path = prepared.dir / f"{split}.npy" if isinstance(tokens, np.memmap) else None
-    ds = ds.map(_Windows(tokens, path, seq_len, process_index * per_proc, prepared.tokenizer.eos_id))
+    ds = ds.map(_Windows(tokens, seq_len, process_index * per_proc, prepared.tokenizer.eos_id))
     info = {"split": split, "seq_len": seq_len, "batch_size": batch_size, "seed": seed, "shuffle": shuffle,
             "content_hash": prepared.meta.get("content_hash"), "batches_per_epoch": per_proc // local_bs,
             "local_batch_size": local_bs}
-    read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
-    return BatchIterator(ds, info, read, num_workers)
+    # a batch is one fancy-indexed memmap read (>1000 batches/s of 16x256 on one core): threads suffice
+    read = grain.ReadOptions(num_threads=max(1, num_workers), prefetch_buffer_size=max(2, 2 * num_workers))
+    return BatchIterator(ds, info, read)

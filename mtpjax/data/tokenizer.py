@@ -16,6 +16,8 @@ import shutil
 from pathlib import Path
 from typing import Iterable, Iterator
 
+import numpy as np
+
 from mtpjax.data.errors import DataError
 
 EOS_TOKEN = "<|eos|>"
@@ -74,17 +76,15 @@ class ByteTokenizer(Tokenizer):
         return text.replace("\x00", "").encode("utf-8")
 
     def decode(self, ids: Iterable[int]) -> str:
-        out, buf = [], bytearray()
-        for i in (int(i) for i in ids):
-            if i == self.eos_id:
-                continue
-            if 0 <= i < 256:
-                buf.append(i)
-            else:
-                out.append(buf.decode("utf-8", errors="replace") + _REPLACEMENT)
-                buf = bytearray()
-        out.append(buf.decode("utf-8", errors="replace"))
-        return "".join(out)
+        ids_N = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids, dtype=np.int64).reshape(-1)
+        ids_N = ids_N[ids_N != self.eos_id]
+        bad = (ids_N < 0) | (ids_N >= 256)
+        if not bad.any():
+            return ids_N.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+        cuts = np.flatnonzero(bad)
+        pieces = np.split(ids_N, cuts)  # each piece after the first starts with an unknown id
+        return _REPLACEMENT.join(p[1 if i else 0:].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+                                 for i, p in enumerate(pieces))
 
 
 class HFTokenizer(Tokenizer):
@@ -94,6 +94,8 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, tok, source: str = "<memory>"):
         self._tok = tok
+        # a literal "<|eos|>" in a document is text, not a document boundary
+        tok.encode_special_tokens = True
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         eos = next((tok.token_to_id(t) for t in _EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
         if eos is None:
@@ -121,7 +123,7 @@ class HFTokenizer(Tokenizer):
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         parts, run = [], []
