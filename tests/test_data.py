@@ -561,6 +561,19 @@ def test_failed_preparation_leaves_no_cache_entry(tmp_path, monkeypatch):
     assert prepare(cfg).meta["train"]["tokens"] + prepare(cfg).meta["val"]["tokens"] == 201
 
 
+def test_concurrent_preparations_agree(tmp_path):
+    (tmp_path / "a.txt").write_text("shared text " * 2000)
+    code = ("import sys; from mtpjax.config import DataConfig; from mtpjax.data import prepare; "
+            f"p = prepare(DataConfig(source='text', paths=({str(tmp_path / 'a.txt')!r},), "
+            f"cache_dir={str(tmp_path / 'c')!r})); print(p.dir, len(p.train_tokens))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0] and outs[0] == outs[1]
+    assert [d.name for d in (tmp_path / "c").iterdir()] == [Path(outs[0].split()[0]).name]
+
+
 def test_final_dir_without_meta_is_rebuilt(tmp_path):
     from mtpjax.data import cache_path
 

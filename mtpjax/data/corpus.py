@@ -125,7 +125,7 @@ def prepare(data_cfg, *, progress: bool = False) -> PreparedData:
         return _load(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     _clean_stale(final)
-    if final.exists():  # no meta.json: not ours to trust
+    if final.exists() and not (final / "meta.json").is_file():  # no meta.json: not ours to trust
         shutil.rmtree(final, ignore_errors=True)
     tmp = final.parent / f".tmp-{final.name}-{socket.gethostname()}~{os.getpid()}~{uuid.uuid4().hex[:8]}"
     tmp.mkdir()

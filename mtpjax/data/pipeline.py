@@ -8,7 +8,9 @@ forever, reshuffled every epoch (grain reseeds with seed + epoch), and batches m
 
 `num_workers` sets grain's prefetch threads (worker processes would only add start-up time here).
 Iterator state (`get_state()`) is a small JSON-serializable dict: grain's `next_index` plus the settings
-it is only meaningful for; save it with orbax `args.JsonSave(state)` / `args.JsonRestore()`.
+it is only meaningful for; save it with orbax `args.JsonSave(state)` / `args.JsonRestore()`. The
+process count is not checked: after a restart on a different number of processes each one resumes
+at the same batch index in its new shard (same step count, not the same examples).
 """
 
 from __future__ import annotations
