@@ -20,10 +20,9 @@ def lambda_schedule(spec: str) -> optax.Schedule:
         return lambda step: jnp.asarray(vals, jnp.float32)[jnp.searchsorted(jnp.asarray(bounds), step, side="right")]
     if kind == "linear":
         return optax.linear_schedule(p["init"], p["end"], p["steps"])
-    alpha = p["end"] / p["init"] if p["init"] else 0.0
-    if p["init"] == 0.0:
-        return optax.constant_schedule(0.0)
-    return optax.cosine_decay_schedule(p["init"], p["steps"], alpha=alpha)
+    # Written out rather than optax.cosine_decay_schedule, whose end value is init*alpha (wrong for init=0).
+    a, b, n = p["init"], p["end"], p["steps"]
+    return lambda step: b + (a - b) * 0.5 * (1 + jnp.cos(jnp.pi * jnp.minimum(step, n) / n))
 
 
 def valid_masks(tokens_BT, segment_ids_BT, depth: int):
