@@ -1,0 +1,54 @@
+"""Explicit FLOP accounting per token (for MFU and the MTP plan): every matmul counts 2·m·n·k.
+
+Conventions, chosen once and used everywhere:
+- Attention scores (QK^T) and values (PV) are counted over the full T×T matrix, not the causal half:
+  the implementation computes the full masked matrix, and this matches the PaLM MFU convention.
+  Per token that is 2·T·head_dim per query head for each of the two products.
+- The embedding lookup is a gather: 0 FLOPs. Norms, RoPE, softmax and SwiGLU's elementwise product
+  are not matmuls and are not counted.
+- The shared head runs once per depth (D+1 times per token), tied or not.
+- Training = 3 × forward (backward ≈ 2 × forward); rematerialization's recompute is not counted, so
+  MFU stays comparable across remat settings.
+"""
+
+from __future__ import annotations
+
+from mtpjax.config import ModelConfig
+
+
+def _block_flops(m: ModelConfig, seq_len: int) -> dict[str, float]:
+    """Forward FLOPs per token of one transformer block, split into weight matmuls and attention."""
+    d, h, kv, hd, f = m.d_model, m.n_heads, m.n_kv_heads, m.resolved_head_dim, m.resolved_d_ff
+    proj = 2 * d * (h * hd) + 2 * 2 * d * (kv * hd) + 2 * (h * hd) * d  # wq, wk, wv, wo
+    mlp = 3 * 2 * d * f  # gate, up, down
+    attn = 2 * (2 * seq_len * hd * h)  # scores and values over all T keys, every query head
+    return {"matmul": float(proj + mlp), "attention": float(attn), "total": float(proj + mlp + attn)}
+
+
+def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> dict:
+    """Forward FLOPs per token: trunk, each MTP module, each head application, and totals (train = 3× fwd)."""
+    m, D = model_cfg, model_cfg.mtp_depth
+    blk = _block_flops(m, seq_len)
+    eh_proj = 2 * (2 * m.d_model) * m.d_model if m.mtp_kind == "sequential" else 0
+    trunk = m.n_layers * blk["total"]
+    module = eh_proj + blk["total"]
+    head = 2.0 * m.d_model * m.vocab_size
+    forward = trunk + head + D * (module + head)
+    return {
+        "block": blk["total"],
+        "block_matmul": blk["matmul"],
+        "block_attention": blk["attention"],
+        "trunk": trunk,
+        "mtp_module": float(module),
+        "mtp": [float(module)] * D,
+        "head": head,
+        "head_applications": D + 1,
+        "forward": forward,
+        "forward_by_depth": [trunk + head + k * (module + head) for k in range(D + 1)],
+        "train": 3.0 * forward,
+    }
+
+
+def train_flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
+    """Training (forward + backward) FLOPs per token, MTP modules and every head application included."""
+    return flops_per_token(model_cfg, seq_len)["train"]

@@ -1,0 +1,140 @@
+"""`python -m mtpjax.plan --config X [overrides...]`: the MTP plan of a run, printed before launch.
+
+Parameter counts and memory come from the model built abstractly (`nnx.eval_shape`: no memory
+allocated) and from AdamW's state built abstractly the same way; FLOPs come from `mtpjax.flops`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import optax
+from flax import nnx
+
+from mtpjax.config import Config, ConfigError, load_config
+from mtpjax.flops import flops_per_token
+from mtpjax.model import build_model, param_counts
+
+
+def _bytes(tree) -> int:
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Ideal tokens per round with gamma drafts each accepted with probability alpha: (1-α^(γ+1))/(1-α)."""
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def speedup(alpha: float, gamma: int, draft_cost: float) -> float:
+    """Ideal speculative speedup E / (1 + γ·c) over plain decoding (c = draft cost / target cost)."""
+    return expected_tokens(alpha, gamma) / (1.0 + gamma * draft_cost)
+
+
+def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None, max_gamma: int | None = None) -> dict:
+    """The plan as numbers: parameters, memory, FLOPs per token by depth, and speculative speedups."""
+    model = nnx.eval_shape(lambda: build_model(cfg))
+    counts = param_counts(model)
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    o = cfg.optim
+    tx = optax.adamw(o.lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
+    opt_state = jax.eval_shape(tx.init, params)
+    fl = flops_per_token(cfg.model, cfg.data.seq_len)
+    D = cfg.model.mtp_depth
+    if draft_cost is None and D:
+        # Drafting one token = one MTP module + one head; scoring one token = trunk + head.
+        draft_cost = (fl["mtp_module"] + fl["head"]) / (fl["trunk"] + fl["head"])
+    max_gamma = D + 2 if max_gamma is None else max_gamma
+    spec = [] if draft_cost is None else [
+        {"gamma": g, "tokens_per_round": expected_tokens(alpha, g), "speedup": speedup(alpha, g, draft_cost)}
+        for g in range(1, max_gamma + 1)]
+    return {"params": counts, "param_bytes": _bytes(params), "optimizer_bytes": _bytes(opt_state),
+            "param_dtype": cfg.model.param_dtype, "flops": fl, "alpha": alpha, "draft_cost": draft_cost,
+            "speculation": spec}
+
+
+def _h(n: float) -> str:
+    for unit, s in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= s:
+            return f"{n / s:.3f}{unit}"
+    return f"{n:.0f}"
+
+
+def format_plan(plan: dict, cfg: Config) -> str:
+    """Human-readable report of build_plan's numbers."""
+    p, fl, m = plan["params"], plan["flops"], cfg.model
+    trunk = p["trunk"]
+    lines = [f"model: d_model={m.d_model} n_layers={m.n_layers} vocab={m.vocab_size} mtp_depth={m.mtp_depth} "
+             f"mtp_kind={m.mtp_kind} tied={m.tie_embeddings} seq_len={cfg.data.seq_len}",
+             "parameters:",
+             f"  trunk (blocks + final norm)  {p['trunk']:>14,d}",
+             f"  shared embedding/head        {p['shared_embed_head']:>14,d}  ({p['shared_embed_head'] / trunk:.4f} of trunk)"]
+    for k, n in enumerate(p["mtp"], 1):
+        lines.append(f"  mtp module {k:<17d} {n:>14,d}  ({n / trunk:.4f} of trunk)")
+    lines.append(f"  total                        {p['total']:>14,d}")
+    pb, ob = plan["param_bytes"], plan["optimizer_bytes"]
+    lines += [f"memory ({plan['param_dtype']} params, AdamW state):",
+              f"  parameters  {pb:>16,d} B  ({pb / 2**30:.3f} GiB)",
+              f"  optimizer   {ob:>16,d} B  ({ob / 2**30:.3f} GiB)",
+              f"  total       {pb + ob:>16,d} B  ({(pb + ob) / 2**30:.3f} GiB)",
+              "FLOPs per token (matmuls 2mnk, full TxT attention; train = 3 x forward):",
+              f"  trunk fwd {_h(fl['trunk'])}  mtp module fwd {_h(fl['mtp_module'])}  head fwd {_h(fl['head'])}",
+              "  depth   forward      train        +train vs depth-1"]
+    prev = None
+    for k, f in enumerate(fl["forward_by_depth"]):
+        inc = "" if prev is None else f"+{_h(3 * (f - prev))} ({(f - prev) / prev:+.2%})"
+        lines.append(f"  {k:<5d}   {_h(f):<12} {_h(3 * f):<12} {inc}")
+        prev = f
+    if plan["draft_cost"] is None:
+        lines.append("speculation: mtp_depth=0, no MTP drafter (pass --draft-cost to plan another drafter)")
+    else:
+        lines += [f"speculation (alpha={plan['alpha']}, draft cost c={plan['draft_cost']:.4f} of a target forward"
+                  f"; gamma > {m.mtp_depth} reuses the last module):",
+                  "  gamma   E=(1-a^(g+1))/(1-a)   speedup E/(1+g*c)"]
+        for s in plan["speculation"]:
+            lines.append(f"  {s['gamma']:<5d}   {s['tokens_per_round']:<21.4f} {s['speedup']:.4f}")
+    return "\n".join(lines)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, no usage dump
+        raise SystemExit(_fail(f"{message}; see python -m mtpjax.plan --help"))
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (2 on bad input, with a one-line error)."""
+    ap = _Parser(prog="python -m mtpjax.plan", description="Print the MTP plan of a run before launch.")
+    ap.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny.yaml")
+    ap.add_argument("--alpha", type=float, default=0.8, help="per-draft acceptance rate in [0, 1]")
+    ap.add_argument("--draft-cost", type=float, default=None,
+                    help="draft/target forward cost ratio c (default: FLOP ratio of MTP module+head to trunk+head)")
+    ap.add_argument("--max-gamma", type=int, default=None, help="largest number of drafts to tabulate (default D+2)")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides such as model.mtp_depth=3")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    if not 0.0 <= args.alpha <= 1.0:
+        return _fail(f"--alpha {args.alpha} must be in [0, 1]")
+    if args.draft_cost is not None and args.draft_cost < 0:
+        return _fail(f"--draft-cost {args.draft_cost} must be >= 0")
+    if args.max_gamma is not None and args.max_gamma < 1:
+        return _fail(f"--max-gamma {args.max_gamma} must be >= 1")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        return _fail(str(e))
+    print(format_plan(build_plan(cfg, args.alpha, args.draft_cost, args.max_gamma), cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""`python -m mtpjax.plan`: numbers against the real built model, speculation formulas, CLI exit codes."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import optax
+import pytest
+from flax import nnx
+
+from mtpjax.config import load_config
+from mtpjax.flops import flops_per_token
+from mtpjax.model import build_model, param_counts
+from mtpjax.plan import build_plan, expected_tokens, main, speedup
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+SMALL_OVERRIDES = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.vocab_size=64",
+                   "model.mtp_depth=2", "model.tie_embeddings=false", "data.seq_len=32"]
+
+
+@pytest.mark.parametrize("dtype, itemsize", [("float32", 4), ("bfloat16", 2)])
+def test_plan_matches_real_model(dtype, itemsize):
+    cfg = load_config(TINY, SMALL_OVERRIDES + [f"model.param_dtype={dtype}"])
+    plan = build_plan(cfg)
+    model = build_model(cfg)  # real arrays this time
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert plan["params"] == param_counts(model)
+    assert plan["params"]["total"] == sum(x.size for x in params)
+    assert plan["param_bytes"] == sum(x.nbytes for x in params) == itemsize * plan["params"]["total"]
+    o = cfg.optim
+    state = optax.adamw(o.lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay).init(params)
+    assert plan["optimizer_bytes"] == sum(x.nbytes for x in jax.tree.leaves(state))
+    assert plan["optimizer_bytes"] == 2 * plan["param_bytes"] + 4  # mu, nu in param dtype + int32 count
+    assert plan["flops"] == flops_per_token(cfg.model, cfg.data.seq_len)
+
+
+def test_speculation_formulas():
+    assert expected_tokens(0.8, 1) == pytest.approx(1.8)
+    assert expected_tokens(0.8, 2) == pytest.approx(1 + 0.8 + 0.64)
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(1.0, 4) == 5.0 and expected_tokens(0.0, 4) == 1.0
+    assert speedup(0.8, 2, 0.1) == pytest.approx(2.44 / 1.2)
+    assert speedup(0.8, 3, 0.0) == pytest.approx(expected_tokens(0.8, 3))
+
+
+def test_default_draft_cost_is_module_over_trunk():
+    cfg = load_config(TINY, SMALL_OVERRIDES)
+    plan = build_plan(cfg, alpha=0.7)
+    f = plan["flops"]
+    c = (f["mtp_module"] + f["head"]) / (f["trunk"] + f["head"])
+    assert plan["draft_cost"] == pytest.approx(c) and 0 < c < 1
+    assert [s["gamma"] for s in plan["speculation"]] == [1, 2, 3, 4]  # D=2, and a bit beyond
+    for s in plan["speculation"]:
+        assert s["speedup"] == pytest.approx(expected_tokens(0.7, s["gamma"]) / (1 + s["gamma"] * c))
+    assert build_plan(cfg, draft_cost=0.5, max_gamma=6)["speculation"][-1]["speedup"] == \
+        pytest.approx(expected_tokens(0.8, 6) / 4.0)
+    assert build_plan(load_config(TINY, ["model.mtp_depth=0"]))["speculation"] == []
+
+
+def test_cli_prints_plan(capsys):
+    assert main(["--config", TINY, *SMALL_OVERRIDES, "--alpha", "0.5", "--draft-cost", "0.25"]) == 0
+    out = capsys.readouterr().out
+    counts = build_plan(load_config(TINY, SMALL_OVERRIDES))["params"]
+    assert f"{counts['trunk']:,d}" in out and f"{counts['mtp'][1]:,d}" in out
+    assert "mtp module 2" in out and "alpha=0.5" in out and "c=0.2500" in out
+    assert f"{expected_tokens(0.5, 3):.4f}" in out and f"{speedup(0.5, 3, 0.25):.4f}" in out
+    assert "optimizer" in out and "GiB" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", "no/such.yaml"], "config file 'no/such.yaml' does not exist"),
+    (["--config", TINY, "model.mtp_dpeth=2"], "did you mean 'model.mtp_depth'"),
+    (["--config", TINY, "model.d_model"], "not of the form section.key=value"),
+    (["--config", TINY, "--alpha", "1.5"], "--alpha 1.5 must be in [0, 1]"),
+    (["--config", TINY, "--alpha", "high"], "invalid float value"),
+    (["--config", TINY, "--draft-cost", "-1"], "--draft-cost -1.0 must be >= 0"),
+    (["--config", TINY, "--max-gamma", "0"], "--max-gamma 0 must be >= 1"),
+    ([], "required: --config"),
+])
+def test_cli_errors_exit_2_with_one_line(capsys, argv, message):
+    assert main(argv) == 2
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("error: ")
+
+
+def test_cli_help_exits_0(capsys):
+    assert main(["--help"]) == 0
+    assert "--draft-cost" in capsys.readouterr().out
+
+
+def test_module_runs_as_script(tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "mtpjax.plan", "--config", TINY, "model.mtp_depth=3"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "mtp module 3" in ok.stdout and "speedup" in ok.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1,\n")
+    err = subprocess.run([sys.executable, "-m", "mtpjax.plan", "--config", str(bad)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert err.returncode == 2 and "Traceback" not in err.stderr
+    assert err.stderr.strip().splitlines() == [f"error: config file '{bad}' is not valid YAML (line 2); fix its syntax"]
