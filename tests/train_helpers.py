@@ -1,0 +1,75 @@
+"""Shared pieces of the training-system tests: a tiny config over a small deterministic text corpus."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+from mtpjax.config import Config, load_config
+
+TINY = [
+    "model.vocab_size=256", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+    "model.d_ff=64", "model.mtp_depth=2", "data.source=text", "data.tokenizer=byte", "data.seq_len=32",
+    "data.val_fraction=0.1", "train.batch_size=8", "train.steps=8", "train.eval_every=4", "train.eval_batches=1",
+    "train.log_every=2", "train.num_samples=1", "train.progress=false", "train.peak_flops=1e9",
+    "checkpoint.every=4", "optim.warmup_steps=2", "optim.lr=1e-2",
+]
+_SOURCES = ("json/__init__.py", "textwrap.py", "string.py", "bisect.py", "colorsys.py", "fnmatch.py")
+
+
+def write_corpus(directory: Path) -> Path:
+    """A ~60 KB text file made of a few standard-library sources (deterministic for one interpreter)."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    path = Path(directory) / "corpus.txt"
+    path.write_text("\n".join((lib / name).read_text() for name in _SOURCES))
+    return path
+
+
+def tiny_cfg(tmp: Path, *overrides: str, corpus: Path | None = None, run: str = "run") -> Config:
+    """The tiny training config with its corpus, cache and run dir under `tmp`."""
+    corpus = corpus or write_corpus(tmp)
+    base = TINY + [f"data.paths={corpus}", f"data.cache_dir={tmp / 'cache'}", f"train.run_dir={tmp / run}"]
+    return load_config(None, base + list(overrides))
+
+
+def cli_args(cfg: Config, *extra: str) -> list[str]:
+    """train.py argv reproducing `cfg` (a config file holding it) plus extra overrides."""
+    path = Path(cfg.train.run_dir).parent / f"cfg-{Path(cfg.train.run_dir).name}.yaml"
+    path.write_text(cfg.to_yaml())
+    return ["--config", str(path), *extra]
+
+
+def synthetic_batches(n: int, batch: int, seq_len: int, seed: int = 0, vocab: int = 256):
+    """n (tokens, segment_ids) int32 batches with several documents per row and padded (segment 0) tails."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        tok = rng.integers(1, vocab, (batch, seq_len)).astype(np.int32)
+        seg = np.zeros((batch, seq_len), np.int32)
+        for r in range(batch):
+            cuts = np.sort(rng.choice(np.arange(1, seq_len), 2, replace=False))
+            seg[r] = 1 + (np.arange(seq_len) >= cuts[0]) + (np.arange(seq_len) >= cuts[1])
+            seg[r, seq_len - rng.integers(0, seq_len // 4):] = 0  # padding
+        out.append((np.where(seg == 0, 0, tok).astype(np.int32), seg))
+    return out
+
+
+def step_losses(cfg: Config, batches, devices=None) -> tuple[list[float], object]:
+    """loss/total of consecutive train steps on a mesh from cfg.mesh over `devices`; also the final state."""
+    import jax
+    import numpy as np
+
+    from mtpjax.sharding import make_mesh
+    from mtpjax.train_step import abstract_state, init_state, make_programs
+
+    mesh = make_mesh(cfg.mesh, devices)
+    graphdef, _, shardings = abstract_state(cfg, mesh)
+    progs = make_programs(cfg, mesh, graphdef, shardings)
+    state, losses = init_state(cfg, mesh, shardings), []
+    for i, (tok, seg) in enumerate(batches):
+        put = lambda x: jax.device_put(x, progs.batch_sharding)
+        state, met = progs.train_step(state, put(tok), put(seg), np.int32(i))
+        losses.append(float(met["loss/total"]))
+    return losses, state
