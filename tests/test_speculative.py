@@ -1,0 +1,326 @@
+"""The decoder's invariants: speculative greedy == plain greedy, the target distribution is preserved,
+module caches equal a fresh prefill, and cached decoding equals a full forward."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from mtpjax.cache import init_cache, layer
+from mtpjax.config import load_config
+from mtpjax.loss import mtp_loss
+from mtpjax.model import build_model
+from mtpjax.sampling import make_sampler
+from mtpjax.speculative import DecodeError, generate, make_spec, run, summarize
+
+
+def _pattern_batch(rng, B, T, V):
+    """Sequences following x' = 3x+1 mod V with occasional random jumps: learnable, not trivial."""
+    x = np.zeros((B, T), np.int32)
+    x[:, 0] = rng.integers(0, V, B)
+    for t in range(1, T):
+        jump = rng.random(B) < 0.1
+        x[:, t] = np.where(jump, rng.integers(0, V, B), (3 * x[:, t - 1] + 1) % V)
+    return x
+
+
+def _train(model, cfg, steps=150, seed=0):
+    opt = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+    rng = np.random.default_rng(seed)
+
+    @nnx.jit
+    def step(model, opt, toks):
+        def f(m):
+            return mtp_loss(m, m(toks), toks, step=0, cfg=cfg.loss)
+
+        (_, met), g = nnx.value_and_grad(f, has_aux=True)(model)
+        opt.update(model, g)
+        return met
+
+    for _ in range(steps):
+        met = step(model, opt, jnp.asarray(_pattern_batch(rng, 16, 32, cfg.model.vocab_size)))
+    return {k: float(v) for k, v in met.items()}
+
+
+def _cfg(**kw):
+    over = dict(vocab_size=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mtp_depth=2)
+    over.update(kw)
+    return load_config(None, [f"model.{k}={v}" for k, v in over.items()] + ["data.seq_len=32"])
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """Well trained: drafts are almost always accepted."""
+    cfg = _cfg()
+    model = build_model(cfg, seed=0)
+    metrics = _train(model, cfg, steps=60)
+    return model, metrics
+
+
+@pytest.fixture(scope="module")
+def half_trained():
+    """A few steps in: drafts are accepted sometimes and rejected often, at every position."""
+    cfg = _cfg()
+    model = build_model(cfg, seed=0)
+    _train(model, cfg, steps=4)
+    return model
+
+
+PROMPTS = [[1, 4, 13, 8, 25], [7, 22, 3], [2, 7, 22, 3, 10, 31, 30, 27, 18, 23, 6], [5, 16]]
+
+
+def _check_greedy_equal(model, proposer, drafts, batches):
+    for prompts in batches:
+        base = generate(model, prompts, max_new_tokens=24)
+        for g in drafts:
+            out = generate(model, prompts, max_new_tokens=24, num_draft=g, proposer=proposer)
+            assert out.tokens == base.tokens, (proposer, g, len(prompts))
+            assert all(len(t) == 24 for t in out.tokens)
+            assert 0 < sum(out.stats["accepted"]) < sum(out.stats["reached"])  # both outcomes exercised
+
+
+def test_greedy_speculative_equals_plain(half_trained):
+    _check_greedy_equal(half_trained, "mtp", (1, 2, 3, 4), (PROMPTS,))
+    _check_greedy_equal(half_trained, "ngram", (2,), (PROMPTS,))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("proposer", ["mtp", "ngram"])
+def test_greedy_speculative_equals_plain_full_matrix(half_trained, proposer):
+    _check_greedy_equal(half_trained, proposer, (1, 2, 3, 4), (PROMPTS[:1], PROMPTS))
+
+
+def test_mtp_drafts_are_accepted_on_a_trained_model(trained):
+    model, metrics = trained
+    out = generate(model, PROMPTS, max_new_tokens=32, num_draft=2)
+    alpha = out.stats["acceptance_by_position"]
+    assert alpha[0] > 0.6 and out.stats["tokens_per_round"] > 1.5
+    # Decode-time acceptance of depth 1 tracks the teacher-forced training agreement.
+    assert abs(alpha[0] - metrics["agreement/mtp_1"]) < 0.2
+
+
+def test_companion_a_wrong_acceptance_rule_breaks_equality(half_trained, monkeypatch):
+    """The equality test can fail: accepting drafts without checking them changes the output."""
+    import mtpjax.speculative as sp
+
+    model = half_trained
+    base = generate(model, PROMPTS, max_new_tokens=24)
+    orig = sp._accept
+
+    def greedy_accept_all(logits, st, spec, it):
+        a, toks = orig(logits, st, spec, it)
+        G = st.drafts_BG.shape[1]
+        toks = jnp.concatenate([st.drafts_BG, toks[:, -1:]], axis=1)
+        return jnp.full_like(a, G), toks
+
+    monkeypatch.setattr(sp, "_accept", greedy_accept_all)
+    out = sp.summarize(sp.run(model, PROMPTS, dataclasses.replace(
+        make_spec(model, PROMPTS, max_new_tokens=24, num_draft=2, proposer="ngram", sampler=make_sampler(),
+                  eos_id=None, max_len=None), window_size=3)))
+    assert out.tokens != base.tokens
+
+
+def test_parallel_heads_and_scanned_layers_decode_exactly():
+    for kw in ({"mtp_kind": "parallel"}, {"scan_layers": True}):
+        cfg = _cfg(**kw)
+        model = build_model(cfg, seed=1)
+        _train(model, cfg, steps=5)
+        base = generate(model, PROMPTS, max_new_tokens=16)
+        out = generate(model, PROMPTS, max_new_tokens=16, num_draft=2)
+        assert out.tokens == base.tokens and sum(out.stats["accepted"]) > 0
+
+
+def test_eos_and_per_row_lengths(trained):
+    model, _ = trained
+    base = generate(model, PROMPTS, max_new_tokens=24)
+    eos = base.tokens[0][5]
+    out = generate(model, PROMPTS, max_new_tokens=24, num_draft=3, eos_id=eos)
+    for full, cut in zip(base.tokens, out.tokens):
+        k = full.index(eos) + 1 if eos in full else len(full)
+        assert cut == full[:k]
+
+
+@nnx.jit(static_argnums=2)
+def _fresh_module_caches(model, seq, n):
+    """KV entries a fresh prefill of the committed sequence computes, per module (valid where j <= n-1-k)."""
+    cfg = model.cfg
+    toks = seq[None, :n]
+    pos = jnp.arange(n)[None]
+    cache = init_cache(cfg, 1, n + 8)
+    h, trunk = model.trunk(toks, pos, cache=cache.trunk)
+    mods, hk = [], h
+    for k in range(1, cfg.mtp_depth + 1):
+        nxt = jnp.concatenate([seq[k:n], jnp.zeros(k, jnp.int32)])[None]
+        hk, kv = model.mtp_forward(k, hk, nxt, pos, cache=layer(cache.mtp, k - 1))
+        mods.append(kv)
+    return trunk, mods
+
+
+@pytest.mark.parametrize("window,expect_equal", [(-1, True), (1, False)])
+def test_module_caches_equal_fresh_prefill(half_trained, window, expect_equal):
+    """After rounds with rejections, committed entries equal a fresh prefill; a too-small window breaks it."""
+    model = half_trained
+    spec = make_spec(model, PROMPTS, max_new_tokens=30, num_draft=3, proposer="mtp", sampler=make_sampler(),
+                     eos_id=None, max_len=None)
+    st = run(model, PROMPTS, dataclasses.replace(spec, window_size=window))
+    res = summarize(st)
+    assert 0 < sum(res.stats["accepted"]) < sum(res.stats["reached"])  # accepted and rejected drafts
+    seq, n_B = np.asarray(st.seq_BS), np.asarray(st.n_B)
+    ok = True
+    for b in range(len(PROMPTS)):
+        n = int(n_B[b])
+        trunk, mods = _fresh_module_caches(model, jnp.asarray(seq[b]), n)
+        np.testing.assert_allclose(st.cache.trunk.k_BSKH[:, b, : n - 1], trunk.k_BSKH[:, 0, : n - 1], atol=2e-5)
+        for k, kv in enumerate(mods, start=1):
+            valid = n - k
+            for got, want in ((st.cache.mtp.k_BSKH[k - 1, b, :valid], kv.k_BSKH[0, :valid]),
+                              (st.cache.mtp.v_BSKH[k - 1, b, :valid], kv.v_BSKH[0, :valid])):
+                ok &= bool(np.allclose(got, want, atol=2e-5))
+    assert ok == expect_equal
+
+
+def test_cached_decoding_equals_full_forward(trained):
+    model, _ = trained
+    rng = np.random.default_rng(3)
+    toks = jnp.asarray(rng.integers(0, 32, (2, 20)), jnp.int32)
+    full, cached0, cached1 = _cached_vs_full(model, toks)
+    np.testing.assert_allclose(cached0, full[0], atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(cached1, full[1], atol=2e-5, rtol=1e-5)
+    # Companion: a cache that misses one chunk's entries no longer matches.
+    cache = init_cache(model.cfg, 2, 32)
+    _, trunk = model.trunk(toks[:, :7], jnp.broadcast_to(jnp.arange(7), (2, 7)), cache=cache.trunk)
+    h, _ = model.trunk(toks[:, 8:12], jnp.broadcast_to(jnp.arange(8, 12), (2, 4)), cache=trunk)
+    assert not np.allclose(model.logits(model.final_norm(h)), full[0][:, 8:12], atol=1e-3)
+
+
+@nnx.jit
+def _cached_vs_full(model, toks):
+    full = model.logits(model(toks).hidden)  # [D+1, B, T, V]
+    cache = init_cache(model.cfg, 2, 32)
+    trunk, hs = cache.trunk, []
+    for s, e in ((0, 7), (7, 8), (8, 12), (12, 20)):  # a prefill, a single step, then chunks
+        pos = jnp.broadcast_to(jnp.arange(s, e), (2, e - s))
+        h, trunk = model.trunk(toks[:, s:e], pos, cache=trunk)
+        hs.append(h)
+    h0 = jnp.concatenate(hs, axis=1)
+    # MTP depth 1 cached in two pieces == the training forward's depth 1.
+    nxt = jnp.concatenate([toks[:, 1:], jnp.zeros((2, 1), jnp.int32)], axis=1)
+    kv, parts = layer(cache.mtp, 0), []
+    for s, e in ((0, 11), (11, 20)):
+        pos = jnp.broadcast_to(jnp.arange(s, e), (2, e - s))
+        h1, kv = model.mtp_forward(1, h0[:, s:e], nxt[:, s:e], pos, cache=kv)
+        parts.append(h1)
+    h1 = jnp.concatenate(parts, axis=1)
+    return full, model.logits(model.final_norm(h0)), model.logits(model.head_norm(1, h1))
+
+
+@nnx.jit(static_argnums=2)
+def _last_probs(model, batch, sampler):
+    from mtpjax.sampling import probs
+
+    return probs(sampler, model.logits(model(batch).hidden[0])[:, -1])
+
+
+def _sharpen(model):
+    """Scale a random model's matrices up so its distributions are far from uniform (and from its drafts)."""
+    st = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda x: x * 20.0 if x.ndim == 2 else x, st))
+
+
+def _exact_joint(model, prompt, sampler, n_tokens):
+    """P(x1..xn | prompt) under the target with sampler processing, by enumeration."""
+    V = model.cfg.vocab_size
+    seqs = [tuple()]
+    pr = np.ones(1)
+    for _ in range(n_tokens):
+        batch = jnp.asarray([list(prompt) + list(s) for s in seqs], jnp.int32)
+        p = np.asarray(_last_probs(model, batch, sampler))
+        pr = (pr[:, None] * p).reshape(-1)
+        seqs = [s + (v,) for s in seqs for v in range(V)]
+    return pr
+
+
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_stochastic_speculative_preserves_target_distribution(top_k):
+    cfg = _cfg(vocab_size=6, mtp_depth=2)
+    model = build_model(cfg, seed=2)
+    # A random model: drafts disagree with the target often, so rejections and resampling are exercised.
+    _sharpen(model)
+    sampler = make_sampler(1.0, top_k, None)
+    prompt, n_tok, N = [1, 2, 3], 3, 6000
+    exact = _exact_joint(model, prompt, sampler, n_tok)
+
+    def tv(num_draft, proposer="mtp", broken=False):
+        import mtpjax.speculative as sp
+
+        spec = make_spec(model, [prompt] * N, max_new_tokens=n_tok, num_draft=num_draft, proposer=proposer,
+                         sampler=sampler, eos_id=None, max_len=None)
+        res = summarize(run(model, [prompt] * N, spec, seed=7))
+        idx = np.array([np.ravel_multi_index(t, (6,) * n_tok) for t in res.tokens])
+        emp = np.bincount(idx, minlength=6 ** n_tok) / N
+        return 0.5 * np.abs(emp - exact).sum(), res
+
+    bound = 0.11  # ~4 sigma of the TV distance of 6000 samples over these 216 cells
+    base, _ = tv(0)
+    assert base < bound
+    spec_tv, res = tv(2)
+    assert res.stats["acceptance_by_position"][0] < 0.95  # rejections happened
+    assert spec_tv < bound
+    ngram_tv, _ = tv(2, "ngram")
+    assert ngram_tv < bound
+
+
+def test_stochastic_companion_wrong_rule_is_detected(monkeypatch):
+    """Accepting every draft (no rejection test) visibly changes the output distribution."""
+    import mtpjax.speculative as sp
+
+    cfg = _cfg(vocab_size=6, mtp_depth=2)
+    model = build_model(cfg, seed=2)
+    _sharpen(model)
+    sampler = make_sampler(1.0, 0, None)
+    prompt, N = [1, 2, 3], 6000
+    exact = _exact_joint(model, prompt, sampler, 3)
+    orig = sp._accept
+
+    def accept_all(logits, st, spec, it):
+        a, toks = orig(logits, st, spec, it)
+        G = st.drafts_BG.shape[1]
+        return jnp.full_like(a, G), jnp.concatenate([st.drafts_BG, toks[:, -1:]], axis=1)
+
+    monkeypatch.setattr(sp, "_accept", accept_all)
+    spec = make_spec(model, [prompt] * N, max_new_tokens=3, num_draft=2, proposer="mtp", sampler=sampler,
+                     eos_id=None, max_len=None)
+    res = summarize(sp.run(model, [prompt] * N, dataclasses.replace(spec, window_size=5), seed=7))
+    idx = np.array([np.ravel_multi_index(t, (6,) * 3) for t in res.tokens])
+    emp = np.bincount(idx, minlength=216) / N
+    assert 0.5 * np.abs(emp - exact).sum() > 0.11
+
+
+def test_rows_sample_independently(trained):
+    model, _ = trained
+    out = generate(model, [[1, 2]] * 8, max_new_tokens=12, num_draft=2, temperature=1.5, seed=3)
+    assert len({tuple(t) for t in out.tokens}) > 1
+
+
+def test_bad_requests_raise_one_line_errors(trained):
+    model, _ = trained
+    plain = build_model(_cfg(mtp_depth=0))
+    cases = [
+        (lambda: generate(model, [[]], max_new_tokens=4), "empty prompt"),
+        (lambda: generate(model, [[1] * 40], max_new_tokens=30, max_len=64), "exceeds the cache"),
+        (lambda: generate(plain, [[1]], max_new_tokens=4, num_draft=2), "no MTP modules"),
+        (lambda: generate(model, [[99]], max_new_tokens=4), "outside the vocabulary"),
+        (lambda: generate(model, [[1]], max_new_tokens=0), "max_new_tokens"),
+        (lambda: generate(model, [[1]], max_new_tokens=4, temperature=-1.0), "temperature"),
+        (lambda: generate(model, [[1]], max_new_tokens=4, num_draft=1, proposer="x"), "proposer"),
+    ]
+    for fn, text in cases:
+        with pytest.raises(DecodeError, match=text) as e:
+            fn()
+        assert "\n" not in str(e.value)
+    # The n-gram proposer works without MTP modules.
+    assert generate(plain, [[1, 2, 1, 2]], max_new_tokens=4, num_draft=2, proposer="ngram").tokens
