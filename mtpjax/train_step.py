@@ -86,6 +86,7 @@ def make_programs(cfg: Config, mesh: Mesh, graphdef, shardings, sample_tokens: i
         return grads, _sum_micro_metrics(mets, D)
 
     def train_step(state, tokens_BT, seg_BT, step):
+        old = jax.tree.map(lambda x: x, state)  # merge shares Variables with `state`; update mutates them
         grads, metrics = grads_and_metrics(state, tokens_BT, seg_BT, step)
         model, opt = nnx.merge(graphdef, state)
         gnorm = global_norm(grads)
@@ -94,7 +95,7 @@ def make_programs(cfg: Config, mesh: Mesh, graphdef, shardings, sample_tokens: i
         new_state = nnx.split((model, opt))[1]
         # A non-finite loss or gradient leaves the state untouched; the host decides to stop or go on.
         ok = jnp.isfinite(metrics["loss/total"]) & jnp.isfinite(gnorm)
-        new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, state)
+        new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, old)
         metrics["grad_norm"] = gnorm
         metrics["skipped"] = (~ok).astype(jnp.int32)
         return new_state, metrics
