@@ -41,6 +41,7 @@ class DecodeSpec:
 
     depth: int = 0  # the model's mtp_depth
     window_size: int = -1  # -1: the smallest window that keeps the module caches exact (tests shrink it)
+    on_commit: object = None  # host callback(tokens_BG1, count_B) after each round, for streaming
 
     @property
     def window(self) -> int:
@@ -179,6 +180,8 @@ def _commit(st: DecodeState, a_B, toks_BG1, spec: DecodeSpec):
     active = ~st.done_B
     c = jnp.where(active, c, 0)
     seq = write_rows(st.seq_BS, toks_BG1, st.n_B)  # past n for inactive rows: scratch
+    if spec.on_commit is not None:
+        jax.debug.callback(spec.on_commit, toks_BG1, c, ordered=True)
     n = st.n_B + c
     done = st.done_B | hit | (n - st.prompt_len_B >= spec.max_new)
     G = G1 - 1
@@ -218,6 +221,8 @@ def _prefill(model: MTPTransformer, tokens_BP, plen_B, key, spec: DecodeSpec) ->
     seq = jnp.zeros((B, S), jnp.int32).at[:, :P].set(tokens_BP)
     seq = write_rows(seq, first[:, None], plen_B)
     done = (first == spec.eos_id) | (spec.max_new <= 1)
+    if spec.on_commit is not None:
+        jax.debug.callback(spec.on_commit, first[:, None], jnp.ones_like(first), ordered=True)
     V = cfg.vocab_size if (not spec.sampler.greedy) else 1
     st = DecodeState(
         cache=DecodeCache(trunk=trunk, mtp=cache.mtp), seq_BS=seq, h0_BSD=h0, n_B=plen_B + 1,
@@ -250,7 +255,7 @@ def _round_up(x: int, m: int) -> int:
 
 
 def make_spec(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: int, proposer: str,
-              sampler: Sampler, eos_id, max_len) -> DecodeSpec:
+              sampler: Sampler, eos_id, max_len, on_commit=None) -> DecodeSpec:
     """Validate a request and fix the static shapes of its compiled loop."""
     cfg = model.cfg
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -277,7 +282,7 @@ def make_spec(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft:
     capacity = _round_up(P + max_new_tokens + num_draft + W + cfg.mtp_depth + 2, 64)
     return DecodeSpec(num_draft=num_draft, proposer=proposer, sampler=sampler, max_new=max_new_tokens,
                       capacity=capacity, prompt_pad=P, eos_id=-1 if eos_id is None else int(eos_id),
-                      depth=cfg.mtp_depth)
+                      depth=cfg.mtp_depth, on_commit=on_commit)
 
 
 def run(model: MTPTransformer, prompts, spec: DecodeSpec, seed: int = 0) -> DecodeState:
@@ -309,12 +314,12 @@ def summarize(st: DecodeState) -> GenerateResult:
 
 def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: int = 0, proposer: str = "mtp",
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-             eos_id: int | None = None, max_len: int | None = None) -> GenerateResult:
+             eos_id: int | None = None, max_len: int | None = None, on_commit=None) -> GenerateResult:
     """Generate up to max_new_tokens per prompt (lists of token ids of any lengths), speculatively if num_draft>0."""
     try:
         sampler = make_sampler(temperature, top_k, top_p)
     except ValueError as e:
         raise DecodeError(str(e)) from None
     spec = make_spec(model, prompts, max_new_tokens=max_new_tokens, num_draft=num_draft, proposer=proposer,
-                     sampler=sampler, eos_id=eos_id, max_len=max_len)
+                     sampler=sampler, eos_id=eos_id, max_len=max_len, on_commit=on_commit)
     return summarize(run(model, prompts, spec, seed))

@@ -264,7 +264,7 @@ def test_stochastic_speculative_preserves_target_distribution(top_k):
         emp = np.bincount(idx, minlength=6 ** n_tok) / N
         return 0.5 * np.abs(emp - exact).sum(), res
 
-    bound = 0.11  # ~4 sigma of the TV distance of 6000 samples over these 216 cells
+    bound = 0.04  # sampling noise alone gives TV 0.013-0.018 here (6000 samples, 216 cells)
     base, _ = tv(0)
     assert base < bound
     spec_tv, res = tv(2)
@@ -297,7 +297,7 @@ def test_stochastic_companion_wrong_rule_is_detected(monkeypatch):
     res = summarize(sp.run(model, [prompt] * N, dataclasses.replace(spec, window_size=5), seed=7))
     idx = np.array([np.ravel_multi_index(t, (6,) * 3) for t in res.tokens])
     emp = np.bincount(idx, minlength=216) / N
-    assert 0.5 * np.abs(emp - exact).sum() > 0.11
+    assert 0.5 * np.abs(emp - exact).sum() > 0.04
 
 
 def test_rows_sample_independently(trained):

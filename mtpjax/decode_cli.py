@@ -1,0 +1,173 @@
+"""The decode.py command line: generation with streaming output, and `--eval` of a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, like every other bad input
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="decode.py", description=__doc__)
+    p.add_argument("--run-dir", required=True, help="a run directory written by train.py")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompts-file", help="a file with one prompt per line (\\n escapes allowed)")
+    src.add_argument("--eval", action="store_true", help="validation metrics + speculative speed report")
+    p.add_argument("--num-draft", type=int, default=None, help="drafts per round (default: the model's mtp_depth)")
+    p.add_argument("--proposer", choices=("mtp", "ngram"), default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-len", type=int, default=None, help="KV cache capacity (default: decode.max_len)")
+    p.add_argument("--stats", action="store_true", help="print acceptance statistics after generating")
+    p.add_argument("--eval-batches", type=int, default=8, help="--eval: validation batches")
+    p.add_argument("--eval-prompts", type=int, default=8, help="--eval: held-out prompts")
+    p.add_argument("--prompt-len", type=int, default=64, help="--eval: tokens per held-out prompt")
+    p.add_argument("--json", help="--eval: also write the report as JSON here")
+    return p
+
+
+def _prompts(args) -> list[str]:
+    if args.prompt is not None:
+        return [args.prompt]
+    path = Path(args.prompts_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file '{path}' does not exist")
+    lines = [ln.encode().decode("unicode_escape") for ln in path.read_text(errors="replace").splitlines()]
+    if not lines:
+        raise ValueError(f"prompts file '{path}' has no prompts; write one prompt per line")
+    return lines
+
+
+def _generate(args, cfg, model, tok) -> int:
+    from mtpjax.speculative import generate
+
+    d = cfg.decode
+    num_draft = args.num_draft if args.num_draft is not None else (d.num_draft if d.num_draft >= 0 else cfg.model.mtp_depth)
+    proposer = args.proposer or d.proposer
+    if args.proposer is None and cfg.model.mtp_depth == 0:
+        proposer = "ngram"  # speculative by default only where the model has a proposer
+    texts = _prompts(args)
+    prompts = [tok.encode(t) for t in texts]
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt: give at least one character of text")
+    stream = len(prompts) == 1  # one prompt streams as it decodes; several print when done
+    shown: list[int] = []
+    printed = [""]
+
+    def on_commit(toks, counts):  # host side, once per round: print the new text of row 0
+        shown.extend(toks[0, : int(counts[0])].tolist())
+        text = tok.decode(shown)
+        if text.startswith(printed[0]):
+            sys.stdout.write(text[len(printed[0]):])
+            sys.stdout.flush()
+            printed[0] = text
+
+    res = generate(model, prompts, max_new_tokens=args.max_new_tokens or d.max_new_tokens, num_draft=num_draft,
+                   proposer=proposer, temperature=d.temperature if args.temperature is None else args.temperature,
+                   top_k=args.top_k if args.top_k is not None else d.top_k,
+                   top_p=args.top_p if args.top_p is not None else d.top_p, seed=args.seed,
+                   eos_id=tok.eos_id, max_len=args.max_len or d.max_len, on_commit=on_commit if stream else None)
+    if stream:
+        sys.stdout.write("\n")
+    else:
+        for text, out in zip(texts, res.tokens):
+            print(f"### {text!r}\n{tok.decode(out)}")
+    if args.stats:
+        s = res.stats
+        print(f"[{proposer} num_draft={num_draft}] rounds={s['rounds']} tokens/round={s['tokens_per_round']:.2f} "
+              f"acceptance={[round(a, 3) for a in s['acceptance_by_position']]}", file=sys.stderr)
+    return 0
+
+
+def _eval(args, cfg, model, tok, run_dir: Path, step: int) -> int:
+    from mtpjax.data import make_iterator, prepare
+    from mtpjax.evaluate import heldout_prompts, speed_report, validation_metrics
+
+    prepared = prepare(cfg.data)
+    it = make_iterator(prepared, split="val", seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
+                       seed=cfg.train.seed, shuffle=False, num_epochs=1)
+    batches = [b for _, b in zip(range(args.eval_batches), it)]
+    if not batches:
+        raise ValueError("the validation split holds less than one batch; lower train.batch_size or data.seq_len")
+    val = validation_metrics(cfg, model, batches)
+    num_draft = args.num_draft if args.num_draft is not None else max(1, cfg.model.mtp_depth)
+    prompts = heldout_prompts(prepared.val_tokens, args.eval_prompts, args.prompt_len, tok.eos_id)
+    speed = speed_report(model, prompts, num_draft=num_draft, max_new=args.max_new_tokens or 128)
+    report = {"run_dir": str(run_dir), "step": step, "validation": val, "decode": speed}
+    _print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    _to_tensorboard(run_dir, step, report)
+    return 0
+
+
+def _print_report(r: dict) -> None:
+    print(f"checkpoint {r['run_dir']} step {r['step']}")
+    print(f"{'metric':<34}{'value':>12}")
+    for k, v in sorted(r["validation"].items()):
+        print(f"  val {k:<30}{v:>12.4f}")
+    for k, v in r["decode"].items():
+        if isinstance(v, list):
+            v = "[" + ", ".join(f"{x:.3f}" for x in v) + "]"
+            print(f"  {k:<32}{v:>12}")
+        elif isinstance(v, float):
+            print(f"  {k:<32}{v:>12.3f}")
+        else:
+            print(f"  {k:<32}{v!s:>12}")
+
+
+def _to_tensorboard(run_dir: Path, step: int, r: dict) -> None:
+    from tensorboardX import SummaryWriter
+
+    with SummaryWriter(str(run_dir / "tensorboard")) as w:
+        for k, v in r["validation"].items():
+            w.add_scalar(f"decode_eval/val/{k}", v, step)
+        for k, v in r["decode"].items():
+            if isinstance(v, list):
+                for i, x in enumerate(v, start=1):
+                    w.add_scalar(f"decode_eval/{k}/{i}", x, step)
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                w.add_scalar(f"decode_eval/{k}", v, step)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of decode.py; returns the exit status (2 for bad input, one line on stderr)."""
+    args = parser().parse_args(argv)
+    if not args.eval and args.prompt is None and args.prompts_file is None:
+        print("error: give --prompt TEXT, --prompts-file FILE or --eval", file=sys.stderr)
+        return 2
+    import absl.logging
+
+    absl.logging.set_verbosity(absl.logging.ERROR)  # orbax's read-only notice is not news to a reader
+    from mtpjax.checkpoint import CheckpointError, load_model
+    from mtpjax.data import DataError
+    from mtpjax.speculative import DecodeError
+
+    try:
+        cfg, model, tok = load_model(args.run_dir, args.step)
+        if args.eval:
+            return _eval(args, cfg, model, tok, Path(args.run_dir), _loaded_step(args))
+        return _generate(args, cfg, model, tok)
+    except (CheckpointError, DataError, DecodeError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _loaded_step(args) -> int:
+    if args.step is not None:
+        return args.step
+    from mtpjax.checkpoint import ckpt_dir
+
+    steps = [int(p.name) for p in ckpt_dir(args.run_dir).iterdir() if p.name.isdigit()]
+    return max(steps) if steps else 0

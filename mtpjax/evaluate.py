@@ -1,0 +1,113 @@
+"""Checkpoint evaluation: validation loss/agreement per depth, then measured vs predicted speculative speedup.
+
+Costs come from whole-loop timings in one process, never from isolated dispatches: t = seconds per
+round of plain decoding; v = seconds per round of n-gram speculation (drafting is nearly free, so a
+round is one verification of γ+1 tokens) over t; c = the remaining MTP round time per draft over t.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mtpjax.config import Config
+from mtpjax.loss import mtp_loss
+from mtpjax.model import MTPTransformer
+from mtpjax.sampling import make_sampler
+from mtpjax.speculative import make_spec, run, summarize
+
+
+def validation_metrics(cfg: Config, model: MTPTransformer, batches) -> dict:
+    """Mean loss/accuracy/agreement per depth over validation batches."""
+    @nnx.jit
+    def step(model, toks, seg):
+        return mtp_loss(model, model(toks, seg), toks, seg, step=0, cfg=cfg.loss)[1]
+
+    sums, n = {}, 0
+    for b in batches:
+        met = step(model, jnp.asarray(b["tokens"]), jnp.asarray(b["segment_ids"]))
+        for k, v in met.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+        n += 1
+    return {k: v / max(n, 1) for k, v in sums.items() if k != "lambda"}
+
+
+def heldout_prompts(val_tokens, n: int, length: int, eos_id: int) -> list[list[int]]:
+    """n prompts of `length` tokens from evenly spaced offsets of the validation stream (no EOS inside)."""
+    toks = np.asarray(val_tokens)
+    out, starts = [], np.linspace(0, max(0, len(toks) - 4 * length), num=4 * n, dtype=np.int64)
+    for s in starts:
+        p = toks[s: s + length].tolist()
+        if len(p) == length and eos_id not in p:
+            out.append(p)
+        if len(out) == n:
+            break
+    return out
+
+
+def timed_decode(model, prompts, *, num_draft: int, proposer: str, max_new: int, repeats: int = 1) -> dict:
+    """Run each prompt (batch 1) after a compile-warmup; seconds, tokens, rounds and acceptance summed."""
+    spec = make_spec(model, prompts[:1], max_new_tokens=max_new, num_draft=num_draft, proposer=proposer,
+                     sampler=make_sampler(), eos_id=None, max_len=None)
+    jax.block_until_ready(run(model, prompts[:1], spec).n_B)  # compile
+    secs, tokens, rounds, acc, reach, outs = 0.0, 0, 0, np.zeros(num_draft), np.zeros(num_draft), []
+    for p in prompts:
+        # every prompt is padded to the same bucket, so one compilation serves them all
+        spec_p = make_spec(model, [p], max_new_tokens=max_new, num_draft=num_draft, proposer=proposer,
+                           sampler=make_sampler(), eos_id=None, max_len=None)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            st = run(model, [p], spec_p)
+            jax.block_until_ready(st.n_B)
+            secs += time.perf_counter() - t0
+        res = summarize(st)
+        tokens += res.stats["generated"] * repeats
+        rounds += res.stats["rounds"] * repeats
+        acc += np.asarray(res.stats["accepted"] or np.zeros(num_draft)) * repeats
+        reach += np.asarray(res.stats["reached"] or np.zeros(num_draft)) * repeats
+        outs.append(res.tokens[0])
+    return {"seconds": secs, "tokens": tokens, "runs": len(prompts) * repeats, "rounds": rounds, "accepted": acc, "reached": reach,
+            "tokens_per_sec": tokens / secs, "sec_per_round": secs / max(rounds, 1), "outputs": outs}
+
+
+def ideal_tokens_per_round(alpha: float, gamma: int) -> float:
+    """E = (1 - α^(γ+1)) / (1 - α): expected tokens per round with i.i.d. acceptance α."""
+    return gamma + 1.0 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def speed_report(model, prompts, *, num_draft: int, max_new: int, repeats: int = 1) -> dict:
+    """Plain vs n-gram vs MTP greedy decoding at batch 1: throughput, acceptance, costs, predicted speedup."""
+    plain = timed_decode(model, prompts, num_draft=0, proposer="mtp", max_new=max_new, repeats=repeats)
+    ngram = timed_decode(model, prompts, num_draft=num_draft, proposer="ngram", max_new=max_new, repeats=repeats)
+    rep = {"num_draft": num_draft, "plain_tokens_per_sec": plain["tokens_per_sec"],
+           "ngram_tokens_per_sec": ngram["tokens_per_sec"],
+           "ngram_speedup": ngram["tokens_per_sec"] / plain["tokens_per_sec"],
+           "ngram_tokens_per_round": _per_round(ngram)}
+    t = plain["sec_per_round"]
+    v = ngram["sec_per_round"] / t
+    rep["verify_cost_v"] = v
+    exact = ngram["outputs"] == plain["outputs"]
+    if model.cfg.mtp_depth:
+        mtp = timed_decode(model, prompts, num_draft=num_draft, proposer="mtp", max_new=max_new, repeats=repeats)
+        exact &= mtp["outputs"] == plain["outputs"]
+        alpha_pos = (mtp["accepted"] / np.maximum(mtp["reached"], 1)).tolist()
+        alpha = float(mtp["accepted"].sum() / max(mtp["reached"].sum(), 1))
+        c = max(0.0, (mtp["sec_per_round"] / t - v) / num_draft)
+        E = ideal_tokens_per_round(alpha, num_draft)
+        rep.update({
+            "mtp_tokens_per_sec": mtp["tokens_per_sec"], "speedup": mtp["tokens_per_sec"] / plain["tokens_per_sec"],
+            "acceptance_by_position": alpha_pos, "alpha": alpha, "tokens_per_round": _per_round(mtp),
+            "expected_tokens_per_round": E, "draft_cost_c": c, "predicted_speedup": E / (v + num_draft * c),
+            "draft_time_fraction": num_draft * c / (v + num_draft * c),
+        })
+    rep["outputs_identical"] = bool(exact)
+    return rep
+
+
+def _per_round(r: dict) -> float:
+    # each run's first token comes from the prefill, not from a round
+    return (r["tokens"] - r["runs"]) / max(r["rounds"], 1)

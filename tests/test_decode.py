@@ -1,0 +1,107 @@
+"""decode.py end to end on runs trained here: generation, --eval report, and every bad-input path."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mtpjax.config import load_config
+from mtpjax.decode_cli import main
+from mtpjax.train_loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "data.seq_len=64",
+         "train.batch_size=8", "train.eval_every=1000", "train.eval_batches=2", "train.num_samples=0",
+         "train.progress=false", "checkpoint.every=1000", "checkpoint.async_save=false", "train.peak_flops=1e11",
+         "optim.warmup_steps=5"]
+
+
+def _run(tmp, name, steps, extra=()):
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", SMALL + [f"train.steps={steps}", f"train.run_dir={tmp / name}",
+                                                             f"data.cache_dir={tmp / 'cache'}", *extra])
+    train(cfg)
+    return tmp / name
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("decode")
+    return {"mtp": _run(tmp, "mtp", 40), "plain": _run(tmp, "plain", 2, ["model.mtp_depth=0"])}
+
+
+def test_generate_streams_text(runs, capsys):
+    assert main(["--run-dir", str(runs["mtp"]), "--prompt", "def f(x):", "--max-new-tokens", "24", "--stats"]) == 0
+    out = capsys.readouterr()
+    assert out.out.endswith("\n") and len(out.out) > 1
+    assert "tokens/round=" in out.err and "[mtp num_draft=2]" in out.err
+
+
+def test_prompts_file_and_sampling_flags(runs, capsys, tmp_path):
+    f = tmp_path / "prompts.txt"
+    f.write_text("import os\nclass A:\\n    def\n")
+    argv = ["--run-dir", str(runs["mtp"]), "--prompts-file", str(f), "--max-new-tokens", "8",
+            "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--num-draft", "3", "--seed", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("### ") == 2 and "'class A:\\n    def'" in out
+
+
+def test_plain_model_defaults_to_ngram_and_plain(runs, capsys):
+    assert main(["--run-dir", str(runs["plain"]), "--prompt", "abcabc", "--max-new-tokens", "4", "--stats"]) == 0
+    assert "[ngram" in capsys.readouterr().err
+    assert main(["--run-dir", str(runs["plain"]), "--prompt", "abc", "--max-new-tokens", "4", "--num-draft", "0"]) == 0
+
+
+def test_eval_report_json_and_tensorboard(runs, tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    argv = ["--run-dir", str(runs["mtp"]), "--eval", "--eval-batches", "2", "--eval-prompts", "2",
+            "--prompt-len", "32", "--max-new-tokens", "24", "--json", str(out)]
+    assert main(argv) == 0
+    rep = json.loads(out.read_text())
+    d = rep["decode"]
+    assert d["outputs_identical"] is True
+    assert len(d["acceptance_by_position"]) == 2 and 0 <= d["alpha"] <= 1
+    for k in ("plain_tokens_per_sec", "mtp_tokens_per_sec", "ngram_tokens_per_sec", "speedup", "predicted_speedup",
+              "verify_cost_v", "draft_cost_c", "tokens_per_round", "expected_tokens_per_round"):
+        assert d[k] >= 0, k
+    assert {"loss/main", "loss/mtp_1", "loss/mtp_2", "agreement/mtp_1"} <= set(rep["validation"])
+    screen = capsys.readouterr().out
+    assert "predicted_speedup" in screen and "val agreement/mtp_1" in screen
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(runs["mtp"] / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"decode_eval/speedup", "decode_eval/acceptance_by_position/1", "decode_eval/val/loss/main"} <= tags
+
+
+@pytest.mark.parametrize("case,argv,text", [
+    ("missing run", ["--run-dir", "{tmp}/nope", "--prompt", "x"], "does not exist"),
+    ("empty prompt", ["--run-dir", "{mtp}", "--prompt", ""], "empty prompt"),
+    ("too long", ["--run-dir", "{mtp}", "--prompt", "x" * 300, "--max-len", "256"], "exceeds the cache"),
+    ("no mtp", ["--run-dir", "{plain}", "--prompt", "x", "--proposer", "mtp", "--num-draft", "2"], "no MTP modules"),
+    ("no source", ["--run-dir", "{mtp}"], "--prompt"),
+    ("bad flag", ["--run-dir", "{mtp}", "--prompt", "x", "--temperature", "hot"], "invalid float"),
+    ("bad temperature", ["--run-dir", "{mtp}", "--prompt", "x", "--temperature", "-1"], "temperature"),
+    ("missing file", ["--run-dir", "{mtp}", "--prompts-file", "{tmp}/none.txt"], "does not exist"),
+    ("bad step", ["--run-dir", "{mtp}", "--prompt", "x", "--step", "7"], "no checkpoint at step 7"),
+])
+def test_bad_input_is_one_line_exit_2(runs, tmp_path, capsys, case, argv, text):
+    argv = [a.format(tmp=tmp_path, mtp=runs["mtp"], plain=runs["plain"]) for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse errors
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, case
+    assert len(err) >= 1 and text in err[-1], (case, err)
+    assert all(line.startswith(("error:", "WARNING:absl")) for line in err), err
+
+
+def test_subprocess_error_has_no_traceback(tmp_path):
+    p = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--run-dir", str(tmp_path / "nope"), "--prompt", "x"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr and p.stderr.strip().count("\n") == 0
