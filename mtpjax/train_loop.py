@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from mtpjax import data
+from mtpjax import data, distributed
 from mtpjax.checkpoint import Checkpointer, CheckpointError, read_run_config
 from mtpjax.config import Config, ConfigError, load_config
 from mtpjax.flops import train_flops_per_token
@@ -81,7 +81,7 @@ def probe_writable(run: Path) -> None:
 def setup_run_dir(cfg: Config, prepared, fresh: bool) -> Path:
     """--fresh moves an old run to <run_dir>.old-<timestamp> (never deletes); writes config.yaml and tokenizer/."""
     run = Path(cfg.train.run_dir)
-    if fresh and run.exists() and any(run.iterdir()):
+    if fresh and jax.process_index() == 0 and run.exists() and any(run.iterdir()):
         aside = run.with_name(f"{run.name}.old-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6:06d}")
         run.rename(aside)
         print(f"moved the previous run aside to {aside}", file=sys.stderr)
@@ -89,6 +89,7 @@ def setup_run_dir(cfg: Config, prepared, fresh: bool) -> Path:
         run.mkdir(parents=True, exist_ok=True)
         (run / "config.yaml").write_text(cfg.to_yaml())
         prepared.tokenizer.save(run / "tokenizer")
+    distributed.barrier("mtpjax-run-dir")  # no process may look for checkpoints before the run dir is set up
     return run
 
 
@@ -130,6 +131,10 @@ def evaluate(progs: Programs, state, val: list, step: int) -> dict:
 def samples(progs: Programs, state, val: list, tokenizer, n: int) -> list[str]:
     """Greedy continuations of the first validation rows' opening tokens, as text."""
     rows = np.asarray(val[0]["tokens"])[:n, :SAMPLE_PROMPT]
+    if jax.process_count() > 1:  # a replicated prompt must be the same on every process: process 0's rows
+        from jax.experimental import multihost_utils
+
+        rows = np.asarray(multihost_utils.broadcast_one_to_all(rows))
     prompt = jax.device_put(rows.astype(np.int32), replicated(progs.batch_sharding.mesh))
     out = np.asarray(jax.device_get(progs.sample(state, prompt)))
     return [tokenizer.decode(p.tolist()) + " ⟶ " + tokenizer.decode(o.tolist()) for p, o in zip(rows, out)]
@@ -199,7 +204,8 @@ class _Logger:
         if self.skipped > t.max_skipped_steps:
             raise NonFiniteError(f"{what}; {self.skipped} updates skipped > train.max_skipped_steps="
                                  f"{t.max_skipped_steps}; stopped, the last good checkpoint is kept")
-        tqdm.write(f"warning: {what}; update skipped ({self.skipped}/{t.max_skipped_steps})", file=sys.stderr)
+        if distributed.is_primary():
+            tqdm.write(f"warning: {what}; update skipped ({self.skipped}/{t.max_skipped_steps})", file=sys.stderr)
 
 
 def _meta(cfg: Config, step: int, last: dict) -> dict:
@@ -234,7 +240,8 @@ def train(cfg: Config, *, fresh: bool = False, max_steps: int | None = None) -> 
     if start == 0:
         writer.text(0, "config", cfg.to_yaml())
     peak = cfg.train.peak_flops or measure_peak_flops()
-    bar = tqdm(total=cfg.train.steps, initial=start, disable=not cfg.train.progress, desc="train", unit="step")
+    show = cfg.train.progress and distributed.is_primary()
+    bar = tqdm(total=cfg.train.steps, initial=start, disable=not show, desc="train", unit="step")
     log = _Logger(cfg, writer, bar, mesh.size, peak)
     result: dict = {"preempted": False}
     step, pending, saved = start, None, start
@@ -274,9 +281,10 @@ def _eval(cfg, progs, state, val, tokenizer, writer: Writer, step: int) -> dict:
     for i, text in enumerate(samples(progs, state, val, tokenizer, cfg.train.num_samples)):
         writer.text(step, f"samples/{i}", text)
     writer.flush()
-    tqdm.write(f"step {step}: eval loss/main {ev['loss/main']:.4f}"
-               + "".join(f", mtp_{k} {ev[f'loss/mtp_{k}']:.4f}" for k in range(1, cfg.model.mtp_depth + 1)),
-               file=sys.stderr)
+    if distributed.is_primary():
+        tqdm.write(f"step {step}: eval loss/main {ev['loss/main']:.4f}"
+                   + "".join(f", mtp_{k} {ev[f'loss/mtp_{k}']:.4f}" for k in range(1, cfg.model.mtp_depth + 1)),
+                   file=sys.stderr)
     return {f"eval/{k}": v for k, v in keep.items()}
 
 
@@ -286,14 +294,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny.yaml")
     ap.add_argument("--fresh", action="store_true", help="move an existing run dir aside and start over")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)
     try:
+        distributed.initialize()  # before any other JAX use; a no-op on one process
         cfg = load_config(args.config, args.overrides)
         out = train(cfg, fresh=args.fresh)
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except (ConfigError, data.DataError, CheckpointError, MeshError, TrainError) as e:
+    except (ConfigError, data.DataError, CheckpointError, MeshError, TrainError, distributed.DistributedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if out["preempted"]:

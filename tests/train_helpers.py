@@ -34,7 +34,7 @@ def tiny_cfg(tmp: Path, *overrides: str, corpus: Path | None = None, run: str = 
 
 def cli_args(cfg: Config, *extra: str) -> list[str]:
     """train.py argv reproducing `cfg` (a config file holding it) plus extra overrides."""
-    path = Path(cfg.train.run_dir).parent / f"cfg-{Path(cfg.train.run_dir).name}.yaml"
+    path = Path(cfg.data.cache_dir).parent / f"cfg-{Path(cfg.train.run_dir).name}.yaml"
     path.write_text(cfg.to_yaml())
     return ["--config", str(path), *extra]
 

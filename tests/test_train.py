@@ -1,0 +1,152 @@
+"""The train loop and train.py: resume, TensorBoard tags, preemption, NaN policy, and every bad-input path."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from train_helpers import cli_args, tiny_cfg, write_corpus
+
+from mtpjax.checkpoint import Checkpointer, load_model
+from mtpjax.config import replace
+from mtpjax.train_loop import NonFiniteError, main, train
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_resume_equals_straight_run(tmp_path):
+    """8 steps straight == 4 steps, stop, re-run to 8: same losses, data batches and parameters."""
+    corpus = write_corpus(tmp_path)
+    straight = train(tiny_cfg(tmp_path, corpus=corpus, run="a"))
+    cfg_b = tiny_cfg(tmp_path, corpus=corpus, run="b")
+    first = train(cfg_b, max_steps=4)
+    assert first["step"] == 4 and Checkpointer(tmp_path / "b", cfg_b.checkpoint).latest_step() == 4
+    second = train(cfg_b)
+    assert [s for s, _ in second["history"]] == [5, 6, 7, 8]
+    np.testing.assert_array_equal(np.array(first["history"] + second["history"]), np.array(straight["history"]))
+    assert second["eval/loss/main"] == straight["eval/loss/main"]
+    _, ma, _ = load_model(tmp_path / "a")
+    _, mb, _ = load_model(tmp_path / "b")
+    for a, b in zip(jax.tree.leaves(ma), jax.tree.leaves(mb)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    again = train(cfg_b)  # nothing left to do: no step runs, nothing breaks
+    assert again["step"] == 8 and again["history"] == []
+
+
+def test_tensorboard_has_every_tag(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = tiny_cfg(tmp_path, "train.steps=6", "train.eval_every=3", "train.peak_flops=0")
+    out = train(cfg)
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    want = {"loss/main", "lambda", "lr", "grad_norm", "tokens_per_sec", "mfu", "expected_accept_length",
+            "eval/loss/main"}
+    for k in (1, 2):
+        want |= {f"loss/mtp_{k}", f"accuracy/mtp_{k}", f"agreement/mtp_{k}", f"eval/loss/mtp_{k}",
+                 f"eval/agreement/mtp_{k}"}
+    assert want <= tags, want - tags
+    texts = {t.split("/text_summary")[0] for t in acc.Tags()["tensors"]}
+    assert {"config", "samples/0"} <= texts
+    mfu = [e.value for e in acc.Scalars("mfu")]
+    assert all(0 < v < 1 for v in mfu) and out["eval/loss/main"] > 0
+
+
+def test_fresh_moves_the_old_run_aside(tmp_path):
+    cfg = tiny_cfg(tmp_path, "train.steps=2", "train.eval_every=100")
+    train(cfg)
+    other = replace(cfg, ["model.d_model=64"])
+    out = train(other, fresh=True)
+    assert out["step"] == 2
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
+    assert len(aside) == 1 and (aside[0] / "checkpoints").is_dir()
+    assert "d_model: 32" in (aside[0] / "config.yaml").read_text()
+
+
+def test_nan_policy_stop_and_skip(tmp_path):
+    corpus = write_corpus(tmp_path)
+    blowup = ["optim.lr=1e12", "optim.grad_clip=0", "optim.warmup_steps=0", "train.eval_every=100"]
+    with pytest.raises(NonFiniteError, match="nan_policy=stop"):
+        train(tiny_cfg(tmp_path, *blowup, corpus=corpus, run="stop"))
+    with pytest.raises(NonFiniteError, match="max_skipped_steps=2"):
+        train(tiny_cfg(tmp_path, *blowup, "train.nan_policy=skip", "train.max_skipped_steps=2",
+                       corpus=corpus, run="skip"))
+
+
+# ----------------------------------------------------------------------------- bad input: one line, exit 2
+
+
+def _error(capsys, argv) -> str:
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("override, expected", [
+    (["data.paths=/nonexistent/corpus"], "/nonexistent/corpus"),
+    (["model.vocab_size=100"], "model.vocab_size=100"),
+    (["mesh.data=2"], "2*1*1 = 2 but 1 device"),
+    (["train.batch_size=4096"], "batch"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, override, expected):
+    cfg = tiny_cfg(tmp_path)
+    assert expected in _error(capsys, cli_args(cfg, *override))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_empty_data_dir(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    cfg = tiny_cfg(tmp_path, f"data.paths={tmp_path / 'empty'}")
+    assert "empty" in _error(capsys, cli_args(cfg))
+
+
+def test_unwritable_run_dir(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    cfg = tiny_cfg(tmp_path, f"train.run_dir={tmp_path / 'file' / 'run'}")
+    assert "not writable" in _error(capsys, cli_args(cfg))
+
+
+def test_config_mismatch_with_existing_run(tmp_path, capsys):
+    cfg = tiny_cfg(tmp_path, "train.steps=1", "train.eval_every=100")
+    train(cfg)
+    before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
+    err = _error(capsys, cli_args(cfg, "model.d_model=64"))
+    assert "model.d_model: 32 -> 64" in err and "--fresh" in err
+    assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before  # nothing clobbered
+    assert main(cli_args(cfg, "train.steps=2")) == 0  # train.* may change on resume
+
+
+def _run_cli(args, **kw):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_cli_error_has_no_traceback(tmp_path):
+    cfg = tiny_cfg(tmp_path, "data.paths=/nonexistent/corpus")
+    out, err = _run_cli(cli_args(cfg)).communicate(timeout=120)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path):
+    cfg = tiny_cfg(tmp_path, "train.steps=100000", "checkpoint.every=5", "train.eval_every=100000")
+    proc = _run_cli(cli_args(cfg))
+    ck = tmp_path / "run" / "checkpoints"
+    deadline = time.time() + 120
+    while not (ck / "5" / "commit_success.txt").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    step = int(err.strip().splitlines()[-1].split("step ")[-1])
+    assert step >= 5 and Checkpointer(tmp_path / "run", cfg.checkpoint).latest_step() == step
