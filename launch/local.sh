@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Run N CPU processes of train.py on this machine, joined by JAX's distributed runtime on 127.0.0.1 (gloo
+# collectives): the multi-host code path, testable on one host.
+#   launch/local.sh N [train.py arguments...]
+#   e.g. MTPJAX_LOCAL_DEVICES=2 launch/local.sh 2 --config configs/tiny.yaml mesh.data=2 mesh.fsdp=2
+# Environment: MTPJAX_LOCAL_DEVICES (CPU devices per process, default 1), MTPJAX_INIT_TIMEOUT (seconds,
+# default 300), PYTHON (default python3). Waits for all; if one process fails, the others are stopped and
+# its exit status is returned.
+set -u
+
+usage() { echo "usage: launch/local.sh N [train.py arguments...]  (N: number of processes, >= 1)" >&2; exit 2; }
+[ $# -ge 1 ] || usage
+N=$1; shift
+[[ "$N" =~ ^[1-9][0-9]*$ ]] || usage
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+PY=${PYTHON:-python3}
+# A free port picked by the kernel; it is released right away, so a race with another program is possible
+# but harmless here: process 0 would fail to bind and every process would stop with an error.
+PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])') || exit 1
+
+export JAX_PLATFORMS=cpu
+export MTPJAX_COORDINATOR="127.0.0.1:$PORT" MTPJAX_NUM_PROCESSES="$N"
+export MTPJAX_LOCAL_DEVICES="${MTPJAX_LOCAL_DEVICES:-1}"
+
+PIDS=()
+stop_all() {
+  local pid
+  for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; done
+  # SIGTERM asks train.py for a checkpoint, which needs every process: give up on it after a grace period
+  for _ in $(seq 50); do
+    local alive=0
+    for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && return
+    sleep 0.1
+  done
+  for pid in "${PIDS[@]}"; do kill -KILL "$pid" 2>/dev/null; done
+}
+trap 'echo "local.sh: interrupted; stopping all processes" >&2; stop_all; exit 130' INT TERM
+
+for ((i = 0; i < N; i++)); do
+  MTPJAX_PROCESS_ID=$i "$PY" "$HERE/../train.py" "$@" &
+  PIDS+=($!)
+done
+
+status=0
+running=("${PIDS[@]}")
+while [ ${#running[@]} -gt 0 ]; do
+  wait -n -p done_pid "${running[@]}"
+  rc=$?
+  left=()
+  for pid in "${running[@]}"; do [ "$pid" = "$done_pid" ] || left+=("$pid"); done
+  running=("${left[@]}")
+  if [ "$rc" -ne 0 ]; then
+    for ((i = 0; i < N; i++)); do [ "${PIDS[$i]}" = "$done_pid" ] && who=$i; done
+    echo "local.sh: process ${who:-?} of $N exited with status $rc; stopping the others" >&2
+    status=$rc
+    stop_all
+    wait
+    break
+  fi
+done
+exit $status

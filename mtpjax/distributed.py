@@ -1,0 +1,275 @@
+"""Multi-process start-up on JAX's own runtime (DESIGN §3): `initialize()` before any other JAX use.
+
+Where the processes come from (first match wins; `MTPJAX_CLUSTER=off` forces one process):
+- explicit: `MTPJAX_COORDINATOR=host:port`, `MTPJAX_NUM_PROCESSES=N`, `MTPJAX_PROCESS_ID=i` (launch/local.sh,
+  launch/jobset.yaml, any launcher that can number its processes);
+- SLURM (`srun`, more than one task): coordinator, count and id from SLURM's variables via JAX's own
+  SlurmCluster; one process per GPU when a node runs several tasks, else one per node with all its GPUs;
+- TPU pod slice (`MTPJAX_CLUSTER=tpu`, set by launch/tpu_vm.sh, or several `TPU_WORKER_HOSTNAMES`):
+  JAX's own TPU detection; any other JAX cluster name (`k8s`, `mpi4py`, ...) in `MTPJAX_CLUSTER` is passed on.
+`MTPJAX_LOCAL_DEVICES=n` gives each process n CPU devices; `MTPJAX_INIT_TIMEOUT` (seconds, default 300)
+bounds the rendezvous: a coordinator that cannot be reached, a missing process or processes that disagree
+on the process count end the process with one line on stderr and exit status 2 instead of a hang.
+Cross-process collectives on CPU use gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+
+import jax
+
+COORDINATOR, NUM_PROCESSES, PROCESS_ID = "MTPJAX_COORDINATOR", "MTPJAX_NUM_PROCESSES", "MTPJAX_PROCESS_ID"
+LOCAL_DEVICES, INIT_TIMEOUT, CLUSTER = "MTPJAX_LOCAL_DEVICES", "MTPJAX_INIT_TIMEOUT", "MTPJAX_CLUSTER"
+DEFAULT_TIMEOUT = 300
+EXIT_STATUS = 2
+
+
+class DistributedError(RuntimeError):
+    """A bad multi-process launch; the message is one line naming the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How this process joins the run; None fields are left to JAX's cluster auto-detection."""
+
+    method: str  # "env", "slurm", or a JAX cluster name ("tpu", "k8s", ...)
+    coordinator: str | None
+    num_processes: int | None
+    process_id: int | None
+    local_device_ids: tuple[int, ...] | None
+    timeout: int
+
+
+# ----------------------------------------------------------------------------- reading the environment
+
+
+def _int_env(name: str, low: int, env=None) -> int | None:
+    raw = (os.environ if env is None else env).get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = low - 1
+    if value < low:
+        raise DistributedError(f"{name}={raw!r} is not an integer >= {low}; set {name} to one")
+    return value
+
+
+def timeout_s() -> int:
+    """Seconds allowed for the rendezvous (MTPJAX_INIT_TIMEOUT, default 300)."""
+    t = _int_env(INIT_TIMEOUT, 1)
+    return DEFAULT_TIMEOUT if t is None else t
+
+
+def local_cpu_devices() -> int | None:
+    """MTPJAX_LOCAL_DEVICES: CPU devices per process (None: JAX's default)."""
+    return _int_env(LOCAL_DEVICES, 1)
+
+
+def _explicit(timeout: int) -> Launch | None:
+    n = _int_env(NUM_PROCESSES, 1)
+    if n is None:
+        for name in (COORDINATOR, PROCESS_ID):
+            if os.environ.get(name):
+                raise DistributedError(f"{name} is set but {NUM_PROCESSES} is not; set {NUM_PROCESSES} too")
+        return None
+    pid = _int_env(PROCESS_ID, 0)
+    coord = os.environ.get(COORDINATOR, "").strip()
+    if n == 1:
+        return None
+    if pid is None or not coord:
+        missing = " and ".join(k for k, v in ((COORDINATOR, coord), (PROCESS_ID, pid)) if v in (None, ""))
+        raise DistributedError(f"{NUM_PROCESSES}={n} needs {missing}; set {COORDINATOR}=host:port and "
+                               f"{PROCESS_ID}=0..{n - 1} in every process")
+    if pid >= n:
+        raise DistributedError(f"{PROCESS_ID}={pid} is not below {NUM_PROCESSES}={n}; number the processes "
+                               f"0..{n - 1}")
+    if not re.fullmatch(r"\[?[^\s\[\]]+\]?:\d+", coord):
+        raise DistributedError(f"{COORDINATOR}={coord!r} is not host:port; e.g. {COORDINATOR}=10.0.0.1:12355")
+    return Launch("env", coord, n, pid, None, timeout)
+
+
+def _tasks_on_this_node() -> int:
+    # SLURM_STEP_TASKS_PER_NODE looks like "4(x2),3": one count per node, in node order
+    spec = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE") or "1"
+    counts = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m:
+            counts += [int(m.group(1))] * int(m.group(2) or 1)
+    node = _int_env("SLURM_NODEID", 0) or 0
+    return counts[node] if node < len(counts) else (counts[0] if counts else 1)
+
+
+def _slurm(timeout: int) -> Launch | None:
+    from jax._src.clusters import SlurmCluster
+
+    if not SlurmCluster.is_env_present() or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
+        return None
+    coord = SlurmCluster.get_coordinator_address(timeout, os.environ.get("JAX_COORDINATOR_PORT"))
+    # JAX would pin each task to GPU SLURM_LOCALID; that is right only when a node runs several tasks.
+    local = None
+    if _tasks_on_this_node() > 1 and not os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+        local = (SlurmCluster.get_local_process_id(),)
+    return Launch("slurm", coord, SlurmCluster.get_process_count(), SlurmCluster.get_process_id(), local, timeout)
+
+
+def detect() -> Launch | None:
+    """How this process joins a multi-process run, from the environment; None when it runs alone."""
+    timeout = timeout_s()
+    local_cpu_devices()  # validate early
+    cluster = os.environ.get(CLUSTER, "auto").strip().lower() or "auto"
+    if cluster == "off":
+        return None
+    if cluster != "auto":
+        return Launch(cluster, None, None, None, None, timeout)
+    launch = _explicit(timeout) or _slurm(timeout)
+    if launch is None and len([h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1:
+        launch = Launch("tpu", None, None, None, None, timeout)
+    return launch
+
+
+# ----------------------------------------------------------------------------- joining
+
+
+def _reachable(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _stuck_message(launch: Launch) -> str:
+    who = f"process {launch.process_id} of {launch.num_processes}" if launch.num_processes else "this process"
+    t = f"within {launch.timeout} s ({INIT_TIMEOUT})"
+    if launch.coordinator is None:
+        return f"{who} could not join the {launch.method} cluster {t}; check that every worker runs the same command"
+    if launch.process_id != 0 and not _reachable(launch.coordinator):
+        return (f"{who} cannot reach the coordinator {launch.coordinator} {t}; start process 0 there and check "
+                f"{COORDINATOR} (host and a free, open port)")
+    return (f"{who}: not all {launch.num_processes} processes joined the coordinator {launch.coordinator} {t}; "
+            f"start every process with the same {NUM_PROCESSES} and its own {PROCESS_ID}")
+
+
+class _Watchdog:
+    """Ends the process with one line if the rendezvous outlasts its timeout (JAX would block, then abort)."""
+
+    def __init__(self, launch: Launch):
+        self.launch, self.done = launch, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="mtpjax-rendezvous-watchdog")
+
+    def _run(self):
+        if not self.done.wait(self.launch.timeout):
+            print(f"error: {_stuck_message(self.launch)}", file=sys.stderr, flush=True)
+            os._exit(EXIT_STATUS)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+
+
+def _check_agreement(launch: Launch) -> None:
+    """Every process must have been started with the coordinator's process count (JAX does not check)."""
+    from jax._src import distributed as jd
+
+    client, me, n = jd.global_state.client, jd.global_state.process_id, jd.global_state.num_processes
+    client.key_value_set(f"mtpjax/num_processes/{me}", str(n))
+    peers = [0] if me else range(1, n)
+    for p in peers:
+        theirs = int(client.blocking_key_value_get(f"mtpjax/num_processes/{p}", launch.timeout * 1000))
+        if theirs != n:
+            raise DistributedError(f"process {me} was started with {NUM_PROCESSES}={n} but process {p} with "
+                                   f"{theirs}; start every process with the same {NUM_PROCESSES}")
+    client.wait_at_barrier("mtpjax/joined", launch.timeout * 1000)
+
+
+def configure_local_devices() -> None:
+    """Apply MTPJAX_LOCAL_DEVICES (CPU devices per process); must precede any JAX computation."""
+    n = local_cpu_devices()
+    if n is None:
+        return
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        if jax.local_device_count() != n:
+            raise DistributedError(f"{LOCAL_DEVICES}={n} was read after JAX started with "
+                                   f"{jax.local_device_count()} devices; call mtpjax.distributed.initialize() "
+                                   "before any other JAX use")
+        return
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def initialize() -> Launch | None:
+    """Join the multi-process run described by the environment (no-op alone); DistributedError if misconfigured."""
+    from jax._src import xla_bridge
+
+    configure_local_devices()
+    launch = detect()
+    if launch is None or jax.distributed.is_initialized():
+        return launch
+    if xla_bridge.backends_are_initialized():
+        raise DistributedError("JAX was used before mtpjax.distributed.initialize(); call it first, before any "
+                               "other JAX use")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    kw = dict(coordinator_address=launch.coordinator, num_processes=launch.num_processes,
+              process_id=launch.process_id, local_device_ids=launch.local_device_ids,
+              # JAX's own deadline lies past ours so that the watchdog, not an abort, reports a stuck start
+              initialization_timeout=2 * launch.timeout + 30)
+    if launch.method == "env" or launch.method == "slurm":
+        kw["cluster_detection_method"] = "deactivate"
+    elif launch.method != "tpu":
+        kw["cluster_detection_method"] = launch.method
+    with _Watchdog(launch):
+        try:
+            jax.distributed.initialize(**kw)
+        except (RuntimeError, ValueError) as e:  # JAX raises several types; the user needs one line
+            raise DistributedError(f"jax.distributed.initialize failed ({str(e).splitlines()[0][:200]}); check "
+                                   f"the {launch.method} launch settings") from None
+        _check_agreement(launch)
+    return launch
+
+
+def is_primary() -> bool:
+    """True on process 0, the one that writes logs, TensorBoard and run files."""
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Wait until every process reaches the barrier `name` (no-op on one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mtpjax.distributed`: join, all-reduce one number per device, print what each process sees."""
+    try:
+        launch = initialize()
+    except DistributedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_STATUS
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    total = multihost_utils.process_allgather(np.float32(jax.process_index() + 1)).sum()
+    print(f"process {jax.process_index()} of {jax.process_count()} ({launch.method if launch else 'alone'}): "
+          f"{jax.local_device_count()} local / {jax.device_count()} global devices, all-reduce {total:g}",
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
