@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny.yaml")
     ap.add_argument("--fresh", action="store_true", help="move an existing run dir aside and start over")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)
     try:
         distributed.initialize()  # before any other JAX use; a no-op on one process
         cfg = load_config(args.config, args.overrides)
