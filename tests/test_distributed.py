@@ -1,0 +1,349 @@
+"""Multi-process training: environment detection, rendezvous errors, launchers, and a real 2-process run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mtpjax import distributed as dist
+from mtpjax.distributed import DistributedError, Launch, detect
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_helpers import write_corpus  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = REPO / "launch"
+NOISE = ("[Gloo]",)  # gloo's C++ connection notices go to stderr; they are not ours
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """A clean launch environment: no MTPJAX_*, SLURM_*, TPU_* or JAX_* cluster variables."""
+    for k in list(os.environ):
+        if k.startswith(("MTPJAX_", "SLURM_", "TPU_", "JAX_COORDINATOR", "JAX_LOCAL_DEVICE")):
+            monkeypatch.delenv(k)
+    return monkeypatch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sub_env(**kw) -> dict:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("MTPJAX_", "SLURM_", "TPU_"))}
+    return {**base, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), **{k: str(v) for k, v in kw.items()}}
+
+
+def our_lines(text: str) -> list[str]:
+    return [ln for ln in text.strip().splitlines() if ln and not ln.startswith(NOISE)]
+
+
+# ----------------------------------------------------------------------------- detection
+
+
+def test_alone_is_a_noop(env):
+    assert detect() is None
+    env.setenv("MTPJAX_NUM_PROCESSES", "1")
+    assert detect() is None
+
+
+def test_explicit_variables(env):
+    env.setenv("MTPJAX_COORDINATOR", "10.0.0.1:12355")
+    env.setenv("MTPJAX_NUM_PROCESSES", "4")
+    env.setenv("MTPJAX_PROCESS_ID", "3")
+    assert detect() == Launch("env", "10.0.0.1:12355", 4, 3, None, 300)
+    env.setenv("MTPJAX_INIT_TIMEOUT", "7")
+    assert detect().timeout == 7
+    env.setenv("MTPJAX_CLUSTER", "off")
+    assert detect() is None
+
+
+@pytest.mark.parametrize("variables, named", [
+    ({"MTPJAX_NUM_PROCESSES": "two"}, "MTPJAX_NUM_PROCESSES"),
+    ({"MTPJAX_NUM_PROCESSES": "0"}, "MTPJAX_NUM_PROCESSES"),
+    ({"MTPJAX_NUM_PROCESSES": "2", "MTPJAX_PROCESS_ID": "0"}, "MTPJAX_COORDINATOR"),
+    ({"MTPJAX_NUM_PROCESSES": "2", "MTPJAX_COORDINATOR": "h:1"}, "MTPJAX_PROCESS_ID"),
+    ({"MTPJAX_NUM_PROCESSES": "2", "MTPJAX_COORDINATOR": "h:1", "MTPJAX_PROCESS_ID": "2"}, "MTPJAX_PROCESS_ID"),
+    ({"MTPJAX_NUM_PROCESSES": "2", "MTPJAX_COORDINATOR": "h:1", "MTPJAX_PROCESS_ID": "-1"}, "MTPJAX_PROCESS_ID"),
+    ({"MTPJAX_NUM_PROCESSES": "2", "MTPJAX_COORDINATOR": "host", "MTPJAX_PROCESS_ID": "0"}, "MTPJAX_COORDINATOR"),
+    ({"MTPJAX_PROCESS_ID": "1"}, "MTPJAX_NUM_PROCESSES"),
+    ({"MTPJAX_INIT_TIMEOUT": "0"}, "MTPJAX_INIT_TIMEOUT"),
+    ({"MTPJAX_LOCAL_DEVICES": "x"}, "MTPJAX_LOCAL_DEVICES"),
+])
+def test_bad_variables_are_one_line_errors(env, variables, named):
+    for k, v in variables.items():
+        env.setenv(k, v)
+    with pytest.raises(DistributedError) as e:
+        detect()
+    assert named in str(e.value) and "\n" not in str(e.value)
+
+
+def slurm_env(env, tasks_per_node: str, ntasks: int, procid: int, localid: int):
+    for k, v in {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[017-018]", "SLURM_NTASKS": ntasks,
+                 "SLURM_PROCID": procid, "SLURM_LOCALID": localid, "SLURM_NODEID": procid // max(1, ntasks // 2),
+                 "SLURM_STEP_TASKS_PER_NODE": tasks_per_node}.items():
+        env.setenv(k, str(v))
+
+
+def test_slurm_one_process_per_gpu(env):
+    slurm_env(env, "8(x2)", 16, 13, 5)
+    port = 4242 % 2**12 + 65535 - 2**12 + 1  # JAX's SLURM rule: an ephemeral port derived from the job id
+    assert detect() == Launch("slurm", f"gpu017:{port}", 16, 13, (5,), 300)
+    env.setenv("JAX_COORDINATOR_PORT", "23456")
+    assert detect().coordinator == "gpu017:23456"
+
+
+def test_slurm_one_process_per_node_sees_all_its_gpus(env):
+    slurm_env(env, "1(x2)", 2, 1, 0)
+    assert detect() == Launch("slurm", detect().coordinator, 2, 1, None, 300)
+
+
+def test_slurm_single_task_is_alone(env):
+    slurm_env(env, "1", 1, 0, 0)
+    assert detect() is None
+
+
+def test_tpu_is_left_to_jax(env):
+    env.setenv("MTPJAX_CLUSTER", "tpu")
+    assert detect() == Launch("tpu", None, None, None, None, 300)
+    env.delenv("MTPJAX_CLUSTER")
+    env.setenv("TPU_WORKER_HOSTNAMES", "w-0,w-1,w-2,w-3")
+    assert detect().method == "tpu"
+
+
+def test_initialize_after_jax_use_is_refused(env):
+    import jax
+
+    jax.devices()
+    env.setenv("MTPJAX_COORDINATOR", f"127.0.0.1:{free_port()}")
+    env.setenv("MTPJAX_NUM_PROCESSES", "2")
+    env.setenv("MTPJAX_PROCESS_ID", "0")
+    with pytest.raises(DistributedError, match="before any other JAX use"):
+        dist.initialize()
+    env.setenv("MTPJAX_LOCAL_DEVICES", str(jax.local_device_count() + 1))
+    with pytest.raises(DistributedError, match="MTPJAX_LOCAL_DEVICES"):
+        dist.initialize()
+
+
+# ----------------------------------------------------------------------------- rendezvous (real processes)
+
+
+def join(pid: int, n: int, port: int, timeout: int = 3, **kw) -> subprocess.Popen:
+    env = sub_env(MTPJAX_COORDINATOR=f"127.0.0.1:{port}", MTPJAX_NUM_PROCESSES=n, MTPJAX_PROCESS_ID=pid,
+                  MTPJAX_LOCAL_DEVICES=2, MTPJAX_INIT_TIMEOUT=timeout, **kw)
+    return subprocess.Popen([sys.executable, "-m", "mtpjax.distributed"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(p: subprocess.Popen) -> tuple[int, str, list[str]]:
+    out, err = p.communicate(timeout=120)
+    return p.returncode, out, our_lines(err)
+
+
+def test_two_processes_join_and_all_reduce():
+    port = free_port()
+    procs = [join(i, 2, port, timeout=60) for i in range(2)]
+    for i, p in enumerate(procs):
+        rc, out, err = finish(p)
+        assert rc == 0, err
+        assert f"process {i} of 2 (env): 2 local / 4 global devices, all-reduce 3" in out
+
+
+def test_unreachable_coordinator_is_one_line_within_the_timeout():
+    t0 = time.monotonic()
+    rc, _, err = finish(join(1, 2, free_port(), timeout=2))
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("error: process 1 of 2 cannot reach the coordinator 127.0.0.1:")
+    assert time.monotonic() - t0 < 60
+
+
+def test_missing_process_is_one_line_within_the_timeout():
+    rc, _, err = finish(join(0, 2, free_port(), timeout=2))
+    assert rc == 2 and len(err) == 1, err
+    assert "not all 2 processes joined the coordinator" in err[0] and "MTPJAX_INIT_TIMEOUT" in err[0]
+
+
+def test_mismatched_process_counts_stop_every_process():
+    port = free_port()
+    p0, p1 = join(0, 2, port, timeout=20), join(1, 3, port, timeout=20)
+    for p, me, other, theirs in ((p0, 0, 1, 3), (p1, 1, 0, 2)):
+        rc, _, err = finish(p)
+        assert rc == 2 and len(err) == 1, err
+        assert f"process {me} was started with MTPJAX_NUM_PROCESSES={2 if me == 0 else 3} but process {other} " \
+               f"with {theirs}" in err[0]
+
+
+def test_train_cli_reports_an_unreachable_coordinator(tmp_path):
+    env = sub_env(MTPJAX_COORDINATOR=f"127.0.0.1:{free_port()}", MTPJAX_NUM_PROCESSES=2, MTPJAX_PROCESS_ID=1,
+                  MTPJAX_INIT_TIMEOUT=2)
+    p = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/tiny.yaml"),
+                        f"train.run_dir={tmp_path / 'run'}"], env=env, capture_output=True, text=True, timeout=120)
+    err = our_lines(p.stderr)
+    assert p.returncode == 2 and len(err) == 1 and "cannot reach the coordinator" in err[0], p.stderr
+    assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------- launch/local.sh
+
+
+def test_local_sh_usage():
+    for args in ([], ["0"], ["two"]):
+        p = subprocess.run(["bash", str(LAUNCH / "local.sh"), *args], capture_output=True, text=True)
+        assert p.returncode == 2 and p.stderr.startswith("usage: launch/local.sh N"), p.stderr
+
+
+def test_local_sh_stops_the_others_when_one_fails(tmp_path):
+    stub = tmp_path / "py"  # process 1 fails at once; process 0 would run for a minute
+    stub.write_text(f'#!/bin/bash\n[ "$1" = -c ] && exec {sys.executable} "$@"\n'
+                    f'echo "$MTPJAX_PROCESS_ID $MTPJAX_NUM_PROCESSES $MTPJAX_COORDINATOR $*" >> {tmp_path}/seen\n'
+                    '[ "$MTPJAX_PROCESS_ID" = 1 ] && exit 3\nexec sleep 60\n')
+    stub.chmod(0o755)
+    t0 = time.monotonic()
+    p = subprocess.run(["bash", str(LAUNCH / "local.sh"), "2", "--config", "x.yaml", "a.b=1"],
+                       env={**os.environ, "PYTHON": str(stub)}, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 3 and "process 1 of 2 exited with status 3" in p.stderr
+    assert time.monotonic() - t0 < 30
+    seen = sorted((tmp_path / "seen").read_text().splitlines())
+    port = seen[0].split()[2]
+    assert seen == [f"{i} 2 {port} {LAUNCH}/../train.py --config x.yaml a.b=1" for i in range(2)]
+    assert port.startswith("127.0.0.1:")
+
+
+SHRINK = ["model.d_model=32", "model.n_layers=2", "model.d_ff=64", "data.seq_len=64", "train.batch_size=8",
+          "train.steps=4", "train.eval_every=4", "train.eval_batches=1", "train.log_every=1",
+          "train.num_samples=1", "train.progress=false", "train.peak_flops=1e9", "checkpoint.every=2",
+          "optim.lr=1e-2", "optim.warmup_steps=1", "mesh.data=2", "mesh.fsdp=2", "data.source=text"]
+
+
+def scalars(tb_dir: Path, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_and_resume_on_one(tmp_path):
+    """local.sh 2 (2 x 2 CPU devices) == 1 process x 4 devices on the same global batches; resume on 1."""
+    run = tmp_path / "run"
+    overrides = SHRINK + [f"data.paths={write_corpus(tmp_path)}", f"data.cache_dir={tmp_path / 'cache'}",
+                          f"train.run_dir={run}"]
+    env = sub_env(MTPJAX_LOCAL_DEVICES=2, MTPJAX_INIT_TIMEOUT=120)
+    p = subprocess.run(["bash", str(LAUNCH / "local.sh"), "2", "--config", str(REPO / "configs/tiny.yaml"),
+                        *overrides], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len([ln for ln in p.stderr.splitlines() if ln.startswith("step 4: eval")]) == 1  # process 0 only
+    assert len(list((run / "tensorboard").iterdir())) == 1
+    two = {k: scalars(run / "tensorboard", f"loss/{k}") for k in ("main", "mtp_1", "mtp_2")}
+    assert sorted(two["main"]) == [2, 3, 4]  # step 1 includes compilation and is not logged
+
+    inp, out = tmp_path / "in.json", tmp_path / "out.json"
+    inp.write_text(json.dumps({"config": str(REPO / "configs/tiny.yaml"), "overrides": overrides,
+                               "resume_steps": 6}))
+    w = subprocess.run([sys.executable, str(Path(__file__).parent / "distributed_worker.py"), str(inp), str(out)],
+                       env=sub_env(), capture_output=True, text=True, timeout=600)
+    assert w.returncode == 0, w.stderr[-3000:]
+    res = json.loads(out.read_text())
+
+    p0, p1 = res["first_tokens"]  # each process reads its own shard: no window in common
+    assert len(p0) == len(p1) == 4 and not {tuple(r) for r in p0} & {tuple(r) for r in p1}
+    ref, same = res["reference"], res["reference_same_shard"]
+    for k, by_step in two.items():
+        for step, v in by_step.items():
+            assert v == pytest.approx(ref[step - 1][f"loss/{k}"], rel=1e-5, abs=1e-6), (k, step)
+    # had both processes read one shard, the run would have shown other losses
+    assert abs(two["main"][2] - same[1]["loss/main"]) > 1e-3
+    assert [s for s, _ in res["resumed"]] == [5, 6]
+    for s, loss in res["resumed"]:
+        assert loss == pytest.approx(ref[s - 1]["loss/total"], rel=1e-5, abs=1e-6), s
+
+
+# ----------------------------------------------------------------------------- cluster launchers (cannot run here)
+
+
+def stub(directory: Path, name: str) -> Path:
+    """An executable that appends its argv (one shell-quoted line) and selected env to <name>.log."""
+    path = directory / name
+    path.write_text('#!/bin/bash\n{ printf "%q " "$@"; echo; env | grep -E "^(MTPJAX|JAX)_" | sort; } '
+                    f'>> {directory}/{name}.log\n')
+    path.chmod(0o755)
+    return path
+
+
+def test_slurm_sbatch_runs_train_py_under_srun(tmp_path):
+    text = (LAUNCH / "slurm.sbatch").read_text()
+    for directive in ("--nodes=", "--ntasks-per-node=", "--gpus-per-node=", "--time="):
+        assert f"#SBATCH {directive}" in text
+    stub(tmp_path, "srun")
+    env = {**sub_env(), "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(REPO)}
+    p = subprocess.run(["bash", str(LAUNCH / "slurm.sbatch"), "--config", "configs/small.yaml", "train.run_dir=/s/r"],
+                       env=env, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    argv, *envs = (tmp_path / "srun.log").read_text().splitlines()
+    assert shlex.split(argv) == ["--kill-on-bad-exit=1", "python3", "train.py", "--config", "configs/small.yaml",
+                                 "train.run_dir=/s/r"]
+    assert "MTPJAX_INIT_TIMEOUT=300" in envs
+
+
+def test_tpu_vm_runs_the_same_command_on_every_worker(tmp_path):
+    stub(tmp_path, "gcloud")
+    env = {**sub_env(), "PATH": f"{tmp_path}:{os.environ['PATH']}", "PROJECT": "proj", "MTPJAX_DIR": str(tmp_path),
+           "PYTHON": str(stub(tmp_path, "python3"))}
+    bad = subprocess.run(["bash", str(LAUNCH / "tpu_vm.sh"), "only-name"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage" in bad.stderr
+    args = ["--config", "configs/small.yaml", "train.run_dir=gs://b/my run"]
+    p = subprocess.run(["bash", str(LAUNCH / "tpu_vm.sh"), "pod-32", "us-west4-a", *args], env=env,
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    argv = shlex.split((tmp_path / "gcloud.log").read_text().splitlines()[0])
+    assert argv[:6] == ["compute", "tpus", "tpu-vm", "ssh", "pod-32", "--zone=us-west4-a"]
+    assert "--project=proj" in argv and "--worker=all" in argv
+    remote = next(a for a in argv if a.startswith("--command="))[len("--command="):]
+    # what each worker runs: replay it here with the stub interpreter
+    subprocess.run(["bash", "-c", remote], env=env, check=True, timeout=30)
+    ran, *envs = (tmp_path / "python3.log").read_text().splitlines()
+    assert shlex.split(ran) == ["train.py", *args]
+    assert "MTPJAX_CLUSTER=tpu" in envs and "MTPJAX_INIT_TIMEOUT=300" in envs
+
+
+def test_jobset_numbers_its_pods_and_points_them_at_pod_0(env):
+    js = yaml.safe_load((LAUNCH / "jobset.yaml").read_text())
+    assert js["apiVersion"].startswith("jobset.x-k8s.io/") and js["kind"] == "JobSet"
+    [rj] = js["spec"]["replicatedJobs"]
+    job = rj["template"]["spec"]
+    assert rj["replicas"] == 1 and job["completionMode"] == "Indexed"
+    [c] = job["template"]["spec"]["containers"]
+    assert c["command"][:2] == ["python3", "train.py"]
+    e = {v["name"]: v for v in c["env"]}
+    n = int(e["MTPJAX_NUM_PROCESSES"]["value"])
+    assert n == job["parallelism"] == job["completions"] > 1
+    assert e["MTPJAX_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    host, port = e["MTPJAX_COORDINATOR"]["value"].rsplit(":", 1)
+    name = js["metadata"]["name"]
+    assert host == f"{name}-{rj['name']}-0-0.{name}"  # JobSet's DNS name of job 0, pod 0
+    assert js["spec"].get("network", {}).get("enableDNSHostnames", True)
+    assert {"containerPort": int(port)} in c["ports"]
+    for i in range(n):  # what each pod's process makes of its environment
+        for k in ("MTPJAX_COORDINATOR", "MTPJAX_NUM_PROCESSES", "MTPJAX_INIT_TIMEOUT"):
+            env.setenv(k, e[k]["value"])
+        env.setenv("MTPJAX_PROCESS_ID", str(i))
+        assert detect() == Launch("env", f"{host}:{port}", n, i, None, int(e["MTPJAX_INIT_TIMEOUT"]["value"]))
+
+
+def test_launchers_parse():
+    for script in ("local.sh", "slurm.sbatch", "tpu_vm.sh"):
+        subprocess.run(["bash", "-n", str(LAUNCH / script)], check=True)
+        assert os.access(LAUNCH / script, os.X_OK)
