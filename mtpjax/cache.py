@@ -17,24 +17,38 @@ from mtpjax.model import DecodeCache
 
 
 def init_cache(cfg: ModelConfig, batch: int, capacity: int) -> DecodeCache:
-    """Zeroed caches: trunk [L,B,S,KV,hd]; MTP [D,B,S,KV,hd] (None without MTP modules)."""
+    """Zeroed caches, one KV per layer and per MTP module (a stacked [L,...] KV for a scanned trunk).
+
+    Separate per-layer buffers let XLA update each in place inside the decode loop; a stacked array
+    would be rebuilt (copied) by every forward.
+    """
     dt = dtype_of(cfg.dtype)
+    shape = (batch, capacity, cfg.n_kv_heads, cfg.resolved_head_dim)
 
-    def kv(n):
-        shape = (n, batch, capacity, cfg.n_kv_heads, cfg.resolved_head_dim)
-        return KV(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+    def kv(lead=()):
+        return KV(jnp.zeros(lead + shape, dt), jnp.zeros(lead + shape, dt))
 
-    return DecodeCache(trunk=kv(cfg.n_layers), mtp=kv(cfg.mtp_depth) if cfg.mtp_depth else None)
-
-
-def layer(cache: KV, i: int) -> KV:
-    """The cache of layer/module i of a stacked KV."""
-    return KV(cache.k_BSKH[i], cache.v_BSKH[i])
+    trunk = kv((cfg.n_layers,)) if cfg.scan_layers else tuple(kv() for _ in range(cfg.n_layers))
+    return DecodeCache(trunk=trunk, mtp=tuple(kv() for _ in range(cfg.mtp_depth)))
 
 
-def set_layer(cache: KV, i: int, new: KV) -> KV:
-    """Stacked KV with layer/module i replaced."""
-    return KV(cache.k_BSKH.at[i].set(new.k_BSKH), cache.v_BSKH.at[i].set(new.v_BSKH))
+def layer(cache, i: int) -> KV:
+    """The cache of layer/module i (of a tuple of KVs or of a stacked KV)."""
+    if isinstance(cache, KV):
+        return KV(cache.k_BSKH[i], cache.v_BSKH[i])
+    return cache[i]
+
+
+def set_layer(cache: tuple, i: int, new: KV) -> tuple:
+    """The tuple of KVs with entry i replaced."""
+    return cache[:i] + (new,) + cache[i + 1:]
+
+
+def stacked(cache) -> KV:
+    """All layers as one [L, B, S, KV, hd] KV (for inspection and tests)."""
+    if isinstance(cache, KV):
+        return cache
+    return KV(jnp.stack([c.k_BSKH for c in cache]), jnp.stack([c.v_BSKH for c in cache]))
 
 
 def write_rows(buf_BS, upd_BT, start_B):

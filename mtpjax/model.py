@@ -23,10 +23,10 @@ class MTPOutput:
 
 
 class DecodeCache(NamedTuple):
-    """KV caches of the trunk (leading axis = layer) and of every MTP module (leading axis = depth)."""
+    """KV caches of the trunk (a KV per layer, or one stacked KV when layers are scanned) and of each MTP module."""
 
-    trunk: KV
-    mtp: KV | None
+    trunk: tuple | KV
+    mtp: tuple
 
 
 _REMAT = {
@@ -107,8 +107,8 @@ class MTPTransformer(nnx.Module):
         """Depth k's final norm (k=0: the trunk's), making h ready for the shared head."""
         return self.final_norm(h_raw) if k == 0 else self.mtp[k - 1].norm(h_raw)
 
-    def trunk(self, tokens_BT, pos_BT=None, seg_BT=None, cache: KV | None = None):
-        """Trunk forward; returns raw hidden states [B,T,d] and the updated cache (None without one)."""
+    def trunk(self, tokens_BT, pos_BT=None, seg_BT=None, cache=None):
+        """Trunk forward; raw hidden states [B,T,d] and the updated cache (per-layer tuple, or stacked if scanned)."""
         pos_BT = _positions(tokens_BT) if pos_BT is None else pos_BT
         x = self.embed_tokens(tokens_BT)
         remat = self.cfg.remat
@@ -123,12 +123,9 @@ class MTPTransformer(nnx.Module):
             return x, new
         news = []
         for i, blk in enumerate(self.blocks):
-            kv = None if cache is None else KV(cache.k_BSKH[i], cache.v_BSKH[i])
-            x, nkv = _run_block(blk, x, pos_BT, seg_BT, kv, remat)
+            x, nkv = _run_block(blk, x, pos_BT, seg_BT, None if cache is None else cache[i], remat)
             news.append(nkv)
-        if cache is None:
-            return x, None
-        return x, KV(jnp.stack([n.k_BSKH for n in news]), jnp.stack([n.v_BSKH for n in news]))
+        return x, None if cache is None else tuple(news)
 
     def mtp_forward(self, k: int, h_prev_BTD, next_tokens_BT, pos_BT=None, seg_BT=None, cache: KV | None = None):
         """MTP depth k (1-based): raw h_{k-1}[i] and token x[i+k] -> raw h_k[i], updated cache."""

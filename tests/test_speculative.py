@@ -10,7 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
-from mtpjax.cache import init_cache, layer
+from mtpjax.cache import init_cache, layer, stacked
 from mtpjax.config import load_config
 from mtpjax.loss import mtp_loss
 from mtpjax.model import build_model
@@ -174,11 +174,13 @@ def test_module_caches_equal_fresh_prefill(half_trained, window, expect_equal):
     for b in range(len(PROMPTS)):
         n = int(n_B[b])
         trunk, mods = _fresh_module_caches(model, jnp.asarray(seq[b]), n)
-        np.testing.assert_allclose(st.cache.trunk.k_BSKH[:, b, : n - 1], trunk.k_BSKH[:, 0, : n - 1], atol=2e-5)
+        np.testing.assert_allclose(stacked(st.cache.trunk).k_BSKH[:, b, : n - 1],
+                                   stacked(trunk).k_BSKH[:, 0, : n - 1], atol=2e-5)
+        mtp = stacked(st.cache.mtp)
         for k, kv in enumerate(mods, start=1):
             valid = n - k
-            for got, want in ((st.cache.mtp.k_BSKH[k - 1, b, :valid], kv.k_BSKH[0, :valid]),
-                              (st.cache.mtp.v_BSKH[k - 1, b, :valid], kv.v_BSKH[0, :valid])):
+            for got, want in ((mtp.k_BSKH[k - 1, b, :valid], kv.k_BSKH[0, :valid]),
+                              (mtp.v_BSKH[k - 1, b, :valid], kv.v_BSKH[0, :valid])):
                 ok &= bool(np.allclose(got, want, atol=2e-5))
     assert ok == expect_equal
 
