@@ -49,29 +49,36 @@ def heldout_prompts(val_tokens, n: int, length: int, eos_id: int) -> list[list[i
     return out
 
 
-def timed_decode(model, prompts, *, num_draft: int, proposer: str, max_new: int, repeats: int = 1) -> dict:
-    """Run each prompt (batch 1) after a compile-warmup; seconds, tokens, rounds and acceptance summed."""
-    spec = make_spec(model, prompts[:1], max_new_tokens=max_new, num_draft=num_draft, proposer=proposer,
-                     sampler=make_sampler(), eos_id=None, max_len=None)
-    jax.block_until_ready(run(model, prompts[:1], spec).n_B)  # compile
-    secs, tokens, rounds, acc, reach, outs = 0.0, 0, 0, np.zeros(num_draft), np.zeros(num_draft), []
-    for p in prompts:
-        # every prompt is padded to the same bucket, so one compilation serves them all
-        spec_p = make_spec(model, [p], max_new_tokens=max_new, num_draft=num_draft, proposer=proposer,
-                           sampler=make_sampler(), eos_id=None, max_len=None)
+def timed_decode(model, prompts, *, num_draft: int, proposer: str, max_new: int, batch: int = 1,
+                 repeats: int = 1) -> dict:
+    """Greedy-decode prompts in groups of `batch` after a compile warmup; seconds, tokens, rounds, acceptance."""
+    groups = [prompts[i: i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
+
+    def spec_of(group):
+        # all prompts are padded to one bucket, so a single compilation serves every group
+        return make_spec(model, group, max_new_tokens=max_new, num_draft=num_draft, proposer=proposer,
+                         sampler=make_sampler(), eos_id=None, max_len=None)
+
+    jax.block_until_ready(run(model, groups[0], spec_of(groups[0])).n_B)  # compile
+    secs, tokens, rounds, loops = 0.0, 0, 0, 0
+    acc, reach, outs = np.zeros(num_draft), np.zeros(num_draft), []
+    for group in groups:
+        spec = spec_of(group)
         for _ in range(repeats):
             t0 = time.perf_counter()
-            st = run(model, [p], spec_p)
+            st = run(model, group, spec)
             jax.block_until_ready(st.n_B)
             secs += time.perf_counter() - t0
         res = summarize(st)
         tokens += res.stats["generated"] * repeats
-        rounds += res.stats["rounds"] * repeats
+        rounds += res.stats["rounds"] * repeats  # summed over rows
+        loops += int(np.asarray(st.rounds_B).max()) * repeats  # a batch loops until its slowest row is done
         acc += np.asarray(res.stats["accepted"] or np.zeros(num_draft)) * repeats
         reach += np.asarray(res.stats["reached"] or np.zeros(num_draft)) * repeats
-        outs.append(res.tokens[0])
-    return {"seconds": secs, "tokens": tokens, "runs": len(prompts) * repeats, "rounds": rounds, "accepted": acc, "reached": reach,
-            "tokens_per_sec": tokens / secs, "sec_per_round": secs / max(rounds, 1), "outputs": outs}
+        outs.extend(res.tokens)
+    return {"seconds": secs, "tokens": tokens, "runs": sum(len(g) for g in groups) * repeats, "rounds": rounds,
+            "accepted": acc, "reached": reach, "tokens_per_sec": tokens / secs,
+            "sec_per_round": secs / max(loops, 1), "outputs": outs}
 
 
 def ideal_tokens_per_round(alpha: float, gamma: int) -> float:
@@ -79,11 +86,12 @@ def ideal_tokens_per_round(alpha: float, gamma: int) -> float:
     return gamma + 1.0 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
-def speed_report(model, prompts, *, num_draft: int, max_new: int, repeats: int = 1) -> dict:
-    """Plain vs n-gram vs MTP greedy decoding at batch 1: throughput, acceptance, costs, predicted speedup."""
-    plain = timed_decode(model, prompts, num_draft=0, proposer="mtp", max_new=max_new, repeats=repeats)
-    ngram = timed_decode(model, prompts, num_draft=num_draft, proposer="ngram", max_new=max_new, repeats=repeats)
-    rep = {"num_draft": num_draft, "plain_tokens_per_sec": plain["tokens_per_sec"],
+def speed_report(model, prompts, *, num_draft: int, max_new: int, batch: int = 1, repeats: int = 1) -> dict:
+    """Plain vs n-gram vs MTP greedy decoding: throughput, acceptance, costs (c, v), predicted speedup."""
+    kw = dict(max_new=max_new, batch=batch, repeats=repeats)
+    plain = timed_decode(model, prompts, num_draft=0, proposer="mtp", **kw)
+    ngram = timed_decode(model, prompts, num_draft=num_draft, proposer="ngram", **kw)
+    rep = {"batch": batch, "num_draft": num_draft, "plain_tokens_per_sec": plain["tokens_per_sec"],
            "ngram_tokens_per_sec": ngram["tokens_per_sec"],
            "ngram_speedup": ngram["tokens_per_sec"] / plain["tokens_per_sec"],
            "ngram_tokens_per_round": _per_round(ngram)}
@@ -92,7 +100,7 @@ def speed_report(model, prompts, *, num_draft: int, max_new: int, repeats: int =
     rep["verify_cost_v"] = v
     exact = ngram["outputs"] == plain["outputs"]
     if model.cfg.mtp_depth:
-        mtp = timed_decode(model, prompts, num_draft=num_draft, proposer="mtp", max_new=max_new, repeats=repeats)
+        mtp = timed_decode(model, prompts, num_draft=num_draft, proposer="mtp", **kw)
         exact &= mtp["outputs"] == plain["outputs"]
         alpha_pos = (mtp["accepted"] / np.maximum(mtp["reached"], 1)).tolist()
         alpha = float(mtp["accepted"].sum() / max(mtp["reached"].sum(), 1))
@@ -109,5 +117,5 @@ def speed_report(model, prompts, *, num_draft: int, max_new: int, repeats: int =
 
 
 def _per_round(r: dict) -> float:
-    # each run's first token comes from the prefill, not from a round
+    # each row's first token comes from the prefill, not from a round
     return (r["tokens"] - r["runs"]) / max(r["rounds"], 1)
