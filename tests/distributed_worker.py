@@ -58,12 +58,14 @@ def main_worker(inp: dict) -> dict:
     graphdef, _, shardings = abstract_state(cfg, mesh)
     progs = make_programs(cfg, mesh, graphdef, shardings)
     state, ref = run_steps(cfg, progs, init_state(cfg, mesh, shardings), glob, 0)
-    _, ref_later = run_steps(cfg, progs, state, later, first)
+    longer = replace(cfg, [f"train.steps={total}"])  # the resumed run's LR schedule spans the new step count
+    graphdef6, _, shardings6 = abstract_state(longer, mesh)  # the optimizer (and its schedule) is in the graphdef
+    _, ref_later = run_steps(longer, make_programs(longer, mesh, graphdef6, shardings6), state, later, first)
     # The same model fed process 0's rows twice: what the run would show if both processes read one shard.
     same = [{k: np.concatenate([a[k], a[k]]) for k in a} for a, _ in local]
     _, ref_same = run_steps(cfg, progs, init_state(cfg, mesh, shardings), same, 0)
 
-    resumed = train(replace(cfg, [f"train.steps={total}"]))
+    resumed = train(longer)
     return {"first_tokens": [np.asarray(local[0][0]["tokens"]).tolist(), np.asarray(local[0][1]["tokens"]).tolist()],
             "reference": ref + ref_later, "reference_same_shard": ref_same, "resumed": resumed["history"]}
 
