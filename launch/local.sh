@@ -24,11 +24,11 @@ export MTPJAX_COORDINATOR="127.0.0.1:$PORT" MTPJAX_NUM_PROCESSES="$N"
 export MTPJAX_LOCAL_DEVICES="${MTPJAX_LOCAL_DEVICES:-1}"
 
 PIDS=()
-stop_all() {
+stop_all() {  # stop_all GRACE_SECONDS
   local pid
   for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; done
-  # SIGTERM asks train.py for a checkpoint, which needs every process: give up on it after a grace period
-  for _ in $(seq 50); do
+  # SIGTERM asks train.py for a checkpoint at a step all processes agree on; a dead process cannot agree
+  for _ in $(seq $(($1 * 10))); do
     local alive=0
     for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
     [ $alive = 0 ] && return
@@ -36,15 +36,22 @@ stop_all() {
   done
   for pid in "${PIDS[@]}"; do kill -KILL "$pid" 2>/dev/null; done
 }
-trap 'echo "local.sh: interrupted; stopping all processes" >&2; stop_all; exit 130' INT TERM
+on_interrupt() {  # every process checkpoints and exits; status 0 when all of them managed to
+  echo "local.sh: interrupted; asking every process to checkpoint and stop" >&2
+  stop_all 120
+  local pid rc=0
+  for pid in "${running[@]}"; do wait "$pid" || rc=$?; done
+  exit $rc
+}
 
 for ((i = 0; i < N; i++)); do
   MTPJAX_PROCESS_ID=$i "$PY" "$HERE/../train.py" "$@" &
   PIDS+=($!)
 done
+running=("${PIDS[@]}")
+trap on_interrupt INT TERM
 
 status=0
-running=("${PIDS[@]}")
 while [ ${#running[@]} -gt 0 ]; do
   wait -n -p done_pid "${running[@]}"
   rc=$?
@@ -55,7 +62,7 @@ while [ ${#running[@]} -gt 0 ]; do
     for ((i = 0; i < N; i++)); do [ "${PIDS[$i]}" = "$done_pid" ] && who=$i; done
     echo "local.sh: process ${who:-?} of $N exited with status $rc; stopping the others" >&2
     status=$rc
-    stop_all
+    stop_all 5
     wait
     break
   fi

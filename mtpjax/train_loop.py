@@ -150,9 +150,18 @@ class _Preemption:
         self.requested, self.old = False, None
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        # Several processes must stop at the same step: JAX's preemption sync manager catches SIGTERM there.
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
             self.old = signal.signal(signal.SIGTERM, self._handle)
         return self
+
+    def check(self, step: int) -> bool:
+        """Whether to stop after `step` (the same answer on every process)."""
+        if jax.process_count() > 1 and not self.requested:
+            from jax.experimental import multihost_utils
+
+            self.requested = multihost_utils.reached_preemption_sync_point(step)
+        return self.requested
 
     def _handle(self, signum, frame):
         self.requested = True
@@ -247,7 +256,7 @@ def train(cfg: Config, *, fresh: bool = False, max_steps: int | None = None) -> 
     step, pending, saved = start, None, start
     try:
         with _Preemption() as pre:
-            while step < end and not pre.requested:
+            while step < end and not pre.check(step):
                 state, met = progs.train_step(state, *to_global(progs, next(train_it)), np.int32(step))
                 step += 1
                 if pending is not None:
@@ -305,6 +314,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, data.DataError, CheckpointError, MeshError, TrainError, distributed.DistributedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if out["preempted"]:
+    if out["preempted"] and distributed.is_primary():
         print(f"preempted: checkpoint saved at step {out['step']}", file=sys.stderr)
     return 0

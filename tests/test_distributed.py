@@ -347,3 +347,25 @@ def test_launchers_parse():
     for script in ("local.sh", "slurm.sbatch", "tpu_vm.sh"):
         subprocess.run(["bash", "-n", str(LAUNCH / script)], check=True)
         assert os.access(LAUNCH / script, os.X_OK)
+
+
+@pytest.mark.slow
+def test_interrupted_local_run_checkpoints_every_process_at_one_step(tmp_path):
+    """SIGTERM to local.sh: both processes stop at one agreed step, checkpoint it together, exit 0."""
+    run = tmp_path / "run"
+    overrides = SHRINK + [f"data.paths={write_corpus(tmp_path)}", f"data.cache_dir={tmp_path / 'cache'}",
+                          f"train.run_dir={run}", "train.steps=100000", "train.eval_batches=0", "checkpoint.every=3"]
+    p = subprocess.Popen(["bash", str(LAUNCH / "local.sh"), "2", "--config", str(REPO / "configs/tiny.yaml"),
+                          *overrides], env=sub_env(MTPJAX_LOCAL_DEVICES=2, MTPJAX_INIT_TIMEOUT=120),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 400
+    while not (run / "checkpoints" / "3").is_dir() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    p.send_signal(15)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    done = [ln for ln in err.splitlines() if ln.startswith("preempted: checkpoint saved at step ")]
+    assert len(done) == 1, err[-3000:]  # process 0 only
+    step = int(done[0].rsplit(" ", 1)[1])
+    saved = sorted(int(d.name) for d in (run / "checkpoints").iterdir() if d.name.isdigit())
+    assert step > 3 and saved[-1] == step
