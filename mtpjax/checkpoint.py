@@ -7,6 +7,8 @@ so a checkpoint written on one mesh restores onto any other.
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 
 import jax
@@ -42,16 +44,29 @@ class Checkpointer:
         """Newest complete checkpoint step (None if there is none)."""
         return self.mngr.latest_step()
 
+    def due(self, step: int) -> bool:
+        """Whether `save(step)` would write a checkpoint without `force`."""
+        return self.mngr.should_save(step)
+
     def save(self, step: int, state, data_state: dict, meta: dict, *, force: bool = False) -> bool:
         """Save (maybe asynchronously) if `step` is due or `force`; returns whether a save started."""
         args = ocp.args.Composite(
             model=ocp.args.StandardSave(nnx.to_pure_dict(state[0])),
             opt=ocp.args.StandardSave(nnx.to_pure_dict(state[1])),
             data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta))
-        return self.mngr.save(step, args=args, force=force)
+        try:  # also raises the error of a failed earlier asynchronous save
+            return self.mngr.save(step, args=args, force=force)
+        except Exception as e:
+            raise self._save_error(e) from None
 
     def restore(self, step: int, target_state):
         """(state, data_state, meta) at `step`, arrays placed like `target_state` (ShapeDtypeStructs)."""
+        try:
+            return self._restore(step, target_state)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}; use --fresh to start over") from None
+
+    def _restore(self, step: int, target_state):
         args = ocp.args.Composite(
             model=ocp.args.StandardRestore(nnx.to_pure_dict(target_state[0])),
             opt=ocp.args.StandardRestore(nnx.to_pure_dict(target_state[1])),
@@ -59,22 +74,71 @@ class Checkpointer:
         try:
             out = self.mngr.restore(step, args=args)
         except Exception as e:  # orbax raises many types; the user needs one line
-            raise CheckpointError(f"checkpoint {step} in {self.dir} could not be restored "
-                                  f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                                  "use --fresh to start over") from None
+            raise CheckpointError(f"checkpoint {step} in {self.dir} could not be restored ({_first_line(e)})") from None
         return _fill(target_state, {0: out["model"], 1: out["opt"]}), out["data"], out["meta"]
+
+    def restore_latest(self, target_state):
+        """(step, state, data_state, meta) of the newest checkpoint that restores, or None if there is none.
+
+        Unreadable newer checkpoints are reported on stderr and, once an older one restored, moved aside to
+        `checkpoints-corrupt/` (never deleted) so their steps can be saved again. CheckpointError if none restores.
+        """
+        steps, bad = sorted(self.mngr.all_steps(), reverse=True), []
+        for step in steps:
+            try:
+                out = self._restore(step, target_state)
+            except CheckpointError as e:
+                warn(f"{e}; trying the previous checkpoint")
+                bad.append(step)
+                continue
+            for b in bad:
+                self._move_aside(b)
+            return (step, *out)
+        if steps:
+            raise CheckpointError(f"none of the checkpoints {steps} in {self.dir} can be restored; "
+                                  "use --fresh to start over")
+        return None
+
+    def _move_aside(self, step: int) -> None:
+        from mtpjax import distributed
+
+        if distributed.is_primary():
+            bad = self.dir.parent / "checkpoints-corrupt"
+            bad.mkdir(exist_ok=True)
+            dest = bad / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6:06d}"
+            (self.dir / str(step)).rename(dest)
+            warn(f"moved the unreadable checkpoint {step} to {dest}")
+        distributed.barrier(f"mtpjax-corrupt-{step}")
+        self.mngr.reload()
+
+    def _save_error(self, e: Exception) -> CheckpointError:
+        return CheckpointError(f"saving a checkpoint to {self.dir} failed ({_first_line(e)}); "
+                               "free disk space or fix the directory's permissions, then re-run to resume from "
+                               "the last complete checkpoint")
 
     def restore_meta(self, step: int) -> dict:
         """Only the JSON metadata (step, rng, config) of a checkpoint."""
         return self.mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
     def wait(self) -> None:
-        """Block until async saves are on disk."""
-        self.mngr.wait_until_finished()
+        """Block until async saves are on disk; CheckpointError if one failed."""
+        try:
+            self.mngr.wait_until_finished()
+        except Exception as e:
+            raise self._save_error(e) from None
 
     def close(self) -> None:
-        self.mngr.wait_until_finished()
-        self.mngr.close()
+        """Wait for pending saves (CheckpointError if one failed) and release the manager."""
+        try:
+            self.wait()
+        finally:
+            self.mngr.close()
+
+
+def warn(message: str) -> None:
+    """One `warning: ...` line on stderr (process 0 only)."""
+    if jax.process_index() == 0:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def load_model(run_dir: str | Path, step: int | None = None):
@@ -90,24 +154,48 @@ def load_model(run_dir: str | Path, step: int | None = None):
     steps = ck.mngr.all_steps()
     if not steps:
         raise CheckpointError(f"run directory '{run}' holds no complete checkpoint; train it first")
-    step = max(steps) if step is None else step
-    if step not in steps:
+    if step is not None and step not in steps:
         raise CheckpointError(f"run '{run}' has no checkpoint at step {step}; available: {sorted(steps)}")
-    try:
-        cfg = from_dict(ck.restore_meta(step)["config"])
-    except ConfigError as e:
-        raise CheckpointError(f"checkpoint {step} of '{run}' has an invalid config ({e})") from None
-    abstract = nnx.eval_shape(lambda: build_model(cfg))
-    graphdef, abs_state = nnx.split(abstract)
-    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), abs_state)
-    out = ck.mngr.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(nnx.to_pure_dict(target))))
-    ck.close()
     try:
         tok = tokenizer_from_dir(run / "tokenizer")
     except DataError as e:
         raise CheckpointError(f"run '{run}' has no usable tokenizer ({e})") from None
-    return cfg, nnx.merge(graphdef, _fill(target, out["model"])), tok
+    # The latest by default; an unreadable one is reported and the next older one is tried.
+    for s in [step] if step is not None else sorted(steps, reverse=True):
+        try:
+            cfg, model = _load_step(ck, run, s)
+            ck.mngr.close()
+            return cfg, model, tok
+        except CheckpointError as e:
+            if step is not None:
+                raise
+            warn(f"{e}; falling back to the previous checkpoint")
+    raise CheckpointError(f"no checkpoint of run '{run}' is readable (tried {sorted(steps, reverse=True)}); "
+                          "train it again with --fresh")
+
+
+def _load_step(ck: Checkpointer, run: Path, step: int):
+    """(cfg, model) of one checkpoint; CheckpointError if it is unreadable."""
+    try:
+        cfg = from_dict(ck.restore_meta(step)["config"])
+    except ConfigError as e:
+        raise CheckpointError(f"checkpoint {step} of '{run}' has an invalid config ({e})") from None
+    except Exception as e:  # orbax raises many types
+        raise CheckpointError(f"checkpoint {step} of '{run}' is unreadable ({_first_line(e)})") from None
+    abstract = nnx.eval_shape(lambda: build_model(cfg))
+    graphdef, abs_state = nnx.split(abstract)
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), abs_state)
+    args = ocp.args.Composite(model=ocp.args.StandardRestore(nnx.to_pure_dict(target)))
+    try:
+        out = ck.mngr.restore(step, args=args)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {step} of '{run}' is unreadable ({_first_line(e)})") from None
+    return cfg, nnx.merge(graphdef, _fill(target, out["model"]))
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__
 
 
 def _fill(target_state, pure: dict):

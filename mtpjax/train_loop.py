@@ -87,7 +87,10 @@ def setup_run_dir(cfg: Config, prepared, fresh: bool) -> Path:
         print(f"moved the previous run aside to {aside}", file=sys.stderr)
     if jax.process_index() == 0:
         run.mkdir(parents=True, exist_ok=True)
-        (run / "config.yaml").write_text(cfg.to_yaml())
+        # Written aside and renamed: a kill mid-write must not leave a truncated config that blocks resuming.
+        tmp = run / f".config.yaml.tmp-{time.time_ns()}"
+        tmp.write_text(cfg.to_yaml())
+        tmp.replace(run / "config.yaml")
         prepared.tokenizer.save(run / "tokenizer")
     distributed.barrier("mtpjax-run-dir")  # no process may look for checkpoints before the run dir is set up
     return run
@@ -226,6 +229,12 @@ def _meta(cfg: Config, step: int, last: dict) -> dict:
 
 def train(cfg: Config, *, fresh: bool = False, max_steps: int | None = None) -> dict:
     """Train (resuming from the run dir's latest checkpoint) up to train.steps or max_steps; final metrics."""
+    # SIGTERM is caught from the start: one during setup stops the run before its first step, with exit 0.
+    with _Preemption() as pre:
+        return _train(cfg, pre, fresh, max_steps)
+
+
+def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) -> dict:
     mesh = make_mesh(cfg.mesh)
     check_parallelism(cfg, mesh)
     if not fresh:
@@ -237,10 +246,13 @@ def train(cfg: Config, *, fresh: bool = False, max_steps: int | None = None) -> 
     graphdef, target, shardings = abstract_state(cfg, mesh)
     progs = make_programs(cfg, mesh, graphdef, shardings)
     ck = Checkpointer(run, cfg.checkpoint)
-    start = ck.latest_step() or 0
-    if start:
-        state, data_state, _ = ck.restore(start, target)
+    restored = ck.restore_latest(target)  # the newest readable checkpoint; unreadable ones are reported
+    start = restored[0] if restored else 0
+    if restored:
+        state, data_state = restored[1:3]
         train_it.set_state(data_state)
+        if distributed.is_primary():
+            print(f"resuming from checkpoint {start} in {ck.dir}", file=sys.stderr, flush=True)
     else:
         state = init_state(cfg, mesh, shardings)
     end = min(cfg.train.steps, cfg.train.steps if max_steps is None else max_steps)
@@ -255,21 +267,22 @@ def train(cfg: Config, *, fresh: bool = False, max_steps: int | None = None) -> 
     result: dict = {"preempted": False}
     step, pending, saved = start, None, start
     try:
-        with _Preemption() as pre:
-            while step < end and not pre.check(step):
-                state, met = progs.train_step(state, *to_global(progs, next(train_it)), np.int32(step))
-                step += 1
-                if pending is not None:
-                    log.consume(*pending)
-                pending = (step, met)
-                if step % cfg.train.eval_every == 0 or step == end:
-                    log.consume(*pending)
-                    pending = None
-                    result.update(_eval(cfg, progs, state, val, prepared.tokenizer, writer, step))
-                    log.restart_clock(step)
-                if ck.save(step, state, train_it.get_state(), _meta(cfg, step, log.last), force=step == end):
-                    saved = step
-            result["preempted"] = pre.requested
+        while step < end and not pre.check(step):
+            state, met = progs.train_step(state, *to_global(progs, next(train_it)), np.int32(step))
+            step += 1
+            if pending is not None:
+                log.consume(*pending)
+            pending = (step, met)
+            if step % cfg.train.eval_every == 0 or step == end or ck.due(step):
+                # A checkpoint never holds a step whose NaN guard has not been checked yet.
+                log.consume(*pending)
+                pending = None
+            if step % cfg.train.eval_every == 0 or step == end:
+                result.update(_eval(cfg, progs, state, val, prepared.tokenizer, writer, step))
+                log.restart_clock(step)
+            if ck.save(step, state, train_it.get_state(), _meta(cfg, step, log.last), force=step == end):
+                saved = step
+        result["preempted"] = pre.requested
         if pending is not None:
             log.consume(*pending)
         if saved != step:  # a run always checkpoints its last step (also when preempted)
