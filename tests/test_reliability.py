@@ -1,0 +1,357 @@
+"""Fault injection: kill -9, SIGTERM, corrupt checkpoints, NaN/inf, a full disk; no code runs on load.
+
+The promise under test: a kill at any moment loses at most the steps since the last complete checkpoint,
+never corrupts one, and a resumed run ends bit-identical to an uninterrupted one.
+"""
+
+import errno
+import hashlib
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from train_helpers import cli_args, tiny_cfg, write_corpus
+
+import mtpjax.train_step
+from mtpjax.checkpoint import CheckpointError, Checkpointer, load_model
+from mtpjax.config import ConfigError, load_config, replace
+from mtpjax.train_loop import NonFiniteError, main, train
+
+REPO = Path(__file__).resolve().parent.parent
+FAST = ["train.eval_batches=0", "train.eval_every=1000", "checkpoint.every=2", "checkpoint.keep=3"]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def tree_hash(root: Path) -> dict:
+    """Relative path -> sha256 of the bytes of every file under root ('dir' for directories)."""
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(Path(root).rglob("*"))}
+
+
+def ckpt_hash(run: Path, *steps: int) -> dict:
+    """tree_hash of the given checkpoints of a run (each step's directory and everything in it)."""
+    return {k: v for k, v in tree_hash(run / "checkpoints").items() if k.split("/")[0] in map(str, steps)}
+
+
+def complete_steps(run: Path) -> list[int]:
+    """Steps with a committed (renamed into place) checkpoint directory."""
+    ck = run / "checkpoints"
+    return sorted(int(p.name) for p in ck.iterdir() if p.name.isdigit()) if ck.is_dir() else []
+
+
+def assert_same_params(run_a: Path, run_b: Path, step: int | None = None) -> None:
+    _, ma, _ = load_model(run_a, step)
+    _, mb, _ = load_model(run_b, step)
+    for a, b in zip(jax.tree.leaves(ma), jax.tree.leaves(mb), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def spawn(args: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=log.open("w"))
+
+
+def wait_for(cond, proc: subprocess.Popen, timeout: float = 300.0, poll: float = 0.002) -> bool:
+    """Poll `cond()` until true (True), the process exits or the timeout passes (False)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if cond():
+            return True
+        time.sleep(poll)
+    return False
+
+
+def resumed_from(log: Path) -> int | None:
+    m = re.findall(r"resuming from checkpoint (\d+)", log.read_text())
+    return int(m[-1]) if m else None
+
+
+# ----------------------------------------------------------------------------- kill -9 and SIGTERM
+
+
+def _big_corpus(tmp: Path) -> Path:
+    """~2 MB of text, so that corpus preparation lasts long enough to be killed in the middle."""
+    small = write_corpus(tmp).read_text()
+    path = tmp / "big.txt"
+    path.write_text("\n".join(f"# copy {i}\n{small}" for i in range(32)))
+    return path
+
+
+@pytest.mark.slow
+def test_kill9_anywhere_resumes_from_last_complete_checkpoint_and_ends_identical(tmp_path):
+    """SIGKILL during data preparation, async checkpoint saves, steps and at random times; then run to the end."""
+    corpus = _big_corpus(tmp_path)
+    over = [*FAST, "train.steps=24"]
+    ref = train(tiny_cfg(tmp_path, *over, corpus=corpus, run="ref"))
+    cfg = tiny_cfg(tmp_path, *over, f"data.cache_dir={tmp_path / 'cache-kill'}", corpus=corpus, run="kill")
+    args, run, cache = cli_args(cfg), tmp_path / "kill", tmp_path / "cache-kill"
+    ck = run / "checkpoints"
+    rng = random.Random(0)
+    in_prep = lambda: cache.is_dir() and any(p.name.startswith(".tmp-") for p in cache.iterdir())
+    in_save = lambda: ck.is_dir() and any(".orbax-checkpoint-tmp" in p.name for p in ck.iterdir())
+    phases = ["prep", "save", "step", "save", "random"]
+    caught = []
+    for i, phase in enumerate(phases):
+        before = complete_steps(run)
+        log = tmp_path / f"kill{i}.log"
+        proc = spawn(args, log)
+        if phase == "prep":
+            assert wait_for(in_prep, proc), log.read_text()[-2000:]
+        elif phase == "save":
+            assert wait_for(lambda: in_save() and complete_steps(run) != before, proc), log.read_text()[-2000:]
+        elif phase == "step":
+            assert wait_for(lambda: complete_steps(run) != before, proc), log.read_text()[-2000:]
+            time.sleep(rng.uniform(0.0, 0.5))
+        else:
+            wait_for(lambda: False, proc, timeout=rng.uniform(5.0, 25.0))
+        assert proc.poll() is None, f"phase {phase}: the run ended before the kill"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        caught.append((phase, in_prep() if phase == "prep" else in_save() if phase == "save" else None))
+        expect = max(complete_steps(run), default=None)
+        if i:  # every re-run resumed from the newest complete checkpoint present when it started
+            assert resumed_from(log) == (max(before) if before else None), (phase, log.read_text()[-2000:])
+        assert expect is None or expect >= max(before, default=0)
+    assert ("prep", True) in caught and ("save", True) in caught, caught  # the kills hit what they aimed at
+    final_log = tmp_path / "final.log"
+    proc = spawn(args, final_log)
+    assert proc.wait(timeout=600) == 0, final_log.read_text()[-3000:]
+    assert resumed_from(final_log) == max(before), final_log.read_text()[-2000:]
+    assert complete_steps(run)[-1] == 24 and ref["step"] == 24
+    assert_same_params(tmp_path / "ref", run)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_current_step_exits_0_and_the_rerun_continues_there(tmp_path):
+    cfg = tiny_cfg(tmp_path, *FAST, "train.steps=100000", "checkpoint.every=1000")
+    log = tmp_path / "term.log"
+    proc = spawn(cli_args(cfg), log)
+    run = tmp_path / "run"
+    assert wait_for(lambda: complete_steps(run), proc), log.read_text()[-2000:]  # the first step's checkpoint
+    time.sleep(random.Random(1).uniform(0.5, 1.5))
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, log.read_text()[-2000:]
+    elapsed = time.time() - t0
+    step = int(re.search(r"preempted: checkpoint saved at step (\d+)", log.read_text())[1])
+    assert elapsed < 30 and step > 1 and complete_steps(run)[-1] == step
+    assert not [p for p in (run / "checkpoints").iterdir() if "tmp" in p.name]
+    out = train(tiny_cfg(tmp_path, *FAST, f"train.steps={step + 2}", "checkpoint.every=1000"))
+    assert [s for s, _ in out["history"]] == [step + 1, step + 2]
+
+
+# ----------------------------------------------------------------------------- corrupt checkpoints
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 6-step run with checkpoints 2, 4, 6 (synchronous saves) and its config."""
+    tmp = tmp_path_factory.mktemp("trained")
+    cfg = tiny_cfg(tmp, *FAST, "train.steps=6", "checkpoint.async_save=false")
+    train(cfg)
+    assert complete_steps(tmp / "run") == [2, 4, 6]
+    return cfg, tmp / "run"
+
+
+def _copy_run(trained, tmp: Path, name: str):
+    cfg, run = trained
+    dst = tmp / name
+    shutil.copytree(run, dst)
+    return replace(cfg, [f"train.run_dir={dst}"]), dst
+
+
+def _largest_file(d: Path) -> Path:
+    return max((p for p in d.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+CORRUPTIONS = {  # name: (damage, whether the model arrays (all load_model reads) are hit)
+    "truncated array data": (lambda d: _largest_file(d / "model").open("r+b").truncate(100), True),
+    "garbled array metadata": (lambda d: (d / "model" / "_METADATA").write_bytes(b"\x00garbage{"), True),
+    "garbled data-iterator state": (lambda d: next((d / "data").glob("*")).write_text("{not json"), False),
+    "missing optimizer state": (lambda d: shutil.rmtree(d / "opt"), False),
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(trained, tmp_path, capsys, kind):
+    cfg, run = _copy_run(trained, tmp_path, "run")
+    damage, hits_model = CORRUPTIONS[kind]
+    damage(run / "checkpoints" / "6")
+    capsys.readouterr()
+    _, model, _ = load_model(run)  # read-only: warns and falls back if it must, moves nothing
+    err = capsys.readouterr().err
+    assert ("warning:" in err and "checkpoint 6" in err) == hits_model, err
+    assert complete_steps(run) == [2, 4, 6]
+    _, expect, _ = load_model(trained[1], step=4 if hits_model else 6)
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(expect), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if hits_model:
+        with pytest.raises(CheckpointError, match="checkpoint 6"):  # asked for explicitly: no silent substitute
+            load_model(run, step=6)
+    good = tree_hash(run / "checkpoints" / "4")
+    capsys.readouterr()
+    out = train(cfg)
+    err = capsys.readouterr().err
+    assert "checkpoint 6" in err and "resuming from checkpoint 4" in err, err
+    assert [s for s, _ in out["history"]] == [5, 6]
+    moved = list((run / "checkpoints-corrupt").iterdir())
+    assert len(moved) == 1 and moved[0].name.startswith("6-")  # kept for inspection, never deleted
+    assert complete_steps(run) == [2, 4, 6] and tree_hash(run / "checkpoints" / "4") == good
+    assert_same_params(run, trained[1], step=6)  # the re-done steps 5, 6 equal the original ones
+
+
+def test_no_readable_checkpoint_is_an_error_not_a_silent_restart(trained, tmp_path, capsys):
+    cfg, run = _copy_run(trained, tmp_path, "run")
+    for s in (2, 4, 6):
+        CORRUPTIONS["truncated array data"][0](run / "checkpoints" / str(s))
+    before = tree_hash(run)
+    with pytest.raises(CheckpointError, match="none of the checkpoints"):
+        train(cfg)
+    after = tree_hash(run)
+    assert {k: v for k, v in after.items() if k.startswith("checkpoints")} == \
+        {k: v for k, v in before.items() if k.startswith("checkpoints")}
+    with pytest.raises(CheckpointError, match="no checkpoint of run .* is readable"):
+        load_model(run)
+
+
+# ----------------------------------------------------------------------------- NaN / inf
+
+
+@jax.custom_vjp
+def _nan_grad(x, hit):
+    return x
+
+
+_nan_grad.defvjp(lambda x, hit: (x, hit), lambda hit, g: (jnp.where(hit, jnp.nan, g), None))
+
+
+def _poison(monkeypatch, where: str, steps: tuple[int, ...]):
+    """Make the train step's loss (or only its gradient) non-finite at the given 0-based step indices."""
+    real = mtpjax.train_step.mtp_loss
+
+    def poisoned(*args, step, **kw):
+        loss, met = real(*args, step=step, **kw)
+        hit = jnp.isin(step, jnp.asarray(steps))
+        if where == "loss":
+            loss = jnp.where(hit, jnp.inf, loss)
+            met = {**met, "loss/total": loss}
+        else:
+            loss = _nan_grad(loss, hit)
+        return loss, met
+
+    monkeypatch.setattr(mtpjax.train_step, "mtp_loss", poisoned)
+
+
+@pytest.fixture
+def at_step_4(trained, tmp_path):
+    """A copy of the trained run cut back to checkpoints 2 and 4 (as if it had been stopped at step 4)."""
+    cfg, run = _copy_run(trained, tmp_path, "run")
+    shutil.rmtree(run / "checkpoints" / "6")
+    return cfg, run
+
+
+def test_nan_stop_policy_keeps_the_last_good_checkpoint_untouched(at_step_4, monkeypatch):
+    cfg, run = at_step_4
+    before = tree_hash(run / "checkpoints")
+    _poison(monkeypatch, "loss", (5,))  # the update producing step 6, a checkpoint step
+    with pytest.raises(NonFiniteError, match="step 6.*nan_policy=stop"):
+        train(cfg)
+    assert tree_hash(run / "checkpoints") == before  # no checkpoint of the bad step, nothing rewritten
+    monkeypatch.undo()
+    assert [s for s, _ in train(cfg)["history"]] == [5, 6]
+
+
+def test_nan_skip_policy_skips_up_to_the_limit(at_step_4, monkeypatch):
+    cfg, run = at_step_4
+    before = ckpt_hash(run, 4)
+    _poison(monkeypatch, "grad", (4, 5))  # finite loss, NaN gradient at steps 5 and 6
+    out = train(replace(cfg, ["train.nan_policy=skip", "train.max_skipped_steps=2", "train.steps=8"]))
+    assert out["skipped_steps"] == 2 and [s for s, _ in out["history"]] == [7, 8]
+    assert ckpt_hash(run, 4) == before  # the last good checkpoint before the NaN (2 left by checkpoint.keep=3)
+    _, m4, _ = load_model(run, step=4)
+    _, m6, _ = load_model(run, step=6)  # both updates were skipped: the parameters did not move
+    for a, b in zip(jax.tree.leaves(m4), jax.tree.leaves(m6), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(m6))
+
+
+def test_nan_skip_policy_stops_past_the_limit(at_step_4, monkeypatch):
+    cfg, run = at_step_4
+    before = tree_hash(run / "checkpoints")
+    _poison(monkeypatch, "grad", (4, 5, 6))
+    with pytest.raises(NonFiniteError, match="max_skipped_steps=2"):
+        train(replace(cfg, ["train.nan_policy=skip", "train.max_skipped_steps=2", "train.steps=8"]))
+    assert ckpt_hash(run, 2, 4) == before
+    assert complete_steps(run) == [2, 4, 6]  # step 6 (two skips, within the limit) was still a good state
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_disk_full_during_a_save_is_a_clear_error_and_keeps_the_previous_checkpoint(at_step_4, monkeypatch, capsys,
+                                                                                     async_save):
+    from orbax.checkpoint._src.path import atomicity
+
+    cfg, run = at_step_4
+    real = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def full(self, *a, **kw):  # the data is written to the temporary directory; committing it fails
+        if self.get_final().name == "6":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await real(self, *a, **kw)
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", full)
+    before = tree_hash(run / "checkpoints")
+    capsys.readouterr()
+    assert main(cli_args(cfg, f"checkpoint.async_save={str(async_save).lower()}", "train.steps=8")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: saving a checkpoint") and "No space left on device" in err[-1], err
+    assert ckpt_hash(run, 2, 4) == before
+    assert complete_steps(run) == [2, 4]
+    monkeypatch.undo()
+    out = train(cfg)  # the failed save's temporary directory is never taken for a checkpoint
+    assert [s for s, _ in out["history"]] == [5, 6] and complete_steps(run) == [2, 4, 6]
+
+
+# ----------------------------------------------------------------------------- nothing executes code on load
+
+
+def test_no_pickle_or_unsafe_yaml_in_the_package():
+    bad = re.compile(r"\bpickle\b|\bdill\b|\bcloudpickle\b|yaml\.load\(|yaml\.unsafe_load|yaml\.Loader|"
+                     r"allow_pickle\s*=\s*True|\beval\(|\bexec\(|torch\.load")
+    hits = [f"{p.relative_to(REPO)}:{i}: {line.strip()}"
+            for p in [*(REPO / "mtpjax").rglob("*.py"), REPO / "train.py", REPO / "decode.py"]
+            for i, line in enumerate(p.read_text().splitlines(), 1) if bad.search(line)]
+    assert hits == []
+
+
+def test_yaml_with_a_python_tag_is_refused(tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.yaml"
+    evil.write_text(f"train:\n  steps: !!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(evil)
+    assert main(["--config", str(evil)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1 and not marker.exists()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"model: !!python/object/new:os.system ['touch {marker}']\n")
+    from mtpjax.checkpoint import read_run_config
+
+    with pytest.raises(CheckpointError, match="not a valid config"):
+        read_run_config(run)
+    assert not marker.exists()
