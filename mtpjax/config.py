@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -175,14 +176,17 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return int(value)
         raise _fail(key, value, "expected an integer")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)  # YAML reads 3e-4 (no dot) as a string
+                number = float(value)  # YAML reads 3e-4 (no dot) as a string
             except ValueError:
                 pass
-        raise _fail(key, value, "expected a number")
+        if number is None or not math.isfinite(number):  # .inf would pass every "> 0" check
+            raise _fail(key, value, "expected a number (not inf or nan)")
+        return number
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import re
 import sys
 from pathlib import Path
+
+MAX_DRAFT = 16  # more drafts per round than this is never accepted in practice; the round loop is unrolled
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2, like every other bad input
@@ -39,11 +46,13 @@ def parser() -> argparse.ArgumentParser:
 
 def _prompts(args) -> list[str]:
     if args.prompt is not None:
-        return [args.prompt]
+        # Bytes of the command line that are not UTF-8 arrive as lone surrogates: make them U+FFFD.
+        return [args.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace")]
     path = Path(args.prompts_file)
     if not path.is_file():
         raise FileNotFoundError(f"prompts file '{path}' does not exist")
-    lines = [ln.encode().decode("unicode_escape") for ln in path.read_text(errors="replace").splitlines()]
+    unescape = lambda ln: re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m[1]], ln)  # only \n, \t and \\
+    lines = [unescape(ln) for ln in path.read_text(errors="replace").splitlines()]
     if not lines:
         raise ValueError(f"prompts file '{path}' has no prompts; write one prompt per line")
     return lines
@@ -61,6 +70,10 @@ def _generate(args, cfg, model, tok) -> int:
     prompts = [tok.encode(t) for t in texts]
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: give at least one character of text")
+    max_new = args.max_new_tokens or d.max_new_tokens
+    _check_size(cfg.model, prompts, max_new, num_draft, args.max_len or d.max_len)
+    if args.temperature is not None and not math.isfinite(args.temperature):
+        raise ValueError(f"--temperature {args.temperature} must be a finite number >= 0 (0 = greedy)")
     stream = len(prompts) == 1  # one prompt streams as it decodes; several print when done
     shown: list[int] = []
     printed = [""]
@@ -73,7 +86,7 @@ def _generate(args, cfg, model, tok) -> int:
             sys.stdout.flush()
             printed[0] = text
 
-    res = generate(model, prompts, max_new_tokens=args.max_new_tokens or d.max_new_tokens, num_draft=num_draft,
+    res = generate(model, prompts, max_new_tokens=max_new, num_draft=num_draft,
                    proposer=proposer, temperature=d.temperature if args.temperature is None else args.temperature,
                    top_k=args.top_k if args.top_k is not None else d.top_k,
                    top_p=args.top_p if args.top_p is not None else d.top_p, seed=args.seed,
@@ -88,6 +101,33 @@ def _generate(args, cfg, model, tok) -> int:
         print(f"[{proposer} num_draft={num_draft}] rounds={s['rounds']} tokens/round={s['tokens_per_round']:.2f} "
               f"acceptance={[round(a, 3) for a in s['acceptance_by_position']]}", file=sys.stderr)
     return 0
+
+
+def _memory_bytes() -> int:
+    """Memory of the first device (host RAM on CPU), 0 if unknown."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+
+
+def _check_size(mcfg, prompts, max_new: int, num_draft: int, max_len: int) -> None:
+    """ValueError for requests that could only hang compiling or run out of memory."""
+    if num_draft > MAX_DRAFT:
+        raise ValueError(f"--num-draft {num_draft} is above {MAX_DRAFT}; use at most {MAX_DRAFT} drafts per round")
+    if max(map(len, prompts)) + max_new > max_len:
+        return  # generate() names the cache capacity, the better advice
+    per_token = 2 * (mcfg.n_layers + mcfg.mtp_depth) * mcfg.n_kv_heads * mcfg.resolved_head_dim * 4
+    need = len(prompts) * (max(map(len, prompts)) + max_new + 3 * num_draft + 64) * per_token
+    have = _memory_bytes()
+    if have and need > have // 2:
+        raise ValueError(f"--max-new-tokens {max_new} needs ~{need / 2**30:.1f} GiB of KV cache, more than half of "
+                         f"the {have / 2**30:.1f} GiB memory; lower --max-new-tokens")
 
 
 def _eval(args, cfg, model, tok, run_dir: Path, step: int) -> int:
