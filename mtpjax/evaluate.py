@@ -81,6 +81,26 @@ def timed_decode(model, prompts, *, num_draft: int, proposer: str, max_new: int,
             "sec_per_round": secs / max(loops, 1), "outputs": outs}
 
 
+def agreement_on(model, prompts, outputs, depth: int) -> list[float]:
+    """Teacher-forced agreement per depth over the generated part of prompt+output sequences.
+
+    Greedy decoding is the main head's argmax chain, so on its own output this is the acceptance the
+    drafts should show; a gap between the two means the decoder's draft state is wrong.
+    """
+    seqs = [p + o for p, o in zip(prompts, outputs)]
+    T = min(len(s) for s in seqs)
+    toks = jnp.asarray([s[:T] for s in seqs], jnp.int32)
+    am = np.asarray(_argmax_all(model, toks))  # [D+1, B, T]
+    P = max(len(p) for p in prompts)
+    # position i's depth-k draft predicts x[i+k+1]; the main head at i+k predicts the same token
+    return [float((am[k][:, P - 1: T - k - 1] == am[0][:, P - 1 + k: T - 1]).mean()) for k in range(1, depth + 1)]
+
+
+@nnx.jit
+def _argmax_all(model, toks):
+    return jnp.argmax(model.logits(model(toks).hidden), axis=-1)
+
+
 def ideal_tokens_per_round(alpha: float, gamma: int) -> float:
     """E = (1 - α^(γ+1)) / (1 - α): expected tokens per round with i.i.d. acceptance α."""
     return gamma + 1.0 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
@@ -111,6 +131,7 @@ def speed_report(model, prompts, *, num_draft: int, max_new: int, batch: int = 1
             "acceptance_by_position": alpha_pos, "alpha": alpha, "tokens_per_round": _per_round(mtp),
             "expected_tokens_per_round": E, "draft_cost_c": c, "predicted_speedup": E / (v + num_draft * c),
             "draft_time_fraction": num_draft * c / (v + num_draft * c),
+            "agreement_on_generated": agreement_on(model, prompts, mtp["outputs"], min(num_draft, model.cfg.mtp_depth)),
         })
     rep["outputs_identical"] = bool(exact)
     return rep

@@ -38,5 +38,7 @@ def test_readme_main_job_trains_and_speculates(tmp_path):
     d, v = rep["decode"], rep["validation"]
     assert d["outputs_identical"]
     assert d["tokens_per_round"] > 1.5, d
-    # Decode-time depth-1 acceptance lands near the teacher-forced agreement measured on validation data.
-    assert abs(d["acceptance_by_position"][0] - v["agreement/mtp_1"]) < 0.08, (d, v)
+    # Decode-time depth-1 acceptance equals (up to which positions start a round) the teacher-forced
+    # agreement on the text it generated: the drafts see exactly the state training taught them.
+    assert abs(d["acceptance_by_position"][0] - d["agreement_on_generated"][0]) < 0.03, d
+    assert 0.0 < v["agreement/mtp_1"] <= 1.0
