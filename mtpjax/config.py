@@ -409,9 +409,9 @@ def validate(cfg: Config) -> None:
 
 def field_doc() -> list[tuple[str, Any]]:
     """(dotted key, default) for every key, in schema order (for docs and tests)."""
-    out = []
+    out, hints = [], typing.get_type_hints(Config)
     for sec in dataclasses.fields(Config):
-        for f in dataclasses.fields(sec.type if isinstance(sec.type, type) else typing.get_type_hints(Config)[sec.name]):
+        for f in dataclasses.fields(hints[sec.name]):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             out.append((f"{sec.name}.{f.name}", default))
     return out
