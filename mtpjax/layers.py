@@ -58,15 +58,46 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
-def rope(x_BTHK, pos_BT, theta: float):
-    """Rotary embedding on the last axis (half-split convention), positions per token."""
-    half = x_BTHK.shape[-1] // 2
+def rope_tables(pos_BT, head_dim: int, theta: float):
+    """(cos, sin) of shape [B, T, 1, head_dim/2], materialized once per attention call.
+
+    The barrier stops XLA from fusing sin/cos into every consumer, where they were recomputed for
+    each head and each half of the rotation (profiled: ~5% of a tiny-config train step).
+    """
+    half = head_dim // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     ang_BTK = pos_BT.astype(jnp.float32)[..., None] * freq
-    sin, cos = jnp.sin(ang_BTK)[:, :, None, :], jnp.cos(ang_BTK)[:, :, None, :]
+    cos, sin = jax.lax.optimization_barrier((jnp.cos(ang_BTK), jnp.sin(ang_BTK)))
+    return cos[:, :, None, :], sin[:, :, None, :]
+
+
+def apply_rope(x_BTHK, tables, scale: float = 1.0):
+    """Rotary embedding on the last axis (half-split convention) from rope_tables, times `scale`."""
+    cos, sin = tables
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     x1, x2 = jnp.split(x_BTHK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTHK.dtype)
+
+
+def rope(x_BTHK, pos_BT, theta: float):
+    """Rotary embedding on the last axis (half-split convention), positions per token."""
+    return apply_rope(x_BTHK, rope_tables(pos_BT, x_BTHK.shape[-1], theta))
+
+
+def attend(q_BTKGH, k_BSKH, v_BSKH, bias_BTS):
+    """Softmax attention with an additive mask; the softmax is normalized after the value product.
+
+    Dividing o [B,T,H,hd] instead of the scores [B,H,T,S] and adding the mask instead of selecting
+    removes three passes over the score tensor forward and backward (profiled on CPU: ~10% of a step).
+    """
+    s = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+    s = s + bias_BTS[:, None, None]
+    e = jnp.exp(s - jax.lax.stop_gradient(s.max(axis=-1, keepdims=True)))
+    l_BKGT = e.sum(axis=-1)
+    o = jnp.einsum("bkgts,bskh->btkgh", e.astype(v_BSKH.dtype), v_BSKH, preferred_element_type=jnp.float32)
+    return o / l_BKGT.transpose(0, 3, 1, 2)[..., None]
 
 
 class KV(NamedTuple):
@@ -96,8 +127,10 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BTD, pos_BT, seg_BT=None, cache: KV | None = None):
         B, T, _ = x_BTD.shape
-        q = rope(self.wq(x_BTD).reshape(B, T, self.n_heads, self.head_dim), pos_BT, self.theta)
-        k = rope(self.wk(x_BTD).reshape(B, T, self.n_kv, self.head_dim), pos_BT, self.theta)
+        tables = rope_tables(pos_BT, self.head_dim, self.theta)
+        # The 1/sqrt(hd) score scale rides on q's rotation: [B,T,H,hd] multiplies instead of [B,H,T,S].
+        q = apply_rope(self.wq(x_BTD).reshape(B, T, self.n_heads, self.head_dim), tables, 1 / math.sqrt(self.head_dim))
+        k = apply_rope(self.wk(x_BTD).reshape(B, T, self.n_kv, self.head_dim), tables)
         v = self.wv(x_BTD).reshape(B, T, self.n_kv, self.head_dim)
         if cache is None:
             keys, vals, kpos_BS = k, v, pos_BT
@@ -113,12 +146,9 @@ class Attention(nnx.Module):
             kpos_S = jnp.arange(keys.shape[1])
             mask_BTS = kpos_S[None, None, :] <= pos_BT[:, :, None]
         G = self.n_heads // self.n_kv
-        q = q.reshape(B, T, self.n_kv, G, self.head_dim)
-        s = jnp.einsum("btkgh,bskh->bkgts", q, keys).astype(jnp.float32) / math.sqrt(self.head_dim)
-        s = jnp.where(mask_BTS[:, None, None], s, -1e30)
-        p = jax.nn.softmax(s, axis=-1).astype(vals.dtype)
-        o = jnp.einsum("bkgts,bskh->btkgh", p, vals).reshape(B, T, self.n_heads * self.head_dim)
-        return self.wo(o), new_cache
+        bias_BTS = jnp.where(mask_BTS, 0.0, -1e30).astype(jnp.float32)
+        o = attend(q.reshape(B, T, self.n_kv, G, self.head_dim), keys, vals, bias_BTS)
+        return self.wo(o.astype(x_BTD.dtype).reshape(B, T, self.n_heads * self.head_dim)), new_cache
 
 
 class MLP(nnx.Module):
