@@ -1,12 +1,13 @@
-"""Train-step throughput: tokens/s and MFU against this machine's matmul peak (measured in the same run),
-and the step-time cost of MTP depth 1, 2, 3 relative to 0 beside the FLOP ratio.
+"""Train-step throughput: tokens/s and MFU against this machine's matmul peak (measured in the same run,
+interleaved with the steps), and the step-time cost of MTP depth 1, 2, 3 relative to 0 beside the FLOP ratio.
 
-    python bench/train_throughput.py [--config configs/tiny.yaml] [--steps 5] [section.key=value ...]
+    python bench/train_throughput.py [--config configs/tiny.yaml] [--steps 5] [--json out.json] [section.key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -16,60 +17,94 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.common import load, log, median_ratio, peak_rss_mb  # noqa: E402
 from mtpjax.config import load_config, replace  # noqa: E402
 from mtpjax.flops import train_flops_per_token  # noqa: E402
-from mtpjax.metrics import measure_peak_flops, mfu  # noqa: E402
+from mtpjax.metrics import measure_peak_flops  # noqa: E402
 from mtpjax.sharding import make_mesh  # noqa: E402
 from mtpjax.train_step import abstract_state, init_state, make_programs  # noqa: E402
 
 
-def step_time(cfg, steps: int) -> float:
-    """Median seconds per jitted train step on random tokens (after two warm-up steps)."""
+def make_stepper(cfg):
+    """A closure running one jitted train step on fixed random tokens (compiled and warmed up)."""
     mesh = make_mesh(cfg.mesh)
     graphdef, _, sh = abstract_state(cfg, mesh)
     progs = make_programs(cfg, mesh, graphdef, sh)
-    state = init_state(cfg, mesh, sh)
+    box = [init_state(cfg, mesh, sh)]
     B, T = cfg.train.batch_size, cfg.data.seq_len
     rng = np.random.default_rng(0)
     tok = jax.device_put(rng.integers(0, cfg.model.vocab_size, (B, T)).astype(np.int32), progs.batch_sharding)
     seg = jax.device_put(np.ones((B, T), np.int32), progs.batch_sharding)
-    times = []
-    for i in range(steps + 2):
-        t0 = time.perf_counter()
-        state, met = progs.train_step(state, tok, seg, np.int32(i))
+
+    def step():
+        box[0], met = progs.train_step(box[0], tok, seg, np.int32(0))
         jax.block_until_ready(met)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times[2:]))
+
+    step()
+    step()
+    return step
+
+
+def measure(base, depths, rounds: int, peak_n: int = 2048, peak_seconds: float = 0.5) -> dict:
+    """Interleaved rounds of (matmul peak, one step per depth); MFU and overheads as medians of per-round ratios."""
+    B, T = base.train.batch_size, base.data.seq_len
+    tokens = B * T
+    cfgs = {d: replace(base, [f"model.mtp_depth={d}"]) for d in depths}
+    steppers = {d: make_stepper(c) for d, c in cfgs.items()}
+    fpt = {d: train_flops_per_token(c.model, T) for d, c in cfgs.items()}
+    peaks, times = [], {d: [] for d in depths}
+    order = list(depths)
+    for r in range(rounds):
+        peaks.append(measure_peak_flops(peak_n, peak_seconds))
+        for d in order if r % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            steppers[d]()
+            times[d].append(time.perf_counter() - t0)
+    peak = np.asarray(peaks)
+    rows = {}
+    for d in depths:
+        t = np.asarray(times[d])
+        mfu = float(np.median(tokens * fpt[d] / t / peak))
+        rows[str(d)] = {"step_seconds": float(np.median(t)), "tokens_per_sec": float(np.median(tokens / t)),
+                        "flops_per_token": fpt[d], "mfu": mfu}
+        if depths[0] == 0 and d != 0:
+            ratio = median_ratio(t, times[0])
+            flop_ratio = fpt[d] / fpt[0]
+            # overhead over the FLOP share: 1.0 = the extra depth costs exactly its share of FLOPs
+            rows[str(d)].update({"step_time_ratio": ratio, "flop_ratio": flop_ratio,
+                                 "overhead_vs_flop_share": (ratio - 1) / (flop_ratio - 1)})
+    return {"model": {"d_model": base.model.d_model, "n_layers": base.model.n_layers, "vocab": base.model.vocab_size,
+                      "batch": B, "seq_len": T},
+            "peak_flops": float(np.median(peak)), "peak_matmul_n": peak_n, "rounds": rounds, "depths": rows,
+            "peak_rss_mb": peak_rss_mb(), "load": load()}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/tiny.yaml")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=5, help="interleaved rounds (one step per depth each)")
     ap.add_argument("--depths", default="0,1,2,3")
+    ap.add_argument("--peak-n", type=int, default=2048, help="matmul size of the peak measurement")
+    ap.add_argument("--json", help="write the results here")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
     base = load_config(args.config, args.overrides)
-    peak = measure_peak_flops()
-    n_dev = jax.device_count()
-    tokens = base.train.batch_size * base.data.seq_len
-    print(f"devices: {n_dev} x {jax.devices()[0].platform}; measured f32 matmul peak {peak / 1e9:.1f} GFLOP/s per device")
-    print(f"model d={base.model.d_model} L={base.model.n_layers} V={base.model.vocab_size} "
-          f"batch {base.train.batch_size} x seq {base.data.seq_len} = {tokens} tokens/step")
-    rows = {}
-    for d in [int(x) for x in args.depths.split(",")]:
-        cfg = replace(base, [f"model.mtp_depth={d}"])
-        t = step_time(cfg, args.steps)
-        fpt = train_flops_per_token(cfg.model, cfg.data.seq_len)
-        rows[d] = (t, fpt)
-        tps = tokens / t
-        print(f"mtp_depth {d}: {t * 1e3:8.1f} ms/step  {tps:10,.0f} tokens/s  "
-              f"MFU {mfu(tps, fpt, peak, n_dev):6.1%}  ({fpt / 1e6:.1f} MFLOP/token)", flush=True)
-    if 0 in rows:
-        t0, f0 = rows[0]
-        print("depth  step-time ratio  FLOP ratio   (vs depth 0)")
-        for d, (t, f) in rows.items():
-            print(f"{d:5d}  {t / t0:15.3f}  {f / f0:10.3f}")
+    depths = [int(x) for x in args.depths.split(",")]
+    res = measure(base, depths, args.steps, args.peak_n, 0.5 if args.peak_n >= 1024 else 0.1)
+    res["config"] = args.config
+    m = res["model"]
+    print(f"{args.config}: d={m['d_model']} L={m['n_layers']} V={m['vocab']} batch {m['batch']} x seq {m['seq_len']}; "
+          f"f32 {args.peak_n}^2 matmul peak {res['peak_flops'] / 1e9:.1f} GFLOP/s (median of rounds)")
+    for d, r in res["depths"].items():
+        extra = ""
+        if "step_time_ratio" in r:
+            extra = (f"  step-time x{r['step_time_ratio']:.3f} vs FLOPs x{r['flop_ratio']:.3f} "
+                     f"(overhead/FLOP share {r['overhead_vs_flop_share']:.2f})")
+        print(f"  mtp_depth {d}: {r['step_seconds'] * 1e3:8.1f} ms/step {r['tokens_per_sec']:9,.0f} tok/s  "
+              f"MFU {r['mfu']:6.1%}{extra}")
+    log(f"  peak host memory {res['peak_rss_mb']:.0f} MiB")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
     return 0
 
 

@@ -250,6 +250,30 @@ _generate_jit = jax.jit(_generate, static_argnames=("gdef", "spec"))
 # ----------------------------------------------------------------------------- public API
 
 
+def expected_tokens(alpha_by_pos, gamma: int) -> float:
+    """Tokens per round with γ drafts when draft i is accepted (all before it accepted) with rate alpha_by_pos[i]."""
+    total, run_ = 1.0, 1.0
+    for i in range(gamma):
+        run_ *= alpha_by_pos[min(i, len(alpha_by_pos) - 1)] if alpha_by_pos else 0.0
+        total += run_
+    return total
+
+
+def choose_num_draft(alpha_by_pos, round_cost: dict) -> int:
+    """The per-batch-size cost model: the γ maximizing E(γ) / cost(γ), where cost(γ) is the measured time
+    of a round with γ drafts relative to a plain round at that batch size (cost(0) = 1: plain decoding).
+
+    Batched verification is compute-bound sooner, so at large batch cost(γ) grows and this picks fewer
+    drafts, down to 0: speculation is then never slower than plain decoding (up to measurement noise).
+    """
+    rates = {0: 1.0}
+    for g, c in round_cost.items():
+        if g > 0 and c > 0:
+            rates[g] = expected_tokens(alpha_by_pos, g) / c
+    return max(sorted(rates), key=lambda g: rates[g])
+
+
+
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 

@@ -1,0 +1,111 @@
+"""python -m bench [--smoke] [--out bench/results.json]: every comparison in its own process, one table of ratios."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.common import load
+from bench.plots import make_plots
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOKE_TRAIN = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1", "data.seq_len=32",
+               "train.batch_size=4"]
+
+
+def _child(module: str, args: list[str], tmp: Path, name: str) -> dict:
+    """Run one comparison in a fresh process (its own peak memory) and read back its JSON."""
+    out = tmp / f"{name}.json"
+    cmd = [sys.executable, "-m", module, *args, "--json", str(out)]
+    print("$ " + " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    return json.loads(out.read_text())
+
+
+def run_suite(smoke: bool, rounds: int, run_dir: str, no_peer: bool, tmp: Path) -> dict:
+    """Training throughput per config, then decoding (ours vs the PyTorch peer); the raw results dict."""
+    train = {}
+    for name, cfg, depths in [("tiny", "configs/tiny.yaml", "0,1,2,3"), ("cpu_medium", "configs/cpu_medium.yaml", "0,1")]:
+        depths = ",".join(depths.split(",")[::2]) if smoke and name == "tiny" else depths  # smoke: 0,2 only
+        args = ["--config", cfg, "--steps", str(rounds), "--depths", depths]
+        args += ["--peak-n", "256", *SMOKE_TRAIN] if smoke else []
+        train[name] = _child("bench.train_throughput", args, tmp, f"train_{name}")
+    dargs = ["--run-dir", run_dir, "--rounds", str(rounds)]
+    if smoke:
+        dargs += ["--smoke", "--batches", "1,2", "--max-new", "8", "--prompts", "2", "--prompt-len", "16"]
+    if no_peer:
+        dargs.append("--no-peer")
+    decode = _child("bench.decode_bench", dargs, tmp, "decode")
+    return {"smoke": smoke, "train": train, "decode": decode}
+
+
+def targets(res: dict) -> list[dict]:
+    """Each target of the performance issue as (measured ratio, goal, met)."""
+    t, rows = res["train"], []
+
+    def add(name, value, goal, ok):
+        rows.append({"target": name, "value": value, "goal": goal, "met": bool(ok) if value is not None else None})
+
+    add("train MFU, tiny (mtp_depth 2)", t["tiny"]["depths"]["2"]["mfu"], ">= 0.40", t["tiny"]["depths"]["2"]["mfu"] >= 0.4)
+    add("train MFU, cpu_medium (mtp_depth 1)", t["cpu_medium"]["depths"]["1"]["mfu"], ">= 0.50",
+        t["cpu_medium"]["depths"]["1"]["mfu"] >= 0.5)
+    worst = max(r["overhead_vs_flop_share"] for r in t["tiny"]["depths"].values() if "overhead_vs_flop_share" in r)
+    add("MTP step-time overhead / FLOP share (worst depth, tiny)", worst, "<= 1.10", worst <= 1.1)
+    by_b = {b["batch"]: b["variants"] for b in res["decode"]["batches"]}
+    b1 = by_b[min(by_b)]
+    peer = b1.get("peer_greedy")
+    add("plain greedy / transformers greedy, batch 1", 1 / peer["vs_plain"] if peer else None, ">= 3",
+        peer and 1 / peer["vs_plain"] >= 3)
+    mtps = {k: v for k, v in b1.items() if k.startswith("mtp")}
+    if mtps:
+        best = max(mtps, key=lambda k: mtps[k]["vs_plain"])
+        add(f"MTP speculative ({best}) / plain greedy, batch 1", mtps[best]["vs_plain"], ">= 2", mtps[best]["vs_plain"] >= 2)
+        mp = mtps[best]["measured_over_predicted"]
+        add(f"{best} measured / formula-predicted speedup, batch 1", mp, "within 10%", abs(mp - 1) <= 0.1)
+    big = by_b[max(by_b)]
+    if "auto" in big:
+        add(f"auto num_draft ({big['auto']['num_draft']}) / plain, batch {max(by_b)}", big["auto"]["vs_plain"],
+            ">= 1 (never slower)", big["auto"]["vs_plain"] >= 0.98)
+    return rows
+
+
+def print_table(res: dict) -> None:
+    print(f"\n{'target':58s} {'measured':>9s}  {'goal':>20s}  met")
+    for r in res["targets"]:
+        v = "n/a" if r["value"] is None else f"{r['value']:.3f}"
+        print(f"{r['target']:58s} {v:>9s}  {r['goal']:>20s}  {r['met']}")
+    print(f"load average {load()}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes and few steps: seconds, for tests")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per comparison (default 5, smoke 1)")
+    ap.add_argument("--run-dir", default="runs/tiny", help="trained checkpoint for decoding (the README's main command)")
+    ap.add_argument("--no-peer", action="store_true", help="skip the PyTorch peer")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results.json"))
+    args = ap.parse_args(argv)
+    rounds = args.rounds or (1 if args.smoke else 5)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            res = run_suite(args.smoke, rounds, args.run_dir, args.no_peer, Path(tmp))
+        except subprocess.CalledProcessError as e:
+            print(f"error: benchmark step failed (exit {e.returncode}): {' '.join(e.cmd[1:3])}", file=sys.stderr)
+            return 2
+    res["targets"] = targets(res)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res["plots"] = make_plots(res, out.parent)
+    res["command"] = "python -m bench" + (" --smoke" if args.smoke else "")
+    out.write_text(json.dumps(res, indent=2))
+    print_table(res)
+    print(f"wrote {out}" + "".join(f"\nwrote {p}" for p in res["plots"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

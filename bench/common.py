@@ -1,0 +1,45 @@
+"""Shared measurement helpers: interleaved rounds, medians of per-round ratios, load average, peak memory."""
+
+from __future__ import annotations
+
+import os
+import random
+import resource
+import sys
+import time
+
+import numpy as np
+
+
+def load() -> list[float]:
+    """The 1/5/15-minute load averages, printed beside every result (the host is shared)."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, in MiB."""
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / (1 << 20) if sys.platform == "darwin" else kb / 1024
+
+
+def interleave(fns: dict, rounds: int, seed: int = 0) -> dict:
+    """Seconds per call of each fn, in `rounds` rounds that run every fn once in a shuffled order (A B A B ...)."""
+    rng = random.Random(seed)
+    out = {k: [] for k in fns}
+    names = list(fns)
+    for _ in range(rounds):
+        rng.shuffle(names)
+        for k in names:
+            t0 = time.perf_counter()
+            fns[k]()
+            out[k].append(time.perf_counter() - t0)
+    return out
+
+
+def median_ratio(num, den) -> float:
+    """Median over rounds of num[i]/den[i]: drift in the machine's load cancels within a round."""
+    return float(np.median(np.asarray(num) / np.asarray(den)))
+
+
+def log(msg: str) -> None:
+    print(f"{msg}  [load {load()}]", flush=True)

@@ -1,0 +1,184 @@
+"""Decoding side by side in one process: our plain greedy, MTP and n-gram speculation, and the PyTorch peer.
+
+For each batch size every variant runs once per round, rounds interleaved; ratios are medians of
+per-round ratios. Round costs (relative to a plain round at the same batch size) feed the formula's
+prediction E/(v + γc) and `mtpjax.speculative.choose_num_draft`, whose pick is the "auto" row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench import peer as peer_mod  # noqa: E402
+from bench.common import interleave, load, log, median_ratio  # noqa: E402
+from mtpjax.evaluate import ideal_tokens_per_round  # noqa: E402
+from mtpjax.sampling import make_sampler  # noqa: E402
+from mtpjax.speculative import choose_num_draft, make_spec, run, summarize  # noqa: E402
+
+
+def load_subject(run_dir: str | None, smoke: bool, n_prompts: int, prompt_len: int):
+    """(model, prompts, source): a trained run's model and held-out prompts, or a random tiny model in smoke mode."""
+    if run_dir and Path(run_dir, "checkpoints").exists():
+        import absl.logging
+
+        absl.logging.set_verbosity(absl.logging.ERROR)
+        from mtpjax.checkpoint import load_model
+        from mtpjax.data import prepare
+        from mtpjax.evaluate import heldout_prompts
+
+        cfg, model, tok = load_model(run_dir)
+        prompts = heldout_prompts(prepare(cfg.data).val_tokens, n_prompts, prompt_len, tok.eos_id)
+        return model, prompts, f"trained checkpoint {run_dir}"
+    if not smoke:
+        raise SystemExit(f"error: no checkpoint in {run_dir!r}; train one with `python train.py --config "
+                         "configs/tiny.yaml train.run_dir=runs/tiny` or pass --smoke")
+    from mtpjax.config import ModelConfig
+    from mtpjax.model import build_model
+
+    model = build_model(ModelConfig(d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, mtp_depth=2), seed=0)
+    rng = np.random.default_rng(0)
+    return model, rng.integers(0, 256, (n_prompts, prompt_len)).tolist(), "random smoke model"
+
+
+def _ours(model, groups, num_draft: int, proposer: str, max_new: int):
+    """A closure generating every group once; it records the last stats (tokens, rounds, loops, acceptance)."""
+    specs = [make_spec(model, g, max_new_tokens=max_new, num_draft=num_draft, proposer=proposer,
+                       sampler=make_sampler(), eos_id=None, max_len=None) for g in groups]
+    box = {}
+
+    def call():
+        toks, rounds, loops, acc, reach, gen, rows = [], 0, 0, np.zeros(num_draft), np.zeros(num_draft), 0, 0
+        for g, spec in zip(groups, specs):
+            st = run(model, g, spec)
+            jax.block_until_ready(st.n_B)
+            res = summarize(st)
+            toks += res.tokens
+            rounds += res.stats["rounds"]
+            loops += int(np.asarray(st.rounds_B).max())
+            if num_draft:
+                acc += res.stats["accepted"]
+                reach += res.stats["reached"]
+            gen += res.stats["generated"]
+            rows += len(g)
+        box.update(tokens=toks, rounds=rounds, loops=loops, accepted=acc, reached=reach, generated=gen, rows=rows)
+
+    call()  # compile (one bucket per batch size) and warm up
+    return call, box
+
+
+def _peer(peer, groups, max_new: int, lookup: int):
+    box = {}
+
+    def call():
+        box["tokens"] = [t for g in groups for t in peer_mod.peer_generate(peer, g, max_new, lookup)]
+
+    call()
+    return call, box
+
+
+def bench_batch(model, prompts, batch: int, max_new: int, rounds: int, peer=None) -> dict:
+    """Every decoder at one batch size, interleaved; tokens/s, ratios, acceptance, costs, prediction, auto choice."""
+    D = model.cfg.mtp_depth
+    n = max(1, len(prompts) // batch) if batch == 1 else 1
+    groups = [prompts[i * batch:(i + 1) * batch] for i in range(n)]
+    gens = {"plain": _ours(model, groups, 0, "mtp", max_new)}
+    for g in range(1, D + 1):
+        gens[f"mtp{g}"] = _ours(model, groups, g, "mtp", max_new)
+    gd = max(D, 2)
+    gens[f"ngram{gd}"] = _ours(model, groups, gd, "ngram", max_new)
+    if peer is not None:
+        gens["peer_greedy"] = _peer(peer, groups, max_new, 0)
+        if batch == 1:  # transformers' assisted generation takes one sequence at a time
+            gens[f"peer_lookup{gd}"] = _peer(peer, groups, max_new, gd)
+    times = interleave({k: v[0] for k, v in gens.items()}, rounds, seed=batch)
+    total = batch * n * max_new
+    plain = gens["plain"][1]
+    out = {"batch": batch, "max_new": max_new, "runs_per_call": n, "load": load(), "variants": {}}
+    for k, (_, box) in gens.items():
+        r = {"tokens_per_sec": float(np.median(total / np.asarray(times[k]))),
+             "vs_plain": median_ratio(times["plain"], times[k]),
+             "identical_to_plain": box["tokens"] == plain["tokens"]}
+        if "loops" in box:
+            r["round_cost"] = float(np.median(times[k]) / box["loops"] / (np.median(times["plain"]) / plain["loops"]))
+            r["tokens_per_round"] = (box["generated"] - box["rows"]) / max(box["rounds"], 1)
+            if box["reached"].size:
+                r["acceptance_by_position"] = (box["accepted"] / np.maximum(box["reached"], 1)).tolist()
+                r["alpha"] = float(box["accepted"].sum() / max(box["reached"].sum(), 1))
+        out["variants"][k] = r
+    _predict(out["variants"], gd)
+    return out
+
+
+def _predict(v: dict, gd: int) -> None:
+    """Formula E/(v + γc) from measured α, v (n-gram round cost) and c; the cost model's choice of γ."""
+    vv = v[f"ngram{gd}"]["round_cost"]
+    costs = {}
+    for k, r in v.items():
+        if k.startswith("mtp"):
+            g = int(k[3:])
+            c = max(0.0, (r["round_cost"] - vv) / g) if g == gd else None
+            E = ideal_tokens_per_round(r["alpha"], g)
+            r["expected_tokens_per_round"] = E
+            r["predicted_speedup"] = E / r["round_cost"]  # from measured α and this γ's measured round cost
+            if c is not None:
+                r["verify_cost_v"], r["draft_cost_c"] = vv, c
+                r["predicted_speedup_vc"] = E / (vv + g * c)
+            r["measured_over_predicted"] = r["vs_plain"] / r["predicted_speedup"]
+            costs[g] = r["round_cost"]
+    if costs:
+        alpha = v[f"mtp{max(costs)}"]["acceptance_by_position"]
+        g = choose_num_draft(alpha, costs)
+        v["auto"] = {"num_draft": g, **{k: v["plain" if g == 0 else f"mtp{g}"][k] for k in ("tokens_per_sec", "vs_plain")}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run-dir", default="runs/tiny")
+    ap.add_argument("--smoke", action="store_true", help="random tiny model, short generations")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts decoded one by one at batch 1")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    model, prompts, source = load_subject(args.run_dir, args.smoke, max(batches + [args.prompts]), args.prompt_len)
+    res = {"source": source, "batches": [], "peer": None}
+    skip = "--no-peer given" if args.no_peer else peer_mod.available()
+    peer = None
+    if skip:
+        print(f"peer skipped: {skip}")
+        res["peer_skipped"] = skip
+    else:
+        peer = peer_mod.build_peer(model)
+        import torch
+        import transformers
+
+        res["peer"] = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+                       "max_logit_diff": peer_mod.max_logit_diff(model, peer, prompts[0])}
+        print(f"peer: transformers {transformers.__version__} / torch {torch.__version__}, "
+              f"max |logit diff| vs ours {res['peer']['max_logit_diff']:.2e}")
+    for b in batches:
+        r = bench_batch(model, prompts[:max(b, args.prompts if b == 1 else b)], b, args.max_new, args.rounds, peer)
+        res["batches"].append(r)
+        for k, v in r["variants"].items():
+            extra = "".join(f"  {f} {v[f]:.2f}" for f in ("tokens_per_round", "round_cost", "predicted_speedup") if f in v)
+            print(f"  batch {b:3d} {k:12s} {v['tokens_per_sec']:9.1f} tok/s  x{v['vs_plain']:.2f} vs plain{extra}")
+        log(f"  batch {b} done")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

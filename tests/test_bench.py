@@ -1,0 +1,88 @@
+"""The benchmark suite: the entry point end to end in smoke mode, the table of targets, the draft-count cost model."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.__main__ import targets
+from bench.peer import available
+from mtpjax.speculative import choose_num_draft, expected_tokens
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_suite_smoke_writes_every_key(tmp_path):
+    out = tmp_path / "results.json"
+    r = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert set(res) >= {"smoke", "train", "decode", "targets", "plots", "command"}
+    for name in ("tiny", "cpu_medium"):
+        t = res["train"][name]
+        assert t["peak_flops"] > 0 and t["peak_rss_mb"] > 0 and len(t["load"]) == 3
+        for d, row in t["depths"].items():
+            assert 0 < row["mfu"] < 1.5, (name, d)
+            if d != "0":
+                assert row["flop_ratio"] > 1 and row["step_time_ratio"] > 0
+    assert set(res["train"]["tiny"]["depths"]) == {"0", "2"}
+    for b in res["decode"]["batches"]:
+        v = b["variants"]
+        assert {"plain", "mtp1", "mtp2", "ngram2", "auto"} <= set(v)
+        # greedy speculation reproduces plain greedy token for token
+        assert all(v[k]["identical_to_plain"] for k in ("mtp1", "mtp2", "ngram2"))
+        assert len(v["mtp2"]["acceptance_by_position"]) == 2
+        assert v["mtp2"]["predicted_speedup"] > 0 and v["auto"]["num_draft"] in (0, 1, 2)
+    reason = available()
+    if reason:  # the peer part is the only thing skipped without torch, and it says why
+        assert res["decode"]["peer_skipped"] == reason and reason in r.stdout
+    else:
+        assert res["decode"]["peer"]["max_logit_diff"] < 1e-4  # the peer computes our trunk's function
+        assert "peer_greedy" in res["decode"]["batches"][0]["variants"]
+    assert [Path(p).name for p in res["plots"]] == ["acceptance_by_position.png", "speedup_vs_num_draft.png",
+                                                     "train_vs_depth.png"]
+    assert all(Path(p).stat().st_size > 1000 for p in res["plots"])
+    assert len(res["targets"]) == 7
+    peer_row = [t for t in res["targets"] if "transformers" in t["target"]][0]
+    assert (peer_row["value"] is None) == bool(reason)
+
+
+def test_expected_tokens():
+    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
+    assert expected_tokens([1.0, 0.0], 2) == pytest.approx(2.0)
+    assert expected_tokens([0.9], 3) == pytest.approx(1 + 0.9 + 0.81 + 0.729)  # last rate reused past the list
+    assert expected_tokens([], 2) == 1.0
+
+
+def test_choose_num_draft_prefers_fewer_drafts_when_rounds_get_expensive():
+    alpha = [0.9, 0.6]
+    # cheap drafting (batch 1): two drafts pay off
+    assert choose_num_draft(alpha, {1: 1.2, 2: 1.4}) == 2
+    # verification compute-bound (batch 32): a round costs more than the tokens it yields -> plain decoding
+    assert choose_num_draft(alpha, {1: 2.0, 2: 2.6}) == 0
+    # in between: one draft
+    assert choose_num_draft(alpha, {1: 1.3, 2: 2.5}) == 1
+    # a tie goes to fewer drafts
+    assert choose_num_draft([1.0], {1: 2.0}) == 0
+
+
+def _res(mfu_tiny, mfu_med, peer_ratio):
+    dec = {"batches": [{"batch": 1, "variants": {
+        "plain": {"vs_plain": 1.0}, "mtp1": {"vs_plain": 1.5, "measured_over_predicted": 0.95},
+        "peer_greedy": {"vs_plain": peer_ratio}}},
+        {"batch": 32, "variants": {"plain": {"vs_plain": 1.0}, "auto": {"num_draft": 0, "vs_plain": 1.0}}}]}
+    tiny = {"0": {"mfu": 0.3}, "2": {"mfu": mfu_tiny, "overhead_vs_flop_share": 1.05}}
+    return {"train": {"tiny": {"depths": tiny}, "cpu_medium": {"depths": {"1": {"mfu": mfu_med}}}}, "decode": dec}
+
+
+def test_targets_table_reports_met_and_unmet():
+    t = targets(_res(0.45, 0.4, 0.25))
+    assert [r["met"] for r in t if "MFU" in r["target"]] == [True, False]
+    assert [r for r in t if "transformers" in r["target"]][0]["value"] == pytest.approx(4.0)
+    assert [r for r in t if "MTP speculative" in r["target"]][0]["met"] is False  # 1.5 < 2
+    assert [r for r in t if "auto" in r["target"]][0]["met"] is True
+    assert [r for r in t if "overhead" in r["target"]][0]["met"] is True
