@@ -27,7 +27,8 @@ def test_readme_main_job_trains_and_speculates(tmp_path):
     gen = subprocess.run([sys.executable, "decode.py", "--run-dir", str(run), "--prompt", "def fibonacci(n):",
                           "--max-new-tokens", "64", "--stats"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert gen.returncode == 0, gen.stderr[-2000:]
-    assert len(gen.stdout.strip()) > 0 and "tokens/round=" in gen.stderr
+    # a 200-step byte model often continues code with whitespace, so count characters, not words
+    assert len(gen.stdout.rstrip("\n")) >= 32 and "tokens/round=" in gen.stderr
 
     out = tmp_path / "eval.json"
     ev = subprocess.run([sys.executable, "decode.py", "--run-dir", str(run), "--eval", "--json", str(out),
