@@ -2,7 +2,7 @@
 
 For each batch size every variant runs once per round, rounds interleaved; ratios are medians of
 per-round ratios. Round costs (relative to a plain round at the same batch size) feed the formula's
-prediction E/(v + γc) and `mtpjax.speculative.choose_num_draft`, whose pick is the "auto" row.
+prediction E/(v + γc) and `mtpjax.autodraft.choose_num_draft`, whose pick is the "auto" row.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from bench import peer as peer_mod  # noqa: E402
 from bench.common import interleave, load, log, median_ratio  # noqa: E402
 from mtpjax.evaluate import ideal_tokens_per_round  # noqa: E402
 from mtpjax.sampling import make_sampler  # noqa: E402
-from mtpjax.speculative import choose_num_draft, make_spec, run, summarize  # noqa: E402
+from mtpjax.autodraft import choose_num_draft  # noqa: E402
+from mtpjax.speculative import make_spec, run, summarize  # noqa: E402
 
 
 def load_subject(run_dir: str | None, smoke: bool, n_prompts: int, prompt_len: int):

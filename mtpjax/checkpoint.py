@@ -143,6 +143,12 @@ def warn(message: str) -> None:
 
 def load_model(run_dir: str | Path, step: int | None = None):
     """(cfg, model, tokenizer) of a trained run on one device (latest step by default); CheckpointError if absent."""
+    cfg, model, tok, _ = load_model_step(run_dir, step)
+    return cfg, model, tok
+
+
+def load_model_step(run_dir: str | Path, step: int | None = None):
+    """(cfg, model, tokenizer, step) where step is the checkpoint actually restored (older if the latest is unreadable)."""
     from mtpjax.data import DataError, tokenizer_from_dir
 
     run = Path(run_dir)
@@ -165,7 +171,7 @@ def load_model(run_dir: str | Path, step: int | None = None):
         try:
             cfg, model = _load_step(ck, run, s)
             ck.mngr.close()
-            return cfg, model, tok
+            return cfg, model, tok, s
         except CheckpointError as e:
             if step is not None:
                 raise

@@ -114,7 +114,7 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class DecodeConfig:
     max_new_tokens: int = 128
-    num_draft: int = -1  # -1: the model's mtp_depth (0 = plain decoding)
+    num_draft: int = -1  # -1: auto (timed per request among 0..mtp_depth); 0 = plain decoding
     proposer: str = "mtp"  # mtp | ngram
     temperature: float = 0.0
     top_k: int = 0  # 0 disables
@@ -399,7 +399,7 @@ def validate(cfg: Config) -> None:
 
     dc = cfg.decode
     _check(dc.max_new_tokens > 0, "decode.max_new_tokens", dc.max_new_tokens, "must be > 0")
-    _check(dc.num_draft >= -1, "decode.num_draft", dc.num_draft, "must be >= 0 (or -1 = model.mtp_depth)")
+    _check(dc.num_draft >= -1, "decode.num_draft", dc.num_draft, "must be >= 0 (or -1 = auto: timed per request)")
     _choice("decode.proposer", dc.proposer, ("mtp", "ngram"))
     _check(dc.temperature >= 0, "decode.temperature", dc.temperature, "must be >= 0 (0 = greedy)")
     _check(dc.top_k >= 0, "decode.top_k", dc.top_k, "must be >= 0 (0 disables)")

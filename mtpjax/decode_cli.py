@@ -28,7 +28,8 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompts-file", help="a file with one prompt per line (\\n escapes allowed)")
     src.add_argument("--eval", action="store_true", help="validation metrics + speculative speed report")
-    p.add_argument("--num-draft", type=int, default=None, help="drafts per round (default: the model's mtp_depth)")
+    p.add_argument("--num-draft", type=_num_draft, default=None,
+                   help="drafts per round, or auto: measure 0..mtp_depth on the prompts and use the fastest (default: decode.num_draft)")
     p.add_argument("--proposer", choices=("mtp", "ngram"), default=None)
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
@@ -42,6 +43,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=64, help="--eval: tokens per held-out prompt")
     p.add_argument("--json", help="--eval: also write the report as JSON here")
     return p
+
+
+def _num_draft(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be auto or an integer number of drafts, got {text!r}") from None
+
+
+def _fmt(d: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v:.2f}" for k, v in d.items()) + "}"
 
 
 def _prompts(args) -> list[str]:
@@ -62,7 +76,7 @@ def _generate(args, cfg, model, tok) -> int:
     from mtpjax.speculative import generate
 
     d = cfg.decode
-    num_draft = args.num_draft if args.num_draft is not None else (d.num_draft if d.num_draft >= 0 else cfg.model.mtp_depth)
+    num_draft = args.num_draft if args.num_draft is not None else (d.num_draft if d.num_draft >= 0 else "auto")
     proposer = args.proposer or d.proposer
     if args.proposer is None and cfg.model.mtp_depth == 0:
         proposer = "ngram"  # speculative by default only where the model has a proposer
@@ -71,7 +85,8 @@ def _generate(args, cfg, model, tok) -> int:
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: give at least one character of text")
     max_new = args.max_new_tokens or d.max_new_tokens
-    _check_size(cfg.model, prompts, max_new, num_draft, args.max_len or d.max_len)
+    _check_size(cfg.model, prompts, max_new, max(cfg.model.mtp_depth, 3) if num_draft == "auto" else num_draft,
+                args.max_len or d.max_len)
     if args.temperature is not None and not math.isfinite(args.temperature):
         raise ValueError(f"--temperature {args.temperature} must be a finite number >= 0 (0 = greedy)")
     stream = len(prompts) == 1  # one prompt streams as it decodes; several print when done
@@ -98,8 +113,12 @@ def _generate(args, cfg, model, tok) -> int:
             print(f"### {text!r}\n{tok.decode(out)}")
     if args.stats:
         s = res.stats
-        print(f"[{proposer} num_draft={num_draft}] rounds={s['rounds']} tokens/round={s['tokens_per_round']:.2f} "
+        print(f"[{proposer} num_draft={s['num_draft']}] rounds={s['rounds']} tokens/round={s['tokens_per_round']:.2f} "
               f"acceptance={[round(a, 3) for a in s['acceptance_by_position']]}", file=sys.stderr)
+        if "calibration" in s:
+            c = s["calibration"]
+            print(f"[auto] round cost vs plain {_fmt(c['round_cost'])}, expected tokens/round {_fmt(c['expected_tokens'])} "
+                  f"-> num_draft={c['num_draft']} (probe took {c['seconds']:.1f}s)", file=sys.stderr)
     return 0
 
 
@@ -141,7 +160,7 @@ def _eval(args, cfg, model, tok, run_dir: Path, step: int) -> int:
     if not batches:
         raise ValueError("the validation split holds less than one batch; lower train.batch_size or data.seq_len")
     val = validation_metrics(cfg, model, batches)
-    num_draft = args.num_draft if args.num_draft is not None else max(1, cfg.model.mtp_depth)
+    num_draft = args.num_draft if isinstance(args.num_draft, int) else max(1, cfg.model.mtp_depth)
     prompts = heldout_prompts(prepared.val_tokens, args.eval_prompts, args.prompt_len, tok.eos_id)
     speed = speed_report(model, prompts, num_draft=num_draft, max_new=args.max_new_tokens or 128)
     report = {"run_dir": str(run_dir), "step": step, "validation": val, "decode": speed}
@@ -190,24 +209,15 @@ def main(argv: list[str] | None = None) -> int:
     import absl.logging
 
     absl.logging.set_verbosity(absl.logging.ERROR)  # orbax's read-only notice is not news to a reader
-    from mtpjax.checkpoint import CheckpointError, load_model
+    from mtpjax.checkpoint import CheckpointError, load_model_step
     from mtpjax.data import DataError
     from mtpjax.speculative import DecodeError
 
     try:
-        cfg, model, tok = load_model(args.run_dir, args.step)
+        cfg, model, tok, step = load_model_step(args.run_dir, args.step)
         if args.eval:
-            return _eval(args, cfg, model, tok, Path(args.run_dir), _loaded_step(args))
+            return _eval(args, cfg, model, tok, Path(args.run_dir), step)
         return _generate(args, cfg, model, tok)
     except (CheckpointError, DataError, DecodeError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-
-def _loaded_step(args) -> int:
-    if args.step is not None:
-        return args.step
-    from mtpjax.checkpoint import ckpt_dir
-
-    steps = [int(p.name) for p in ckpt_dir(args.run_dir).iterdir() if p.name.isdigit()]
-    return max(steps) if steps else 0

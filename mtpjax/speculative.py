@@ -87,18 +87,19 @@ def _draft_mtp(model: MTPTransformer, st: DecodeState, spec: DecodeSpec, start_B
     h_prev, seq, mtp = h0_BLD, st.seq_BS, st.cache.mtp
     drafts, qs, h_at = [], [], None
     for k in range(1, G + 1):
-        if k <= D:
-            toks = read_rows(seq, start_B + k, L)
-            h, kv = model.mtp_forward(k, h_prev if sequential else h0_BLD, toks, pos_BL, cache=layer(mtp, k - 1))
-            mtp, h_prev, h_at, m = set_layer(mtp, k - 1, kv), h, take_rows(h, out_idx), k
-        else:  # beyond D: the last module continues autoregressively from its own output
-            pos = (st.n_B - 2 + (k - D))[:, None]
-            h, kv = model.mtp_forward(D, h_at[:, None], drafts[-1][:, None], pos, cache=layer(mtp, D - 1))
-            mtp, h_at, m = set_layer(mtp, D - 1, kv), h[:, 0], D
-        d, q = _choose(model.logits(model.head_norm(m, h_at)), spec.sampler, _row_keys(st.key, 10 + k, it, B))
-        seq = write_rows(seq, d[:, None], st.n_B + k - 1)
-        drafts.append(d)
-        qs.append(q)
+        with jax.named_scope(f"draft{k}"):  # profiles attribute time per depth
+            if k <= D:
+                toks = read_rows(seq, start_B + k, L)
+                h, kv = model.mtp_forward(k, h_prev if sequential else h0_BLD, toks, pos_BL, cache=layer(mtp, k - 1))
+                mtp, h_prev, h_at, m = set_layer(mtp, k - 1, kv), h, take_rows(h, out_idx), k
+            else:  # beyond D: the last module continues autoregressively from its own output
+                pos = (st.n_B - 2 + (k - D))[:, None]
+                h, kv = model.mtp_forward(D, h_at[:, None], drafts[-1][:, None], pos, cache=layer(mtp, D - 1))
+                mtp, h_at, m = set_layer(mtp, D - 1, kv), h[:, 0], D
+            d, q = _choose(model.logits(model.head_norm(m, h_at)), spec.sampler, _row_keys(st.key, 10 + k, it, B))
+            seq = write_rows(seq, d[:, None], st.n_B + k - 1)
+            drafts.append(d)
+            qs.append(q)
     return jnp.stack(drafts, 1), jnp.stack(qs, 1), mtp
 
 
@@ -169,7 +170,7 @@ def _commit(st: DecodeState, a_B, toks_BG1, spec: DecodeSpec):
     """Advance each active row by its accepted prefix + 1, cut at EOS and at the length budget."""
     G1 = toks_BG1.shape[1]
     i = jnp.arange(G1)[None, :]
-    c = jnp.minimum(a_B + 1, spec.max_new - (st.n_B - st.prompt_len_B))
+    c = jnp.minimum(a_B + 1, st.budget_B - (st.n_B - st.prompt_len_B))
     if spec.eos_id >= 0:
         is_eos = (toks_BG1 == spec.eos_id) & (i < c[:, None])
         first = jnp.argmax(is_eos, axis=1)
@@ -183,7 +184,7 @@ def _commit(st: DecodeState, a_B, toks_BG1, spec: DecodeSpec):
     if spec.on_commit is not None:
         jax.debug.callback(spec.on_commit, toks_BG1, c, ordered=True)
     n = st.n_B + c
-    done = st.done_B | hit | (n - st.prompt_len_B >= spec.max_new)
+    done = st.done_B | hit | (n - st.prompt_len_B >= st.budget_B)
     G = G1 - 1
     gi = jnp.arange(G)[None, :]
     reached = st.reached_BG + (active[:, None] & (gi <= a_B[:, None])).astype(jnp.int32)
@@ -197,17 +198,20 @@ def _round(model: MTPTransformer, st: DecodeState, spec: DecodeSpec, it):
     last = take_rows(st.seq_BS, st.n_B - 1)[:, None]
     vt = jnp.concatenate([last, st.drafts_BG], axis=1)
     pos = (st.n_B - 1)[:, None] + jnp.arange(vt.shape[1], dtype=jnp.int32)
-    h, trunk = model.trunk(vt, pos, cache=st.cache.trunk)
+    with jax.named_scope("verify"):
+        h, trunk = model.trunk(vt, pos, cache=st.cache.trunk)
     h0 = write_rows(st.h0_BSD, h, st.n_B - 1) if spec.proposer == "mtp" and spec.num_draft else st.h0_BSD
     st = st.replace(cache=st.cache._replace(trunk=trunk), h0_BSD=h0)
-    a, toks = _accept(model.logits(model.final_norm(h)), st, spec, it)
-    st = _commit(st, a, toks, spec)
+    with jax.named_scope("accept"):
+        a, toks = _accept(model.logits(model.final_norm(h)), st, spec, it)
+    with jax.named_scope("commit"):
+        st = _commit(st, a, toks, spec)
     W = spec.window
     start = jnp.maximum(st.n_B - 1 - W, 0)
     return _propose(model, st, spec, start, W, it)
 
 
-def _prefill(model: MTPTransformer, tokens_BP, plen_B, key, spec: DecodeSpec) -> DecodeState:
+def _prefill(model: MTPTransformer, tokens_BP, plen_B, budget_B, key, spec: DecodeSpec) -> DecodeState:
     """Trunk over the prompts, first token from the last prompt position, module caches over the prompt."""
     cfg, (B, P) = model.cfg, tokens_BP.shape
     S, G = spec.capacity, spec.num_draft
@@ -220,21 +224,21 @@ def _prefill(model: MTPTransformer, tokens_BP, plen_B, key, spec: DecodeSpec) ->
     first, _ = _choose(model.logits(model.final_norm(take_rows(h, plen_B - 1))), spec.sampler, _row_keys(key, 0, 0, B))
     seq = jnp.zeros((B, S), jnp.int32).at[:, :P].set(tokens_BP)
     seq = write_rows(seq, first[:, None], plen_B)
-    done = (first == spec.eos_id) | (spec.max_new <= 1)
+    done = (first == spec.eos_id) | (budget_B <= 1)
     if spec.on_commit is not None:
         jax.debug.callback(spec.on_commit, first[:, None], jnp.ones_like(first), ordered=True)
     V = cfg.vocab_size if (not spec.sampler.greedy) else 1
     st = DecodeState(
         cache=DecodeCache(trunk=trunk, mtp=cache.mtp), seq_BS=seq, h0_BSD=h0, n_B=plen_B + 1,
-        prompt_len_B=plen_B, drafts_BG=jnp.zeros((B, G), jnp.int32), q_BGV=jnp.zeros((B, G, V), jnp.float32),
+        prompt_len_B=plen_B, budget_B=budget_B, drafts_BG=jnp.zeros((B, G), jnp.int32), q_BGV=jnp.zeros((B, G, V), jnp.float32),
         done_B=done, rounds_B=jnp.zeros((B,), jnp.int32), reached_BG=jnp.zeros((B, G), jnp.int32),
         accepted_BG=jnp.zeros((B, G), jnp.int32), key=key)
     return _propose(model, st, spec, jnp.zeros((B,), jnp.int32), P, 0)
 
 
-def _generate(gdef, params, tokens_BP, plen_B, key, spec: DecodeSpec) -> DecodeState:
+def _generate(gdef, params, tokens_BP, plen_B, budget_B, key, spec: DecodeSpec) -> DecodeState:
     model = nnx.merge(gdef, params)
-    st = _prefill(model, tokens_BP, plen_B, key, spec)
+    st = _prefill(model, tokens_BP, plen_B, budget_B, key, spec)
 
     def body(carry):
         it, st = carry
@@ -248,30 +252,6 @@ _generate_jit = jax.jit(_generate, static_argnames=("gdef", "spec"))
 
 
 # ----------------------------------------------------------------------------- public API
-
-
-def expected_tokens(alpha_by_pos, gamma: int) -> float:
-    """Tokens per round with γ drafts when draft i is accepted (all before it accepted) with rate alpha_by_pos[i]."""
-    total, run_ = 1.0, 1.0
-    for i in range(gamma):
-        run_ *= alpha_by_pos[min(i, len(alpha_by_pos) - 1)] if alpha_by_pos else 0.0
-        total += run_
-    return total
-
-
-def choose_num_draft(alpha_by_pos, round_cost: dict) -> int:
-    """The per-batch-size cost model: the γ maximizing E(γ) / cost(γ), where cost(γ) is the measured time
-    of a round with γ drafts relative to a plain round at that batch size (cost(0) = 1: plain decoding).
-
-    Batched verification is compute-bound sooner, so at large batch cost(γ) grows and this picks fewer
-    drafts, down to 0: speculation is then never slower than plain decoding (up to measurement noise).
-    """
-    rates = {0: 1.0}
-    for g, c in round_cost.items():
-        if g > 0 and c > 0:
-            rates[g] = expected_tokens(alpha_by_pos, g) / c
-    return max(sorted(rates), key=lambda g: rates[g])
-
 
 
 def _round_up(x: int, m: int) -> int:
@@ -309,15 +289,20 @@ def make_spec(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft:
                       depth=cfg.mtp_depth, on_commit=on_commit)
 
 
-def run(model: MTPTransformer, prompts, spec: DecodeSpec, seed: int = 0) -> DecodeState:
-    """Compile (once per spec) and run the whole generation; returns the final DecodeState."""
+def run(model: MTPTransformer, prompts, spec: DecodeSpec, seed: int = 0, budget: int | None = None) -> DecodeState:
+    """Compile (once per spec) and run the whole generation; returns the final DecodeState.
+
+    `budget` (<= spec.max_new, default spec.max_new) caps the new tokens per row without recompiling.
+    """
     B = len(prompts)
     toks = np.zeros((B, spec.prompt_pad), np.int32)
     for i, p in enumerate(prompts):
         toks[i, : len(p)] = p
     plen = np.array([len(p) for p in prompts], np.int32)
+    budget_B = np.full((B,), spec.max_new if budget is None else min(max(1, budget), spec.max_new), np.int32)
     gdef, params = nnx.split(model)
-    return _generate_jit(gdef, params, jnp.asarray(toks), jnp.asarray(plen), jax.random.key(seed), spec)
+    return _generate_jit(gdef, params, jnp.asarray(toks), jnp.asarray(plen), jnp.asarray(budget_B),
+                         jax.random.key(seed), spec)
 
 
 def summarize(st: DecodeState) -> GenerateResult:
@@ -336,14 +321,62 @@ def summarize(st: DecodeState) -> GenerateResult:
     return GenerateResult(tokens=tokens, stats=stats)
 
 
-def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: int = 0, proposer: str = "mtp",
+class _Relay:
+    """The streaming callback, muted while the auto-draft probe runs the same compiled loops."""
+
+    def __init__(self, fn):
+        self.fn, self.live = fn, True
+
+    def __call__(self, toks, counts):
+        if self.live:
+            self.fn(toks, counts)
+
+
+def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: int | str = 0, proposer: str = "mtp",
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              eos_id: int | None = None, max_len: int | None = None, on_commit=None) -> GenerateResult:
-    """Generate up to max_new_tokens per prompt (lists of token ids of any lengths), speculatively if num_draft>0."""
+    """Generate up to max_new_tokens per prompt (lists of token ids of any lengths), speculatively if num_draft>0.
+
+    num_draft="auto" measures every candidate γ on these prompts and uses the fastest by the cost model
+    (mtpjax.autodraft); stats["num_draft"] says which, stats["calibration"] why.
+    """
     try:
         sampler = make_sampler(temperature, top_k, top_p)
     except ValueError as e:
         raise DecodeError(str(e)) from None
-    spec = make_spec(model, prompts, max_new_tokens=max_new_tokens, num_draft=num_draft, proposer=proposer,
-                     sampler=sampler, eos_id=eos_id, max_len=max_len, on_commit=on_commit)
-    return summarize(run(model, prompts, spec, seed))
+    relay = _Relay(on_commit) if on_commit is not None else None
+
+    def spec_for(g: int) -> DecodeSpec:
+        return make_spec(model, prompts, max_new_tokens=max_new_tokens, num_draft=g, proposer=proposer,
+                         sampler=sampler, eos_id=eos_id, max_len=max_len, on_commit=relay)
+
+    cal = None
+    if num_draft == "auto":
+        num_draft, cal = _auto_num_draft(model, prompts, spec_for, proposer, seed, relay)
+    elif isinstance(num_draft, bool) or not isinstance(num_draft, (int, np.integer)):
+        raise DecodeError(f"num_draft={num_draft!r} must be an integer >= 0 or 'auto'")
+    res = summarize(run(model, prompts, spec_for(int(num_draft)), seed))
+    res.stats["num_draft"] = int(num_draft)
+    if cal is not None:
+        res.stats["calibration"] = cal.as_dict()
+    return res
+
+
+def _auto_num_draft(model, prompts, spec_for, proposer: str, seed: int, relay):
+    from mtpjax import autodraft
+
+    if proposer == "mtp" and model.cfg.mtp_depth == 0:
+        raise DecodeError("this model has no MTP modules (mtp_depth 0); use --proposer ngram or --num-draft 0")
+    specs = {g: spec_for(g) for g in autodraft.candidates(model, proposer)}
+    key = (len(prompts), specs[0].prompt_pad, specs[0].max_new, proposer, specs[0].sampler, specs[0].eos_id)
+    memo = autodraft.memo(model)
+    if key not in memo:
+        if relay is not None:
+            relay.live = False
+        try:
+            memo[key] = autodraft.calibrate(model, prompts, specs, seed)
+        finally:
+            if relay is not None:
+                relay.live = True
+    cal = memo[key]
+    return cal.num_draft, cal

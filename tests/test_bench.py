@@ -9,7 +9,7 @@ import pytest
 
 from bench.__main__ import targets
 from bench.peer import available
-from mtpjax.speculative import choose_num_draft, expected_tokens
+from mtpjax.autodraft import choose_num_draft, expected_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,3 +86,13 @@ def test_targets_table_reports_met_and_unmet():
     assert [r for r in t if "MTP speculative" in r["target"]][0]["met"] is False  # 1.5 < 2
     assert [r for r in t if "auto" in r["target"]][0]["met"] is True
     assert [r for r in t if "overhead" in r["target"]][0]["met"] is True
+
+
+def test_cache_cliff_measures_round_cost_per_layer():
+    from bench.cache_cliff import measure
+
+    rows = measure([1, 2], d_model=64, short=4, long_=12, repeats=1)
+    assert [r["n_layers"] for r in rows] == [1, 2]
+    assert 0 < rows[0]["weights_mb"] < rows[1]["weights_mb"]
+    # Timings of a 64-wide model over a few tokens are noise; the test checks the bookkeeping only.
+    assert all(abs(r["us_per_layer"] * r["n_layers"] - r["us_per_round"]) < 1e-6 for r in rows)

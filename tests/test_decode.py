@@ -32,10 +32,16 @@ def runs(tmp_path_factory):
 
 
 def test_generate_streams_text(runs, capsys):
-    assert main(["--run-dir", str(runs["mtp"]), "--prompt", "def f(x):", "--max-new-tokens", "24", "--stats"]) == 0
+    argv = ["--run-dir", str(runs["mtp"]), "--prompt", "def f(x):", "--max-new-tokens", "24", "--stats"]
+    assert main(argv + ["--num-draft", "2"]) == 0
     out = capsys.readouterr()
     assert out.out.endswith("\n") and len(out.out) > 1
     assert "tokens/round=" in out.err and "[mtp num_draft=2]" in out.err
+    # The default picks the draft count by timing 0..mtp_depth on the prompt; the probe prints nothing.
+    assert main(argv) == 0
+    auto = capsys.readouterr()
+    assert auto.out == out.out  # greedy: the same text whatever the choice, streamed once
+    assert "[auto] round cost vs plain {0: 1.00, 1: " in auto.err and "num_draft=" in auto.err
 
 
 def test_prompts_file_and_sampling_flags(runs, capsys, tmp_path):
@@ -88,6 +94,8 @@ def test_eval_report_json_and_tensorboard(runs, tmp_path, capsys):
     ("bad temperature", ["--run-dir", "{mtp}", "--prompt", "x", "--temperature", "-1"], "temperature"),
     ("missing file", ["--run-dir", "{mtp}", "--prompts-file", "{tmp}/none.txt"], "does not exist"),
     ("bad step", ["--run-dir", "{mtp}", "--prompt", "x", "--step", "7"], "no checkpoint at step 7"),
+    ("bad num-draft", ["--run-dir", "{mtp}", "--prompt", "x", "--num-draft", "many"], "auto or an integer"),
+    ("auto without mtp", ["--run-dir", "{plain}", "--prompt", "x", "--proposer", "mtp"], "no MTP modules"),
 ])
 def test_bad_input_is_one_line_exit_2(runs, tmp_path, capsys, case, argv, text):
     argv = [a.format(tmp=tmp_path, mtp=runs["mtp"], plain=runs["plain"]) for a in argv]
@@ -99,6 +107,24 @@ def test_bad_input_is_one_line_exit_2(runs, tmp_path, capsys, case, argv, text):
     assert code == 2, case
     assert len(err) >= 1 and text in err[-1], (case, err)
     assert all(line.startswith(("error:", "WARNING:absl")) for line in err), err
+
+
+def test_eval_is_labelled_with_the_step_actually_loaded(runs, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "fallback"
+    shutil.copytree(runs["mtp"], run)
+    steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(steps) >= 2
+    newest = run / "checkpoints" / str(steps[-1])
+    for f in newest.rglob("*"):
+        if f.is_file() and f.name != "_CHECKPOINT_METADATA":
+            f.write_bytes(b"garbage")
+    out = tmp_path / "eval.json"
+    argv = ["--run-dir", str(run), "--eval", "--eval-batches", "1", "--eval-prompts", "1", "--prompt-len", "16",
+            "--max-new-tokens", "8", "--json", str(out)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["step"] == steps[-2]  # not the unreadable newest one
 
 
 def test_subprocess_error_has_no_traceback(tmp_path):

@@ -15,6 +15,8 @@ from mtpjax.config import load_config
 from mtpjax.loss import mtp_loss
 from mtpjax.model import build_model
 from mtpjax.sampling import make_sampler
+from mtpjax import autodraft
+from mtpjax.autodraft import choose_num_draft
 from mtpjax.speculative import DecodeError, generate, make_spec, run, summarize
 
 
@@ -302,6 +304,57 @@ def test_stochastic_companion_wrong_rule_is_detected(monkeypatch):
     assert 0.5 * np.abs(emp - exact).sum() > 0.04
 
 
+def test_auto_num_draft_is_measured_and_keeps_greedy_output(half_trained):
+    base = generate(half_trained, PROMPTS, max_new_tokens=24)
+    out = generate(half_trained, PROMPTS, max_new_tokens=24, num_draft="auto")
+    cal = out.stats["calibration"]
+    assert out.tokens == base.tokens
+    assert set(cal["round_cost"]) == {0, 1, 2} and cal["round_cost"][0] == 1.0
+    assert all(c > 0 for c in cal["round_cost"].values()) and len(cal["alpha_by_position"]) == 2
+    assert out.stats["num_draft"] == cal["num_draft"] == choose_num_draft(
+        cal["alpha_by_position"], {g: c for g, c in cal["round_cost"].items() if g})
+    again = generate(half_trained, PROMPTS, max_new_tokens=24, num_draft="auto")
+    assert again.stats["calibration"] == cal  # one probe per request shape
+
+
+@pytest.mark.parametrize("chosen", [0, 2])
+def test_auto_num_draft_runs_what_the_calibration_chose(half_trained, chosen):
+    """The wiring, not the timing: a remembered choice is what generate runs (a wrong wiring fails one case)."""
+    prompts = PROMPTS[:2]
+    spec = make_spec(half_trained, prompts, max_new_tokens=16, num_draft=0, proposer="mtp", sampler=make_sampler(),
+                     eos_id=None, max_len=None)
+    key = (2, spec.prompt_pad, 16, "mtp", spec.sampler, -1)
+    autodraft.memo(half_trained)[key] = autodraft.Calibration(num_draft=chosen)
+    try:
+        out = generate(half_trained, prompts, max_new_tokens=16, num_draft="auto")
+    finally:
+        del autodraft.memo(half_trained)[key]
+    assert out.stats["num_draft"] == chosen and len(out.stats["acceptance_by_position"]) == chosen
+
+
+def test_choose_num_draft_falls_back_to_plain_when_drafting_costs_more_than_it_saves():
+    alpha = [0.9, 0.7]
+    assert choose_num_draft(alpha, {1: 3.8, 2: 5.1}) == 0  # batch 1 on a 2-core CPU, measured
+    assert choose_num_draft(alpha, {1: 1.5, 2: 2.5}) == 1  # batch 32, measured
+    assert choose_num_draft(alpha, {1: 1.1, 2: 1.3}) == 2
+
+
+def test_budget_cuts_generation_without_recompiling(half_trained):
+    spec = make_spec(half_trained, PROMPTS, max_new_tokens=20, num_draft=2, proposer="mtp", sampler=make_sampler(),
+                     eos_id=None, max_len=None)
+    full = summarize(run(half_trained, PROMPTS, spec)).tokens
+    size = jax_cache_size()
+    short = summarize(run(half_trained, PROMPTS, spec, budget=7)).tokens
+    assert jax_cache_size() == size
+    assert short == [t[:7] for t in full]
+
+
+def jax_cache_size():
+    from mtpjax import speculative
+
+    return speculative._generate_jit._cache_size()
+
+
 def test_rows_sample_independently(trained):
     model, _ = trained
     out = generate(model, [[1, 2]] * 8, max_new_tokens=12, num_draft=2, temperature=1.5, seed=3)
@@ -319,6 +372,8 @@ def test_bad_requests_raise_one_line_errors(trained):
         (lambda: generate(model, [[1]], max_new_tokens=0), "max_new_tokens"),
         (lambda: generate(model, [[1]], max_new_tokens=4, temperature=-1.0), "temperature"),
         (lambda: generate(model, [[1]], max_new_tokens=4, num_draft=1, proposer="x"), "proposer"),
+        (lambda: generate(model, [[1]], max_new_tokens=4, num_draft="many"), "integer >= 0 or 'auto'"),
+        (lambda: generate(plain, [[1]], max_new_tokens=4, num_draft="auto"), "no MTP modules"),
     ]
     for fn, text in cases:
         with pytest.raises(DecodeError, match=text) as e:

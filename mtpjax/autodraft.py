@@ -1,0 +1,110 @@
+"""How many drafts per round: the cost model E(γ) / cost(γ), with cost measured on the request itself.
+
+Whether speculation pays depends on the machine, the batch size and the model: on a 2-core CPU the
+trunk plus two f32 MTP modules (19 MB) fall out of the last-level cache that plain decoding (12 MB)
+stays in, and at batch 32 verification is compute-bound. So `generate(num_draft="auto")` times
+a short probe of every candidate γ on the very prompts it was given (the same compiled loops the real
+run then reuses), takes α by draft position from the longest candidate, and picks the γ that
+maximizes expected tokens per unit time. γ = 0 (plain decoding) is always a candidate, which is how
+speculation is never slower than plain decoding, up to timing noise.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+@dataclass
+class Calibration:
+    num_draft: int
+    round_cost: dict = field(default_factory=dict)  # γ -> time of a round relative to a plain round
+    alpha_by_position: list = field(default_factory=list)
+    expected_tokens: dict = field(default_factory=dict)  # γ -> E(γ) from α
+    seconds: float = 0.0  # wall time the probe took, compiles included
+
+    def as_dict(self) -> dict:
+        return {"num_draft": self.num_draft, "round_cost": self.round_cost, "alpha_by_position": self.alpha_by_position,
+                "expected_tokens": self.expected_tokens, "seconds": self.seconds}
+
+
+def expected_tokens(alpha_by_pos, gamma: int) -> float:
+    """Tokens per round with γ drafts when draft i is accepted (all before it accepted) with rate alpha_by_pos[i]."""
+    total, run_ = 1.0, 1.0
+    for i in range(gamma):
+        run_ *= alpha_by_pos[min(i, len(alpha_by_pos) - 1)] if alpha_by_pos else 0.0
+        total += run_
+    return total
+
+
+def choose_num_draft(alpha_by_pos, round_cost: dict) -> int:
+    """The γ maximizing E(γ) / cost(γ), where cost(γ) is the measured time of a round with γ drafts relative
+    to a plain round at the same batch size (cost(0) = 1: plain decoding, always a candidate).
+
+    Batched verification is compute-bound sooner, so at large batch cost(γ) grows and this picks fewer
+    drafts, down to 0: speculation is then never slower than plain decoding (up to measurement noise).
+    """
+    rates = {0: 1.0}
+    for g, c in round_cost.items():
+        if g > 0 and c > 0:
+            rates[g] = expected_tokens(alpha_by_pos, g) / c
+    return max(sorted(rates), key=lambda g: rates[g])
+
+
+def candidates(model, proposer: str) -> list[int]:
+    """γ values worth probing: 0..mtp_depth for the MTP proposer (parallel heads cannot go further), 0..3 for n-gram."""
+    top = model.cfg.mtp_depth if proposer == "mtp" else 3
+    return list(range(0, max(top, 0) + 1))
+
+
+def calibrate(model, prompts, specs: dict, seed: int = 0, probe: int = 32, repeats: int = 2) -> Calibration:
+    """Time every candidate's compiled loop on `prompts` (specs: γ -> DecodeSpec) and choose γ.
+
+    A round's cost is the slope between a probe of `probe` and one of 2·`probe` new tokens, so prefill
+    and dispatch cancel; candidates are timed interleaved so drift hits them alike.
+    """
+    from mtpjax.speculative import run, summarize
+
+    t0 = time.perf_counter()
+    max_new = min(s.max_new for s in specs.values())
+    short, long_ = max(1, min(probe, max_new // 2)), max(2, min(2 * probe, max_new))
+
+    def timed(spec, budget):
+        t = time.perf_counter()
+        st = run(model, prompts, spec, seed, budget=budget)
+        jax.block_until_ready(st.n_B)
+        return time.perf_counter() - t, int(np.asarray(st.rounds_B).max()), st
+
+    slopes: dict = {g: [] for g in specs}
+    whole: dict = {g: [] for g in specs}
+    last = {}
+    for g, spec in specs.items():  # compile and warm
+        timed(spec, short)
+    for _ in range(repeats):
+        for g, spec in specs.items():
+            ts, rs, _ = timed(spec, short)
+            tl, rl, last[g] = timed(spec, long_)
+            whole[g].append(tl / max(rl, 1))
+            if rl > rs:
+                slopes[g].append((tl - ts) / (rl - rs))
+    per_round = {g: float(np.median(v)) for g, v in slopes.items() if v}
+    if len(per_round) < len(specs) or min(per_round.values()) <= 0:
+        # Too few rounds for the slope to rise above timing noise: whole-run time per round instead.
+        per_round = {g: float(np.median(v)) for g, v in whole.items()}
+    top = max(specs)
+    alpha = summarize(last[top]).stats["acceptance_by_position"] if top > 0 else []
+    cost = {g: t / per_round[0] for g, t in per_round.items()}
+    choice = choose_num_draft(alpha, {g: c for g, c in cost.items() if g > 0})
+    return Calibration(num_draft=choice, round_cost=cost, alpha_by_position=alpha,
+                       expected_tokens={g: expected_tokens(alpha, g) for g in specs}, seconds=time.perf_counter() - t0)
+
+
+_MEMO = weakref.WeakKeyDictionary()  # model -> {request shape: Calibration}: one probe per request shape
+
+
+def memo(model) -> dict:
+    """This model's calibrations, keyed by request shape (dropped with the model)."""
+    return _MEMO.setdefault(model, {})
