@@ -40,7 +40,8 @@ def run_suite(smoke: bool, rounds: int, run_dir: str, no_peer: bool, tmp: Path) 
     if no_peer:
         dargs.append("--no-peer")
     decode = _child("bench.decode_bench", dargs, tmp, "decode")
-    return {"smoke": smoke, "train": train, "decode": decode}
+    cliff = _child("bench.cache_cliff", ["--layers", "1,2", "--d-model", "64"] if smoke else [], tmp, "cache_cliff")
+    return {"smoke": smoke, "train": train, "decode": decode, "cache_cliff": cliff}
 
 
 def targets(res: dict) -> list[dict]:
@@ -78,6 +79,10 @@ def print_table(res: dict) -> None:
     for r in res["targets"]:
         v = "n/a" if r["value"] is None else f"{r['value']:.3f}"
         print(f"{r['target']:58s} {v:>9s}  {r['goal']:>20s}  {r['met']}")
+    rows = res.get("cache_cliff", {}).get("rows", [])
+    if rows:
+        print("decode round cost per layer vs weights (plain, batch 1): " + ", ".join(
+            f"{r['weights_mb']:.1f} MB {r['us_per_layer']:.0f} us" for r in rows))
     print(f"load average {load()}")
 
 

@@ -14,6 +14,7 @@ n-gram proposer (no extra weights) pays, and why the decoder's auto mode falls b
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -65,8 +66,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", default="2,4,6,8")
     ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     rows = measure([int(x) for x in args.layers.split(",")], args.d_model)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"d_model": args.d_model, "rows": rows}, indent=2))
     base = rows[0]["us_per_layer"]
     for r in rows:
         print(f"{r['n_layers']:>3} layers {r['weights_mb']:6.1f} MB  per-layer cost x{r['us_per_layer'] / base:.2f} "

@@ -2,7 +2,8 @@
 
 For each batch size every variant runs once per round, rounds interleaved; ratios are medians of
 per-round ratios. Round costs (relative to a plain round at the same batch size) feed the formula's
-prediction E/(v + γc) and `mtpjax.autodraft.choose_num_draft`, whose pick is the "auto" row.
+prediction E/(v + γc) and `mtpjax.autodraft.choose_num_draft` ("cost_model"); the "auto" row is the
+variant the decoder's own `generate(num_draft="auto")` picks after timing its probes.
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ def bench_batch(model, prompts, batch: int, max_new: int, rounds: int, peer=None
                 r["alpha"] = float(box["accepted"].sum() / max(box["reached"].sum(), 1))
         out["variants"][k] = r
     _predict(out["variants"], gd)
+    if D:
+        _auto(model, groups, max_new, out["variants"])
     return out
 
 
@@ -136,8 +139,15 @@ def _predict(v: dict, gd: int) -> None:
             costs[g] = r["round_cost"]
     if costs:
         alpha = v[f"mtp{max(costs)}"]["acceptance_by_position"]
-        g = choose_num_draft(alpha, costs)
-        v["auto"] = {"num_draft": g, **{k: v["plain" if g == 0 else f"mtp{g}"][k] for k in ("tokens_per_sec", "vs_plain")}}
+        v["cost_model"] = {"num_draft": choose_num_draft(alpha, costs), "round_cost": costs}
+
+
+def _auto(model, groups, max_new: int, v: dict) -> None:
+    """The decoder's own choice (generate(num_draft="auto") times its probes) and how the chosen variant did here."""
+    from mtpjax.speculative import generate
+
+    g = generate(model, groups[0], max_new_tokens=max_new, num_draft="auto").stats["num_draft"]
+    v["auto"] = {"num_draft": g, **{k: v["plain" if g == 0 else f"mtp{g}"][k] for k in ("tokens_per_sec", "vs_plain")}}
 
 
 def main(argv=None) -> int:
@@ -173,6 +183,8 @@ def main(argv=None) -> int:
         r = bench_batch(model, prompts[:max(b, args.prompts if b == 1 else b)], b, args.max_new, args.rounds, peer)
         res["batches"].append(r)
         for k, v in r["variants"].items():
+            if "tokens_per_sec" not in v:
+                continue
             extra = "".join(f"  {f} {v[f]:.2f}" for f in ("tokens_per_round", "round_cost", "predicted_speedup") if f in v)
             print(f"  batch {b:3d} {k:12s} {v['tokens_per_sec']:9.1f} tok/s  x{v['vs_plain']:.2f} vs plain{extra}")
         log(f"  batch {b} done")

@@ -21,7 +21,8 @@ def test_suite_smoke_writes_every_key(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
-    assert set(res) >= {"smoke", "train", "decode", "targets", "plots", "command"}
+    assert set(res) >= {"smoke", "train", "decode", "targets", "plots", "command", "cache_cliff"}
+    assert [r["n_layers"] for r in res["cache_cliff"]["rows"]] == [1, 2]
     for name in ("tiny", "cpu_medium"):
         t = res["train"][name]
         assert t["peak_flops"] > 0 and t["peak_rss_mb"] > 0 and len(t["load"]) == 3
