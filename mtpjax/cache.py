@@ -83,6 +83,7 @@ class DecodeState:
     h0_BSD: jax.Array  # trunk raw hidden state at every committed position (input of MTP depth 1)
     n_B: jax.Array  # committed length per row
     prompt_len_B: jax.Array
+    ref_BS: jax.Array  # forced decoding: the reference sequence to commit ([B, 1] and unused otherwise)
     budget_B: jax.Array  # new tokens each row may still commit in total (<= spec.max_new; traced, so no recompile)
     drafts_BG: jax.Array  # drafts proposed for the next round
     q_BGV: jax.Array  # the distributions the drafts were sampled from (stochastic MTP only)

@@ -151,7 +151,7 @@ def _check_size(mcfg, prompts, max_new: int, num_draft: int, max_len: int) -> No
 
 def _eval(args, cfg, model, tok, run_dir: Path, step: int) -> int:
     from mtpjax.data import make_iterator, prepare
-    from mtpjax.evaluate import heldout_prompts, speed_report, validation_metrics
+    from mtpjax.evaluate import agreement_on, forced_acceptance, heldout_prompts, speed_report, validation_metrics
 
     prepared = prepare(cfg.data)
     it = make_iterator(prepared, split="val", seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
@@ -162,7 +162,14 @@ def _eval(args, cfg, model, tok, run_dir: Path, step: int) -> int:
     val = validation_metrics(cfg, model, batches)
     num_draft = args.num_draft if isinstance(args.num_draft, int) else max(1, cfg.model.mtp_depth)
     prompts = heldout_prompts(prepared.val_tokens, args.eval_prompts, args.prompt_len, tok.eos_id)
-    speed = speed_report(model, prompts, num_draft=num_draft, max_new=args.max_new_tokens or 128)
+    max_new = args.max_new_tokens or 128
+    speed = speed_report(model, prompts, num_draft=num_draft, max_new=max_new)
+    if cfg.model.mtp_depth:
+        # The held-out text itself as the continuation: acceptance on the distribution training measured.
+        texts = heldout_prompts(prepared.val_tokens, max(32, args.eval_prompts), args.prompt_len + max_new, tok.eos_id)
+        speed["forced_acceptance_by_position"] = forced_acceptance(model, texts, args.prompt_len, num_draft)
+        speed["agreement_on_heldout"] = agreement_on(model, [t[:args.prompt_len] for t in texts],
+                                                     [t[args.prompt_len:] for t in texts], cfg.model.mtp_depth)
     report = {"run_dir": str(run_dir), "step": step, "validation": val, "decode": speed}
     _print_report(report)
     if args.json:

@@ -101,6 +101,21 @@ def _argmax_all(model, toks):
     return jnp.argmax(model.logits(model(toks).hidden), axis=-1)
 
 
+def forced_acceptance(model, sequences, prompt_len: int, num_draft: int) -> list[float]:
+    """Acceptance by draft position while decoding walks the reference continuation of each sequence
+    (teacher forcing, one token per round). Depth 1 measures what agreement/mtp_1 measures in training,
+    on the same kind of text, through the decoder's caches."""
+    import dataclasses
+
+    prompts = [s[:prompt_len] for s in sequences]
+    refs = [s[prompt_len:] for s in sequences]
+    n = min(len(r) for r in refs)
+    spec = make_spec(model, prompts, max_new_tokens=n, num_draft=num_draft, proposer="mtp", sampler=make_sampler(),
+                     eos_id=None, max_len=None)
+    return summarize(run(model, prompts, dataclasses.replace(spec, forced=True), reference=refs)).stats[
+        "acceptance_by_position"]
+
+
 def ideal_tokens_per_round(alpha: float, gamma: int) -> float:
     """E = (1 - α^(γ+1)) / (1 - α): expected tokens per round with i.i.d. acceptance α."""
     return gamma + 1.0 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)

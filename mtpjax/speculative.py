@@ -42,6 +42,7 @@ class DecodeSpec:
     depth: int = 0  # the model's mtp_depth
     window_size: int = -1  # -1: the smallest window that keeps the module caches exact (tests shrink it)
     on_commit: object = None  # host callback(tokens_BG1, count_B) after each round, for streaming
+    forced: bool = False  # commit one reference token per round instead of the accepted ones (teacher forcing)
 
     @property
     def window(self) -> int:
@@ -171,6 +172,9 @@ def _commit(st: DecodeState, a_B, toks_BG1, spec: DecodeSpec):
     G1 = toks_BG1.shape[1]
     i = jnp.arange(G1)[None, :]
     c = jnp.minimum(a_B + 1, st.budget_B - (st.n_B - st.prompt_len_B))
+    if spec.forced:  # measure the drafts against the target, but walk the reference text one token a round
+        toks_BG1 = read_rows(st.ref_BS, st.n_B, G1)
+        c = jnp.minimum(c, 1)
     if spec.eos_id >= 0:
         is_eos = (toks_BG1 == spec.eos_id) & (i < c[:, None])
         first = jnp.argmax(is_eos, axis=1)
@@ -211,7 +215,7 @@ def _round(model: MTPTransformer, st: DecodeState, spec: DecodeSpec, it):
     return _propose(model, st, spec, start, W, it)
 
 
-def _prefill(model: MTPTransformer, tokens_BP, plen_B, budget_B, key, spec: DecodeSpec) -> DecodeState:
+def _prefill(model: MTPTransformer, tokens_BP, plen_B, budget_B, ref_BS, key, spec: DecodeSpec) -> DecodeState:
     """Trunk over the prompts, first token from the last prompt position, module caches over the prompt."""
     cfg, (B, P) = model.cfg, tokens_BP.shape
     S, G = spec.capacity, spec.num_draft
@@ -222,6 +226,8 @@ def _prefill(model: MTPTransformer, tokens_BP, plen_B, budget_B, key, spec: Deco
     h0 = jnp.zeros((B, S if use_h0 else 1, cfg.d_model), h.dtype)
     h0 = h0.at[:, :P].set(h) if use_h0 else h0
     first, _ = _choose(model.logits(model.final_norm(take_rows(h, plen_B - 1))), spec.sampler, _row_keys(key, 0, 0, B))
+    if spec.forced:
+        first = take_rows(ref_BS, plen_B)
     seq = jnp.zeros((B, S), jnp.int32).at[:, :P].set(tokens_BP)
     seq = write_rows(seq, first[:, None], plen_B)
     done = (first == spec.eos_id) | (budget_B <= 1)
@@ -230,15 +236,15 @@ def _prefill(model: MTPTransformer, tokens_BP, plen_B, budget_B, key, spec: Deco
     V = cfg.vocab_size if (not spec.sampler.greedy) else 1
     st = DecodeState(
         cache=DecodeCache(trunk=trunk, mtp=cache.mtp), seq_BS=seq, h0_BSD=h0, n_B=plen_B + 1,
-        prompt_len_B=plen_B, budget_B=budget_B, drafts_BG=jnp.zeros((B, G), jnp.int32), q_BGV=jnp.zeros((B, G, V), jnp.float32),
+        prompt_len_B=plen_B, budget_B=budget_B, ref_BS=ref_BS, drafts_BG=jnp.zeros((B, G), jnp.int32), q_BGV=jnp.zeros((B, G, V), jnp.float32),
         done_B=done, rounds_B=jnp.zeros((B,), jnp.int32), reached_BG=jnp.zeros((B, G), jnp.int32),
         accepted_BG=jnp.zeros((B, G), jnp.int32), key=key)
     return _propose(model, st, spec, jnp.zeros((B,), jnp.int32), P, 0)
 
 
-def _generate(gdef, params, tokens_BP, plen_B, budget_B, key, spec: DecodeSpec) -> DecodeState:
+def _generate(gdef, params, tokens_BP, plen_B, budget_B, ref_BS, key, spec: DecodeSpec) -> DecodeState:
     model = nnx.merge(gdef, params)
-    st = _prefill(model, tokens_BP, plen_B, budget_B, key, spec)
+    st = _prefill(model, tokens_BP, plen_B, budget_B, ref_BS, key, spec)
 
     def body(carry):
         it, st = carry
@@ -289,10 +295,12 @@ def make_spec(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft:
                       depth=cfg.mtp_depth, on_commit=on_commit)
 
 
-def run(model: MTPTransformer, prompts, spec: DecodeSpec, seed: int = 0, budget: int | None = None) -> DecodeState:
+def run(model: MTPTransformer, prompts, spec: DecodeSpec, seed: int = 0, budget: int | None = None,
+        reference=None) -> DecodeState:
     """Compile (once per spec) and run the whole generation; returns the final DecodeState.
 
     `budget` (<= spec.max_new, default spec.max_new) caps the new tokens per row without recompiling.
+    `reference` (spec.forced only): per row, the tokens to commit after the prompt, one per round.
     """
     B = len(prompts)
     toks = np.zeros((B, spec.prompt_pad), np.int32)
@@ -300,8 +308,16 @@ def run(model: MTPTransformer, prompts, spec: DecodeSpec, seed: int = 0, budget:
         toks[i, : len(p)] = p
     plen = np.array([len(p) for p in prompts], np.int32)
     budget_B = np.full((B,), spec.max_new if budget is None else min(max(1, budget), spec.max_new), np.int32)
+    ref = np.zeros((B, spec.capacity if spec.forced else 1), np.int32)
+    if spec.forced:
+        if reference is None or len(reference) != B:
+            raise DecodeError("forced decoding needs one reference continuation per prompt")
+        for i, (p, r) in enumerate(zip(prompts, reference)):
+            if len(r) < budget_B[i]:
+                raise DecodeError(f"reference {i} has {len(r)} tokens, fewer than the {budget_B[i]} to decode")
+            ref[i, len(p): len(p) + budget_B[i]] = r[: budget_B[i]]
     gdef, params = nnx.split(model)
-    return _generate_jit(gdef, params, jnp.asarray(toks), jnp.asarray(plen), jnp.asarray(budget_B),
+    return _generate_jit(gdef, params, jnp.asarray(toks), jnp.asarray(plen), jnp.asarray(budget_B), jnp.asarray(ref),
                          jax.random.key(seed), spec)
 
 

@@ -69,7 +69,9 @@ def test_eval_report_json_and_tensorboard(runs, tmp_path, capsys):
     d = rep["decode"]
     assert d["outputs_identical"] is True
     assert len(d["acceptance_by_position"]) == 2 and 0 <= d["alpha"] <= 1
-    assert len(d["agreement_on_generated"]) == 2
+    assert len(d["agreement_on_generated"]) == 2 and len(d["forced_acceptance_by_position"]) == 2
+    # Walking held-out text, the decoder's depth-1 acceptance is the teacher-forced agreement on that text.
+    assert abs(d["forced_acceptance_by_position"][0] - d["agreement_on_heldout"][0]) < 1e-6
     for k in ("plain_tokens_per_sec", "mtp_tokens_per_sec", "ngram_tokens_per_sec", "speedup", "predicted_speedup",
               "verify_cost_v", "draft_cost_c", "tokens_per_round", "expected_tokens_per_round"):
         assert d[k] >= 0, k

@@ -355,6 +355,40 @@ def jax_cache_size():
     return speculative._generate_jit._cache_size()
 
 
+def _teacher_forced_depth1(model, prompts, refs, n):
+    """Matches and positions of argmax depth 1 at i == argmax main head at i+1, i in [P-1, P+n-3], by full forward."""
+    match = total = 0
+    for p, r in zip(prompts, refs):
+        seq = jnp.asarray([p + r[:n]], jnp.int32)
+        am = np.asarray(jnp.argmax(model.logits(model(seq).hidden), axis=-1))[:, 0]  # [D+1, T]
+        i = np.arange(len(p) - 1, len(p) + n - 2)
+        match += int((am[1][i] == am[0][i + 1]).sum())
+        total += len(i)
+    return match, total
+
+
+@pytest.mark.parametrize("forced", [True, False])
+def test_forced_decoding_acceptance_equals_teacher_forced_agreement(half_trained, forced):
+    """Walking a reference text, depth-1 acceptance counts equal agreement/mtp_1 from a full forward on it:
+    the decoder's draft state is the training forward's. Free-running decoding (companion) does not follow
+    the reference, so its counts differ."""
+    rng = np.random.default_rng(1)
+    refs = [_pattern_batch(rng, 1, 20, 32)[0].tolist() for _ in PROMPTS]
+    n = 16
+    spec = make_spec(half_trained, PROMPTS, max_new_tokens=n, num_draft=2, proposer="mtp", sampler=make_sampler(),
+                     eos_id=None, max_len=None)
+    st = run(half_trained, PROMPTS, dataclasses.replace(spec, forced=forced), reference=refs)
+    res = summarize(st)
+    match, total = _teacher_forced_depth1(half_trained, PROMPTS, refs, n)
+    assert 0 < match < total
+    if forced:
+        assert res.tokens == [r[:n] for r in refs]
+        assert (res.stats["accepted"][0], res.stats["reached"][0]) == (match, total)
+    else:
+        assert res.tokens != [r[:n] for r in refs]
+        assert (res.stats["accepted"][0], res.stats["reached"][0]) != (match, total)
+
+
 def test_rows_sample_independently(trained):
     model, _ = trained
     out = generate(model, [[1, 2]] * 8, max_new_tokens=12, num_draft=2, temperature=1.5, seed=3)
