@@ -108,3 +108,31 @@ _MEMO = weakref.WeakKeyDictionary()  # model -> {request shape: Calibration}: on
 def memo(model) -> dict:
     """This model's calibrations, keyed by request shape (dropped with the model)."""
     return _MEMO.setdefault(model, {})
+
+
+class Relay:
+    """The streaming callback, muted while the auto-draft probe runs the same compiled loops."""
+
+    def __init__(self, fn):
+        self.fn, self.live = fn, True
+
+    def __call__(self, toks, counts):
+        if self.live:
+            self.fn(toks, counts)
+
+
+def resolve(model, prompts, spec_for, proposer: str, seed: int, relay):
+    """(γ, Calibration) for this request shape: measured once per model, then remembered."""
+    specs = {g: spec_for(g) for g in candidates(model, proposer)}
+    key = (len(prompts), specs[0].prompt_pad, specs[0].max_new, proposer, specs[0].sampler, specs[0].eos_id)
+    known = memo(model)
+    if key not in known:
+        if relay is not None:
+            relay.live = False
+        try:
+            known[key] = calibrate(model, prompts, specs, seed)
+        finally:
+            if relay is not None:
+                relay.live = True
+    cal = known[key]
+    return cal.num_draft, cal

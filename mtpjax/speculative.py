@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtpjax import autodraft
 from mtpjax.cache import DecodeState, init_cache, layer, read_rows, set_layer, take_rows, write_rows
 from mtpjax.model import DecodeCache, MTPTransformer
 from mtpjax.sampling import Sampler, make_sampler, probs
@@ -337,17 +338,6 @@ def summarize(st: DecodeState) -> GenerateResult:
     return GenerateResult(tokens=tokens, stats=stats)
 
 
-class _Relay:
-    """The streaming callback, muted while the auto-draft probe runs the same compiled loops."""
-
-    def __init__(self, fn):
-        self.fn, self.live = fn, True
-
-    def __call__(self, toks, counts):
-        if self.live:
-            self.fn(toks, counts)
-
-
 def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: int | str = 0, proposer: str = "mtp",
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              eos_id: int | None = None, max_len: int | None = None, on_commit=None) -> GenerateResult:
@@ -360,7 +350,7 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
         sampler = make_sampler(temperature, top_k, top_p)
     except ValueError as e:
         raise DecodeError(str(e)) from None
-    relay = _Relay(on_commit) if on_commit is not None else None
+    relay = autodraft.Relay(on_commit) if on_commit is not None else None
 
     def spec_for(g: int) -> DecodeSpec:
         return make_spec(model, prompts, max_new_tokens=max_new_tokens, num_draft=g, proposer=proposer,
@@ -368,7 +358,9 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
 
     cal = None
     if num_draft == "auto":
-        num_draft, cal = _auto_num_draft(model, prompts, spec_for, proposer, seed, relay)
+        if proposer == "mtp" and model.cfg.mtp_depth == 0:
+            raise DecodeError("this model has no MTP modules (mtp_depth 0); use --proposer ngram or --num-draft 0")
+        num_draft, cal = autodraft.resolve(model, prompts, spec_for, proposer, seed, relay)
     elif isinstance(num_draft, bool) or not isinstance(num_draft, (int, np.integer)):
         raise DecodeError(f"num_draft={num_draft!r} must be an integer >= 0 or 'auto'")
     res = summarize(run(model, prompts, spec_for(int(num_draft)), seed))
@@ -376,23 +368,3 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
     if cal is not None:
         res.stats["calibration"] = cal.as_dict()
     return res
-
-
-def _auto_num_draft(model, prompts, spec_for, proposer: str, seed: int, relay):
-    from mtpjax import autodraft
-
-    if proposer == "mtp" and model.cfg.mtp_depth == 0:
-        raise DecodeError("this model has no MTP modules (mtp_depth 0); use --proposer ngram or --num-draft 0")
-    specs = {g: spec_for(g) for g in autodraft.candidates(model, proposer)}
-    key = (len(prompts), specs[0].prompt_pad, specs[0].max_new, proposer, specs[0].sampler, specs[0].eos_id)
-    memo = autodraft.memo(model)
-    if key not in memo:
-        if relay is not None:
-            relay.live = False
-        try:
-            memo[key] = autodraft.calibrate(model, prompts, specs, seed)
-        finally:
-            if relay is not None:
-                relay.live = True
-    cal = memo[key]
-    return cal.num_draft, cal
