@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
+
 @dataclass
 class Calibration:
     num_draft: int

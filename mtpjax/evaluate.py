@@ -7,6 +7,7 @@ round is one verification of γ+1 tokens) over t; c = the remaining MTP round ti
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -105,8 +106,6 @@ def forced_acceptance(model, sequences, prompt_len: int, num_draft: int) -> list
     """Acceptance by draft position while decoding walks the reference continuation of each sequence
     (teacher forcing, one token per round). Depth 1 measures what agreement/mtp_1 measures in training,
     on the same kind of text, through the decoder's caches."""
-    import dataclasses
-
     prompts = [s[:prompt_len] for s in sequences]
     refs = [s[prompt_len:] for s in sequences]
     n = min(len(r) for r in refs)
