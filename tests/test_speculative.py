@@ -12,6 +12,7 @@ from flax import nnx
 
 from mtpjax.cache import init_cache, layer, stacked
 from mtpjax.config import load_config
+from mtpjax.evaluate import argmax_by_depth
 from mtpjax.loss import mtp_loss
 from mtpjax.model import build_model
 from mtpjax.sampling import make_sampler
@@ -357,12 +358,13 @@ def jax_cache_size():
 
 def _teacher_forced_depth1(model, prompts, refs, n):
     """Matches and positions of argmax depth 1 at i == argmax main head at i+1, i in [P-1, P+n-3], by full forward."""
+    seqs = [p + r[:n] for p, r in zip(prompts, refs)]
+    T = max(map(len, seqs))  # causal: padding at the end changes no earlier position
+    am = np.asarray(argmax_by_depth(model, jnp.asarray([s + [0] * (T - len(s)) for s in seqs], jnp.int32)))
     match = total = 0
-    for p, r in zip(prompts, refs):
-        seq = jnp.asarray([p + r[:n]], jnp.int32)
-        am = np.asarray(jnp.argmax(model.logits(model(seq).hidden), axis=-1))[:, 0]  # [D+1, T]
+    for b, p in enumerate(prompts):
         i = np.arange(len(p) - 1, len(p) + n - 2)
-        match += int((am[1][i] == am[0][i + 1]).sum())
+        match += int((am[1, b, i] == am[0, b, i + 1]).sum())
         total += len(i)
     return match, total
 
