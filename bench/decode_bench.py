@@ -20,9 +20,9 @@ import numpy as np  # noqa: E402
 
 from bench import peer as peer_mod  # noqa: E402
 from bench.common import interleave, load, log, median_ratio  # noqa: E402
+from mtpjax.autodraft import choose_num_draft  # noqa: E402
 from mtpjax.evaluate import ideal_tokens_per_round  # noqa: E402
 from mtpjax.sampling import make_sampler  # noqa: E402
-from mtpjax.autodraft import choose_num_draft  # noqa: E402
 from mtpjax.speculative import make_spec, run, summarize  # noqa: E402
 
 

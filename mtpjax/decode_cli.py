@@ -73,6 +73,7 @@ def _prompts(args) -> list[str]:
 
 
 def _generate(args, cfg, model, tok) -> int:
+    from mtpjax.autodraft import candidates
     from mtpjax.speculative import generate
 
     d = cfg.decode
@@ -85,8 +86,8 @@ def _generate(args, cfg, model, tok) -> int:
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: give at least one character of text")
     max_new = args.max_new_tokens or d.max_new_tokens
-    _check_size(cfg.model, prompts, max_new, max(cfg.model.mtp_depth, 3) if num_draft == "auto" else num_draft,
-                args.max_len or d.max_len)
+    most = max(candidates(model, proposer)) if num_draft == "auto" else num_draft  # the largest γ that may run
+    _check_size(cfg.model, prompts, max_new, most, args.max_len or d.max_len)
     if args.temperature is not None and not math.isfinite(args.temperature):
         raise ValueError(f"--temperature {args.temperature} must be a finite number >= 0 (0 = greedy)")
     stream = len(prompts) == 1  # one prompt streams as it decodes; several print when done
