@@ -11,9 +11,13 @@ speculation is never slower than plain decoding, up to timing noise.
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import time
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -26,10 +30,19 @@ class Calibration:
     alpha_by_position: list = field(default_factory=list)
     expected_tokens: dict = field(default_factory=dict)  # γ -> E(γ) from α
     seconds: float = 0.0  # wall time the probe took, compiles included
+    source: str = "probe"  # probe | saved (read back from a SavedCalibrations file)
 
     def as_dict(self) -> dict:
         return {"num_draft": self.num_draft, "round_cost": self.round_cost, "alpha_by_position": self.alpha_by_position,
-                "expected_tokens": self.expected_tokens, "seconds": self.seconds}
+                "expected_tokens": self.expected_tokens, "seconds": self.seconds, "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Calibration":
+        """Inverse of as_dict (JSON turns the γ keys into strings)."""
+        return cls(num_draft=int(d["num_draft"]), round_cost={int(k): float(v) for k, v in d["round_cost"].items()},
+                   alpha_by_position=[float(a) for a in d["alpha_by_position"]],
+                   expected_tokens={int(k): float(v) for k, v in d["expected_tokens"].items()},
+                   seconds=float(d["seconds"]), source="saved")
 
 
 def expected_tokens(alpha_by_pos, gamma: int) -> float:
@@ -122,18 +135,78 @@ class Relay:
             self.fn(toks, counts)
 
 
-def resolve(model, prompts, spec_for, proposer: str, seed: int, relay):
-    """(γ, Calibration) for this request shape: measured once per model, then remembered."""
+def machine() -> str:
+    """What a measured round cost holds for: backend and device, CPU model, core count, JAX version."""
+    dev = jax.devices()[0]
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{dev.platform}/{dev.device_kind} | {cpu} | {os.cpu_count()} cores | jax {jax.__version__}"
+
+
+class SavedCalibrations:
+    """Calibrations kept in a JSON file (decode.py: RUN/decode_calibration.json), so later runs skip the probe.
+
+    Entries are keyed by machine(), a model tag (the checkpoint step) and the request shape. An unreadable
+    file counts as empty; writes replace the file atomically, and one that cannot be written only costs the
+    next run its probe. refresh=True ignores what is saved (and overwrites it with a new measurement).
+    """
+
+    def __init__(self, path, tag: str, refresh: bool = False):
+        self.path, self.tag, self.refresh = Path(path), tag, refresh
+
+    def _key(self, key: tuple) -> str:
+        return " || ".join([machine(), self.tag, repr(key)])
+
+    def _entries(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def get(self, key: tuple) -> Calibration | None:
+        """The saved calibration for this request shape on this machine, or None."""
+        entry = None if self.refresh else self._entries().get(self._key(key))
+        try:
+            return Calibration.from_dict(entry) if entry else None
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+
+    def put(self, key: tuple, cal: Calibration) -> bool:
+        """Save (atomically); False if the file could not be written."""
+        entries = self._entries()
+        entries[self._key(key)] = cal.as_dict()
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+            os.replace(tmp, self.path)
+            return True
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            return False
+
+
+def resolve(model, prompts, spec_for, proposer: str, seed: int, relay, saved: SavedCalibrations | None = None):
+    """(γ, Calibration) for this request shape: measured once per model (or read from `saved`), then remembered."""
     specs = {g: spec_for(g) for g in candidates(model, proposer)}
     key = (len(prompts), specs[0].prompt_pad, specs[0].max_new, proposer, specs[0].sampler, specs[0].eos_id)
     known = memo(model)
     if key not in known:
-        if relay is not None:
-            relay.live = False
-        try:
-            known[key] = calibrate(model, prompts, specs, seed)
-        finally:
+        cal = saved.get(key) if saved is not None else None
+        if cal is None:
             if relay is not None:
-                relay.live = True
+                relay.live = False
+            try:
+                cal = calibrate(model, prompts, specs, seed)
+            finally:
+                if relay is not None:
+                    relay.live = True
+            if saved is not None:
+                saved.put(key, cal)
+        known[key] = cal
     cal = known[key]
     return cal.num_draft, cal

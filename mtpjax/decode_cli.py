@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 MAX_DRAFT = 16  # more drafts per round than this is never accepted in practice; the round loop is unrolled
+CALIBRATION_FILE = "decode_calibration.json"  # auto mode's measured round costs, per machine and request shape
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 
 
@@ -38,6 +39,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-len", type=int, default=None, help="KV cache capacity (default: decode.max_len)")
     p.add_argument("--stats", action="store_true", help="print acceptance statistics after generating")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="auto: measure the draft counts again instead of reading RUN/decode_calibration.json")
     p.add_argument("--eval-batches", type=int, default=8, help="--eval: validation batches")
     p.add_argument("--eval-prompts", type=int, default=8, help="--eval: held-out prompts")
     p.add_argument("--prompt-len", type=int, default=64, help="--eval: tokens per held-out prompt")
@@ -72,8 +75,8 @@ def _prompts(args) -> list[str]:
     return lines
 
 
-def _generate(args, cfg, model, tok) -> int:
-    from mtpjax.autodraft import candidates
+def _generate(args, cfg, model, tok, run_dir: Path, step: int) -> int:
+    from mtpjax.autodraft import SavedCalibrations, candidates
     from mtpjax.speculative import generate
 
     d = cfg.decode
@@ -106,7 +109,8 @@ def _generate(args, cfg, model, tok) -> int:
                    proposer=proposer, temperature=d.temperature if args.temperature is None else args.temperature,
                    top_k=args.top_k if args.top_k is not None else d.top_k,
                    top_p=args.top_p if args.top_p is not None else d.top_p, seed=args.seed,
-                   eos_id=tok.eos_id, max_len=args.max_len or d.max_len, on_commit=on_commit if stream else None)
+                   eos_id=tok.eos_id, max_len=args.max_len or d.max_len, on_commit=on_commit if stream else None,
+                   calibrations=SavedCalibrations(run_dir / CALIBRATION_FILE, f"step {step}", refresh=args.recalibrate))
     if stream:
         sys.stdout.write("\n")
     else:
@@ -118,8 +122,10 @@ def _generate(args, cfg, model, tok) -> int:
               f"acceptance={[round(a, 3) for a in s['acceptance_by_position']]}", file=sys.stderr)
         if "calibration" in s:
             c = s["calibration"]
+            how = (f"saved in {run_dir / CALIBRATION_FILE}; --recalibrate measures again" if c["source"] == "saved"
+                   else f"probe took {c['seconds']:.1f}s")
             print(f"[auto] round cost vs plain {_fmt(c['round_cost'])}, expected tokens/round {_fmt(c['expected_tokens'])} "
-                  f"-> num_draft={c['num_draft']} (probe took {c['seconds']:.1f}s)", file=sys.stderr)
+                  f"-> num_draft={c['num_draft']} ({how})", file=sys.stderr)
     return 0
 
 
@@ -225,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, model, tok, step = load_model_step(args.run_dir, args.step)
         if args.eval:
             return _eval(args, cfg, model, tok, Path(args.run_dir), step)
-        return _generate(args, cfg, model, tok)
+        return _generate(args, cfg, model, tok, Path(args.run_dir), step)
     except (CheckpointError, DataError, DecodeError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

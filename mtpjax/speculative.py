@@ -340,11 +340,13 @@ def summarize(st: DecodeState) -> GenerateResult:
 
 def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: int | str = 0, proposer: str = "mtp",
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-             eos_id: int | None = None, max_len: int | None = None, on_commit=None) -> GenerateResult:
+             eos_id: int | None = None, max_len: int | None = None, on_commit=None,
+             calibrations: autodraft.SavedCalibrations | None = None) -> GenerateResult:
     """Generate up to max_new_tokens per prompt (lists of token ids of any lengths), speculatively if num_draft>0.
 
     num_draft="auto" measures every candidate γ on these prompts and uses the fastest by the cost model
-    (mtpjax.autodraft); stats["num_draft"] says which, stats["calibration"] why.
+    (mtpjax.autodraft); stats["num_draft"] says which, stats["calibration"] why. With `calibrations`, a
+    measurement saved there for this machine and request shape is reused, and a new one is saved.
     """
     try:
         sampler = make_sampler(temperature, top_k, top_p)
@@ -360,7 +362,7 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
     if num_draft == "auto":
         if proposer == "mtp" and model.cfg.mtp_depth == 0:
             raise DecodeError("this model has no MTP modules (mtp_depth 0); use --proposer ngram or --num-draft 0")
-        num_draft, cal = autodraft.resolve(model, prompts, spec_for, proposer, seed, relay)
+        num_draft, cal = autodraft.resolve(model, prompts, spec_for, proposer, seed, relay, calibrations)
     elif isinstance(num_draft, bool) or not isinstance(num_draft, (int, np.integer)):
         raise DecodeError(f"num_draft={num_draft!r} must be an integer >= 0 or 'auto'")
     res = summarize(run(model, prompts, spec_for(int(num_draft)), seed))

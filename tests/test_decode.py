@@ -44,6 +44,32 @@ def test_generate_streams_text(runs, capsys):
     assert "[auto] round cost vs plain {0: 1.00, 1: " in auto.err and "num_draft=" in auto.err
 
 
+def test_auto_calibration_is_saved_in_the_run_dir(runs, capsys, monkeypatch):
+    """The second decode of the same request shape reads the probe's result back; --recalibrate measures again."""
+    from mtpjax import autodraft
+
+    run, saved = runs["mtp"], runs["mtp"] / "decode_calibration.json"
+    argv = ["--run-dir", str(run), "--prompt", "def g(y):", "--max-new-tokens", "16", "--stats"]
+    saved.unlink(missing_ok=True)
+    assert main(argv) == 0
+    first = capsys.readouterr()
+    assert "probe took" in first.err and saved.is_file()
+    monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: pytest.fail("probed although a calibration was saved"))
+    assert main(argv) == 0
+    again = capsys.readouterr()
+    assert again.out == first.out and "decode_calibration.json; --recalibrate measures again" in again.err
+    probed = []
+
+    def probe(model, prompts, specs, seed=0):
+        probed.append(sorted(specs))
+        return autodraft.Calibration(num_draft=0, round_cost={g: 1.0 + g for g in specs}, alpha_by_position=[0.0],
+                                     expected_tokens={g: 1.0 for g in specs})
+
+    monkeypatch.setattr(autodraft, "calibrate", probe)
+    assert main(argv + ["--recalibrate"]) == 0
+    assert probed == [[0, 1, 2]] and "-> num_draft=0 (probe took" in capsys.readouterr().err
+
+
 def test_prompts_file_and_sampling_flags(runs, capsys, tmp_path):
     f = tmp_path / "prompts.txt"
     f.write_text("import os\nclass A:\\n    def\n")

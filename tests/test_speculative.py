@@ -2,6 +2,7 @@
 module caches equal a fresh prefill, and cached decoding equals a full forward."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -331,6 +332,39 @@ def test_auto_num_draft_runs_what_the_calibration_chose(half_trained, chosen):
     finally:
         del autodraft.memo(half_trained)[key]
     assert out.stats["num_draft"] == chosen and len(out.stats["acceptance_by_position"]) == chosen
+
+
+def test_saved_calibration_is_reused_and_kept_per_machine_and_model(half_trained, tmp_path, monkeypatch):
+    """A saved measurement skips the probe; another checkpoint tag, a corrupt file or refresh measure again."""
+    prompts, path = PROMPTS[:2], tmp_path / "cal.json"
+    probes = []
+
+    def fake_calibrate(model, prompts, specs, seed=0, **kw):
+        probes.append(sorted(specs))
+        return autodraft.Calibration(num_draft=len(probes) % 3, round_cost={g: 1.0 + g for g in specs},
+                                     alpha_by_position=[0.5, 0.25], expected_tokens={g: 1.0 for g in specs}, seconds=1.5)
+
+    monkeypatch.setattr(autodraft, "calibrate", fake_calibrate)
+
+    def run(tag, refresh=False):
+        autodraft.memo(half_trained).clear()  # only the file may remember
+        saved = autodraft.SavedCalibrations(path, tag, refresh=refresh)
+        return generate(half_trained, prompts, max_new_tokens=8, num_draft="auto", calibrations=saved).stats
+
+    first = run("step 1")
+    assert len(probes) == 1 and first["calibration"]["source"] == "probe" and first["num_draft"] == 1
+    again = run("step 1")
+    assert len(probes) == 1 and again["calibration"]["source"] == "saved"
+    assert again["num_draft"] == 1 and again["calibration"]["round_cost"] == first["calibration"]["round_cost"]
+    assert run("step 2")["num_draft"] == 2 and len(probes) == 2  # another checkpoint: measured again
+    assert len(json.loads(path.read_text())) == 2
+    assert run("step 1", refresh=True)["calibration"]["source"] == "probe" and len(probes) == 3
+    path.write_text("{not json")
+    assert run("step 1")["calibration"]["source"] == "probe" and len(probes) == 4
+    assert len(json.loads(path.read_text())) == 1  # the corrupt file was replaced by a valid one
+    autodraft.memo(half_trained).clear()
+    bad = autodraft.SavedCalibrations(tmp_path / "missing" / "cal.json", "step 1")
+    assert bad.put((1,), autodraft.Calibration(num_draft=0)) is False and bad.get((1,)) is None
 
 
 def test_choose_num_draft_falls_back_to_plain_when_drafting_costs_more_than_it_saves():
