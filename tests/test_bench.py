@@ -89,6 +89,33 @@ def test_targets_table_reports_met_and_unmet():
     assert [r for r in t if "overhead" in r["target"]][0]["met"] is True
 
 
+def test_large_model_row_reports_batch_1_mtp_speed():
+    res = _res(0.45, 0.6, 0.25)
+    assert not [r for r in targets(res) if "MB model" in r["target"]]  # only with --large-run-dir
+    res["decode_large"] = {"weights_mb": 99.2, "batches": [{"batch": 1, "variants": {
+        "plain": {"vs_plain": 1.0}, "mtp1": {"vs_plain": 1.17}, "mtp2": {"vs_plain": 1.23}, "ngram2": {"vs_plain": 1.9}}}]}
+    row = [r for r in targets(res) if "MB model" in r["target"]][0]
+    assert row["target"].startswith("MTP speculative (mtp2)") and "99 MB" in row["target"]
+    assert row["value"] == pytest.approx(1.23) and row["met"] is True
+    res["decode_large"]["batches"][0]["variants"]["mtp2"]["vs_plain"] = 0.9
+    res["decode_large"]["batches"][0]["variants"]["mtp1"]["vs_plain"] = 0.8
+    assert [r for r in targets(res) if "MB model" in r["target"]][0]["met"] is False
+
+
+def test_suite_decodes_the_large_run_at_batch_1_only(monkeypatch, tmp_path):
+    import bench.__main__ as suite
+
+    calls = []
+    monkeypatch.setattr(suite, "_child", lambda module, args, tmp, name: calls.append((name, module, args)) or {})
+    assert "decode_large" not in suite.run_suite(False, 3, "runs/tiny", True, tmp_path)
+    calls.clear()
+    res = suite.run_suite(False, 3, "runs/tiny", True, tmp_path, large_run_dir="runs/big")
+    name, module, args = calls[-1]
+    assert "decode_large" in res and name == "decode_large" and module == "bench.decode_bench"
+    assert args[args.index("--run-dir") + 1] == "runs/big" and args[args.index("--batches") + 1] == "1"
+    assert "--no-peer" in args and "--smoke" not in args
+
+
 def test_cache_cliff_measures_round_cost_per_layer():
     from bench.cache_cliff import measure
 
