@@ -149,12 +149,19 @@ def machine() -> str:
     return f"{dev.platform}/{dev.device_kind} | {cpu} | {os.cpu_count()} cores | jax {jax.__version__}"
 
 
-class SavedCalibrations:
-    """Calibrations kept in a JSON file (decode.py: RUN/decode_calibration.json), so later runs skip the probe.
+def default_calibration_file() -> Path:
+    """Where decode.py keeps calibrations: $MTPJAX_CACHE_DIR, else ~/.cache/mtpjax (never the run directory)."""
+    root = os.environ.get("MTPJAX_CACHE_DIR") or Path.home() / ".cache" / "mtpjax"
+    return Path(root) / "decode_calibration.json"
 
-    Entries are keyed by machine(), a model tag (the checkpoint step) and the request shape. An unreadable
-    file counts as empty; writes replace the file atomically, and one that cannot be written only costs the
-    next run its probe. refresh=True ignores what is saved (and overwrites it with a new measurement).
+
+class SavedCalibrations:
+    """Calibrations kept in a JSON file, so later runs of the same request shape skip the probe.
+
+    Entries are keyed by machine(), a model tag (decode.py: the run directory and checkpoint step) and the
+    request shape. An unreadable file counts as empty; writes replace the file atomically, and one that
+    cannot be written only costs the next run its probe. refresh=True ignores what is saved (and
+    overwrites it with a new measurement).
     """
 
     def __init__(self, path, tag: str, refresh: bool = False):
@@ -184,6 +191,7 @@ class SavedCalibrations:
         entries[self._key(key)] = cal.as_dict()
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
             os.replace(tmp, self.path)
             return True

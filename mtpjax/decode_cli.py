@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 MAX_DRAFT = 16  # more drafts per round than this is never accepted in practice; the round loop is unrolled
-CALIBRATION_FILE = "decode_calibration.json"  # auto mode's measured round costs, per machine and request shape
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 
 
@@ -40,7 +39,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=None, help="KV cache capacity (default: decode.max_len)")
     p.add_argument("--stats", action="store_true", help="print acceptance statistics after generating")
     p.add_argument("--recalibrate", action="store_true",
-                   help="auto: measure the draft counts again instead of reading RUN/decode_calibration.json")
+                   help="auto: measure the draft counts again instead of reusing a saved measurement")
+    p.add_argument("--calibration-file", default=None,
+                   help="auto: where measurements are saved (default: $MTPJAX_CACHE_DIR or ~/.cache/mtpjax, "
+                        "decode_calibration.json)")
     p.add_argument("--eval-batches", type=int, default=8, help="--eval: validation batches")
     p.add_argument("--eval-prompts", type=int, default=8, help="--eval: held-out prompts")
     p.add_argument("--prompt-len", type=int, default=64, help="--eval: tokens per held-out prompt")
@@ -76,7 +78,7 @@ def _prompts(args) -> list[str]:
 
 
 def _generate(args, cfg, model, tok, run_dir: Path, step: int) -> int:
-    from mtpjax.autodraft import SavedCalibrations, candidates
+    from mtpjax.autodraft import SavedCalibrations, candidates, default_calibration_file
     from mtpjax.speculative import generate
 
     d = cfg.decode
@@ -94,6 +96,9 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int) -> int:
     if args.temperature is not None and not math.isfinite(args.temperature):
         raise ValueError(f"--temperature {args.temperature} must be a finite number >= 0 (0 = greedy)")
     stream = len(prompts) == 1  # one prompt streams as it decodes; several print when done
+    # Kept outside the run directory: decoding never changes a run (it may be shared or read-only).
+    saved = SavedCalibrations(args.calibration_file or default_calibration_file(), f"{run_dir.resolve()} step {step}",
+                              refresh=args.recalibrate)
     shown: list[int] = []
     printed = [""]
 
@@ -110,7 +115,7 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int) -> int:
                    top_k=args.top_k if args.top_k is not None else d.top_k,
                    top_p=args.top_p if args.top_p is not None else d.top_p, seed=args.seed,
                    eos_id=tok.eos_id, max_len=args.max_len or d.max_len, on_commit=on_commit if stream else None,
-                   calibrations=SavedCalibrations(run_dir / CALIBRATION_FILE, f"step {step}", refresh=args.recalibrate))
+                   calibrations=saved)
     if stream:
         sys.stdout.write("\n")
     else:
@@ -122,7 +127,7 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int) -> int:
               f"acceptance={[round(a, 3) for a in s['acceptance_by_position']]}", file=sys.stderr)
         if "calibration" in s:
             c = s["calibration"]
-            how = (f"saved in {run_dir / CALIBRATION_FILE}; --recalibrate measures again" if c["source"] == "saved"
+            how = (f"saved in {saved.path}; --recalibrate measures again" if c["source"] == "saved"
                    else f"probe took {c['seconds']:.1f}s")
             print(f"[auto] round cost vs plain {_fmt(c['round_cost'])}, expected tokens/round {_fmt(c['expected_tokens'])} "
                   f"-> num_draft={c['num_draft']} ({how})", file=sys.stderr)

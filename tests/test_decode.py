@@ -44,20 +44,23 @@ def test_generate_streams_text(runs, capsys):
     assert "[auto] round cost vs plain {0: 1.00, 1: " in auto.err and "num_draft=" in auto.err
 
 
-def test_auto_calibration_is_saved_in_the_run_dir(runs, capsys, monkeypatch):
-    """The second decode of the same request shape reads the probe's result back; --recalibrate measures again."""
+def test_auto_calibration_is_saved_and_reused(runs, capsys, monkeypatch, tmp_path):
+    """The second decode of the same request shape reads the probe's result back (outside the run directory,
+    which decoding never changes); --recalibrate measures again."""
     from mtpjax import autodraft
 
-    run, saved = runs["mtp"], runs["mtp"] / "decode_calibration.json"
+    run, saved = runs["mtp"], tmp_path / "cache" / "decode_calibration.json"
+    monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path / "cache"))
     argv = ["--run-dir", str(run), "--prompt", "def g(y):", "--max-new-tokens", "16", "--stats"]
-    saved.unlink(missing_ok=True)
+    before = sorted(p.name for p in run.iterdir())
     assert main(argv) == 0
     first = capsys.readouterr()
-    assert "probe took" in first.err and saved.is_file()
+    assert "probe took" in first.err and saved.is_file() and sorted(p.name for p in run.iterdir()) == before
+    assert f"{run.resolve()} step 40" in saved.read_text()
     monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: pytest.fail("probed although a calibration was saved"))
     assert main(argv) == 0
     again = capsys.readouterr()
-    assert again.out == first.out and "decode_calibration.json; --recalibrate measures again" in again.err
+    assert again.out == first.out and f"saved in {saved}; --recalibrate measures again" in again.err
     probed = []
 
     def probe(model, prompts, specs, seed=0):
@@ -68,6 +71,9 @@ def test_auto_calibration_is_saved_in_the_run_dir(runs, capsys, monkeypatch):
     monkeypatch.setattr(autodraft, "calibrate", probe)
     assert main(argv + ["--recalibrate"]) == 0
     assert probed == [[0, 1, 2]] and "-> num_draft=0 (probe took" in capsys.readouterr().err
+    other = tmp_path / "elsewhere.json"
+    assert main(argv + ["--calibration-file", str(other)]) == 0  # a new file: measured again, saved there
+    assert len(probed) == 2 and other.is_file()
 
 
 def test_prompts_file_and_sampling_flags(runs, capsys, tmp_path):

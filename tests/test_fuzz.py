@@ -5,6 +5,7 @@ never a hang, and never changes the run directory (hashed before and after).
 """
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -233,5 +234,6 @@ def test_decode_of_a_run_with_a_corrupt_tokenizer(trained, tmp_path, capsys):
 def test_non_utf8_argv_through_a_real_process(trained):
     p = subprocess.run([sys.executable, str(REPO / "decode.py"), "--run-dir", str(trained[1]), "--prompt",
                         b"\xff\xfe caf\xe9", "--max-new-tokens", "3"], capture_output=True, timeout=300,
-                       env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"})
+                       env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8",
+                            "MTPJAX_CACHE_DIR": os.environ["MTPJAX_CACHE_DIR"]})
     assert p.returncode == 0 and b"Traceback" not in p.stderr, p.stderr[-2000:]
