@@ -202,7 +202,10 @@ class SavedCalibrations:
             os.replace(tmp, self.path)
             return True
         except OSError:
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:  # e.g. the directory is a file: nothing was written
+                pass
             return False
 
 

@@ -42,38 +42,45 @@ def test_generate_streams_text(runs, capsys):
     auto = capsys.readouterr()
     assert auto.out == out.out  # greedy: the same text whatever the choice, streamed once
     assert "[auto] round cost vs plain {0: 1.00, 1: " in auto.err and "num_draft=" in auto.err
+    assert "probe took" in auto.err
 
 
-def test_auto_calibration_is_saved_and_reused(runs, capsys, monkeypatch, tmp_path):
-    """The second decode of the same request shape reads the probe's result back (outside the run directory,
-    which decoding never changes); --recalibrate measures again."""
+def test_auto_calibration_is_saved_outside_the_run_and_reused(runs, capsys, monkeypatch, tmp_path):
+    """A second decode of the same request shape reads the probe's result back instead of probing; the
+    run directory stays as it was (decoding never changes a run)."""
     from mtpjax import autodraft
 
-    run, saved = runs["mtp"], tmp_path / "cache" / "decode_calibration.json"
-    monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path / "cache"))
+    run = runs["mtp"]
+    monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path))
     argv = ["--run-dir", str(run), "--prompt", "def g(y):", "--max-new-tokens", "16", "--stats"]
     before = sorted(p.name for p in run.iterdir())
     assert main(argv) == 0
     first = capsys.readouterr()
-    assert "probe took" in first.err and saved.is_file() and sorted(p.name for p in run.iterdir()) == before
-    assert f"{run.resolve()} step 40" in saved.read_text()
+    saved = tmp_path / "decode_calibration.json"
+    assert "probe took" in first.err and f"{run.resolve()} step 40" in saved.read_text()
     monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: pytest.fail("probed although a calibration was saved"))
     assert main(argv) == 0
     again = capsys.readouterr()
     assert again.out == first.out and f"saved in {saved}; --recalibrate measures again" in again.err
-    probed = []
+    assert sorted(p.name for p in run.iterdir()) == before
 
-    def probe(model, prompts, specs, seed=0):
-        probed.append(sorted(specs))
-        return autodraft.Calibration(num_draft=0, round_cost={g: 1.0 + g for g in specs}, alpha_by_position=[0.0],
-                                     expected_tokens={g: 1.0 for g in specs})
 
-    monkeypatch.setattr(autodraft, "calibrate", probe)
-    assert main(argv + ["--recalibrate"]) == 0
-    assert probed == [[0, 1, 2]] and "-> num_draft=0 (probe took" in capsys.readouterr().err
-    other = tmp_path / "elsewhere.json"
-    assert main(argv + ["--calibration-file", str(other)]) == 0  # a new file: measured again, saved there
-    assert len(probed) == 2 and other.is_file()
+def test_recalibrate_and_calibration_file_flags_reach_generate(runs, capsys, monkeypatch, tmp_path):
+    import mtpjax.speculative as sp
+
+    seen = []
+
+    def fake_generate(model, prompts, **kw):
+        seen.append(kw["calibrations"])
+        return sp.GenerateResult(tokens=[[65]], stats={})
+
+    monkeypatch.setattr(sp, "generate", fake_generate)
+    monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path / "env"))
+    argv = ["--run-dir", str(runs["mtp"]), "--prompt", "x", "--max-new-tokens", "4"]
+    assert main(argv) == 0 and main(argv + ["--recalibrate", "--calibration-file", str(tmp_path / "c.json")]) == 0
+    assert [(c.path, c.refresh) for c in seen] == [(tmp_path / "env" / "decode_calibration.json", False),
+                                                   (tmp_path / "c.json", True)]
+    assert seen[0].tag == seen[1].tag == f"{runs['mtp'].resolve()} step 40"
 
 
 def test_prompts_file_and_sampling_flags(runs, capsys, tmp_path):

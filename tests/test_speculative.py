@@ -336,7 +336,7 @@ def test_auto_num_draft_runs_what_the_calibration_chose(half_trained, chosen):
 
 def test_saved_calibration_is_reused_and_kept_per_machine_and_model(half_trained, tmp_path, monkeypatch):
     """A saved measurement skips the probe; another checkpoint tag, a corrupt file or refresh measure again."""
-    prompts, path = PROMPTS[:2], tmp_path / "cal.json"
+    prompts, path = PROMPTS, tmp_path / "cal.json"  # the request of the auto test above: its loops are compiled
     probes = []
 
     def fake_calibrate(model, prompts, specs, seed=0, **kw):
@@ -349,7 +349,7 @@ def test_saved_calibration_is_reused_and_kept_per_machine_and_model(half_trained
     def run(tag, refresh=False):
         autodraft.memo(half_trained).clear()  # only the file may remember
         saved = autodraft.SavedCalibrations(path, tag, refresh=refresh)
-        return generate(half_trained, prompts, max_new_tokens=8, num_draft="auto", calibrations=saved).stats
+        return generate(half_trained, prompts, max_new_tokens=24, num_draft="auto", calibrations=saved).stats
 
     first = run("step 1")
     assert len(probes) == 1 and first["calibration"]["source"] == "probe" and first["num_draft"] == 1
@@ -363,7 +363,8 @@ def test_saved_calibration_is_reused_and_kept_per_machine_and_model(half_trained
     assert run("step 1")["calibration"]["source"] == "probe" and len(probes) == 4
     assert len(json.loads(path.read_text())) == 1  # the corrupt file was replaced by a valid one
     autodraft.memo(half_trained).clear()
-    bad = autodraft.SavedCalibrations(tmp_path / "missing" / "cal.json", "step 1")
+    (tmp_path / "a_file").write_text("")
+    bad = autodraft.SavedCalibrations(tmp_path / "a_file" / "cal.json", "step 1")  # its directory is a file
     assert bad.put((1,), autodraft.Calibration(num_draft=0)) is False and bad.get((1,)) is None
 
 
