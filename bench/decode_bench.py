@@ -23,6 +23,7 @@ from bench import peer as peer_mod  # noqa: E402
 from bench.common import interleave, load, log, median_ratio  # noqa: E402
 from mtpjax.autodraft import choose_num_draft  # noqa: E402
 from mtpjax.evaluate import ideal_tokens_per_round  # noqa: E402
+from mtpjax.plan import tree_bytes  # noqa: E402
 from mtpjax.sampling import make_sampler  # noqa: E402
 from mtpjax.speculative import make_spec, run, summarize  # noqa: E402
 
@@ -165,8 +166,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     model, prompts, source = load_subject(args.run_dir, args.smoke, max(batches + [args.prompts]), args.prompt_len)
-    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    res = {"source": source, "weights_mb": weights / 1e6, "batches": [], "peer": None}
+    res = {"source": source, "weights_mb": tree_bytes(nnx.state(model, nnx.Param)) / 1e6, "batches": [], "peer": None}
     skip = "--no-peer given" if args.no_peer else peer_mod.available()
     peer = None
     if skip:

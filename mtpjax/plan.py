@@ -18,7 +18,8 @@ from mtpjax.flops import flops_per_token
 from mtpjax.model import build_model, param_counts
 
 
-def _bytes(tree) -> int:
+def tree_bytes(tree) -> int:
+    """Bytes held by the arrays of a pytree."""
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
@@ -51,7 +52,7 @@ def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None,
     spec = [] if draft_cost is None else [
         {"gamma": g, "tokens_per_round": expected_tokens(alpha, g), "speedup": speedup(alpha, g, draft_cost)}
         for g in range(1, max_gamma + 1)]
-    return {"params": counts, "param_bytes": _bytes(params), "optimizer_bytes": _bytes(opt_state),
+    return {"params": counts, "param_bytes": tree_bytes(params), "optimizer_bytes": tree_bytes(opt_state),
             "param_dtype": cfg.model.param_dtype, "flops": fl, "alpha": alpha, "draft_cost": draft_cost,
             "speculation": spec}
 
