@@ -13,6 +13,7 @@ speculation is never slower than plain decoding, up to timing noise.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -138,6 +139,7 @@ class Relay:
             self.fn(toks, counts)
 
 
+@functools.cache  # fixed for the life of the process; read for every saved-calibration lookup
 def machine() -> str:
     """What a measured round cost holds for: backend and device, CPU model, core count, JAX version."""
     dev = jax.devices()[0]

@@ -18,12 +18,6 @@ def model_cfg():
 @pytest.fixture(autouse=True, scope="session")
 def _calibration_cache(tmp_path_factory):
     """decode.py saves auto-draft calibrations under $MTPJAX_CACHE_DIR: a temporary one, not the user's ~/.cache."""
-    import os
-
-    old = os.environ.get("MTPJAX_CACHE_DIR")
-    os.environ["MTPJAX_CACHE_DIR"] = str(tmp_path_factory.mktemp("mtpjax_cache"))
-    yield
-    if old is None:
-        os.environ.pop("MTPJAX_CACHE_DIR", None)
-    else:
-        os.environ["MTPJAX_CACHE_DIR"] = old
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MTPJAX_CACHE_DIR", str(tmp_path_factory.mktemp("mtpjax_cache")))
+        yield
