@@ -362,6 +362,8 @@ def test_saved_calibration_is_reused_and_kept_per_machine_and_model(half_trained
     path.write_text("{not json")
     assert run("step 1")["calibration"]["source"] == "probe" and len(probes) == 4
     assert len(json.loads(path.read_text())) == 1  # the corrupt file was replaced by a valid one
+    monkeypatch.setattr(autodraft, "machine", lambda: "another machine")
+    assert run("step 1")["calibration"]["source"] == "probe" and len(probes) == 5  # costs hold per machine
     autodraft.memo(half_trained).clear()
     (tmp_path / "a_file").write_text("")
     bad = autodraft.SavedCalibrations(tmp_path / "a_file" / "cal.json", "step 1")  # its directory is a file
