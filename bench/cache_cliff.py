@@ -3,12 +3,12 @@
     python bench/cache_cliff.py [--layers 2,4,6,8] [--d-model 256]
 
 Plain greedy decoding (batch 1) of random models that differ only in depth. A round reads every
-weight once, so if rounds were compute- or launch-bound the time per layer would stay flat; it does
-not. Measured on the 2-core CPU here (d_model 256, float32): 65 / 136 / 288 / 398 us per layer at
-6 / 12 / 17 / 23 MB of weights. The tiny config's trunk is 12 MB; the trunk plus two MTP modules is
-19 MB, so once the modules join the round every layer of it gets ~2x slower. That, more than the
-cost of a few-row GEMM, is why MTP speculation costs 4-5 plain rounds at batch 1 there while the
-n-gram proposer (no extra weights) pays, and why the decoder's auto mode falls back to plain.
+weight once, so if rounds were bound by per-layer compute or launches, the time per layer would stay
+flat; it does not. Measured on the 2-core CPU here (d_model 256, float32): 65 / 136 / 288 / 398 us per
+layer at 6.2 / 12.1 / 18.0 / 23.9 MB of weights (MB = 1e6 bytes of parameters, as in decode_bench).
+The tiny config's trunk is 12 MB, with its two MTP modules 19 MB. This curve is the plain round's
+cost only; why MTP rounds cost more than their FLOPs on the tiny model (XLA's few-row matmul kernels)
+is in the README's benchmarks section.
 """
 
 from __future__ import annotations
@@ -24,7 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from flax import nnx  # noqa: E402
+
 from bench.common import log  # noqa: E402
+from mtpjax.plan import tree_bytes  # noqa: E402
 
 
 def round_seconds(model, prompt, short: int, long_: int, repeats: int) -> float:
@@ -55,7 +58,7 @@ def measure(layers, d_model: int, short: int = 32, long_: int = 160, repeats: in
     for n in layers:
         cfg = ModelConfig(d_model=d_model, n_layers=n, n_heads=4, n_kv_heads=2, mtp_depth=0)
         model = build_model(cfg, seed=0)
-        mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.tree.map(lambda v: v, model))) / 2**20
+        mb = tree_bytes(nnx.state(model, nnx.Param)) / 1e6
         sec = round_seconds(model, prompt, short, long_, repeats)
         rows.append({"n_layers": n, "weights_mb": mb, "us_per_round": sec * 1e6, "us_per_layer": sec * 1e6 / n})
         log(f"  {n} layers  {mb:6.1f} MB  {sec * 1e6:8.0f} us/round  {sec * 1e6 / n:6.0f} us/layer")

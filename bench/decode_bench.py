@@ -21,8 +21,9 @@ from flax import nnx  # noqa: E402
 
 from bench import peer as peer_mod  # noqa: E402
 from bench.common import interleave, load, log, median_ratio  # noqa: E402
-from mtpjax.autodraft import choose_num_draft  # noqa: E402
+from mtpjax.autodraft import choose_num_draft, speedup_ceiling  # noqa: E402
 from mtpjax.evaluate import ideal_tokens_per_round  # noqa: E402
+from mtpjax.flops import draft_work_ratio  # noqa: E402
 from mtpjax.plan import tree_bytes  # noqa: E402
 from mtpjax.sampling import make_sampler  # noqa: E402
 from mtpjax.speculative import make_spec, run, summarize  # noqa: E402
@@ -119,6 +120,8 @@ def bench_batch(model, prompts, batch: int, max_new: int, rounds: int, peer=None
         out["variants"][k] = r
     _predict(out["variants"], gd)
     if D:
+        context = int(np.mean([len(p) for p in prompts])) + max_new // 2
+        out["ceiling"] = _ceiling(out["variants"], model.cfg, context)
         _auto(model, groups, max_new, out["variants"])
     return out
 
@@ -142,6 +145,16 @@ def _predict(v: dict, gd: int) -> None:
     if costs:
         alpha = v[f"mtp{max(costs)}"]["acceptance_by_position"]
         v["cost_model"] = {"num_draft": choose_num_draft(alpha, costs), "round_cost": costs}
+
+
+def _ceiling(v: dict, cfg, context: int) -> dict:
+    """The most any MTP round could gain with this model's measured α: E(γ)/(1 + γr), r = draft/plain-step FLOPs."""
+    D = cfg.mtp_depth
+    r = draft_work_ratio(cfg, context)
+    alpha = v[f"mtp{D}"]["acceptance_by_position"]
+    c = speedup_ceiling(alpha, r, D)
+    return {"work_ratio_r": r, "context": context, "alpha_by_position": alpha, "by_gamma": c["by_gamma"],
+            "max": c["max"], "num_draft": c["num_draft"], "perfect_drafter": (1.0 + D) / (1.0 + D * r)}
 
 
 def _auto(model, groups, max_new: int, v: dict) -> None:
@@ -189,6 +202,10 @@ def main(argv=None) -> int:
                 continue
             extra = "".join(f"  {f} {v[f]:.2f}" for f in ("tokens_per_round", "round_cost", "predicted_speedup") if f in v)
             print(f"  batch {b:3d} {k:12s} {v['tokens_per_sec']:9.1f} tok/s  x{v['vs_plain']:.2f} vs plain{extra}")
+        if "ceiling" in r:
+            c = r["ceiling"]
+            print(f"  batch {b:3d} MTP ceiling   x{c['max']:.2f} (E/(1+γr), r = {c['work_ratio_r']:.3f}, "
+                  f"α {[round(a, 3) for a in c['alpha_by_position']]}; α = 1: x{c['perfect_drafter']:.2f})")
         log(f"  batch {b} done")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))

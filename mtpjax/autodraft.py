@@ -58,6 +58,16 @@ def expected_tokens(alpha_by_pos, gamma: int) -> float:
     return total
 
 
+def speedup_ceiling(alpha_by_pos, work_ratio: float, max_gamma: int) -> dict:
+    """Best speedup any round with γ <= max_gamma drafts can reach: E(γ) / (1 + γ·r), since v >= 1 and c >= r.
+
+    Returns {"by_gamma": {γ: bound}, "max": the best bound, "num_draft": its γ}; γ = 0 (plain) bounds at 1.
+    """
+    by = {g: expected_tokens(alpha_by_pos, g) / (1.0 + g * work_ratio) for g in range(max_gamma + 1)}
+    best = max(by, key=lambda g: by[g])
+    return {"by_gamma": by, "max": by[best], "num_draft": best}
+
+
 def choose_num_draft(alpha_by_pos, round_cost: dict) -> int:
     """The γ maximizing E(γ) / cost(γ), where cost(γ) is the measured time of a round with γ drafts relative
     to a plain round at the same batch size (cost(0) = 1: plain decoding, always a candidate).

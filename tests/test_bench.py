@@ -9,7 +9,7 @@ import pytest
 
 from bench.__main__ import targets
 from bench.peer import available
-from mtpjax.autodraft import choose_num_draft, expected_tokens
+from mtpjax.autodraft import choose_num_draft, expected_tokens, speedup_ceiling
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,7 +47,9 @@ def test_suite_smoke_writes_every_key(tmp_path):
     assert [Path(p).name for p in res["plots"]] == ["acceptance_by_position.png", "speedup_vs_num_draft.png",
                                                      "train_vs_depth.png"]
     assert all(Path(p).stat().st_size > 1000 for p in res["plots"])
-    assert len(res["targets"]) == 7
+    assert len(res["targets"]) == 8
+    ceil = res["decode"]["batches"][0]["ceiling"]
+    assert 0 < ceil["work_ratio_r"] < 1 and ceil["max"] >= 1 and ceil["perfect_drafter"] > 1
     peer_row = [t for t in res["targets"] if "transformers" in t["target"]][0]
     assert (peer_row["value"] is None) == bool(reason)
 
@@ -71,6 +73,20 @@ def test_choose_num_draft_prefers_fewer_drafts_when_rounds_get_expensive():
     assert choose_num_draft([1.0], {1: 2.0}) == 0
 
 
+def test_speedup_ceiling_is_the_best_round_at_floor_costs():
+    c = speedup_ceiling([0.97, 0.62], 0.31, 2)
+    assert c["by_gamma"][0] == 1.0
+    assert c["by_gamma"][1] == pytest.approx(1.97 / 1.31)
+    assert c["by_gamma"][2] == pytest.approx((1 + 0.97 + 0.97 * 0.62) / 1.62)
+    assert c["num_draft"] == 2 and c["max"] == pytest.approx(1.587, abs=1e-3) and c["max"] < 2
+    # the cost model, handed the floor costs v = 1, c = r, picks the ceiling's γ
+    for alpha, r in (([0.97, 0.62], 0.31), ([0.5, 0.5], 0.3), ([0.9, 0.9, 0.9], 0.05)):
+        c = speedup_ceiling(alpha, r, len(alpha))
+        assert choose_num_draft(alpha, {g: 1 + g * r for g in range(1, len(alpha) + 1)}) == c["num_draft"]
+    # a perfect drafter with free drafts gains γ+1
+    assert speedup_ceiling([1.0], 0.0, 3)["max"] == 4.0
+
+
 def _res(mfu_tiny, mfu_med, peer_ratio):
     dec = {"batches": [{"batch": 1, "variants": {
         "plain": {"vs_plain": 1.0}, "mtp1": {"vs_plain": 1.5, "measured_over_predicted": 0.95},
@@ -87,6 +103,13 @@ def test_targets_table_reports_met_and_unmet():
     assert [r for r in t if "MTP speculative" in r["target"]][0]["met"] is False  # 1.5 < 2
     assert [r for r in t if "auto" in r["target"]][0]["met"] is True
     assert [r for r in t if "overhead" in r["target"]][0]["met"] is True
+    assert not [r for r in t if "ceiling" in r["target"]]  # only when the decode bench measured one
+    res = _res(0.45, 0.4, 0.25)
+    res["decode"]["batches"][0]["ceiling"] = {"work_ratio_r": 0.31, "max": 1.59}
+    row = [r for r in targets(res) if "ceiling" in r["target"]][0]
+    assert row["value"] == 1.59 and row["met"] is False and "r = 0.31, batch 1" in row["target"]
+    res["decode"]["batches"][0]["ceiling"]["max"] = 2.3
+    assert [r for r in targets(res) if "ceiling" in r["target"]][0]["met"] is True
 
 
 def test_large_model_row_reports_batch_1_mtp_speed():
@@ -100,6 +123,9 @@ def test_large_model_row_reports_batch_1_mtp_speed():
     res["decode_large"]["batches"][0]["variants"]["mtp2"]["vs_plain"] = 0.9
     res["decode_large"]["batches"][0]["variants"]["mtp1"]["vs_plain"] = 0.8
     assert [r for r in targets(res) if "MB model" in r["target"]][0]["met"] is False
+    res["decode_large"]["batches"][0]["ceiling"] = {"work_ratio_r": 0.2, "max": 1.74}
+    row = [r for r in targets(res) if "ceiling" in r["target"]][0]
+    assert "99 MB" in row["target"] and row["met"] is False
 
 
 def test_suite_decodes_the_large_run_at_batch_1_only(monkeypatch, tmp_path):

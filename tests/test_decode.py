@@ -114,6 +114,12 @@ def test_eval_report_json_and_tensorboard(runs, tmp_path, capsys):
     for k in ("plain_tokens_per_sec", "mtp_tokens_per_sec", "ngram_tokens_per_sec", "speedup", "predicted_speedup",
               "verify_cost_v", "draft_cost_c", "tokens_per_round", "expected_tokens_per_round"):
         assert d[k] >= 0, k
+    from mtpjax.autodraft import expected_tokens
+    from mtpjax.checkpoint import load_model
+    from mtpjax.flops import draft_work_ratio
+
+    r = draft_work_ratio(load_model(str(runs["mtp"]))[0].model, 32 + 24 // 2)  # prompts of 32, 24 new tokens
+    assert d["speedup_ceiling"] == pytest.approx(expected_tokens(d["acceptance_by_position"], 2) / (1 + 2 * r))
     assert {"loss/main", "loss/mtp_1", "loss/mtp_2", "agreement/mtp_1"} <= set(rep["validation"])
     screen = capsys.readouterr().out
     assert "predicted_speedup" in screen and "val agreement/mtp_1" in screen
