@@ -161,8 +161,10 @@ def _auto(model, groups, max_new: int, v: dict) -> None:
     """The decoder's own choice (generate(num_draft="auto") times its probes) and how the chosen variant did here."""
     from mtpjax.speculative import generate
 
-    g = generate(model, groups[0], max_new_tokens=max_new, num_draft="auto").stats["num_draft"]
-    v["auto"] = {"num_draft": g, **{k: v["plain" if g == 0 else f"mtp{g}"][k] for k in ("tokens_per_sec", "vs_plain")}}
+    stats = generate(model, groups[0], max_new_tokens=max_new, num_draft="auto").stats
+    g = stats["num_draft"]
+    v["auto"] = {"num_draft": g, "calibration": stats["calibration"],
+                 **{k: v["plain" if g == 0 else f"mtp{g}"][k] for k in ("tokens_per_sec", "vs_plain")}}
 
 
 def main(argv=None) -> int:
@@ -201,6 +203,9 @@ def main(argv=None) -> int:
             if "tokens_per_sec" not in v:
                 continue
             extra = "".join(f"  {f} {v[f]:.2f}" for f in ("tokens_per_round", "round_cost", "predicted_speedup") if f in v)
+            if k == "auto":
+                extra = f"  {v['num_draft']} drafts; probe costs " + ", ".join(
+                    f"{g}: {c:.2f}" for g, c in v["calibration"]["round_cost"].items())
             print(f"  batch {b:3d} {k:12s} {v['tokens_per_sec']:9.1f} tok/s  x{v['vs_plain']:.2f} vs plain{extra}")
         if "ceiling" in r:
             c = r["ceiling"]

@@ -88,17 +88,20 @@ def candidates(model, proposer: str) -> list[int]:
     return list(range(0, max(top, 0) + 1))
 
 
-def calibrate(model, prompts, specs: dict, seed: int = 0, probe: int = 32, repeats: int = 2) -> Calibration:
+def calibrate(model, prompts, specs: dict, seed: int = 0, probe: int = 32, repeats: int = 3,
+              min_seconds: float = 1.0, max_repeats: int = 20) -> Calibration:
     """Time every candidate's compiled loop on `prompts` (specs: γ -> DecodeSpec) and choose γ.
 
-    A round's cost is the slope between a probe of `probe` and one of 2·`probe` new tokens, so prefill
-    and dispatch cancel; candidates are timed interleaved so drift hits them alike.
+    A round's cost is the slope between a run that stops after the prefill (one new token) and one of
+    2·`probe` new tokens, so prefill and dispatch (~10 ms on the tiny model) cancel. Candidates are timed interleaved so drift hits them alike, at least `repeats`
+    times and until `min_seconds` were spent, and each probe length keeps its fastest time: interference
+    only ever adds time, and medians of 20 ms probes on a shared CPU chose wrong one time in four.
     """
     from mtpjax.speculative import run, summarize
 
     t0 = time.perf_counter()
     max_new = min(s.max_new for s in specs.values())
-    short, long_ = max(1, min(probe, max_new // 2)), max(2, min(2 * probe, max_new))
+    short, long_ = 1, max(2, min(2 * probe, max_new))
 
     def timed(spec, budget):
         t = time.perf_counter()
@@ -106,22 +109,25 @@ def calibrate(model, prompts, specs: dict, seed: int = 0, probe: int = 32, repea
         jax.block_until_ready(st.n_B)
         return time.perf_counter() - t, int(np.asarray(st.rounds_B).max()), st
 
-    slopes: dict = {g: [] for g in specs}
-    whole: dict = {g: [] for g in specs}
-    last = {}
+    times: dict = {g: ([], []) for g in specs}
+    rounds, last = {}, {}
     for g, spec in specs.items():  # compile and warm
         timed(spec, short)
-    for _ in range(repeats):
+    done, spent = 0, 0.0
+    while done < repeats or (spent < min_seconds and done < max_repeats):
         for g, spec in specs.items():
             ts, rs, _ = timed(spec, short)
             tl, rl, last[g] = timed(spec, long_)
-            whole[g].append(tl / max(rl, 1))
-            if rl > rs:
-                slopes[g].append((tl - ts) / (rl - rs))
-    per_round = {g: float(np.median(v)) for g, v in slopes.items() if v}
+            times[g][0].append(ts)
+            times[g][1].append(tl)
+            rounds[g] = (rs, rl)
+            spent += ts + tl
+        done += 1
+    per_round = {g: (min(tl) - min(ts)) / (rounds[g][1] - rounds[g][0])
+                 for g, (ts, tl) in times.items() if rounds[g][1] > rounds[g][0]}
     if len(per_round) < len(specs) or min(per_round.values()) <= 0:
         # Too few rounds for the slope to rise above timing noise: whole-run time per round instead.
-        per_round = {g: float(np.median(v)) for g, v in whole.items()}
+        per_round = {g: min(tl) / max(rounds[g][1], 1) for g, (_, tl) in times.items()}
     top = max(specs)
     alpha = summarize(last[top]).stats["acceptance_by_position"] if top > 0 else []
     cost = {g: t / per_round[0] for g, t in per_round.items()}

@@ -3,6 +3,7 @@ module caches equal a fresh prefill, and cached decoding equals a full forward."
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -368,6 +369,48 @@ def test_saved_calibration_is_reused_and_kept_per_machine_and_model(half_trained
     (tmp_path / "a_file").write_text("")
     bad = autodraft.SavedCalibrations(tmp_path / "a_file" / "cal.json", "step 1")  # its directory is a file
     assert bad.put((1,), autodraft.Calibration(num_draft=0)) is False and bad.get((1,)) is None
+
+
+class _FakeLoop:
+    """Stands in for the compiled loop: a clock that advances 10 ms of prefill plus a cost per round, and
+    interference that slows chosen calls (interference only ever adds time)."""
+
+    cost = {0: 1e-3, 1: 2.5e-3, 2: 3.5e-3}  # seconds per round
+    per_round = {0: 1, 1: 2, 2: 2.5}  # tokens per round
+
+    def __init__(self, slow_calls=()):
+        self.now, self.calls, self.slow = 0.0, [], set(slow_calls)
+
+    def run(self, model, prompts, spec, seed=0, budget=None):
+        g = spec.num_draft
+        rounds = int(-(-(budget - 1) // self.per_round[g]))
+        self.now += 10e-3 + rounds * self.cost[g] + (50e-3 if len(self.calls) in self.slow else 0.0)
+        self.calls.append((g, budget))
+        return SimpleNamespace(n_B=jnp.zeros(1), rounds_B=np.array([rounds]))
+
+
+def test_calibration_costs_are_marginal_round_times_robust_to_interference(half_trained, monkeypatch):
+    """Slopes from a prefill-only run to a long one (fixed costs cancel), each length at its fastest."""
+    import mtpjax.speculative as sp
+
+    specs = {g: SimpleNamespace(num_draft=g, max_new=64) for g in (0, 1, 2)}
+    warm, per_pass = 3, 6  # compile runs, then (short, long) per candidate per pass
+    # slow down the long probe of γ=1 in two of three passes and γ=0's short probe in one: medians would be fooled
+    loop = _FakeLoop(slow_calls={warm + 3, warm + per_pass + 3, warm + 0})
+    monkeypatch.setattr(sp, "run", loop.run)
+    monkeypatch.setattr(sp, "summarize", lambda st: SimpleNamespace(stats={"acceptance_by_position": [0.9, 0.6]}))
+    monkeypatch.setattr(autodraft.time, "perf_counter", lambda: loop.now)
+    cal = autodraft.calibrate(half_trained, PROMPTS, specs, probe=32, repeats=3, min_seconds=0.0)
+    assert {b for _, b in loop.calls[warm:]} == {1, 64} and len(loop.calls) == warm + 3 * per_pass
+    assert cal.round_cost == pytest.approx({0: 1.0, 1: 2.5, 2: 3.5})
+    assert cal.num_draft == choose_num_draft([0.9, 0.6], {1: 2.5, 2: 3.5})
+    # passes continue until min_seconds of probing (at most max_repeats)
+    loop = _FakeLoop()
+    monkeypatch.setattr(sp, "run", loop.run)
+    autodraft.calibrate(half_trained, PROMPTS, specs, probe=32, repeats=1, min_seconds=1.0, max_repeats=50)
+    passes = (len(loop.calls) - warm) // per_pass
+    one_pass = sum(2 * 10e-3 + r * loop.cost[g] for g, r in ((0, 63), (1, 32), (2, 26)))
+    assert passes == int(-(-1.0 // one_pass))
 
 
 def test_choose_num_draft_falls_back_to_plain_when_drafting_costs_more_than_it_saves():
