@@ -23,7 +23,7 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int) -> DecodeCache:
     would be rebuilt (copied) by every forward.
     """
     dt = dtype_of(cfg.dtype)
-    shape = (batch, capacity, cfg.n_kv_heads, cfg.resolved_head_dim)
+    shape = (batch, cfg.n_kv_heads, capacity, cfg.resolved_head_dim)
 
     def kv(lead=()):
         return KV(jnp.zeros(lead + shape, dt), jnp.zeros(lead + shape, dt))
@@ -35,7 +35,7 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int) -> DecodeCache:
 def layer(cache, i: int) -> KV:
     """The cache of layer/module i (of a tuple of KVs or of a stacked KV)."""
     if isinstance(cache, KV):
-        return KV(cache.k_BSKH[i], cache.v_BSKH[i])
+        return KV(cache.k_BKSH[i], cache.v_BKSH[i])
     return cache[i]
 
 
@@ -45,10 +45,10 @@ def set_layer(cache: tuple, i: int, new: KV) -> tuple:
 
 
 def stacked(cache) -> KV:
-    """All layers as one [L, B, S, KV, hd] KV (for inspection and tests)."""
+    """All layers as one [L, B, KV, S, hd] KV (for inspection and tests)."""
     if isinstance(cache, KV):
         return cache
-    return KV(jnp.stack([c.k_BSKH for c in cache]), jnp.stack([c.v_BSKH for c in cache]))
+    return KV(jnp.stack([c.k_BKSH for c in cache]), jnp.stack([c.v_BKSH for c in cache]))
 
 
 def write_rows(buf_BS, upd_BT, start_B):

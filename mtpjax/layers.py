@@ -101,16 +101,54 @@ def attend(q_BTKGH, k_BSKH, v_BSKH, bias_BTS):
 
 
 class KV(NamedTuple):
-    """One attention layer's cache: keys/values at absolute positions [0, S)."""
+    """One attention layer's cache, head-major: keys/values at absolute positions [0, S) of each KV head.
 
-    k_BSKH: jax.Array
-    v_BSKH: jax.Array
+    Head-major is the layout the attention dots read without a transpose; [B,S,K,H] cost two whole-cache
+    copies per layer per decode step.
+    """
+
+    k_BKSH: jax.Array
+    v_BKSH: jax.Array
 
 
 def write_kv(cache: KV, k_BTKH, v_BTKH, start_B) -> KV:
     """Write T new entries at per-row positions start_B .. start_B+T-1 (capacity must allow it)."""
-    upd = jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (s, 0, 0)))
-    return KV(upd(cache.k_BSKH, k_BTKH, start_B), upd(cache.v_BSKH, v_BTKH, start_B))
+    upd = jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u.transpose(1, 0, 2).astype(c.dtype), (0, s, 0)))
+    return KV(upd(cache.k_BKSH, k_BTKH, start_B), upd(cache.v_BKSH, v_BTKH, start_B))
+
+
+def write_after(cache: KV, k_BTKH, v_BTKH, start_B, o) -> KV:
+    """write_kv, ordered after `o` and so after every read of the old cache that produced it.
+
+    Without a data dependency XLA cannot tell the reads come first and copies every cache buffer each
+    step; 0 * a finite value is exactly 0, so what is written does not change.
+    """
+    dep = 0.0 * o.reshape(o.shape[0], -1)[:, :1, None, None].astype(k_BTKH.dtype)
+    return write_kv(cache, k_BTKH + dep, v_BTKH + dep, start_B)
+
+
+def attend_cached(q_BTKGH, k_BTKH, v_BTKH, cache: KV, start_B):
+    """Attention of T new queries over the committed cache entries (< start) and the T new keys (causal).
+
+    Reading the cache before this call's keys are written leaves the write without a reader in the step,
+    so (with write_after) XLA updates the buffers in place.
+    """
+    B, T, K, G, H = q_BTKGH.shape
+    q_BKQH = q_BTKGH.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)  # query row g*T + t
+    s_old = jnp.einsum("bkqh,bksh->bkqs", q_BKQH, cache.k_BKSH.astype(q_BKQH.dtype), preferred_element_type=jnp.float32)
+    committed_BS = jnp.arange(s_old.shape[-1])[None, :] < start_B[:, None]
+    s_old = s_old + jnp.where(committed_BS, 0.0, -1e30)[:, None, None, :]
+    s_new = jnp.einsum("bkqh,btkh->bkqt", q_BKQH, k_BTKH, preferred_element_type=jnp.float32)
+    causal_QT = jnp.tile(jnp.arange(T)[None, :] <= jnp.arange(T)[:, None], (G, 1))
+    s_new = s_new + jnp.where(causal_QT, 0.0, -1e30)
+    m = jax.lax.stop_gradient(jnp.maximum(s_old.max(-1, keepdims=True), s_new.max(-1, keepdims=True)))
+    e_old, e_new = jnp.exp(s_old - m), jnp.exp(s_new - m)
+    dt = v_BTKH.dtype
+    f32 = jnp.float32
+    o_BKQH = (jnp.einsum("bkqs,bksh->bkqh", e_old.astype(dt), cache.v_BKSH.astype(dt), preferred_element_type=f32)
+              + jnp.einsum("bkqt,btkh->bkqh", e_new.astype(dt), v_BTKH, preferred_element_type=f32))
+    o_BKQH = o_BKQH / (e_old.sum(-1) + e_new.sum(-1))[..., None]
+    return o_BKQH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4)
 
 
 class Attention(nnx.Module):
@@ -132,22 +170,18 @@ class Attention(nnx.Module):
         q = apply_rope(self.wq(x_BTD).reshape(B, T, self.n_heads, self.head_dim), tables, 1 / math.sqrt(self.head_dim))
         k = apply_rope(self.wk(x_BTD).reshape(B, T, self.n_kv, self.head_dim), tables)
         v = self.wv(x_BTD).reshape(B, T, self.n_kv, self.head_dim)
+        G = self.n_heads // self.n_kv
+        q = q.reshape(B, T, self.n_kv, G, self.head_dim)
         if cache is None:
-            keys, vals, kpos_BS = k, v, pos_BT
-            mask_BTS = kpos_BS[:, None, :] <= pos_BT[:, :, None]
+            mask_BTS = pos_BT[:, None, :] <= pos_BT[:, :, None]
             if seg_BT is not None:
                 mask_BTS &= seg_BT[:, None, :] == seg_BT[:, :, None]
-            new_cache = None
+            o, new_cache = attend(q, k, v, jnp.where(mask_BTS, 0.0, -1e30).astype(jnp.float32)), None
         else:
-            # Entries past a row's committed length are stale but unseen: a query at position p
-            # only sees keys <= p, and all of those were written by this call or committed before.
-            new_cache = write_kv(cache, k, v, pos_BT[:, 0])
-            keys, vals = new_cache.k_BSKH.astype(k.dtype), new_cache.v_BSKH.astype(v.dtype)
-            kpos_S = jnp.arange(keys.shape[1])
-            mask_BTS = kpos_S[None, None, :] <= pos_BT[:, :, None]
-        G = self.n_heads // self.n_kv
-        bias_BTS = jnp.where(mask_BTS, 0.0, -1e30).astype(jnp.float32)
-        o = attend(q.reshape(B, T, self.n_kv, G, self.head_dim), keys, vals, bias_BTS)
+            # Entries at or past a row's start are stale (rejected drafts) and masked; this call's own
+            # keys come from k, v directly and are written afterwards.
+            o = attend_cached(q, k, v, cache, pos_BT[:, 0])
+            new_cache = write_after(cache, k, v, pos_BT[:, 0], o)
         return self.wo(o.astype(x_BTD.dtype).reshape(B, T, self.n_heads * self.head_dim)), new_cache
 
 

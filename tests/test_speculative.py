@@ -179,13 +179,13 @@ def test_module_caches_equal_fresh_prefill(half_trained, window, expect_equal):
     for b in range(len(PROMPTS)):
         n = int(n_B[b])
         trunk, mods = _fresh_module_caches(model, jnp.asarray(seq[b]), n)
-        np.testing.assert_allclose(stacked(st.cache.trunk).k_BSKH[:, b, : n - 1],
-                                   stacked(trunk).k_BSKH[:, 0, : n - 1], atol=2e-5)
+        np.testing.assert_allclose(stacked(st.cache.trunk).k_BKSH[:, b, :, : n - 1],
+                                   stacked(trunk).k_BKSH[:, 0, :, : n - 1], atol=2e-5)
         mtp = stacked(st.cache.mtp)
         for k, kv in enumerate(mods, start=1):
             valid = n - k
-            for got, want in ((mtp.k_BSKH[k - 1, b, :valid], kv.k_BSKH[0, :valid]),
-                              (mtp.v_BSKH[k - 1, b, :valid], kv.v_BSKH[0, :valid])):
+            for got, want in ((mtp.k_BKSH[k - 1, b, :, :valid], kv.k_BKSH[0, :, :valid]),
+                              (mtp.v_BKSH[k - 1, b, :, :valid], kv.v_BKSH[0, :, :valid])):
                 ok &= bool(np.allclose(got, want, atol=2e-5))
     assert ok == expect_equal
 
@@ -305,6 +305,45 @@ def test_stochastic_companion_wrong_rule_is_detected(monkeypatch):
     idx = np.array([np.ravel_multi_index(t, (6,) * 3) for t in res.tokens])
     emp = np.bincount(idx, minlength=216) / N
     assert 0.5 * np.abs(emp - exact).sum() > 0.04
+
+
+def _cache_copies_per_round(model, num_draft: int) -> list[str]:
+    """Instructions of the compiled decode loop's body that copy or transpose a whole KV-cache buffer."""
+    import functools
+    import re
+
+    from mtpjax.speculative import _generate
+
+    spec = make_spec(model, PROMPTS[:1], max_new_tokens=8, num_draft=num_draft, proposer="mtp",
+                     sampler=make_sampler(), eos_id=None, max_len=None)
+    cfg = model.cfg
+    elems = spec.capacity * cfg.n_kv_heads * cfg.resolved_head_dim  # batch 1
+    toks = jnp.zeros((1, spec.prompt_pad), jnp.int32)
+    args = (*nnx.split(model), toks, jnp.array([5], jnp.int32), jnp.array([8], jnp.int32), jnp.zeros((1, 1), jnp.int32),
+            jax.random.key(0))
+    fresh = jax.jit(functools.partial(_generate), static_argnames=("gdef", "spec"))  # traced anew, not from a cache
+    hlo = fresh.lower(*args, spec).compile().as_text()
+    body = re.search(r"while\(.*?body=%?([\w.-]+)", hlo).group(1)
+    text = hlo[hlo.index(f"%{body} ("):]
+    text = text[: text.index("\n}\n")]
+    found = []
+    for line in text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%([\w.-]+) = f32\[([\d,]*)\]\S* (\w+)\(", line)
+        if m and int(np.prod([int(d) for d in m.group(2).split(",") if d])) == elems:
+            if m.group(3) in ("copy", "transpose") or m.group(1).startswith(("copy", "transpose")):
+                found.append(m.group(1))
+    return found
+
+
+@pytest.mark.parametrize("num_draft", [0, 1])
+def test_decode_loop_updates_the_kv_caches_in_place(half_trained, num_draft, monkeypatch):
+    """Each round writes its new keys into the caches in place: no whole-buffer copy or transpose per step."""
+    assert _cache_copies_per_round(half_trained, num_draft) == []
+    # companion: the same write without its ordering after the reads makes XLA copy every cache buffer
+    import mtpjax.layers as layers
+
+    monkeypatch.setattr(layers, "write_after", lambda cache, k, v, start, o: layers.write_kv(cache, k, v, start))
+    assert len(_cache_copies_per_round(half_trained, num_draft)) >= 2 * half_trained.cfg.n_layers
 
 
 def test_auto_num_draft_is_measured_and_keeps_greedy_output(half_trained):
