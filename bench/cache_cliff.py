@@ -4,7 +4,7 @@
 
 Plain greedy decoding (batch 1) of random models that differ only in depth. A round reads every
 weight once, so if rounds were bound by per-layer compute or launches, the time per layer would stay
-flat; it does not. Measured on the 2-core CPU here (d_model 256, float32): 65 / 136 / 288 / 398 us per
+flat; it does not. Measured on the 2-core CPU here (d_model 256, float32): 62 / 109 / 269 / 285 us per
 layer at 6.2 / 12.1 / 18.0 / 23.9 MB of weights (MB = 1e6 bytes of parameters, as in decode_bench).
 The tiny config's trunk is 12 MB, with its two MTP modules 19 MB. This curve is the plain round's
 cost only; why MTP rounds cost more than their FLOPs on the tiny model (XLA's few-row matmul kernels)

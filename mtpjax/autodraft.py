@@ -93,9 +93,10 @@ def calibrate(model, prompts, specs: dict, seed: int = 0, probe: int = 32, repea
     """Time every candidate's compiled loop on `prompts` (specs: γ -> DecodeSpec) and choose γ.
 
     A round's cost is the slope between a run that stops after the prefill (one new token) and one of
-    2·`probe` new tokens, so prefill and dispatch (~10 ms on the tiny model) cancel. Candidates are timed interleaved so drift hits them alike, at least `repeats`
-    times and until `min_seconds` were spent, and each probe length keeps its fastest time: interference
-    only ever adds time, and medians of 20 ms probes on a shared CPU chose wrong one time in four.
+    2·`probe` new tokens, so prefill and dispatch (~10 ms on the tiny model) cancel. Candidates are timed
+    interleaved so drift hits them alike, at least `repeats` times and until `min_seconds` were spent, and
+    each run length keeps its fastest time: interference only ever adds time, and medians of 20 ms probes
+    on a shared CPU chose wrong about one time in four.
     """
     from mtpjax.speculative import run, summarize
 

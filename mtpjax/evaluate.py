@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mtpjax.autodraft import expected_tokens
+from mtpjax.autodraft import speedup_ceiling
 from mtpjax.config import Config
 from mtpjax.flops import draft_work_ratio
 from mtpjax.loss import mtp_loss
@@ -149,8 +149,8 @@ def speed_report(model, prompts, *, num_draft: int, max_new: int, batch: int = 1
             "expected_tokens_per_round": E, "draft_cost_c": c, "predicted_speedup": E / (v + num_draft * c),
             "draft_time_fraction": num_draft * c / (v + num_draft * c),
             # the most this γ could give with these α even if verifying cost one plain step and a draft its FLOPs
-            "speedup_ceiling": expected_tokens(alpha_pos, num_draft) / (1 + num_draft * draft_work_ratio(
-                model.cfg, int(np.mean([len(p) for p in prompts])) + max_new // 2)),
+            "speedup_ceiling": speedup_ceiling(alpha_pos, draft_work_ratio(
+                model.cfg, int(np.mean([len(p) for p in prompts])) + max_new // 2), num_draft)["by_gamma"][num_draft],
             "agreement_on_generated": agreement_on(model, prompts, mtp["outputs"], min(num_draft, model.cfg.mtp_depth)),
         })
     rep["outputs_identical"] = bool(exact)

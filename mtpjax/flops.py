@@ -62,4 +62,3 @@ def draft_work_ratio(model_cfg: ModelConfig, context: int) -> float:
     """
     f = flops_per_token(model_cfg, context)
     return (f["mtp_module"] + f["head"]) / (f["trunk"] + f["head"])
-
