@@ -22,7 +22,7 @@ from flax import nnx  # noqa: E402
 from bench import peer as peer_mod  # noqa: E402
 from bench.common import interleave, load, log, median_ratio  # noqa: E402
 from mtpjax.autodraft import choose_num_draft, speedup_ceiling  # noqa: E402
-from mtpjax.evaluate import ideal_tokens_per_round  # noqa: E402
+from mtpjax.evaluate import decode_context, ideal_tokens_per_round  # noqa: E402
 from mtpjax.flops import draft_work_ratio  # noqa: E402
 from mtpjax.plan import tree_bytes  # noqa: E402
 from mtpjax.sampling import make_sampler  # noqa: E402
@@ -120,8 +120,7 @@ def bench_batch(model, prompts, batch: int, max_new: int, rounds: int, peer=None
         out["variants"][k] = r
     _predict(out["variants"], gd)
     if D:
-        context = int(np.mean([len(p) for p in prompts])) + max_new // 2
-        out["ceiling"] = _ceiling(out["variants"], model.cfg, context)
+        out["ceiling"] = _ceiling(out["variants"], model.cfg, decode_context(prompts, max_new))
         _auto(model, groups, max_new, out["variants"])
     return out
 
@@ -153,8 +152,8 @@ def _ceiling(v: dict, cfg, context: int) -> dict:
     r = draft_work_ratio(cfg, context)
     alpha = v[f"mtp{D}"]["acceptance_by_position"]
     c = speedup_ceiling(alpha, r, D)
-    return {"work_ratio_r": r, "context": context, "alpha_by_position": alpha, "by_gamma": c["by_gamma"],
-            "max": c["max"], "num_draft": c["num_draft"], "perfect_drafter": (1.0 + D) / (1.0 + D * r)}
+    return {"work_ratio_r": r, "context": context, "alpha_by_position": alpha, "by_gamma": c["by_gamma"], "max": c["max"],
+            "num_draft": c["num_draft"], "perfect_drafter": speedup_ceiling([1.0], r, D)["by_gamma"][D]}
 
 
 def _auto(model, groups, max_new: int, v: dict) -> None:

@@ -123,6 +123,11 @@ def ideal_tokens_per_round(alpha: float, gamma: int) -> float:
     return gamma + 1.0 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
+def decode_context(prompts, max_new: int) -> int:
+    """Mean context length while decoding these prompts max_new tokens further (for flops.draft_work_ratio)."""
+    return int(np.mean([len(p) for p in prompts])) + max_new // 2
+
+
 def speed_report(model, prompts, *, num_draft: int, max_new: int, batch: int = 1, repeats: int = 1) -> dict:
     """Plain vs n-gram vs MTP greedy decoding: throughput, acceptance, costs (c, v), predicted speedup."""
     kw = dict(max_new=max_new, batch=batch, repeats=repeats)
@@ -149,8 +154,8 @@ def speed_report(model, prompts, *, num_draft: int, max_new: int, batch: int = 1
             "expected_tokens_per_round": E, "draft_cost_c": c, "predicted_speedup": E / (v + num_draft * c),
             "draft_time_fraction": num_draft * c / (v + num_draft * c),
             # the most this γ could give with these α even if verifying cost one plain step and a draft its FLOPs
-            "speedup_ceiling": speedup_ceiling(alpha_pos, draft_work_ratio(
-                model.cfg, int(np.mean([len(p) for p in prompts])) + max_new // 2), num_draft)["by_gamma"][num_draft],
+            "speedup_ceiling": speedup_ceiling(alpha_pos, draft_work_ratio(model.cfg, decode_context(prompts, max_new)),
+                                               num_draft)["by_gamma"][num_draft],
             "agreement_on_generated": agreement_on(model, prompts, mtp["outputs"], min(num_draft, model.cfg.mtp_depth)),
         })
     rep["outputs_identical"] = bool(exact)
