@@ -1,6 +1,20 @@
 """Transformer layers: RMSNorm, RoPE, GQA attention with an optional fixed-capacity KV cache, SwiGLU MLP.
 
 Parameters carry `logical_axes` metadata; `mtpjax.sharding` maps those names onto the mesh.
+
+Shape alphabet, used in array names across the package (`x_BTD` is [batch, positions, width]); one
+letter, one meaning:
+
+    B  batch rows                          V  vocabulary
+    T  positions of this call (window)     D  model width (d_model)
+    S  cache / key positions (capacity)    F  MLP width (d_ff)
+    P  padded prompt length                L  trunk layers
+    W  rows an MTP module recomputes       N  query heads
+    G  drafts per round (gamma)            K  key/value heads
+    Y  tokens verified per round (G + 1)   R  query heads per key/value head (N / K)
+    M  prediction depths (main + modules)  H  head dimension
+    C  positions per loss chunk            Q  query rows of one KV head in cached attention (R * T)
+    U  loss chunks (T / C)                 I  flattened leading axes (rows fed to a dense layer)
 """
 
 from __future__ import annotations
@@ -37,9 +51,9 @@ class Dense(nnx.Module):
         self.kernel = param(rngs, (d_in, d_out), std, axes, dtype_of(cfg.param_dtype))
         self.dtype = dtype_of(cfg.dtype)
 
-    def __call__(self, x_ND):
-        lead = x_ND.shape[:-1]
-        x2 = x_ND.reshape(-1, x_ND.shape[-1]).astype(self.dtype)
+    def __call__(self, x_ID):
+        lead = x_ID.shape[:-1]
+        x2 = x_ID.reshape(-1, x_ID.shape[-1]).astype(self.dtype)
         y2 = jnp.dot(x2, self.kernel[...].astype(self.dtype))
         return y2.reshape(*lead, y2.shape[-1])
 
@@ -59,45 +73,40 @@ class RMSNorm(nnx.Module):
 
 
 def rope_tables(pos_BT, head_dim: int, theta: float):
-    """(cos, sin) of shape [B, T, 1, head_dim/2], materialized once per attention call.
+    """(cos, sin) of shape [B, T, 1, H/2], materialized once per attention call.
 
     The barrier stops XLA from fusing sin/cos into every consumer, where they were recomputed for
     each head and each half of the rotation (profiled: ~5% of a tiny-config train step).
     """
     half = head_dim // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    ang_BTK = pos_BT.astype(jnp.float32)[..., None] * freq
-    cos, sin = jax.lax.optimization_barrier((jnp.cos(ang_BTK), jnp.sin(ang_BTK)))
+    ang_BTH = pos_BT.astype(jnp.float32)[..., None] * freq  # H/2 frequencies
+    cos, sin = jax.lax.optimization_barrier((jnp.cos(ang_BTH), jnp.sin(ang_BTH)))
     return cos[:, :, None, :], sin[:, :, None, :]
 
 
-def apply_rope(x_BTHK, tables, scale: float = 1.0):
+def apply_rope(x_BTNH, tables, scale: float = 1.0):
     """Rotary embedding on the last axis (half-split convention) from rope_tables, times `scale`."""
     cos, sin = tables
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
-    x1, x2 = jnp.split(x_BTHK.astype(jnp.float32), 2, axis=-1)
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BTHK.dtype)
+    return out.astype(x_BTNH.dtype)
 
 
-def rope(x_BTHK, pos_BT, theta: float):
-    """Rotary embedding on the last axis (half-split convention), positions per token."""
-    return apply_rope(x_BTHK, rope_tables(pos_BT, x_BTHK.shape[-1], theta))
-
-
-def attend(q_BTKGH, k_BSKH, v_BSKH, bias_BTS):
+def attend(q_BTKRH, k_BSKH, v_BSKH, bias_BTS):
     """Softmax attention with an additive mask; the softmax is normalized after the value product.
 
-    Dividing o [B,T,H,hd] instead of the scores [B,H,T,S] and adding the mask instead of selecting
+    Dividing o [B,T,N,H] instead of the scores [B,N,T,S] and adding the mask instead of selecting
     removes three passes over the score tensor forward and backward (profiled on CPU: ~10% of a step).
     """
-    s = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
-    s = s + bias_BTS[:, None, None]
-    e = jnp.exp(s - jax.lax.stop_gradient(s.max(axis=-1, keepdims=True)))
-    l_BKGT = e.sum(axis=-1)
-    o = jnp.einsum("bkgts,bskh->btkgh", e.astype(v_BSKH.dtype), v_BSKH, preferred_element_type=jnp.float32)
-    return o / l_BKGT.transpose(0, 3, 1, 2)[..., None]
+    s_BKRTS = jnp.einsum("btkrh,bskh->bkrts", q_BTKRH, k_BSKH, preferred_element_type=jnp.float32)
+    s_BKRTS = s_BKRTS + bias_BTS[:, None, None]
+    e_BKRTS = jnp.exp(s_BKRTS - jax.lax.stop_gradient(s_BKRTS.max(axis=-1, keepdims=True)))
+    l_BKRT = e_BKRTS.sum(axis=-1)
+    o_BTKRH = jnp.einsum("bkrts,bskh->btkrh", e_BKRTS.astype(v_BSKH.dtype), v_BSKH, preferred_element_type=jnp.float32)
+    return o_BTKRH / l_BKRT.transpose(0, 3, 1, 2)[..., None]
 
 
 class KV(NamedTuple):
@@ -127,28 +136,28 @@ def write_after(cache: KV, k_BTKH, v_BTKH, start_B, o) -> KV:
     return write_kv(cache, k_BTKH + dep, v_BTKH + dep, start_B)
 
 
-def attend_cached(q_BTKGH, k_BTKH, v_BTKH, cache: KV, start_B):
+def attend_cached(q_BTKRH, k_BTKH, v_BTKH, cache: KV, start_B):
     """Attention of T new queries over the committed cache entries (< start) and the T new keys (causal).
 
     Reading the cache before this call's keys are written leaves the write without a reader in the step,
     so (with write_after) XLA updates the buffers in place.
     """
-    B, T, K, G, H = q_BTKGH.shape
-    q_BKQH = q_BTKGH.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)  # query row g*T + t
-    s_old = jnp.einsum("bkqh,bksh->bkqs", q_BKQH, cache.k_BKSH.astype(q_BKQH.dtype), preferred_element_type=jnp.float32)
-    committed_BS = jnp.arange(s_old.shape[-1])[None, :] < start_B[:, None]
-    s_old = s_old + jnp.where(committed_BS, 0.0, -1e30)[:, None, None, :]
-    s_new = jnp.einsum("bkqh,btkh->bkqt", q_BKQH, k_BTKH, preferred_element_type=jnp.float32)
-    causal_QT = jnp.tile(jnp.arange(T)[None, :] <= jnp.arange(T)[:, None], (G, 1))
-    s_new = s_new + jnp.where(causal_QT, 0.0, -1e30)
-    m = jax.lax.stop_gradient(jnp.maximum(s_old.max(-1, keepdims=True), s_new.max(-1, keepdims=True)))
-    e_old, e_new = jnp.exp(s_old - m), jnp.exp(s_new - m)
+    B, T, K, R, H = q_BTKRH.shape
+    q_BKQH = q_BTKRH.transpose(0, 2, 3, 1, 4).reshape(B, K, R * T, H)  # query row r*T + t
+    s_BKQS = jnp.einsum("bkqh,bksh->bkqs", q_BKQH, cache.k_BKSH.astype(q_BKQH.dtype), preferred_element_type=jnp.float32)
+    committed_BS = jnp.arange(s_BKQS.shape[-1])[None, :] < start_B[:, None]
+    s_BKQS = s_BKQS + jnp.where(committed_BS, 0.0, -1e30)[:, None, None, :]
+    s_BKQT = jnp.einsum("bkqh,btkh->bkqt", q_BKQH, k_BTKH, preferred_element_type=jnp.float32)
+    causal_QT = jnp.tile(jnp.arange(T)[None, :] <= jnp.arange(T)[:, None], (R, 1))
+    s_BKQT = s_BKQT + jnp.where(causal_QT, 0.0, -1e30)
+    m = jax.lax.stop_gradient(jnp.maximum(s_BKQS.max(-1, keepdims=True), s_BKQT.max(-1, keepdims=True)))
+    e_old, e_new = jnp.exp(s_BKQS - m), jnp.exp(s_BKQT - m)
     dt = v_BTKH.dtype
     f32 = jnp.float32
     o_BKQH = (jnp.einsum("bkqs,bksh->bkqh", e_old.astype(dt), cache.v_BKSH.astype(dt), preferred_element_type=f32)
               + jnp.einsum("bkqt,btkh->bkqh", e_new.astype(dt), v_BTKH, preferred_element_type=f32))
     o_BKQH = o_BKQH / (e_old.sum(-1) + e_new.sum(-1))[..., None]
-    return o_BKQH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4)
+    return o_BKQH.reshape(B, K, R, T, H).transpose(0, 3, 1, 2, 4)
 
 
 class Attention(nnx.Module):
@@ -170,8 +179,8 @@ class Attention(nnx.Module):
         q = apply_rope(self.wq(x_BTD).reshape(B, T, self.n_heads, self.head_dim), tables, 1 / math.sqrt(self.head_dim))
         k = apply_rope(self.wk(x_BTD).reshape(B, T, self.n_kv, self.head_dim), tables)
         v = self.wv(x_BTD).reshape(B, T, self.n_kv, self.head_dim)
-        G = self.n_heads // self.n_kv
-        q = q.reshape(B, T, self.n_kv, G, self.head_dim)
+        R = self.n_heads // self.n_kv
+        q = q.reshape(B, T, self.n_kv, R, self.head_dim)
         if cache is None:
             mask_BTS = pos_BT[:, None, :] <= pos_BT[:, :, None]
             if seg_BT is not None:

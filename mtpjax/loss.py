@@ -26,7 +26,7 @@ def lambda_schedule(spec: str) -> optax.Schedule:
 
 
 def valid_masks(tokens_BT, segment_ids_BT, depth: int):
-    """bool[D+1, B, T]: depth k at i has a real target x[i+k+1] in the same document."""
+    """bool[M, B, T]: depth k at i has a real target x[i+k+1] in the same document."""
     B, T = tokens_BT.shape
     seg = jnp.ones((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT
     pos = jnp.arange(T)
@@ -38,30 +38,30 @@ def valid_masks(tokens_BT, segment_ids_BT, depth: int):
 
 
 def targets(tokens_BT, depth: int):
-    """int[D+1, B, T]: x[i+k+1] for depth k (0 past the end)."""
+    """int[M, B, T]: x[i+k+1] for depth k (0 past the end)."""
     return jnp.stack([shift_left(tokens_BT, k + 1) for k in range(depth + 1)])
 
 
-def _ce_chunk(model: MTPTransformer, h_KBCD, tgt_KBC):
-    logits = model.logits(h_KBCD)  # float32 [K, B, C, V]
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    tgt_logit = jnp.take_along_axis(logits, tgt_KBC[..., None], axis=-1)[..., 0]
-    return lse - tgt_logit, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def _ce_chunk(model: MTPTransformer, h_MBCD, tgt_MBC):
+    logits_MBCV = model.logits(h_MBCD)  # float32
+    lse_MBC = jax.nn.logsumexp(logits_MBCV, axis=-1)
+    tgt_logit_MBC = jnp.take_along_axis(logits_MBCV, tgt_MBC[..., None], axis=-1)[..., 0]
+    return lse_MBC - tgt_logit_MBC, jnp.argmax(logits_MBCV, axis=-1).astype(jnp.int32)
 
 
-def per_position(model: MTPTransformer, hidden_KBTD, tgt_KBT, chunk_size: int = 0):
-    """Cross-entropy and argmax per depth and position; [K,B,T,V] logits are never all held at once."""
-    K, B, T, D = hidden_KBTD.shape
+def per_position(model: MTPTransformer, hidden_MBTD, tgt_MBT, chunk_size: int = 0):
+    """Cross-entropy and argmax per depth and position; [M,B,T,V] logits are never all held at once."""
+    M, B, T, D = hidden_MBTD.shape
     C = T if chunk_size in (0, T) else chunk_size
     if C == T:
-        return _ce_chunk(model, hidden_KBTD, tgt_KBT)
-    n = T // C
-    h_NKBCD = hidden_KBTD.reshape(K, B, n, C, D).transpose(2, 0, 1, 3, 4)
-    t_NKBC = tgt_KBT.reshape(K, B, n, C).transpose(2, 0, 1, 3)
+        return _ce_chunk(model, hidden_MBTD, tgt_MBT)
+    U = T // C
+    h_UMBCD = hidden_MBTD.reshape(M, B, U, C, D).transpose(2, 0, 1, 3, 4)
+    t_UMBC = tgt_MBT.reshape(M, B, U, C).transpose(2, 0, 1, 3)
     # Rematerialized per chunk, so the backward pass also holds one chunk of logits at a time.
     body = jax.checkpoint(lambda args: _ce_chunk(model, *args))
-    ce, am = jax.lax.map(body, (h_NKBCD, t_NKBC))
-    return ce.transpose(1, 2, 0, 3).reshape(K, B, T), am.transpose(1, 2, 0, 3).reshape(K, B, T)
+    ce_UMBC, am_UMBC = jax.lax.map(body, (h_UMBCD, t_UMBC))
+    return ce_UMBC.transpose(1, 2, 0, 3).reshape(M, B, T), am_UMBC.transpose(1, 2, 0, 3).reshape(M, B, T)
 
 
 def expected_accept_length(agreements) -> jax.Array:
@@ -77,33 +77,33 @@ def mtp_loss(model: MTPTransformer, out: MTPOutput, tokens_BT, segment_ids_BT=No
              cfg: LossConfig = LossConfig(), counts=None):
     """(loss, metrics) of DESIGN §2 with lambda from cfg.mtp_lambda at `step`.
 
-    `counts` (float[D+1]) overrides the per-depth normalizers, so that micro-batches of one batch can be
+    `counts` (float[M]) overrides the per-depth normalizers, so that micro-batches of one batch can be
     normalized by the whole batch's token counts and sum to the full-batch loss exactly.
     """
-    D = out.hidden.shape[0] - 1
-    valid = valid_masks(tokens_BT, segment_ids_BT, D).astype(jnp.float32)
-    tgt = targets(tokens_BT, D)
-    ce, am = per_position(model, out.hidden, tgt, cfg.chunk_size)
-    n = valid.sum(axis=(1, 2)) if counts is None else counts
-    denom = jnp.maximum(1.0, n)
-    loss_k = (ce * valid).sum(axis=(1, 2)) / denom
-    acc_k = ((am == tgt) * valid).sum(axis=(1, 2)) / denom
+    depth = out.hidden.shape[0] - 1
+    valid_MBT = valid_masks(tokens_BT, segment_ids_BT, depth).astype(jnp.float32)
+    tgt_MBT = targets(tokens_BT, depth)
+    ce_MBT, am_MBT = per_position(model, out.hidden, tgt_MBT, cfg.chunk_size)
+    n_M = valid_MBT.sum(axis=(1, 2)) if counts is None else counts
+    denom_M = jnp.maximum(1.0, n_M)
+    loss_M = (ce_MBT * valid_MBT).sum(axis=(1, 2)) / denom_M
+    acc_M = ((am_MBT == tgt_MBT) * valid_MBT).sum(axis=(1, 2)) / denom_M
     lam = jnp.asarray(lambda_schedule(cfg.mtp_lambda)(step), jnp.float32)
-    loss = loss_k[0] + (lam / D) * loss_k[1:].sum() if D else loss_k[0]
-    metrics = {"loss/total": loss, "loss/main": loss_k[0], "accuracy/main": acc_k[0], "lambda": lam}
+    loss = loss_M[0] + (lam / depth) * loss_M[1:].sum() if depth else loss_M[0]
+    metrics = {"loss/total": loss, "loss/main": loss_M[0], "accuracy/main": acc_M[0], "lambda": lam}
     agreements = []
-    for k in range(1, D + 1):
+    for k in range(1, depth + 1):
         # Greedy acceptance, teacher-forced: depth k's argmax at i vs the main head's argmax at i+k.
-        agree = ((am[k] == shift_left(am[0], k, fill=-1)) * valid[k]).sum() / denom[k]
-        metrics[f"loss/mtp_{k}"] = loss_k[k]
-        metrics[f"accuracy/mtp_{k}"] = acc_k[k]
+        agree = ((am_MBT[k] == shift_left(am_MBT[0], k, fill=-1)) * valid_MBT[k]).sum() / denom_M[k]
+        metrics[f"loss/mtp_{k}"] = loss_M[k]
+        metrics[f"accuracy/mtp_{k}"] = acc_M[k]
         metrics[f"agreement/mtp_{k}"] = agree
         agreements.append(agree)
-    if D:
+    if depth:
         metrics["expected_accept_length"] = expected_accept_length(agreements)
     return loss, metrics
 
 
 def token_counts(tokens_BT, segment_ids_BT, depth: int):
-    """float[D+1]: number of valid targets per depth (the normalizers mtp_loss uses)."""
+    """float[M]: number of valid targets per depth (the normalizers mtp_loss uses)."""
     return valid_masks(tokens_BT, segment_ids_BT, depth).astype(jnp.float32).sum(axis=(1, 2))

@@ -19,7 +19,7 @@ from mtpjax.layers import KV, Block, Dense, RMSNorm, dtype_of, param
 
 @struct.dataclass
 class MTPOutput:
-    hidden: jax.Array  # float[D+1, B, T, d]: index 0 the trunk, k the MTP depth k, each normed for the head
+    hidden: jax.Array  # hidden_MBTD: index 0 the trunk, k the MTP depth k, each normed for the head
 
 
 class DecodeCache(NamedTuple):
@@ -95,11 +95,11 @@ class MTPTransformer(nnx.Module):
         """Shared embedding lookup."""
         return jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype_of(self.cfg.dtype))
 
-    def logits(self, h_ND):
+    def logits(self, h_ID):
         """Shared output head on normed hidden states; float32 logits."""
         w = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
-        lead = h_ND.shape[:-1]
-        h2 = h_ND.reshape(-1, h_ND.shape[-1])
+        lead = h_ID.shape[:-1]
+        h2 = h_ID.reshape(-1, h_ID.shape[-1])
         out = jnp.dot(h2, w.astype(h2.dtype), preferred_element_type=jnp.float32)
         return out.reshape(*lead, out.shape[-1])
 

@@ -35,9 +35,9 @@ def make_sampler(temperature: float = 0.0, top_k: int | None = None, top_p: floa
     return Sampler(float(temperature), int(top_k or 0), float(1.0 if top_p is None else top_p))
 
 
-def probs(sampler: Sampler, logits_NV):
+def probs(sampler: Sampler, logits_IV):
     """float32 probabilities after temperature, top-k and top-p (greedy: one-hot of the argmax)."""
-    logits = logits_NV.astype(jnp.float32)
+    logits = logits_IV.astype(jnp.float32)
     V = logits.shape[-1]
     if sampler.greedy:
         return jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
@@ -54,7 +54,3 @@ def probs(sampler: Sampler, logits_NV):
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
     return jax.nn.softmax(logits, axis=-1)
 
-
-def sample(key, p_NV):
-    """One token per row from probabilities (rows of a greedy one-hot give their argmax)."""
-    return jax.random.categorical(key, jnp.log(jnp.maximum(p_NV, 1e-30)), axis=-1).astype(jnp.int32)

@@ -42,7 +42,7 @@ class DecodeSpec:
 
     depth: int = 0  # the model's mtp_depth
     window_size: int = -1  # -1: the smallest window that keeps the module caches exact (tests shrink it)
-    on_commit: object = None  # host callback(tokens_BG1, count_B) after each round, for streaming
+    on_commit: object = None  # host callback(tokens_BY, count_B) after each round, for streaming
     forced: bool = False  # commit one reference token per round instead of the accepted ones (teacher forcing)
 
     @property
@@ -79,20 +79,20 @@ def _choose(logits_BV, sampler: Sampler, keys_B):
 # ----------------------------------------------------------------------------- proposers
 
 
-def _draft_mtp(model: MTPTransformer, st: DecodeState, spec: DecodeSpec, start_B, L: int, it):
-    """Module k drafts token k from a recomputed window [start, start+L) ending at n-2; last module reused."""
+def _draft_mtp(model: MTPTransformer, st: DecodeState, spec: DecodeSpec, start_B, W: int, it):
+    """Module k drafts token k from a recomputed window [start, start+W) ending at n-2; last module reused."""
     D, G, B = model.cfg.mtp_depth, spec.num_draft, st.n_B.shape[0]
     sequential = model.cfg.mtp_kind == "sequential"
-    pos_BL = start_B[:, None] + jnp.arange(L, dtype=jnp.int32)
+    pos_BW = start_B[:, None] + jnp.arange(W, dtype=jnp.int32)
     out_idx = st.n_B - 2 - start_B
-    h0_BLD = read_rows(st.h0_BSD, start_B, L)
-    h_prev, seq, mtp = h0_BLD, st.seq_BS, st.cache.mtp
+    h0_BWD = read_rows(st.h0_BSD, start_B, W)
+    h_prev, seq, mtp = h0_BWD, st.seq_BS, st.cache.mtp
     drafts, qs, h_at = [], [], None
     for k in range(1, G + 1):
         with jax.named_scope(f"draft{k}"):  # profiles attribute time per depth
             if k <= D:
-                toks = read_rows(seq, start_B + k, L)
-                h, kv = model.mtp_forward(k, h_prev if sequential else h0_BLD, toks, pos_BL, cache=layer(mtp, k - 1))
+                toks = read_rows(seq, start_B + k, W)
+                h, kv = model.mtp_forward(k, h_prev if sequential else h0_BWD, toks, pos_BW, cache=layer(mtp, k - 1))
                 mtp, h_prev, h_at, m = set_layer(mtp, k - 1, kv), h, take_rows(h, out_idx), k
             else:  # beyond D: the last module continues autoregressively from its own output
                 pos = (st.n_B - 2 + (k - D))[:, None]
@@ -124,7 +124,7 @@ def _draft_ngram(seq_BS, n_B, G: int, max_n: int):
     return drafts.astype(jnp.int32)
 
 
-def _propose(model, st: DecodeState, spec: DecodeSpec, start_B, L: int, it):
+def _propose(model, st: DecodeState, spec: DecodeSpec, start_B, W: int, it):
     B, G = st.n_B.shape[0], spec.num_draft
     if G == 0:
         return st.replace(drafts_BG=jnp.zeros((B, 0), jnp.int32))
@@ -134,7 +134,7 @@ def _propose(model, st: DecodeState, spec: DecodeSpec, start_B, L: int, it):
         if not spec.sampler.greedy:  # a deterministic draft: q is one-hot
             q = jax.nn.one_hot(drafts, model.cfg.vocab_size, dtype=jnp.float32)
         return st.replace(drafts_BG=drafts, q_BGV=q, seq_BS=write_rows(st.seq_BS, drafts, st.n_B))
-    drafts, q, mtp = _draft_mtp(model, st, spec, start_B, L, it)
+    drafts, q, mtp = _draft_mtp(model, st, spec, start_B, W, it)
     seq = write_rows(st.seq_BS, drafts, st.n_B)
     return st.replace(drafts_BG=drafts, q_BGV=q, seq_BS=seq, cache=st.cache._replace(mtp=mtp))
 
@@ -142,16 +142,16 @@ def _propose(model, st: DecodeState, spec: DecodeSpec, start_B, L: int, it):
 # ----------------------------------------------------------------------------- verification
 
 
-def _accept(logits_BGV, st: DecodeState, spec: DecodeSpec, it):
+def _accept(logits_BYV, st: DecodeState, spec: DecodeSpec, it):
     """(number of accepted drafts a, the γ+1 tokens to commit: accepted drafts then one target token)."""
-    B, G1, V = logits_BGV.shape
-    G, d = G1 - 1, st.drafts_BG
+    B, Y, V = logits_BYV.shape
+    G, d = Y - 1, st.drafts_BG
     if spec.sampler.greedy:
-        g = jnp.argmax(logits_BGV, axis=-1).astype(jnp.int32)
+        g = jnp.argmax(logits_BYV, axis=-1).astype(jnp.int32)
         a = jnp.cumprod(d == g[:, :G], axis=1).sum(axis=1).astype(jnp.int32)
         bonus = take_rows(g, a)
     else:
-        p = probs(spec.sampler, logits_BGV.reshape(B * G1, V)).reshape(B, G1, V)
+        p = probs(spec.sampler, logits_BYV.reshape(B * Y, V)).reshape(B, Y, V)
         p_d = jnp.take_along_axis(p[:, :G], d[..., None], axis=-1)[..., 0]
         q_d = jnp.take_along_axis(st.q_BGV, d[..., None], axis=-1)[..., 0]
         u = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(_row_keys(st.key, 1, it, B))
@@ -163,21 +163,21 @@ def _accept(logits_BGV, st: DecodeState, spec: DecodeSpec, it):
         resid = jnp.where(mass > 0, resid / jnp.where(mass > 0, mass, 1.0), p_a)
         keys = _row_keys(st.key, 2, it, B)
         bonus = jax.vmap(lambda k, r: jax.random.categorical(k, jnp.log(jnp.maximum(r, 1e-30))))(keys, resid)
-    i = jnp.arange(G1)[None, :]
+    i = jnp.arange(Y)[None, :]
     toks = jnp.where(i < a[:, None], jnp.pad(d, ((0, 0), (0, 1))), bonus[:, None].astype(jnp.int32))
     return a, toks
 
 
-def _commit(st: DecodeState, a_B, toks_BG1, spec: DecodeSpec):
+def _commit(st: DecodeState, a_B, toks_BY, spec: DecodeSpec):
     """Advance each active row by its accepted prefix + 1, cut at EOS and at the length budget."""
-    G1 = toks_BG1.shape[1]
-    i = jnp.arange(G1)[None, :]
+    Y = toks_BY.shape[1]
+    i = jnp.arange(Y)[None, :]
     c = jnp.minimum(a_B + 1, st.budget_B - (st.n_B - st.prompt_len_B))
     if spec.forced:  # measure the drafts against the target, but walk the reference text one token a round
-        toks_BG1 = read_rows(st.ref_BS, st.n_B, G1)
+        toks_BY = read_rows(st.ref_BS, st.n_B, Y)
         c = jnp.minimum(c, 1)
     if spec.eos_id >= 0:
-        is_eos = (toks_BG1 == spec.eos_id) & (i < c[:, None])
+        is_eos = (toks_BY == spec.eos_id) & (i < c[:, None])
         first = jnp.argmax(is_eos, axis=1)
         hit = is_eos.any(axis=1)
         c = jnp.where(hit, first + 1, c)
@@ -185,12 +185,12 @@ def _commit(st: DecodeState, a_B, toks_BG1, spec: DecodeSpec):
         hit = jnp.zeros_like(st.done_B)
     active = ~st.done_B
     c = jnp.where(active, c, 0)
-    seq = write_rows(st.seq_BS, toks_BG1, st.n_B)  # past n for inactive rows: scratch
+    seq = write_rows(st.seq_BS, toks_BY, st.n_B)  # past n for inactive rows: scratch
     if spec.on_commit is not None:
-        jax.debug.callback(spec.on_commit, toks_BG1, c, ordered=True)
+        jax.debug.callback(spec.on_commit, toks_BY, c, ordered=True)
     n = st.n_B + c
     done = st.done_B | hit | (n - st.prompt_len_B >= st.budget_B)
-    G = G1 - 1
+    G = Y - 1
     gi = jnp.arange(G)[None, :]
     reached = st.reached_BG + (active[:, None] & (gi <= a_B[:, None])).astype(jnp.int32)
     accepted = st.accepted_BG + (active[:, None] & (gi < a_B[:, None])).astype(jnp.int32)
