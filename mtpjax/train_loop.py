@@ -14,8 +14,10 @@ import numpy as np
 from tqdm import tqdm
 
 from mtpjax import data, distributed
+from mtpjax.bpb import eval_bits_per_byte
 from mtpjax.checkpoint import Checkpointer, CheckpointError, read_run_config
 from mtpjax.config import Config, ConfigError, load_config
+from mtpjax.eval_log import append_eval
 from mtpjax.flops import train_flops_per_token
 from mtpjax.metrics import Writer, measure_peak_flops, mfu
 from mtpjax.sharding import MeshError, data_parallelism, make_mesh, replicated
@@ -124,11 +126,12 @@ def to_global(progs: Programs, batch: dict):
 # ----------------------------------------------------------------------------- eval and samples
 
 
-def evaluate(progs: Programs, state, val: list, step: int) -> dict:
-    """Mean validation metrics over the fixed eval batches."""
+def evaluate(progs: Programs, state, val: list, step: int, tokenizer=None) -> dict:
+    """Mean validation metrics over the fixed eval batches (and bits_per_byte, given the tokenizer)."""
     mets = [progs.eval_step(state, *to_global(progs, b), np.int32(step)) for b in val]
     mets = jax.device_get(mets)
-    return {k: float(np.mean([m[k] for m in mets])) for k in mets[0]}
+    out = {k: float(np.mean([m[k] for m in mets])) for k in mets[0]}
+    return out | ({} if tokenizer is None else eval_bits_per_byte(val, [m["loss/main"] for m in mets], tokenizer))
 
 
 def samples(progs: Programs, state, val: list, tokenizer, n: int) -> list[str]:
@@ -297,9 +300,11 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
 def _eval(cfg, progs, state, val, tokenizer, writer: Writer, step: int) -> dict:
     if not val:
         return {}
-    ev = evaluate(progs, state, val, step)
-    keep = {k: v for k, v in ev.items() if k.startswith(("loss/", "agreement/", "accuracy/"))}
+    ev = evaluate(progs, state, val, step, tokenizer)
+    keep = {k: v for k, v in ev.items() if k.startswith(("loss/", "agreement/", "accuracy/", "bits_per_byte"))}
     writer.scalars(step, keep, prefix="eval/")
+    if distributed.is_primary():
+        append_eval(cfg.train.run_dir, step, ev)
     for i, text in enumerate(samples(progs, state, val, tokenizer, cfg.train.num_samples)):
         writer.text(step, f"samples/{i}", text)
     writer.flush()
