@@ -16,6 +16,7 @@ from flax import nnx
 from mtpjax.config import Config, ConfigError, load_config
 from mtpjax.flops import flops_per_token
 from mtpjax.model import build_model, param_counts
+from mtpjax.mtp_evidence import evidence_lines
 
 
 def tree_bytes(tree) -> int:
@@ -133,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         return _fail(str(e))
-    print(format_plan(build_plan(cfg, args.alpha, args.draft_cost, args.max_gamma), cfg))
+    plan = build_plan(cfg, args.alpha, args.draft_cost, args.max_gamma)
+    print(format_plan(plan, cfg))
+    print("\n".join(evidence_lines(plan["params"]["trunk"])))
     return 0
 
 

@@ -1,0 +1,60 @@
+"""Does MTP help the main model at this scale? The project's own ablation next to the published results.
+
+`python -m mtpjax.plan` prints these lines. The measured part is read from the committed sweep
+(`bench/ablation/results.json`, written by `python -m bench.ablation`); until it exists the plan says
+"not yet measured".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "ablation" / "results.json"
+
+# One sentence on what the committed sweep shows, written by whoever commits it (None: nothing to add yet).
+CONCLUSION: str | None = None
+
+PUBLISHED = [
+    ("DeepSeek-V3 (2024, §4.5.1): one sequential MTP module added to MoE baselines of 15.7B parameters "
+    "(1.33T tokens) and 228.7B (540B tokens), same data: better on most benchmarks at both scales "
+    "(equal tokens; the module is dropped at inference)"),
+    ("Gloeckle et al. (2024, §3.1): 4 parallel heads at equal parameter count, code, 0.3B-13B models: worse than "
+    "next-token prediction on MBPP / HumanEval for the small ones, better from ~7B (6.7B, 13B)"),
+]
+
+
+def _delta(s: dict) -> str:
+    sd = f" ± {s['std']:.3f}" if s.get("std") is not None else ""
+    return f"{s['mean']:+.3f}{sd}"
+
+
+def _summary(results_path: Path | None):
+    """The committed sweep's summary (None if there is none)."""
+    try:
+        return json.loads(Path(results_path or RESULTS).read_text())["summary"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def measured_lines(results_path: Path | None = None) -> list[str]:
+    """The committed sweep's differences in main-head validation loss, or a 'not yet measured' line."""
+    res = _summary(results_path)
+    if res is None:
+        return ["  measured here: not yet measured (python -m bench.ablation writes bench/ablation/results.json)"]
+    lines = [(f"  measured here ({res['trunk_params'] / 1e6:.1f}M-parameter trunk, {res['tokens'] / 1e6:.2f}M tokens, "
+             f"{res['tokenizer']} tokens of the {res['source']} corpus, {res['seeds']} seed(s)); "
+             "main-head validation loss of each variant minus D=0's, nats/token (negative: MTP helped):")]
+    for r in res["rows"]:
+        lines.append(f"    {r['label']:<34} {_delta(r['delta_equal_tokens'])} at equal tokens, "
+                     f"{_delta(r['delta_equal_flops'])} at equal training FLOPs")
+    return lines + ([f"  in short: {CONCLUSION}"] if CONCLUSION else [])
+
+
+def evidence_lines(trunk_params: int, results_path: Path | None = None) -> list[str]:
+    """The plan's section: this config's trunk size, the measurement here, the published results."""
+    head = f"does MTP help the main model? this config has a {trunk_params / 1e6:.1f}M-parameter trunk"
+    res = _summary(results_path)
+    if res is not None and res.get("trunk_params"):
+        head += f", {trunk_params / res['trunk_params']:.3g}x the one measured here"
+    return [head] + measured_lines(results_path) + [f"  published: {p}" for p in PUBLISHED]
