@@ -1,8 +1,8 @@
 """Does MTP help the main model at this scale? The project's own ablation next to the published results.
 
-`python -m mtpjax.plan` prints these lines. The measured part is read from the committed sweep
-(`bench/ablation/results.json`, written by `python -m bench.ablation`); until it exists the plan says
-"not yet measured".
+`python -m mtpjax.plan` prints these lines. The measured part is read from the committed sweeps
+(`bench/ablation/results.json`, written by `python -m bench.ablation`, and the seed spread measured at a
+smaller size, `bench/ablation/seeds/results.json`); until they exist the plan says "not yet measured".
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "ablation" / "results.json"
+SEEDS = RESULTS.parent / "seeds" / "results.json"
 
 # One sentence on what the committed sweep shows, written by whoever commits it (None: nothing to add yet).
 CONCLUSION: str | None = None
@@ -29,32 +30,41 @@ def _delta(s: dict) -> str:
     return f"{s['mean']:+.3f}{sd}"
 
 
-def _summary(results_path: Path | None):
-    """The committed sweep's summary (None if there is none)."""
+def _summary(path: Path):
+    """A committed sweep's summary (None if there is none)."""
     try:
-        return json.loads(Path(results_path or RESULTS).read_text())["summary"]
+        return json.loads(Path(path).read_text())["summary"]
     except (OSError, ValueError, KeyError):
         return None
 
 
-def measured_lines(results_path: Path | None = None) -> list[str]:
-    """The committed sweep's differences in main-head validation loss, or a 'not yet measured' line."""
-    res = _summary(results_path)
+def _rows(res: dict, indent: str) -> list[str]:
+    return [f"{indent}{r['label']:<34} {_delta(r['delta_equal_tokens'])} at equal tokens, "
+            f"{_delta(r['delta_equal_flops'])} at equal training FLOPs" for r in res["rows"]]
+
+
+def _scale(res: dict) -> str:
+    return (f"{res['trunk_params'] / 1e6:.1f}M-parameter trunk, {res['tokens'] / 1e6:.2f}M tokens, "
+            f"{res['tokenizer']} tokens of the {res['source']} corpus, {res['seeds']} seed(s)")
+
+
+def measured_lines(results_path: Path | None = None, seeds_path: Path | None = None) -> list[str]:
+    """The committed sweeps' differences in main-head validation loss, or a 'not yet measured' line."""
+    res = _summary(results_path or RESULTS)
     if res is None:
         return ["  measured here: not yet measured (python -m bench.ablation writes bench/ablation/results.json)"]
-    lines = [(f"  measured here ({res['trunk_params'] / 1e6:.1f}M-parameter trunk, {res['tokens'] / 1e6:.2f}M tokens, "
-             f"{res['tokenizer']} tokens of the {res['source']} corpus, {res['seeds']} seed(s)); "
-             "main-head validation loss of each variant minus D=0's, nats/token (negative: MTP helped):")]
-    for r in res["rows"]:
-        lines.append(f"    {r['label']:<34} {_delta(r['delta_equal_tokens'])} at equal tokens, "
-                     f"{_delta(r['delta_equal_flops'])} at equal training FLOPs")
+    lines = [(f"  measured here ({_scale(res)}); main-head validation loss of each variant minus D=0's, "
+             "nats/token (negative: MTP helped):"), *_rows(res, "    ")]
+    spread = _summary(seeds_path or SEEDS)
+    if spread is not None:
+        lines += [f"  seed spread, measured at a smaller size ({_scale(spread)}):", *_rows(spread, "    ")]
     return lines + ([f"  in short: {CONCLUSION}"] if CONCLUSION else [])
 
 
-def evidence_lines(trunk_params: int, results_path: Path | None = None) -> list[str]:
-    """The plan's section: this config's trunk size, the measurement here, the published results."""
+def evidence_lines(trunk_params: int, results_path: Path | None = None, seeds_path: Path | None = None) -> list[str]:
+    """The plan's section: this config's trunk size, the measurements here, the published results."""
     head = f"does MTP help the main model? this config has a {trunk_params / 1e6:.1f}M-parameter trunk"
-    res = _summary(results_path)
+    res = _summary(results_path or RESULTS)
     if res is not None and res.get("trunk_params"):
         head += f", {trunk_params / res['trunk_params']:.3g}x the one measured here"
-    return [head] + measured_lines(results_path) + [f"  published: {p}" for p in PUBLISHED]
+    return [head, *measured_lines(results_path, seeds_path), *(f"  published: {p}" for p in PUBLISHED)]

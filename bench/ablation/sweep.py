@@ -10,7 +10,7 @@ from mtpjax import train_loop
 from mtpjax.checkpoint import ckpt_dir, read_run_config
 from mtpjax.eval_log import read_evals
 
-IGNORED = {("train", "progress"), ("train", "peak_flops")}  # may differ between invocations of one sweep
+IGNORED = {("train", "progress"), ("train", "peak_flops"), ("train", "run_dir")}  # may differ between invocations
 
 
 class SweepError(RuntimeError):
