@@ -7,7 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtpjax.bpb import bits_per_byte, eval_bits_per_byte, target_counts, token_byte_lengths
+from mtpjax.bpb import (
+    bits_per_byte,
+    eval_bits_per_byte,
+    target_counts,
+    token_byte_lengths,
+)
 from mtpjax.data import ByteTokenizer, HFTokenizer, segment_ids, train_bpe
 from mtpjax.loss import mtp_loss
 from mtpjax.model import build_model
