@@ -69,7 +69,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+        return (y * self.scale[...].astype(jnp.float32)[(None,) * (y.ndim - 1)]).astype(self.dtype)
 
 
 def rope_tables(pos_BT, head_dim: int, theta: float):
@@ -80,7 +80,7 @@ def rope_tables(pos_BT, head_dim: int, theta: float):
     """
     half = head_dim // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    ang_BTH = pos_BT.astype(jnp.float32)[..., None] * freq  # H/2 frequencies
+    ang_BTH = pos_BT.astype(jnp.float32)[..., None] * freq[None, None]  # H/2 frequencies
     cos, sin = jax.lax.optimization_barrier((jnp.cos(ang_BTH), jnp.sin(ang_BTH)))
     return cos[:, :, None, :], sin[:, :, None, :]
 
@@ -149,7 +149,7 @@ def attend_cached(q_BTKRH, k_BTKH, v_BTKH, cache: KV, start_B):
     s_BKQS = s_BKQS + jnp.where(committed_BS, 0.0, -1e30)[:, None, None, :]
     s_BKQT = jnp.einsum("bkqh,btkh->bkqt", q_BKQH, k_BTKH, preferred_element_type=jnp.float32)
     causal_QT = jnp.tile(jnp.arange(T)[None, :] <= jnp.arange(T)[:, None], (R, 1))
-    s_BKQT = s_BKQT + jnp.where(causal_QT, 0.0, -1e30)
+    s_BKQT = s_BKQT + jnp.where(causal_QT, 0.0, -1e30)[None, None]
     m = jax.lax.stop_gradient(jnp.maximum(s_BKQS.max(-1, keepdims=True), s_BKQT.max(-1, keepdims=True)))
     e_old, e_new = jnp.exp(s_BKQS - m), jnp.exp(s_BKQT - m)
     dt = v_BTKH.dtype

@@ -24,7 +24,7 @@ from mtpjax import data  # noqa: E402
 from mtpjax.config import load_config, replace  # noqa: E402
 from mtpjax.sharding import make_mesh  # noqa: E402
 from mtpjax.train_loop import train  # noqa: E402
-from mtpjax.train_step import abstract_state, init_state, make_programs  # noqa: E402
+from mtpjax.train_step import make_programs  # noqa: E402
 
 
 def iterator(cfg, prepared, index: int, count: int):
@@ -33,11 +33,11 @@ def iterator(cfg, prepared, index: int, count: int):
                               process_count=count)
 
 
-def run_steps(cfg, progs, state, batches, first_step: int):
+def run_steps(progs, state, batches):
     mets = []
-    for i, b in enumerate(batches):
+    for b in batches:
         put = lambda x: jax.device_put(np.asarray(x, np.int32), progs.batch_sharding)
-        state, met = progs.train_step(state, put(b["tokens"]), put(b["segment_ids"]), np.int32(first_step + i))
+        state, met = progs.train_step(state, put(b["tokens"]), put(b["segment_ids"]))
         mets.append({k: float(v) for k, v in jax.device_get(met).items()})
     return state, mets
 
@@ -55,15 +55,13 @@ def main_worker(inp: dict) -> dict:
     later = [next(solo) for _ in range(total - first)]
 
     mesh = make_mesh(cfg.mesh)
-    graphdef, _, shardings = abstract_state(cfg, mesh)
-    progs = make_programs(cfg, mesh, graphdef, shardings)
-    state, ref = run_steps(cfg, progs, init_state(cfg, mesh, shardings), glob, 0)
+    progs = make_programs(cfg, mesh)
+    state, ref = run_steps(progs, progs.init(), glob)
     longer = replace(cfg, [f"train.steps={total}"])  # the resumed run's LR schedule spans the new step count
-    graphdef6, _, shardings6 = abstract_state(longer, mesh)  # the optimizer (and its schedule) is in the graphdef
-    _, ref_later = run_steps(longer, make_programs(longer, mesh, graphdef6, shardings6), state, later, first)
+    _, ref_later = run_steps(make_programs(longer, mesh), state, later)
     # The same model fed process 0's rows twice: what the run would show if both processes read one shard.
     same = [{k: np.concatenate([a[k], a[k]]) for k in a} for a, _ in local]
-    _, ref_same = run_steps(cfg, progs, init_state(cfg, mesh, shardings), same, 0)
+    _, ref_same = run_steps(progs, progs.init(), same)
 
     resumed = train(longer)
     return {"first_tokens": [np.asarray(local[0][0]["tokens"]).tolist(), np.asarray(local[0][1]["tokens"]).tolist()],

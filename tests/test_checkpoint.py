@@ -8,38 +8,38 @@ from train_helpers import tiny_cfg
 from mtpjax.checkpoint import CheckpointError, Checkpointer, load_model
 from mtpjax.model import MTPTransformer
 from mtpjax.sharding import make_mesh
-from mtpjax.train_step import abstract_state, init_state
+from mtpjax.train_step import make_programs
 
 
 def test_round_trip_of_state_data_state_and_meta(tmp_path):
     cfg = tiny_cfg(tmp_path, "checkpoint.async_save=false")
-    mesh = make_mesh(cfg.mesh)
-    _, target, sh = abstract_state(cfg, mesh)
-    state = init_state(cfg, mesh, sh)
+    progs = make_programs(cfg, make_mesh(cfg.mesh))
+    state = progs.init()
+    state = state.replace(step=state.step + 4, rng=state.rng + 1)  # every field distinguishable from a fresh one
     ck = Checkpointer(tmp_path / "run", cfg.checkpoint)
     assert ck.save(4, state, {"pos": 7}, {"step": 4, "config": cfg.to_dict()})
     assert not ck.save(5, state, {"pos": 8}, {"step": 5})  # not due (every 4)
     ck.close()
     ck = Checkpointer(tmp_path / "run", cfg.checkpoint)
     assert ck.latest_step() == 4
-    restored, data_state, meta = ck.restore(4, target)
-    assert data_state == {"pos": 7} and meta["step"] == 4
-    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    restored, data_state, meta = ck.restore(4, progs.target)
+    assert data_state == {"pos": 7} and meta["step"] == 4 and int(restored.step) == 4
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "4").iterdir() if p.is_dir()) == \
+        ["data", "meta", "model", "train"]
 
 
-def test_keep_every_and_load_model(tmp_path):
-    from mtpjax.train_loop import train
-
-    cfg = tiny_cfg(tmp_path, "train.steps=10", "checkpoint.every=3", "checkpoint.keep=2", "train.eval_every=100")
-    train(cfg)
-    assert sorted(Checkpointer(tmp_path / "run", cfg.checkpoint).mngr.all_steps()) == [9, 10]  # last always
-    got_cfg, model, tok = load_model(tmp_path / "run")
+def test_keep_every_and_load_model(tiny_run):
+    cfg, run = tiny_run  # 7 steps, checkpoint.every=2, checkpoint.keep=3
+    assert sorted(Checkpointer(run, cfg.checkpoint).mngr.all_steps()) == [4, 6, 7]  # the last step always
+    got_cfg, model, tok = load_model(run)
     assert isinstance(model, MTPTransformer) and got_cfg.model == cfg.model and tok.vocab_size == 256
-    _, model9, _ = load_model(tmp_path / "run", step=9)
-    assert not np.array_equal(np.asarray(model.embed[...]), np.asarray(model9.embed[...]))
-    with pytest.raises(CheckpointError, match="no checkpoint at step 3"):
-        load_model(tmp_path / "run", step=3)
+    _, model6, _ = load_model(run, step=6)
+    assert not np.array_equal(np.asarray(model.embed[...]), np.asarray(model6.embed[...]))
+    with pytest.raises(CheckpointError, match="no checkpoint at step 2"):
+        load_model(run, step=2)
 
 
 def test_load_model_errors_are_one_line(tmp_path):
