@@ -81,12 +81,10 @@ def test_non_finite_numbers_are_refused():
             load_config(None, [f"optim.lr={v}"])
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fuzzrun")
-    cfg = tiny_cfg(tmp, "train.steps=2", "train.eval_batches=0", "checkpoint.async_save=false")
-    train_loop.train(cfg)
-    return cfg, tmp / "run"
+@pytest.fixture
+def trained(tiny_run):
+    """The session's shared trained run (conftest.tiny_run): these tests check they leave it unchanged."""
+    return tiny_run
 
 
 def test_bad_configs_on_an_existing_run_change_nothing(trained, tmp_path, capsys):
