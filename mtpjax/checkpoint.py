@@ -155,7 +155,7 @@ def load_model(run_dir: str | Path, step: int | None = None):
 
 
 def load_model_step(run_dir: str | Path, step: int | None = None):
-    """(cfg, model, tokenizer, step) where step is the checkpoint actually restored (older if the latest is unreadable)."""
+    """(cfg, model, tokenizer, step); step is the checkpoint actually restored (older if the latest is unreadable)."""
     from mtpjax.data import DataError, tokenizer_from_dir
 
     run = Path(run_dir)

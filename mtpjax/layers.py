@@ -144,7 +144,8 @@ def attend_cached(q_BTKRH, k_BTKH, v_BTKH, cache: KV, start_B):
     """
     B, T, K, R, H = q_BTKRH.shape
     q_BKQH = q_BTKRH.transpose(0, 2, 3, 1, 4).reshape(B, K, R * T, H)  # query row r*T + t
-    s_BKQS = jnp.einsum("bkqh,bksh->bkqs", q_BKQH, cache.k_BKSH.astype(q_BKQH.dtype), preferred_element_type=jnp.float32)
+    s_BKQS = jnp.einsum("bkqh,bksh->bkqs", q_BKQH, cache.k_BKSH.astype(q_BKQH.dtype),
+                        preferred_element_type=jnp.float32)
     committed_BS = jnp.arange(s_BKQS.shape[-1])[None, :] < start_B[:, None]
     s_BKQS = s_BKQS + jnp.where(committed_BS, 0.0, -1e30)[:, None, None, :]
     s_BKQT = jnp.einsum("bkqh,btkh->bkqt", q_BKQH, k_BTKH, preferred_element_type=jnp.float32)

@@ -237,7 +237,8 @@ def _prefill(model: MTPTransformer, tokens_BP, plen_B, budget_B, ref_BS, key, sp
     V = cfg.vocab_size if (not spec.sampler.greedy) else 1
     st = DecodeState(
         cache=DecodeCache(trunk=trunk, mtp=cache.mtp), seq_BS=seq, h0_BSD=h0, n_B=plen_B + 1,
-        prompt_len_B=plen_B, budget_B=budget_B, ref_BS=ref_BS, drafts_BG=jnp.zeros((B, G), jnp.int32), q_BGV=jnp.zeros((B, G, V), jnp.float32),
+        prompt_len_B=plen_B, budget_B=budget_B, ref_BS=ref_BS, drafts_BG=jnp.zeros((B, G), jnp.int32),
+        q_BGV=jnp.zeros((B, G, V), jnp.float32),
         done_B=done, rounds_B=jnp.zeros((B,), jnp.int32), reached_BG=jnp.zeros((B, G), jnp.int32),
         accepted_BG=jnp.zeros((B, G), jnp.int32), key=key)
     return _propose(model, st, spec, jnp.zeros((B,), jnp.int32), P, 0)

@@ -21,7 +21,8 @@ SAMPLE_TOKENS = 64  # greedy tokens generated per sample
 def validation(progs, state, val: list, to_global) -> dict:
     """Mean eval metrics (loss, accuracy, agreement per depth) over the fixed validation batches."""
     mets = jax.device_get([progs.eval_step(state, *to_global(b)) for b in val])
-    return {k: float(np.mean([m[k] for m in mets])) for k in mets[0] if k.startswith(("loss/", "agreement/", "accuracy/"))}
+    keep = [k for k in mets[0] if k.startswith(("loss/", "agreement/", "accuracy/"))]
+    return {k: float(np.mean([m[k] for m in mets])) for k in keep}
 
 
 def _host_model(progs, state):

@@ -1,4 +1,4 @@
-"""What a run tells its user: the opening banner, per-step metrics (TensorBoard, progress bar, throughput), the summary."""
+"""What a run tells its user: the opening banner, per-step metrics (TensorBoard, progress bar), the summary."""
 
 from __future__ import annotations
 

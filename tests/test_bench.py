@@ -116,7 +116,8 @@ def test_large_model_row_reports_batch_1_mtp_speed():
     res = _res(0.45, 0.6, 0.25)
     assert not [r for r in targets(res) if "MB model" in r["target"]]  # only with --large-run-dir
     res["decode_large"] = {"weights_mb": 99.2, "batches": [{"batch": 1, "variants": {
-        "plain": {"vs_plain": 1.0}, "mtp1": {"vs_plain": 1.17}, "mtp2": {"vs_plain": 1.23}, "ngram2": {"vs_plain": 1.9}}}]}
+        "plain": {"vs_plain": 1.0}, "mtp1": {"vs_plain": 1.17}, "mtp2": {"vs_plain": 1.23},
+        "ngram2": {"vs_plain": 1.9}}}]}
     row = [r for r in targets(res) if "MB model" in r["target"]][0]
     assert row["target"].startswith("MTP speculative (mtp2)") and "99 MB" in row["target"]
     assert row["value"] == pytest.approx(1.23) and row["met"] is True

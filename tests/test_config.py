@@ -164,7 +164,8 @@ def test_invalid_value_names_key(overrides, key):
 
 def test_boundaries_that_are_valid():
     load_config(None, ["model.mtp_depth=3", "data.seq_len=5"])  # exactly mtp_depth + 2
-    load_config(None, ["model.d_model=30", "model.n_heads=3", "model.n_kv_heads=3", "model.head_dim=8"])  # head_dim given
+    # head_dim given
+    load_config(None, ["model.d_model=30", "model.n_heads=3", "model.n_kv_heads=3", "model.head_dim=8"])
     load_config(None, ["model.mtp_depth=0"])
 
 

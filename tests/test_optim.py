@@ -1,5 +1,7 @@
 """Optimizer: schedules, decay mask, clipping before Adam, the injected learning rate."""
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,7 +27,7 @@ def test_lr_warmup_then_decay_to_min_ratio(kind):
 
 def test_decay_only_on_matrices_also_in_scanned_stacks(model_cfg):
     for scan in (False, True):
-        m = nnx.eval_shape(lambda: build_model(model_cfg(scan_layers=scan)))  # metadata only
+        m = nnx.eval_shape(functools.partial(build_model, model_cfg(scan_layers=scan)))  # metadata only
         mask = decay_mask(nnx.state(m, nnx.Param))
         assert mask["embed"] is True and mask["final_norm"]["scale"] is False
         blocks = mask["blocks"] if scan else mask["blocks"][0]

@@ -23,7 +23,7 @@ import pytest
 from train_helpers import cli_args, tiny_cfg, write_corpus
 
 import mtpjax.train_step
-from mtpjax.checkpoint import CheckpointError, Checkpointer, load_model
+from mtpjax.checkpoint import CheckpointError, load_model
 from mtpjax.config import ConfigError, load_config, replace
 from mtpjax.train_loop import NonFiniteError, main, train
 
@@ -114,9 +114,9 @@ def test_kill9_anywhere_resumes_from_last_complete_checkpoint_and_ends_identical
         if phase == "prep":
             assert wait_for(in_prep, proc), log.read_text()[-2000:]
         elif phase == "save":
-            assert wait_for(lambda: in_save() and complete_steps(run) != before, proc), log.read_text()[-2000:]
+            assert wait_for(lambda b=before: in_save() and complete_steps(run) != b, proc), log.read_text()[-2000:]
         elif phase == "step":
-            assert wait_for(lambda: complete_steps(run) != before, proc), log.read_text()[-2000:]
+            assert wait_for(lambda b=before: complete_steps(run) != b, proc), log.read_text()[-2000:]
             time.sleep(rng.uniform(0.0, 0.5))
         else:
             wait_for(lambda: False, proc, timeout=rng.uniform(0.2, 0.8) * ref_secs)

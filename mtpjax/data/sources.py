@@ -14,7 +14,7 @@ import os
 import sysconfig
 import warnings
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

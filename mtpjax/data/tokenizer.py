@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -104,7 +104,7 @@ class HFTokenizer(Tokenizer):
         self.eos_id = int(eos)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "HFTokenizer":
+    def from_file(cls, path: str | Path) -> HFTokenizer:
         """Load a tokenizer.json; DataError if it is missing or does not parse."""
         from tokenizers import Tokenizer as _Tok
 
