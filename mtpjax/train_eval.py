@@ -39,12 +39,12 @@ def samples(progs, state, val: list, tokenizer, n: int) -> list[str]:
     """Greedy continuations of the first validation rows' opening tokens, as 'prompt ⟶ continuation' text."""
     if n == 0:
         return []
-    rows = np.asarray(val[0]["tokens"])[:n, :SAMPLE_PROMPT]
+    prompt_BP = np.asarray(val[0]["tokens"])[:n, :SAMPLE_PROMPT]
     model = _host_model(progs, state)
     if not distributed.is_primary():  # only process 0 writes them; its rows are the ones shown
         return []
-    out = generate(model, rows.tolist(), max_new_tokens=SAMPLE_TOKENS, num_draft=0).tokens
-    return [tokenizer.decode(p.tolist()) + " ⟶ " + tokenizer.decode(o) for p, o in zip(rows, out)]
+    out = generate(model, prompt_BP.tolist(), max_new_tokens=SAMPLE_TOKENS, num_draft=0).tokens
+    return [tokenizer.decode(p.tolist()) + " ⟶ " + tokenizer.decode(o) for p, o in zip(prompt_BP, out)]
 
 
 def run_eval(progs, state, val: list, to_global, tokenizer, writer: Writer, step: int, num_samples: int) -> dict:
