@@ -16,6 +16,9 @@ def test_readme_main_job_trains_and_speculates(tmp_path):
     train = subprocess.run([sys.executable, "train.py", "--config", "configs/tiny.yaml", f"train.run_dir={run}",
                             "train.progress=false"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert train.returncode == 0, train.stderr[-2000:]
+    # train.py's summary ends with the command to run next, for this run directory
+    assert train.stderr.rstrip().splitlines()[-1] == \
+        f"  next: python decode.py --run-dir {run} --prompt 'def fibonacci(n):' --stats"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(run / "tensorboard"))
