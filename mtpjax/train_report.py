@@ -21,6 +21,10 @@ def _millions(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n:,}"
 
 
+def _count(n, what: str) -> str:
+    return f"? {what}s" if n is None else f"{n} {what}" + ("" if n == 1 else "s")
+
+
 def banner(cfg: Config, mesh, run: Path, start: int, prepared) -> str:
     """Parameters, devices and mesh, run dir (resumed or fresh), data, and the plan of steps: several lines."""
     pc = param_counts(nnx.eval_shape(lambda: build_model(cfg)))
@@ -33,8 +37,8 @@ def banner(cfg: Config, mesh, run: Path, start: int, prepared) -> str:
         f"  devices: {len(dev)} x {dev[0].device_kind} on {jax.process_count()} process(es); mesh "
         + " ".join(f"{k}={v}" for k, v in mesh.shape.items()),
         f"  run dir: {run} ({f'resuming from step {start}' if start else 'fresh start'})",
-        f"  data: {d.source}, {len(prepared.train_tokens):,} train / {len(prepared.val_tokens):,} val tokens, "
-        f"{m.get('tokenizer', d.tokenizer)} tokenizer (vocab {prepared.tokenizer.vocab_size}), "
+        f"  data: {d.source} ({_count(m.get('files'), 'file')}), {len(prepared.train_tokens):,} train / "
+        f"{len(prepared.val_tokens):,} val tokens, {d.tokenizer} tokenizer (vocab {prepared.tokenizer.vocab_size}), "
         f"content {str(m.get('content_hash', '?'))[:12]}",
         f"  steps {start} -> {t.steps}: batch {t.batch_size} x {d.seq_len} tokens, eval every {t.eval_every}, "
         f"checkpoint every {cfg.checkpoint.every}",
