@@ -1,11 +1,15 @@
 """Checkpoints: manager policy (every / keep / last step), load_model, and its errors."""
 
+import shutil
+
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+from flax import nnx
 from train_helpers import tiny_cfg
 
-from mtpjax.checkpoint import CheckpointError, Checkpointer, load_model
+from mtpjax.checkpoint import CheckpointError, Checkpointer, ckpt_dir, load_model
 from mtpjax.model import MTPTransformer
 from mtpjax.sharding import make_mesh
 from mtpjax.train_step import make_programs
@@ -52,3 +56,20 @@ def test_load_model_errors_are_one_line(tmp_path):
     (tmp_path / "empty" / "checkpoints").mkdir()
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         load_model(tmp_path / "empty")
+
+
+def test_load_model_reads_a_model_only_directory(tiny_run, tmp_path):
+    """Export/import write only the `model` and `meta` items (no optimizer, no data position): enough for load_model."""
+    cfg, run = tiny_run
+    _, model, _ = load_model(run)
+    out = tmp_path / "exported"
+    shutil.copytree(run / "tokenizer", out / "tokenizer")
+    mngr = ocp.CheckpointManager(ckpt_dir(out))
+    mngr.save(7, args=ocp.args.Composite(model=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(model))),
+                                         meta=ocp.args.JsonSave({"step": 7, "config": cfg.to_dict()})))
+    mngr.wait_until_finished()
+    mngr.close()
+    got_cfg, again, _ = load_model(out)
+    assert got_cfg == cfg
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(again)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

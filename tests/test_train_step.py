@@ -157,3 +157,20 @@ def test_non_finite_parameters_skip_the_update(tiny):
     assert int(met["skipped"]) == 1 and int(new.step) == 1
     for a, b in zip(_leaves((new.params, new.opt, new.rng)), kept, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_optimizer_can_cover_a_parameter_subset(tiny, monkeypatch):
+    """Post-training narrows optim.TRAINABLE to the MTP modules: only they move, only they have moments."""
+    import mtpjax.train_step as ts
+
+    monkeypatch.setattr(ts, "TRAINABLE", nnx.All(nnx.Param, nnx.PathContains("mtp")))
+    cfg, _ = tiny
+    progs = make_programs(cfg, make_mesh(cfg.mesh))
+    state = progs.init()
+    before = {k: np.asarray(v).copy() for k, v in nnx.to_flat_state(state.params)}
+    state, met = progs.train_step(state, *synthetic_batches(1, 8, 32)[0])
+    after = dict(nnx.to_flat_state(state.params))
+    moved = {k[0] for k, v in before.items() if not np.array_equal(v, np.asarray(after[k]))}
+    assert moved == {"mtp"} and int(met["skipped"]) == 0
+    moments = nnx.to_flat_state(state.opt.inner_state[1][0].mu)
+    assert moments and all(k[0] == "mtp" for k, _ in moments)
