@@ -33,24 +33,26 @@ def compilation_cache_dir() -> Path:
 
 
 def enable_compilation_cache(enabled: bool = True) -> Path | None:
-    """Turn on JAX's persistent compilation cache in compilation_cache_dir() (a user's JAX_COMPILATION_CACHE_DIR wins).
+    """Turn JAX's persistent compilation cache on in compilation_cache_dir() (a user's JAX_COMPILATION_CACHE_DIR
+    wins), or off; returns the directory in use (None: off).
 
     Every program is cached, however small or quick to compile (JAX's defaults skip programs that compile in
     under a second, which on a CPU is most of them), so a restarted run compiles nothing it compiled before.
-    Returns the directory in use, or None when disabled.
     """
-    if not enabled:
-        return None
-    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(compilation_cache_dir())
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    if jax.config.jax_compilation_cache_dir != path:
-        from jax.experimental.compilation_cache import compilation_cache
+    from jax.experimental.compilation_cache import compilation_cache
 
-        jax.config.update("jax_compilation_cache_dir", path)
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(compilation_cache_dir())
+    if enabled:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    now = (jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir)
+    if now != (enabled, path if enabled else now[1]):
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        if enabled:
+            jax.config.update("jax_compilation_cache_dir", path)
         # JAX decides once per process whether to use the cache, at its first compile; let it decide again.
         compilation_cache.reset_cache()
-    return Path(path)
+    return Path(path) if enabled else None
 
 
 class Profiler:
@@ -87,6 +89,6 @@ class Profiler:
         except RuntimeError:  # the state was donated to a step that failed: nothing left to wait for
             pass
         jax.profiler.stop_trace()
-        if jax.process_index() == 0:
+        if jax.process_index() == 0 and done >= first:
             print(f"profile of steps {first}..{done} written under {self.log_dir}/plugins/profile (TensorBoard's "
                   f"profile tab: tensorboard --logdir {self.log_dir})", file=sys.stderr, flush=True)

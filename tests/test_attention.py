@@ -132,3 +132,53 @@ def test_model_gradients_with_an_interpreted_kernel_equal_xla(name, monkeypatch)
     np.testing.assert_allclose(float(met["loss/total"]), float(ref_met["loss/total"]), rtol=1e-6)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-6, rtol=1e-5)
+
+
+def test_attention_is_left_out_of_the_run_identity(tmp_path):
+    """A run dir whose saved config differs only in model.attention is the same run; any other model key is not."""
+    from mtpjax.config import identity, load_config
+    from mtpjax.train_loop import TrainError, check_run_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    old = load_config(None, ["model.attention=splash", f"train.run_dir={run}"])
+    (run / "config.yaml").write_text(old.to_yaml())
+    new = load_config(None, ["model.attention=cudnn", f"train.run_dir={run}"])
+    assert "attention" not in identity(new, "model") and identity(new, "model") == identity(old, "model")
+    assert check_run_dir(new) is True
+    with pytest.raises(TrainError, match="model.n_layers: 4 -> 3"):
+        check_run_dir(load_config(None, ["model.attention=cudnn", "model.n_layers=3", f"train.run_dir={run}"]))
+
+
+@pytest.mark.slow
+def test_a_run_resumes_and_decodes_on_another_backend(tmp_path, capfd):
+    """model.attention is runtime-only: a run started with one value resumes with another (a differing model
+    key is still refused), and a checkpoint saved with a kernel this machine lacks decodes here."""
+    from train_helpers import tiny_cfg
+
+    from mtpjax.checkpoint import load_model
+    from mtpjax.config import replace
+    from mtpjax.speculative import generate
+    from mtpjax.train_loop import TrainError, check_run_dir, train
+
+    cfg = tiny_cfg(tmp_path, "model.attention=splash", "train.steps=2", "train.eval_batches=0", "data.seq_len=16",
+                   "checkpoint.every=2")
+    train(cfg)
+    assert "model.attention=splash needs a TPU (this is cpu, float32); using xla" in capfd.readouterr().err
+    resumed = train(replace(cfg, ["model.attention=xla", "train.steps=3"]))
+    assert [s for s, _ in resumed["history"]] == [3]
+    with pytest.raises(TrainError, match="model.n_layers"):
+        check_run_dir(replace(cfg, ["model.attention=xla", "model.n_layers=3"]))
+    saved, model, _ = load_model(tmp_path / "run", step=2)
+    assert saved.model.attention == "splash"
+    out = generate(model, [[1, 2, 3, 4, 5]], max_new_tokens=6, num_draft=1).tokens
+    assert len(out[0]) == 6
+
+
+def test_unknown_attention_is_refused_in_one_line():
+    from mtpjax.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.attention=flash"])
+    assert str(e.value) == ("config key 'model.attention' = 'flash' is invalid: expected one of auto, xla, cudnn, "
+                            "pallas, splash")
