@@ -18,6 +18,9 @@ Rows (every one measured in this process, on this device):
 On a lent GPU (the device tool), from the repository root, nothing carried (it imports jax, flax, optax, numpy
 and yaml: no grain, orbax, tensorboardX or tokenizers):
     PYTHONUNBUFFERED=1 python3 bench/accelerator.py --json $OUT/accelerator.json      (timeout_s 420)
+If the image's flax/optax cannot build the model (every row fails alike), carry the pinned pure-Python wheels
+(`pip download --no-deps -d .whl flax==0.12.8 optax==0.2.8`, .whl in carry) and prefix the command with
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site;
 A section that would overrun --budget seconds is skipped and says so; every failure is a row, not a crash.
 --smoke runs the same code on a CPU at toy sizes in well under a minute.
 """
@@ -225,7 +228,7 @@ def table(res: dict) -> str:
     t = res["train_config"]
     for r in res.get("train", []):
         what = f"train step, attention={r['attention']}"
-        setting = f"{t['name']}: {t['params'] / 1e6:,.1f}M params, {t['batch']}x{t['seq_len']} tokens, {t['dtype']}"
+        setting = f"{t['name']}: {t['params']:,} parameters, {t['batch']}x{t['seq_len']} tokens, {t['dtype']}"
         if "tokens_per_sec" in r:
             result = (f"{r['tokens_per_sec']:,.0f} tok/s, MFU {r['mfu']:.1%} of {peak}, {r['step_seconds']:.3f} s/step, "
                       f"memory {_gib(r.get('memory_bytes'))}, compile {r['compile_seconds']:.0f} s")

@@ -58,14 +58,17 @@ def enable_compilation_cache(enabled: bool = True) -> Path | None:
 class Profiler:
     """A jax.profiler trace of the steps between `start` and `stop` completed steps (train.profile "start:stop").
 
-    The trace goes to `<log_dir>/plugins/profile/<timestamp>/`, TensorBoard's profile tab. Call step() before
-    each train step with the number of steps completed so far and the state the step will consume, and
-    close() when the loop ends (also on error): "10:13" traces the 11th, 12th and 13th steps.
+    The trace goes to `<log_dir>/plugins/profile/<timestamp>/` (process i > 0: `<log_dir>/process_<i>/...`), read
+    by TensorBoard's profile tab. Call step() before each train step with the number of steps completed so far
+    and the state the step will consume, and close() when the loop ends (also on error): "10:13" traces the
+    11th, 12th and 13th steps.
     """
 
     def __init__(self, spec: str, log_dir: str | Path):
         self.window = parse_profile(spec)
         self.log_dir, self.first = Path(log_dir), None  # first: the first traced step while a trace runs
+        if jax.process_index() > 0:  # processes sharing a host would write the same <host>.xplane.pb
+            self.log_dir = self.log_dir / f"process_{jax.process_index()}"
 
     def step(self, done: int, state) -> None:
         """Start the trace before step start+1; stop it once `stop` steps are done (their work finished)."""
