@@ -98,7 +98,7 @@ def rope_tables(pos_BT, head_dim: int, theta: float, llama3: tuple | None = None
     each head and each half of the rotation (profiled: ~5% of a tiny-config train step).
     """
     freq = rope_frequencies(head_dim, theta, llama3)
-    ang_BTH = pos_BT.astype(jnp.float32)[..., None] * freq  # H/2 frequencies
+    ang_BTH = pos_BT.astype(jnp.float32)[..., None] * freq[None, None, :]  # H/2 frequencies
     cos, sin = jax.lax.optimization_barrier((jnp.cos(ang_BTH), jnp.sin(ang_BTH)))
     return cos[:, :, None, :], sin[:, :, None, :]
 

@@ -66,9 +66,14 @@ def batch(vocab=256, B=2, T=24, seed=1):
     return np.random.default_rng(seed).integers(1, vocab, (B, T)).astype(np.int32)
 
 
+@nnx.jit
+def _all_logits(model, tokens_BT):
+    return model.logits(model(tokens_BT).hidden)
+
+
 def our_logits(model, tokens) -> np.ndarray:
-    """All depths' logits [depth, B, T, V] of our model."""
-    return np.asarray(model.logits(model(jnp.asarray(tokens)).hidden))
+    """All depths' logits [depth, B, T, V] of our model (one compiled forward: eager runs compile op by op)."""
+    return np.asarray(_all_logits(model, jnp.asarray(tokens)))
 
 
 def hf_logits(directory, tokens) -> tuple[np.ndarray, str]:
@@ -148,16 +153,21 @@ def _header(path: Path) -> dict:
 # ----------------------------------------------------------------------------- the engines' MiMo MTP forward
 
 
+@nnx.jit(static_argnums=2)
+def _module1_engine(model, tokens_BT, zero_first: bool):
+    h, _ = model.trunk(tokens_BT)
+    emb = model.embed_tokens(tokens_BT[:, 1:])
+    if zero_first:
+        emb = emb.at[:, 0].set(0.0)
+    pos = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1] - 1), emb.shape[:2])
+    h1, _ = model.mtp[0](h[:, :-1], emb, pos, None, None, "none")
+    return model.logits(model.mtp[0].norm(h1))
+
+
 def _module1_with_engine_inputs(model, tokens, zero_first: bool) -> np.ndarray:
     """Our module 1 at positions 0..T-2 fed as the engine feeds it: raw trunk state at i and token x[i+1]
     (with zero_first, the embedding at position 0 zeroed, as vLLM and SGLang do)."""
-    h, _ = model.trunk(jnp.asarray(tokens))
-    emb = model.embed_tokens(jnp.asarray(tokens[:, 1:]))
-    if zero_first:
-        emb = emb.at[:, 0].set(0.0)
-    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1] - 1), emb.shape[:2])
-    h1, _ = model.mtp[0](h[:, :-1], emb, pos, None, None, "none")
-    return np.asarray(model.logits(model.mtp[0].norm(h1)))
+    return np.asarray(_module1_engine(model, jnp.asarray(tokens), zero_first))
 
 
 def test_engine_mimo_forward_equals_module_1(tmp_path):
@@ -209,12 +219,15 @@ def test_engine_greedy_drafts_on_a_trained_model(tmp_path):
 
     text = (Path(sysconfig.get_paths()["stdlib"]) / "heapq.py").read_text()  # not in the training corpus
     toks = np.asarray([tok.encode(text[i * 300:(i + 1) * 300])[:128] for i in range(4)], np.int32)
-    engine = MiMoReference(out).depth1_logits(torch.tensor(toks, dtype=torch.long)).numpy().argmax(-1)
-    matched = _module1_with_engine_inputs(model, toks, zero_first=True).argmax(-1)
-    ours = our_logits(model, toks)[1][:, :-1].argmax(-1)
-    assert (engine == matched).all()
+    engine_logits = MiMoReference(out).depth1_logits(torch.tensor(toks, dtype=torch.long)).numpy()
+    ours_logits = our_logits(model, toks)[1][:, :-1]
+    engine, ours = engine_logits.argmax(-1), ours_logits.argmax(-1)
+    assert (engine == _module1_with_engine_inputs(model, toks, zero_first=True).argmax(-1)).all()
     agree = float((engine[:, 1:] == ours[:, 1:]).mean())
-    print(f"engine drafts equal to ours at positions >= 1: {agree:.4f}")
+    gap = np.abs(engine_logits - ours_logits).max(axis=(0, 2))
+    print(f"engine drafts equal to ours at positions >= 1: {agree:.4f} of {engine[:, 1:].size}; position 0: "
+          f"{float((engine[:, 0] == ours[:, 0]).mean()):.2f}; max |logit gap| at 0: {gap[0]:.3g}, at 1..7: "
+          f"{gap[1:8].max():.3g}, at >= 32: {gap[32:].max():.3g}")
     assert agree > 0.9
 
 
@@ -356,9 +369,10 @@ def test_export_import_roundtrip_is_bitwise(tmp_path, overrides, back):
     cfg_b, b, tok_b = load_model(tmp_path / "back")
     assert cfg_b.model == cfg_a.model and type(tok_b) is type(tok_a)
     _assert_same_params(params_of(a), params_of(b))
-    prompts = [tok_a.encode("def f(x):"), tok_a.encode("import os\n")]
-    gen = [[list(map(int, row)) for row in generate(m, prompts, max_new_tokens=10, num_draft=2).tokens] for m in (a, b)]
-    assert gen[0] == gen[1]
+    if not cfg_a.model.scan_layers:  # one case suffices: equal parameters and config decode alike
+        prompts = [tok_a.encode("def f(x):"), tok_a.encode("import os\n")]
+        gen = [[list(map(int, r)) for r in generate(m, prompts, max_new_tokens=10, num_draft=2).tokens] for m in (a, b)]
+        assert gen[0] == gen[1]
 
 
 def test_default_export_writes_module_1_only(tmp_path):

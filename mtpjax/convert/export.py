@@ -75,7 +75,7 @@ class RunCheckpoint:
         """One parameter as a host array (the last one read is kept: a stacked trunk leaf serves every layer)."""
         if self._cached[0] == path:
             return self._cached[1]
-        self._cached = (None, None)  # release the previous leaf before reading the next
+        self.release()  # the previous leaf goes before the next is read
         item, args = 0, ocp.RestoreArgs(restore_type=np.ndarray)
         for p in reversed(path):
             item, args = {p: item}, {p: args}
@@ -89,6 +89,10 @@ class RunCheckpoint:
             out = out[p] if p in out else out[str(p)]
         self._cached = (path, out)
         return out
+
+    def release(self) -> None:
+        """Forget the kept leaf."""
+        self._cached = (None, None)
 
     def close(self) -> None:
         self.mngr.close()
@@ -129,7 +133,10 @@ def _specs(ck: RunCheckpoint, cfg: Config, fmt: str, mtp_modules: int) -> list[S
 
         def produce():
             x = ck.leaf(t.path)
-            return layout.to_hf(t, x if t.layer is None else x[t.layer])
+            if t.layer is None:  # only a stacked (scanned) leaf is read again, for its next layer
+                ck.release()
+                return layout.to_hf(t, x)
+            return layout.to_hf(t, x[t.layer])
         return produce
 
     return [Spec(t.hf, t.shape, dtype, producer(t)) for t in layout.tensors(cfg.model, shape_tree(shapes), fmt,

@@ -101,7 +101,7 @@ def _leaf(reader: Reader, t: layout.Tensor, dtype: np.dtype) -> Lazy:
     if e.dtype not in FLOATS:
         raise ConvertError(f"tensor {t.hf} is {e.dtype}; import takes float checkpoints (not quantized ones)")
     shape = t.shape[::-1] if t.kind in ("t", "eh") else t.shape
-    return Lazy(shape, dtype, lambda: layout.from_hf(t, reader.array(t.hf)).astype(dtype))
+    return Lazy(shape, dtype, lambda: layout.from_hf(t, reader.array(t.hf)))  # a view: cast and copied once, when written
 
 
 def _set(tree: dict, path: tuple, value) -> None:

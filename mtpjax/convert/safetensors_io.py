@@ -62,7 +62,7 @@ def write_file(path: Path, specs: list[Spec]) -> None:
             arr = np.ascontiguousarray(s.produce(), dtype=s.dtype)
             if arr.shape != tuple(s.shape):
                 raise ConvertError(f"tensor {s.name} has shape {arr.shape}, expected {tuple(s.shape)}")
-            f.write(arr.tobytes())  # little-endian on every platform jax runs on
+            arr.tofile(f)  # raw little-endian bytes (every platform jax runs on), without a copy
             del arr
 
 
