@@ -19,6 +19,7 @@ import pytest
 import torch
 from flax import nnx
 from mimo_reference import MiMoReference
+from safetensors.torch import load_file
 from train_helpers import tiny_cfg, write_corpus
 from transformers import (
     AutoModelForCausalLM,
@@ -48,7 +49,7 @@ def params_of(model) -> dict:
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
-def make_run(tmp: Path, name: str, *overrides: str, tokenizer=None, seed: int = 0) -> Path:
+def make_run(tmp: Path, name: str, *overrides: str, seed: int = 0) -> Path:
     """A model-only run directory (the items load_model reads) holding a randomly perturbed init."""
     run = tmp / name
     cfg = load_config(None, [*BASE, f"train.run_dir={run}", *overrides])
@@ -58,7 +59,7 @@ def make_run(tmp: Path, name: str, *overrides: str, tokenizer=None, seed: int = 
     run.mkdir(parents=True)
     save_model_checkpoint(run, lazy_tree(params), {"step": 0, "config": cfg.to_dict()})
     (run / "config.yaml").write_text(cfg.to_yaml())
-    (tokenizer or ByteTokenizer()).save(run / "tokenizer")
+    ByteTokenizer().save(run / "tokenizer")
     return run
 
 
@@ -273,6 +274,7 @@ def test_import_transformers_model_logits(tmp_path, kind):
     assert (m.qkv_bias, m.rope_scaling) == ((False, "llama3") if kind == "llama" else (True, "none"))
     assert (m.mtp_depth, m.tie_embeddings, m.n_kv_heads, m.norm_eps) == (1, False, 2, 1e-5)
     assert tok.vocab_size == 300 and (out / "config.yaml").is_file()
+    assert cfg.data.tokenizer == str(out.absolute() / "tokenizer" / "tokenizer.json")  # data prepared later matches
     toks = batch(vocab=320, T=48)  # longer than llama3's original 32 positions
     with torch.no_grad():
         theirs = hf(torch.tensor(toks, dtype=torch.long)).logits.numpy()
@@ -369,6 +371,10 @@ def test_export_import_roundtrip_is_bitwise(tmp_path, overrides, back):
     cfg_b, b, tok_b = load_model(tmp_path / "back")
     assert cfg_b.model == cfg_a.model and type(tok_b) is type(tok_a)
     _assert_same_params(params_of(a), params_of(b))
+    # what torch readers see: the same numbers, bfloat16 bits included
+    embed = load_file(str(tmp_path / "hf" / "model.safetensors"))["model.embed_tokens.weight"]
+    assert str(embed.dtype) == f"torch.{cfg_a.model.param_dtype}"
+    assert np.array_equal(embed.float().numpy(), np.asarray(a.embed[...], np.float32))
     if not cfg_a.model.scan_layers:  # one case suffices: equal parameters and config decode alike
         prompts = [tok_a.encode("def f(x):"), tok_a.encode("import os\n")]
         gen = [[list(map(int, r)) for r in generate(m, prompts, max_new_tokens=10, num_draft=2).tokens] for m in (a, b)]
@@ -515,6 +521,7 @@ def test_export_bad_input(tmp_path, capsys):
         assert needle in _bad(capsys, out, "export", "--run-dir", *args, "--out", out)
     out.mkdir()
     assert "already exists" in _bad_existing(capsys, out, "export", "--run-dir", seq, "--out", out)
+    out.rmdir()
     # a run without MTP modules exports its trunk by default
     assert cli("export", "--run-dir", plain, "--out", tmp_path / "trunk") == 0
     assert json.loads((tmp_path / "trunk" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
@@ -527,6 +534,16 @@ def _bad_existing(capsys, out: Path, *argv) -> str:
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and sorted(out.iterdir()) == before
     return err
+
+
+def test_export_refuses_a_sentencepiece_tokenizer(tmp_path, capsys, monkeypatch):
+    import mtpjax.data
+
+    run = make_run(tmp_path, "run")
+    sp = type("SP", (), {"kind": "sentencepiece", "vocab_size": 200, "eos_id": 2})()
+    monkeypatch.setattr(mtpjax.data, "tokenizer_from_dir", lambda d: sp)
+    assert "sentencepiece tokenizer cannot be exported" in _bad(capsys, tmp_path / "hf", "export", "--run-dir", run,
+                                                                "--out", tmp_path / "hf")
 
 
 def test_export_failing_midway_leaves_nothing(tmp_path, capsys):

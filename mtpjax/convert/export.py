@@ -118,6 +118,9 @@ def _check(cfg: Config, fmt: str, mtp_modules: int | None, tokenizer) -> int:
     if mtp_modules and m.mtp_kind != "sequential":
         raise ConvertError(f"the run's MTP modules are model.mtp_kind={m.mtp_kind}, which the MiMo layout cannot "
                            "express (it chains [hidden; embedding]); pass --mtp-modules 0 for the trunk alone")
+    if tokenizer.kind not in ("byte", "hf"):
+        raise ConvertError(f"a {tokenizer.kind} tokenizer cannot be exported as tokenizer.json; "
+                           "export runs trained with data.tokenizer=byte, bpe or a tokenizer.json")
     if tokenizer.vocab_size > m.vocab_size:
         raise ConvertError(f"the run's tokenizer has {tokenizer.vocab_size} ids but model.vocab_size={m.vocab_size}")
     return mtp_modules

@@ -121,6 +121,7 @@ def _params(cfg, reader: Reader, fmt: str, loaded: int, has_bias: bool) -> dict:
     expected = {t.hf for t in tensors}
     extra = [n for n in reader.entries if n not in expected and not _IGNORED.search(n)
              and not _QKV_BIAS.search(n) and not _O_BIAS.search(n)  # checked to be zero
+             and not (n == "lm_head.weight" and m.tie_embeddings)  # tied: transformers ignores it too
              and not ((k := _MTP_PREFIX.match(n)) and int(k[1]) >= loaded)]
     missing = [t.hf for t in tensors if t.kind != "zeros" and t.hf not in reader]
     if missing:
@@ -174,6 +175,15 @@ def lazy_tree(tree):
     return Lazy(arr.shape, arr.dtype, lambda: arr)
 
 
+def _tokenizer_spec(tok, out: Path) -> str:
+    """data.tokenizer naming the tokenizer saved in the run (absolute: the run may be read from anywhere)."""
+    from mtpjax.data.tokenizer import HF_FILE, SP_FILE
+
+    if tok.kind == "byte":
+        return "byte"
+    return str(out.absolute() / "tokenizer" / (HF_FILE if tok.kind == "hf" else SP_FILE))
+
+
 def import_hf(hf_dir: str | Path, out: str | Path, overrides=()) -> dict:
     """Write the Hugging Face checkpoint at `hf_dir` as a model-only run directory `out`; a summary."""
     from mtpjax.data import DataError, check_vocab, tokenizer_from_dir
@@ -193,7 +203,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides=()) -> dict:
         raise ConvertError("the checkpoint has q/k/v biases but its config.json says attention_bias=false")
     try:
         cfg = load_config(None, [*model_ovr, f"model.qkv_bias={str(has_bias).lower()}", f"train.run_dir={out}",
-                                 *overrides])
+                                 f"data.tokenizer={_tokenizer_spec(tok, out)}", *overrides])
         check_vocab(tok, cfg.model.vocab_size)
     except (ConfigError, DataError) as e:
         raise ConvertError(str(e)) from None
