@@ -28,10 +28,17 @@ class ModelConfig:
     head_dim: int = 0  # 0: d_model // n_heads
     d_ff: int = 0  # 0: SwiGLU width ~8/3 d_model rounded up to a multiple of 64
     rope_theta: float = 10000.0
+    rope_scaling: str = "none"  # none | llama3 (the four rope_* fields below)
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     norm_eps: float = 1e-6
+    qkv_bias: bool = False  # q/k/v projection biases (Qwen2)
     tie_embeddings: bool = True
     mtp_depth: int = 1
     mtp_kind: str = "sequential"  # sequential (DeepSeek-V3) | parallel (Gloeckle et al.)
+    mtp_init: str = "random"  # random | last_block (each module's block starts as a copy of the last trunk block)
     scan_layers: bool = False
     remat: str = "none"  # none | full | dots
     dtype: str = "float32"  # activation / compute dtype
@@ -46,6 +53,14 @@ class ModelConfig:
     @property
     def resolved_d_ff(self) -> int:
         return self.d_ff or -(-(8 * self.d_model // 3) // 64) * 64
+
+    @property
+    def llama3_rope(self) -> tuple | None:
+        """(factor, low_freq_factor, high_freq_factor, original_max_len) when rope_scaling is llama3, else None."""
+        if self.rope_scaling != "llama3":
+            return None
+        return (self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                float(self.rope_original_max_len))
 
 
 @dataclass(frozen=True)
@@ -385,6 +400,13 @@ def validate(cfg: Config) -> None:
     _choice("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
     _choice("model.param_dtype", m.param_dtype, ("float32", "bfloat16"))
     _check(m.rope_theta > 0, "model.rope_theta", m.rope_theta, "must be > 0")
+    _choice("model.rope_scaling", m.rope_scaling, ("none", "llama3"))
+    _check(m.rope_scaling_factor >= 1, "model.rope_scaling_factor", m.rope_scaling_factor, "must be >= 1")
+    _check(m.rope_low_freq_factor > 0, "model.rope_low_freq_factor", m.rope_low_freq_factor, "must be > 0")
+    _check(m.rope_high_freq_factor > m.rope_low_freq_factor, "model.rope_high_freq_factor", m.rope_high_freq_factor,
+           f"must be > model.rope_low_freq_factor={m.rope_low_freq_factor}")
+    _check(m.rope_original_max_len > 0, "model.rope_original_max_len", m.rope_original_max_len, "must be > 0")
+    _choice("model.mtp_init", m.mtp_init, ("random", "last_block"))
     _check(m.init_std > 0, "model.init_std", m.init_std, "must be > 0")
     _choice("model.attention", m.attention, ATTENTION_BACKENDS)
 

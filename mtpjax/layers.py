@@ -47,17 +47,21 @@ def param(rngs: nnx.Rngs, shape, std: float, axes: tuple, dtype) -> nnx.Param:
 
 
 class Dense(nnx.Module):
-    """Bias-free projection; inputs are flattened to 2-D (XLA CPU's backward is slow on 3-D dots)."""
+    """Projection, bias-free unless `bias` (zero-initialised); inputs are flattened to 2-D (XLA CPU's backward is slow on 3-D dots)."""
 
-    def __init__(self, d_in: int, d_out: int, axes: tuple, cfg: ModelConfig, rngs: nnx.Rngs, std=None):
+    def __init__(self, d_in: int, d_out: int, axes: tuple, cfg: ModelConfig, rngs: nnx.Rngs, std=None, bias=False):
         std = cfg.init_std if std is None else std
         self.kernel = param(rngs, (d_in, d_out), std, axes, dtype_of(cfg.param_dtype))
+        if bias:
+            self.bias = nnx.Param(jnp.zeros((d_out,), dtype_of(cfg.param_dtype)), logical_axes=axes[1:])
         self.dtype = dtype_of(cfg.dtype)
 
     def __call__(self, x_ID):
         lead = x_ID.shape[:-1]
         x2 = x_ID.reshape(-1, x_ID.shape[-1]).astype(self.dtype)
         y2 = jnp.dot(x2, self.kernel[...].astype(self.dtype))
+        if hasattr(self, "bias"):
+            y2 = y2 + self.bias[...].astype(self.dtype)[None, :]
         return y2.reshape(*lead, y2.shape[-1])
 
 
@@ -75,15 +79,29 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
-def rope_tables(pos_BT, head_dim: int, theta: float):
+def rope_frequencies(head_dim: int, theta: float, llama3: tuple | None = None):
+    """The H/2 rotation frequencies theta^(-i/(H/2)); `llama3` = (factor, low_freq_factor, high_freq_factor,
+    original_max_len) applies Llama 3's long-context rule: long wavelengths slowed by `factor`, short ones kept,
+    the band between interpolated."""
+    half = head_dim // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if llama3 is None:
+        return freq
+    factor, low, high, original = llama3
+    wavelen = 2 * math.pi / freq
+    smooth = (original / wavelen - low) / (high - low)
+    between = (1 - smooth) * freq / factor + smooth * freq
+    return jnp.where(wavelen > original / low, freq / factor, jnp.where(wavelen < original / high, freq, between))
+
+
+def rope_tables(pos_BT, head_dim: int, theta: float, llama3: tuple | None = None):
     """(cos, sin) of shape [B, T, 1, H/2], materialized once per attention call.
 
     The barrier stops XLA from fusing sin/cos into every consumer, where they were recomputed for
     each head and each half of the rotation (profiled: ~5% of a tiny-config train step).
     """
-    half = head_dim // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    ang_BTH = pos_BT.astype(jnp.float32)[..., None] * freq  # H/2 frequencies
+    freq = rope_frequencies(head_dim, theta, llama3)
+    ang_BTH = pos_BT.astype(jnp.float32)[..., None] * freq[None, None, :]  # H/2 frequencies
     cos, sin = jax.lax.optimization_barrier((jnp.cos(ang_BTH), jnp.sin(ang_BTH)))
     return cos[:, :, None, :], sin[:, :, None, :]
 
@@ -223,16 +241,17 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
         self.n_heads, self.n_kv, self.head_dim, self.theta = h, kv, hd, cfg.rope_theta
+        self.llama3 = cfg.llama3_rope
         self.attention = cfg.attention  # how, not what: no parameter depends on it
         out_std = cfg.init_std / math.sqrt(2 * max(1, cfg.n_layers))
-        self.wq = Dense(d, h * hd, ("embed", "heads"), cfg, rngs)
-        self.wk = Dense(d, kv * hd, ("embed", "kv_heads"), cfg, rngs)
-        self.wv = Dense(d, kv * hd, ("embed", "kv_heads"), cfg, rngs)
+        self.wq = Dense(d, h * hd, ("embed", "heads"), cfg, rngs, bias=cfg.qkv_bias)
+        self.wk = Dense(d, kv * hd, ("embed", "kv_heads"), cfg, rngs, bias=cfg.qkv_bias)
+        self.wv = Dense(d, kv * hd, ("embed", "kv_heads"), cfg, rngs, bias=cfg.qkv_bias)
         self.wo = Dense(h * hd, d, ("heads", "embed"), cfg, rngs, std=out_std)
 
     def __call__(self, x_BTD, pos_BT, seg_BT=None, cache: KV | None = None):
         B, T, _ = x_BTD.shape
-        tables = rope_tables(pos_BT, self.head_dim, self.theta)
+        tables = rope_tables(pos_BT, self.head_dim, self.theta, self.llama3)
         # The 1/sqrt(hd) score scale rides on q's rotation: [B,T,H,hd] multiplies instead of [B,H,T,S].
         q = apply_rope(self.wq(x_BTD).reshape(B, T, self.n_heads, self.head_dim), tables, 1 / math.sqrt(self.head_dim))
         k = apply_rope(self.wk(x_BTD).reshape(B, T, self.n_kv, self.head_dim), tables)
