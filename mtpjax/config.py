@@ -44,6 +44,7 @@ class ModelConfig:
     dtype: str = "float32"  # activation / compute dtype
     param_dtype: str = "float32"
     init_std: float = 0.02
+    attention: str = "auto"  # auto | xla | cudnn | pallas | splash: how attention is computed, not what (runtime-only)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -110,6 +111,8 @@ class TrainConfig:
     max_skipped_steps: int = 10
     peak_flops: float = 0.0  # FLOP/s per device for MFU; 0 = measure a matmul at start
     progress: bool = True
+    profile: str = ""  # "start:stop": a jax.profiler trace of those steps in the run's TensorBoard dir
+    compilation_cache: bool = True  # persistent XLA compilation cache under $MTPJAX_CACHE_DIR
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,16 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
+# Keys that say how to compute, not what: a run resumes, and a checkpoint decodes, with another value.
+RUNTIME_KEYS = frozenset({"model.attention"})
+ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "pallas", "splash")
+
+
+def identity(cfg: Config, section: str) -> dict:
+    """cfg's `section` as a plain dict without its runtime-only keys (what must match to be the same run)."""
+    return {k: v for k, v in cfg.to_dict()[section].items() if f"{section}.{k}" not in RUNTIME_KEYS}
+
+
 def _plain(x):
     if isinstance(x, dict):
         return {k: _plain(v) for k, v in x.items()}
@@ -165,6 +178,21 @@ def _plain(x):
 
 
 # ----------------------------------------------------------------------------- parsing
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML without base-60 integers: `train.profile=10:15` stays the string "10:15", not 615."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    c: [(tag, rx) for tag, rx in rs if tag != "tag:yaml.org,2002:int"]
+    for c, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(
+    r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"), list("-+0123456789"))
+
+
+def _yaml(text: str):
+    return yaml.load(text, Loader=_Loader)
 
 
 def _fail(key: str, value: Any, allowed: str) -> ConfigError:
@@ -239,7 +267,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if not all(parts):
         raise ConfigError(f"override '{item}' has an empty key part; use section.key=value")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = _yaml(text) if text.strip() else ""
     except yaml.YAMLError:
         value = text
     return parts, value
@@ -265,7 +293,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
         if not p.is_file():
             raise ConfigError(f"config file '{p}' does not exist; pass a path such as configs/tiny.yaml")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = _yaml(p.read_text()) or {}
         except yaml.YAMLError as e:
             line = getattr(getattr(e, "problem_mark", None), "line", None)
             where = f" (line {line + 1})" if line is not None else ""
@@ -335,6 +363,16 @@ def parse_lambda(spec: str) -> tuple[str, dict]:
         raise bad from None
 
 
+def parse_profile(spec: str) -> tuple[int, int] | None:
+    """train.profile "start:stop" -> (start, stop) with 0 <= start < stop; "" -> None; ConfigError otherwise."""
+    if not spec:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", spec)
+    if not m or int(m[1]) >= int(m[2]):
+        raise _fail("train.profile", spec, "expected start:stop with 0 <= start < stop (steps), e.g. 10:15, or empty")
+    return int(m[1]), int(m[2])
+
+
 def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
     if not cond:
         raise _fail(key, value, allowed)
@@ -370,6 +408,7 @@ def validate(cfg: Config) -> None:
     _check(m.rope_original_max_len > 0, "model.rope_original_max_len", m.rope_original_max_len, "must be > 0")
     _choice("model.mtp_init", m.mtp_init, ("random", "last_block"))
     _check(m.init_std > 0, "model.init_std", m.init_std, "must be > 0")
+    _choice("model.attention", m.attention, ATTENTION_BACKENDS)
 
     parse_lambda(cfg.loss.mtp_lambda)
     _check(cfg.loss.chunk_size >= 0, "loss.chunk_size", cfg.loss.chunk_size, "must be >= 0 (0 = no chunking)")
@@ -409,6 +448,7 @@ def validate(cfg: Config) -> None:
     _check(t.max_skipped_steps >= 0, "train.max_skipped_steps", t.max_skipped_steps, "must be >= 0")
     _check(t.peak_flops >= 0, "train.peak_flops", t.peak_flops, "must be >= 0 (0 = measure)")
     _check(bool(t.run_dir), "train.run_dir", t.run_dir, "must be a directory path")
+    parse_profile(t.profile)
 
     for k in ("data", "fsdp", "tensor"):
         _check(getattr(cfg.mesh, k) > 0, f"mesh.{k}", getattr(cfg.mesh, k), "must be > 0")

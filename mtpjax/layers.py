@@ -19,13 +19,16 @@ letter, one meaning:
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtpjax import kernels
 from mtpjax.config import ModelConfig
 
 
@@ -127,6 +130,60 @@ def attend(q_BTKRH, k_BSKH, v_BSKH, bias_BTS):
     return o_BTKRH / l_BKRT.transpose(0, 3, 1, 2)[..., None]
 
 
+KERNEL_PLATFORM = {"cudnn": "gpu", "pallas": "gpu", "splash": "tpu"}  # where each fused kernel compiles
+INTERPRET_ENV = "MTPJAX_ATTENTION_INTERPRET"  # "1": a Pallas kernel off its platform runs interpreted, not replaced
+
+
+def _auto_attention(platform: str, dtype: str, head_dim: int) -> str:
+    # cuDNN's flash attention takes bf16/fp16 with head dims that are multiples of 8 (<= 128 before Hopper).
+    cudnn_ok = dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 128
+    return {"tpu": "splash", "gpu": "cudnn" if cudnn_ok else "xla"}.get(platform, "xla")
+
+
+@functools.cache
+def attention_backend(name: str, platform: str, dtype: str, head_dim: int, interpret_ok: bool) -> tuple[str, bool]:
+    """(backend, interpret) that `model.attention=name` runs as here; every choice and fallback is noted once.
+
+    auto: splash on TPU, cuDNN on GPU (bf16/fp16), else the XLA reference. An explicit kernel off its platform
+    falls back to auto's choice, or runs in Pallas interpret mode when `interpret_ok` (pallas, splash; tests).
+    """
+    auto = _auto_attention(platform, dtype, head_dim)
+    if name == "auto":
+        kernels.note(f"model.attention=auto runs {auto} on {platform} ({dtype}, head_dim {head_dim})")
+        return auto, False
+    if name == "xla" or (KERNEL_PLATFORM[name] == platform and (name != "cudnn" or auto == "cudnn")):
+        return name, False
+    if interpret_ok and name != "cudnn":
+        kernels.note(f"model.attention={name} runs in Pallas interpret mode on {platform} (slow; for tests)")
+        return name, True
+    need = "a GPU with bf16/fp16 compute" if name == "cudnn" else f"a {KERNEL_PLATFORM[name].upper()}"
+    kernels.note(f"model.attention={name} needs {need} (this is {platform}, {dtype}); using {auto}")
+    return auto, False
+
+
+def self_attention(q_BTKRH, k_BTKH, v_BTKH, pos_BT, seg_BT, name: str):
+    """Causal attention of T positions over themselves (segment-restricted), computed by `model.attention`.
+
+    The one place the backend is chosen. The fused kernels take positions to be 0..T-1, as every caller
+    without a cache has them; `attend` (xla) is the reference they are tested against.
+    """
+    backend, interpret = attention_backend(name, jax.default_backend(), jnp.dtype(q_BTKRH.dtype).name,
+                                           q_BTKRH.shape[-1], os.environ.get(INTERPRET_ENV) == "1")
+    if backend == "cudnn":
+        if seg_BT is not None:
+            kernels.note("cudnn: jax.nn.dot_product_attention takes no segment ids; packed documents are masked "
+                         "with a dense [B,1,T,T] mask (exact, but T^2 values per row: compare model.attention=pallas)")
+        return kernels.cudnn_attention(q_BTKRH, k_BTKH, v_BTKH, seg_BT)
+    if backend == "pallas":
+        return kernels.pallas_gpu_attention(q_BTKRH, k_BTKH, v_BTKH, seg_BT, interpret=interpret)
+    if backend == "splash":
+        return kernels.splash_attention(q_BTKRH, k_BTKH, v_BTKH, seg_BT, interpret=interpret)
+    mask_BTS = pos_BT[:, None, :] <= pos_BT[:, :, None]
+    if seg_BT is not None:
+        mask_BTS &= seg_BT[:, None, :] == seg_BT[:, :, None]
+    return attend(q_BTKRH, k_BTKH, v_BTKH, jnp.where(mask_BTS, 0.0, -1e30).astype(jnp.float32))
+
+
 class KV(NamedTuple):
     """One attention layer's cache, head-major: keys/values at absolute positions [0, S) of each KV head.
 
@@ -185,6 +242,7 @@ class Attention(nnx.Module):
         d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
         self.n_heads, self.n_kv, self.head_dim, self.theta = h, kv, hd, cfg.rope_theta
         self.llama3 = cfg.llama3_rope
+        self.attention = cfg.attention  # how, not what: no parameter depends on it
         out_std = cfg.init_std / math.sqrt(2 * max(1, cfg.n_layers))
         self.wq = Dense(d, h * hd, ("embed", "heads"), cfg, rngs, bias=cfg.qkv_bias)
         self.wk = Dense(d, kv * hd, ("embed", "kv_heads"), cfg, rngs, bias=cfg.qkv_bias)
@@ -201,10 +259,7 @@ class Attention(nnx.Module):
         R = self.n_heads // self.n_kv
         q = q.reshape(B, T, self.n_kv, R, self.head_dim)
         if cache is None:
-            mask_BTS = pos_BT[:, None, :] <= pos_BT[:, :, None]
-            if seg_BT is not None:
-                mask_BTS &= seg_BT[:, None, :] == seg_BT[:, :, None]
-            o, new_cache = attend(q, k, v, jnp.where(mask_BTS, 0.0, -1e30).astype(jnp.float32)), None
+            o, new_cache = self_attention(q, k, v, pos_BT, seg_BT, self.attention), None
         else:
             # Entries at or past a row's start are stale (rejected drafts) and masked; this call's own
             # keys come from k, v directly and are written afterwards.
