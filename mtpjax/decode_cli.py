@@ -230,12 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     import absl.logging
 
     absl.logging.set_verbosity(absl.logging.ERROR)  # orbax's read-only notice is not news to a reader
+    from mtpjax import runtime
     from mtpjax.checkpoint import CheckpointError, load_model_step
     from mtpjax.data import DataError
     from mtpjax.speculative import DecodeError
 
     try:
         cfg, model, tok, step = load_model_step(args.run_dir, args.step)
+        runtime.enable_compilation_cache(cfg.train.compilation_cache)  # under $MTPJAX_CACHE_DIR, not the run
         if args.eval:
             return _eval(args, cfg, model, tok, Path(args.run_dir), step)
         return _generate(args, cfg, model, tok, Path(args.run_dir), step)

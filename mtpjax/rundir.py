@@ -13,7 +13,7 @@ import jax
 
 from mtpjax import distributed
 from mtpjax.checkpoint import read_run_config
-from mtpjax.config import Config
+from mtpjax.config import Config, identity
 
 IDENTITY_SECTIONS = ("model", "data")  # what makes a run dir "the same run"; other sections may change on resume
 
@@ -34,7 +34,7 @@ def check_identity(cfg: Config) -> bool:
     old = read_run_config(run)
     if old is None:
         return run.exists() and any(run.iterdir())
-    diffs = [d for s in IDENTITY_SECTIONS for d in _diff(old.to_dict()[s], cfg.to_dict()[s], s)]
+    diffs = [d for s in IDENTITY_SECTIONS for d in _diff(identity(old, s), identity(cfg, s), s)]
     if diffs:
         shown = "; ".join(diffs[:3]) + (f"; +{len(diffs) - 3} more" if len(diffs) > 3 else "")
         raise RunDirError(f"run dir '{run}' holds a run with a different model/data config ({shown}); pass --fresh "

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from mtpjax import data, distributed, rundir
+from mtpjax import data, distributed, rundir, runtime
 from mtpjax.checkpoint import Checkpointer, CheckpointError
 from mtpjax.config import Config, ConfigError, load_config
 from mtpjax.metrics import Writer, measure_peak_flops
@@ -145,6 +145,7 @@ def train(cfg: Config, *, fresh: bool = False, max_steps: int | None = None) -> 
 
 def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) -> dict:
     t_start = time.perf_counter()
+    runtime.enable_compilation_cache(cfg.train.compilation_cache)
     mesh = make_mesh(cfg.mesh)
     check_parallelism(cfg, mesh)
     if not fresh:
@@ -172,6 +173,7 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
     show = cfg.train.progress and distributed.is_primary()
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not show, desc="train", unit="step")
     log, guard = Logger(cfg, writer, bar, mesh.size, peak), NonFiniteGuard(cfg)
+    prof = runtime.Profiler(cfg.train.profile, run / "tensorboard")
 
     def consume(step: int, met_dev) -> None:  # one step late, so the host never stalls the device
         met = {k: float(v) for k, v in jax.device_get(met_dev).items()}
@@ -183,6 +185,7 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
     step, pending, saved = start, None, start
     try:
         while step < end and not pre.check(step):
+            prof.step(step, state)
             state, met = progs.train_step(state, *to_global(progs, next(train_it)))
             step += 1  # the host's mirror of state.step: one batch, one step, skipped or not
             if pending is not None:
@@ -207,6 +210,7 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
         if saved != step:  # a run always checkpoints its last step (also when preempted)
             ck.save(step, state, train_it.get_state(), _meta(cfg, step, log.last), force=True)
     finally:
+        prof.close(step, state)
         ck.close()
         writer.close()
         bar.close()

@@ -1,8 +1,9 @@
 """Shared fixtures: small float32 models only (2 shared CPU cores); implicit rank promotion is an error.
 
-Speed: one persistent compilation cache per session (tests compile the same tiny programs many times,
-in this process and in the train.py / decode.py processes they start), and one trained run
-(`tiny_run`) shared by the tests that only need a run directory.
+One cache root per session ($MTPJAX_CACHE_DIR, a temporary directory, not the user's ~/.cache): decode
+calibrations and the persistent compilation cache live there, so the tiny programs that many tests compile
+(here and in the train.py / decode.py processes they start) are compiled once. One trained run (`tiny_run`)
+is shared by the tests that only need a run directory.
 """
 
 import atexit
@@ -13,19 +14,20 @@ import tempfile
 import jax
 import pytest
 
+from mtpjax import runtime
 from mtpjax.config import ModelConfig
 
 # A [B,T,D] array meeting a [D] one must say how it broadcasts: silent rank promotion hides shape bugs.
 jax.config.update("jax_numpy_rank_promotion", "raise")
 os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"  # and in the train.py / decode.py / worker subprocesses
 
-# Set before anything compiles (JAX reads it once); the environment carries it to subprocesses.
-_XLA_CACHE = tempfile.mkdtemp(prefix="mtpjax-tests-xla-")
-atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
-for _k, _v in {"jax_compilation_cache_dir": _XLA_CACHE, "jax_persistent_cache_min_compile_time_secs": 0,
-               "jax_persistent_cache_min_entry_size_bytes": -1}.items():
-    jax.config.update(_k, _v)
-    os.environ[_k.upper()] = str(_v)
+# Set before anything compiles; the environment carries the cache root to subprocesses, whose train.py and
+# decode.py turn the compilation cache on there themselves.
+_CACHE_ROOT = tempfile.mkdtemp(prefix="mtpjax-tests-cache-")
+atexit.register(shutil.rmtree, _CACHE_ROOT, ignore_errors=True)
+os.environ["MTPJAX_CACHE_DIR"] = _CACHE_ROOT
+os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # a user's own cache directory would win over the session's
+runtime.enable_compilation_cache(True)
 
 SMALL = dict(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, mtp_depth=2)
 # The shared run: 7 steps, checkpoints every 2 keeping 3, so [4, 6, 7] (7: a run always saves its last step).
@@ -39,14 +41,6 @@ def model_cfg():
     def make(**kw) -> ModelConfig:
         return ModelConfig(**{**SMALL, **kw})
     return make
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _calibration_cache(tmp_path_factory):
-    """decode.py saves auto-draft calibrations under $MTPJAX_CACHE_DIR: a temporary one, not the user's ~/.cache."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MTPJAX_CACHE_DIR", str(tmp_path_factory.mktemp("mtpjax_cache")))
-        yield
 
 
 @pytest.fixture(scope="session")
