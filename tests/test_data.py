@@ -92,17 +92,26 @@ def test_same_seed_same_batches_and_each_epoch_is_a_new_permutation():
     assert epoch1 != epoch2 and epoch1 != list(range(40))
 
 
-def test_process_shards_are_disjoint_and_cover_the_corpus():
-    seen = []
-    for p in range(2):
-        it = make_iterator(_numbered(42), split="train", seq_len=4, batch_size=6, seed=3, process_index=p,
-                           process_count=2, num_epochs=1)
-        batches = list(it)
-        assert all(b["tokens"].shape == (3, 4) for b in batches)
-        assert len(batches) == 7 == it.info["batches_per_epoch"]
-        seen.append({w for b in batches for w in _window_ids(b)})
-    assert not seen[0] & seen[1]
-    assert seen[0] | seen[1] == set(range(42))
+def test_processes_read_their_rows_of_the_same_global_batches():
+    kw = dict(split="train", seq_len=4, batch_size=6, seed=3, num_epochs=2)
+    whole = list(make_iterator(_numbered(42), **kw))
+    halves = [list(make_iterator(_numbered(42), **kw, rows=r)) for r in ([0, 1, 2], [3, 4, 5])]
+    assert len(whole) == len(halves[0]) == len(halves[1]) == 14
+    glued = [{k: np.concatenate([a[k], b[k]]) for k in a} for a, b in zip(*halves)]
+    assert _same(whole, glued)
+    odd = list(make_iterator(_numbered(42), **kw, rows=[5, 0]))  # rows in the order given
+    assert _same(odd, [{k: b[k][[5, 0]] for k in b} for b in whole])
+    epoch1 = [w for b in whole[:7] for w in _window_ids(b)]
+    assert sorted(epoch1) == list(range(42))  # one epoch covers every window once
+
+
+def test_single_source_stream_is_grain_shuffle_then_batch():
+    """One source keeps the stream a single process always had: shuffle, repeat, batch."""
+    import grain
+
+    ds = grain.MapDataset.range(30).shuffle(seed=5).repeat().batch(4)
+    it = make_iterator(_numbered(30), split="train", seq_len=4, batch_size=4, seed=5)
+    assert [_window_ids(next(it)) for _ in range(20)] == [list(map(int, ds[s])) for s in range(20)]
 
 
 def test_state_restore_continues_exactly_across_epochs():
@@ -152,15 +161,10 @@ def test_corpus_smaller_than_one_batch_names_both_counts():
         make_iterator(_numbered(10), split="train", seq_len=16, batch_size=4, seed=0)
 
 
-def test_batch_must_divide_over_processes():
-    with pytest.raises(DataError, match="not divisible by the 3 processes"):
-        make_iterator(_numbered(10), split="train", seq_len=4, batch_size=4, seed=0, process_count=3)
-
-
-def test_process_index_out_of_range():
-    with pytest.raises(DataError, match=r"process_index 2 is outside \[0, 2\)"):
-        make_iterator(_numbered(10), split="train", seq_len=4, batch_size=2, seed=0, process_index=2,
-                      process_count=2)
+@pytest.mark.parametrize("rows", [[], [0, 0], [4], [-1], [[0]]])
+def test_rows_must_be_distinct_rows_of_the_batch(rows):
+    with pytest.raises(DataError, match="are not distinct rows of a batch of 4"):
+        make_iterator(_numbered(10), split="train", seq_len=4, batch_size=4, seed=0, rows=rows)
 
 
 def test_unknown_split():
@@ -553,7 +557,7 @@ def test_failed_preparation_leaves_no_cache_entry(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise KeyboardInterrupt  # as if killed while writing meta.json
 
-    monkeypatch.setattr(corpus.ByteTokenizer, "save", boom)
+    monkeypatch.setattr(corpus.encode, "tokenize_batch", boom)
     with pytest.raises(KeyboardInterrupt):
         prepare(cfg)
     assert list((tmp_path / "cache").iterdir()) == []
