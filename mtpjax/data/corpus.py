@@ -4,10 +4,12 @@ The cache directory `<data.cache_dir>/<source>-<tokenizer>-<key>` is keyed by a 
 its files' paths/sizes/mtimes, the text field, the tokenizer spec (and its file's stat), bpe_vocab_size
 and val_fraction; never by worker counts (they do not change the arrays). A `data.mixture` prepares each
 source into its own entry (see mixture.py).
-It holds `train.npy`, `val.npy` (uint16, or int32 for vocabularies over 65536; documents joined with
-EOS after each), `meta.json` and the tokenizer's files. It is built in a `.tmp-*` sibling and renamed
-into place, so a killed preparation never leaves a directory that is later mistaken for a finished one;
-temp dirs of dead processes on this host are deleted by the next `prepare`.
+
+An entry holds `train.npy`, `val.npy` (uint16, or int32 for vocabularies over 65536; documents joined with
+EOS after each; written in place, the header filled in at the end), `meta.json` and the tokenizer's files.
+It is built in a `.tmp-*` sibling and renamed into place, so a killed preparation never leaves a directory
+that is later mistaken for a finished one; temp dirs of dead processes on this host are deleted by the
+next `prepare`.
 
 Split: text documents go to validation by a hash of their key (see sources.is_val). When that leaves a
 side empty (e.g. a single .txt file) and for pre-tokenized arrays, the joined stream is cut instead:
@@ -17,6 +19,7 @@ the last `val_fraction` of its tokens is the validation split (meta["split"] say
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -156,12 +159,20 @@ def prepare(data_cfg, *, progress: bool = False):
     return _load(final)
 
 
+def _npy_header(dtype, n: int) -> bytes:
+    buf = io.BytesIO()  # numpy pads the header so that a longer shape fits in the same bytes
+    np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                                               "shape": (n,)})
+    return buf.getvalue()
+
+
 class _Sink:
-    """Appends token ids to a raw file; `to_npy` turns a slice of it into a .npy."""
+    """Appends token ids straight into a .npy file whose header `finish` fills in (no copy of the tokens)."""
 
     def __init__(self, path: Path, dtype):
         self.path, self.dtype, self.n, self.docs = path, np.dtype(dtype), 0, 0
         self._f = open(path, "wb")
+        self._f.write(_npy_header(self.dtype, 0))
 
     def add(self, ids: np.ndarray, docs: int) -> None:
         self._f.write(np.ascontiguousarray(ids, dtype=self.dtype).tobytes())
@@ -171,15 +182,26 @@ class _Sink:
     def close(self) -> None:
         self._f.close()
 
-    def to_npy(self, out: Path, start: int = 0, stop: int | None = None, chunk: int = 1 << 24) -> int:
+    def finish(self, stop: int | None = None) -> int:
+        """Keep the first `stop` tokens (default all) and write the real header; the token count."""
         stop = self.n if stop is None else stop
-        src = np.memmap(self.path, dtype=self.dtype, mode="r") if self.n else np.zeros(0, self.dtype)
-        dst = np.lib.format.open_memmap(out, mode="w+", dtype=self.dtype, shape=(stop - start,))
-        for s in range(start, stop, chunk):
-            dst[s - start:min(s + chunk, stop) - start] = src[s:min(s + chunk, stop)]
+        head = _npy_header(self.dtype, stop)
+        if len(head) != len(_npy_header(self.dtype, 0)):
+            raise AssertionError("the .npy header outgrew its reserved bytes")
+        with open(self.path, "r+b") as f:
+            f.truncate(len(head) + stop * self.dtype.itemsize)
+            f.write(head)
+        return stop
+
+    def copy_tail(self, out: Path, start: int, chunk: int = 1 << 24) -> int:
+        """Write tokens [start, n) to a new .npy file; their count."""
+        src = np.memmap(self.path, dtype=self.dtype, mode="r", offset=len(_npy_header(self.dtype, 0)), shape=(self.n,))
+        dst = np.lib.format.open_memmap(out, mode="w+", dtype=self.dtype, shape=(self.n - start,))
+        for s in range(start, self.n, chunk):
+            dst[s - start:min(s + chunk, self.n) - start] = src[s:min(s + chunk, self.n)]
         dst.flush()
         del dst, src
-        return stop - start
+        return self.n - start
 
 
 def _make_tokenizer(cfg, units, kind: str, progress: bool) -> Tokenizer:
@@ -247,7 +269,7 @@ def _build(cfg, files, units, kind: str, out: Path, progress: bool) -> None:
     tok = _make_tokenizer(cfg, units, kind, progress)
     tok.save(out)  # worker processes load it from here
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.int32
-    sinks = {s: _Sink(out / f"{s}.raw", dtype) for s in ("train", "val")}
+    sinks = {s: _Sink(out / f"{s}.npy", dtype) for s in ("train", "val")}
     if cfg.source == "array":
         content_hash = _array_stream(files, tok, sinks["train"], progress)
     else:
@@ -260,17 +282,18 @@ def _build(cfg, files, units, kind: str, out: Path, progress: bool) -> None:
                         "point data.paths at non-empty files")
     split = "hash"
     if sinks["train"].n and sinks["val"].n:
-        stats = {s: {"docs": sinks[s].docs, "tokens": sinks[s].to_npy(out / f"{s}.npy")} for s in sinks}
+        stats = {s: {"docs": sinks[s].docs, "tokens": sinks[s].finish()} for s in sinks}
     else:
         split = "tail"
         whole = sinks["train"] if sinks["train"].n else sinks["val"]
         if whole.n < 2:
             raise DataError(f"the corpus has only {whole.n} token(s); it cannot be split into train and val")
+        if whole is sinks["val"]:  # every document hashed to val: the stream becomes train.npy, then is cut
+            os.replace(whole.path, out / "train.npy")
+            whole.path = out / "train.npy"
         cut = whole.n - min(whole.n - 1, max(1, round(whole.n * cfg.val_fraction)))
-        stats = {"train": {"docs": None, "tokens": whole.to_npy(out / "train.npy", 0, cut)},
-                 "val": {"docs": None, "tokens": whole.to_npy(out / "val.npy", cut)}}
-    for s in sinks.values():
-        s.path.unlink()
+        val_tokens = whole.copy_tail(out / "val.npy", cut)
+        stats = {"train": {"docs": None, "tokens": whole.finish(cut)}, "val": {"docs": None, "tokens": val_tokens}}
     meta = {"format": FORMAT, "source": cfg.source, "paths": list(cfg.paths), "files": len(files),
             "text_field": cfg.text_field if cfg.source in TEXT_SOURCES else None,
             "tokenizer": cfg.tokenizer, "tokenizer_kind": tok.kind, "vocab_size": tok.vocab_size,

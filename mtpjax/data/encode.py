@@ -18,6 +18,7 @@ from collections import deque
 import numpy as np
 
 from mtpjax.data import sources
+from mtpjax.data.errors import DataError
 from mtpjax.data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_from_dir
 
 SPLITS = ("train", "val")
@@ -120,24 +121,26 @@ def _work(units, field: str, val_fraction: float) -> dict:
             "bytes": sum(u.size for u in units)}
 
 
-def tasks_of(units, task_bytes: int = TASK_BYTES) -> list[list]:
-    """Consecutive units grouped until each group holds about `task_bytes` (a unit is never split)."""
+def tasks_of(units) -> list[list]:
+    """Consecutive units grouped until each group holds about TASK_BYTES (a unit is never split)."""
     out, cur, size = [], [], 0
     for u in units:
         cur.append(u)
         size += u.size
-        if size >= task_bytes:
+        if size >= TASK_BYTES:
             out.append(cur)
             cur, size = [], 0
     return out + ([cur] if cur else [])
 
 
-def encode_workers(units, field: str, tok_dir, val_fraction: float, sinks: dict, bar: Progress, workers: int,
-                   task_bytes: int = TASK_BYTES) -> tuple[str, list]:
+def encode_workers(units, field: str, tok_dir, val_fraction: float, sinks: dict, bar: Progress,
+                   workers: int) -> tuple[str, list]:
     """Tokenize in `workers` spawned processes; results are written in unit order (identical to encode_here)."""
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
-    tasks = tasks_of(units, task_bytes)
+    tasks = tasks_of(units)
     h, bad = hashlib.sha256(), {}
 
     def consume(res: dict) -> None:
@@ -149,14 +152,23 @@ def encode_workers(units, field: str, tok_dir, val_fraction: float, sinks: dict,
         bad.update(dict.fromkeys(res["bad"]))
         bar.advance(res["bytes"], len(res["ids"]["train"]) + len(res["ids"]["val"]))
 
-    # spawn, not fork: the parent may already run JAX's threads
+    # spawn, not fork: the parent may already run JAX's threads. A worker that dies breaks the pool (an
+    # error), where multiprocessing.Pool would start new workers forever.
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(min(workers, len(tasks)), initializer=_init_worker, initargs=(str(tok_dir),)) as pool:
+    with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=ctx, initializer=_init_worker,
+                             initargs=(str(tok_dir),)) as pool:
         inflight: deque = deque()
-        for t in tasks:  # a bounded window of tasks in flight keeps memory flat and the output in order
-            inflight.append(pool.apply_async(_work, (t, field, val_fraction)))
-            if len(inflight) >= 2 * workers:
-                consume(inflight.popleft().get())
-        while inflight:
-            consume(inflight.popleft().get())
+        try:
+            for t in tasks:  # a bounded window of tasks in flight keeps memory flat and the output in order
+                inflight.append(pool.submit(_work, t, field, val_fraction))
+                if len(inflight) >= 2 * workers:
+                    consume(inflight.popleft().result())
+            while inflight:
+                consume(inflight.popleft().result())
+        except BrokenProcessPool:
+            raise DataError("a data.prepare_workers process died (killed, out of memory, or started from a script "
+                            "it cannot re-import); lower data.prepare_workers or set it to 0") from None
+        finally:
+            for f in inflight:
+                f.cancel()
     return h.hexdigest(), list(bad)
