@@ -23,7 +23,7 @@ import numpy as np
 from mtpjax.data.errors import DataError
 
 _WAIT_MS = 10 * 60 * 1000  # one wait on the coordination service; waits repeat until the event
-_calls = itertools.count()
+_calls: dict[int, itertools.count] = {}  # per client (one per process): every process numbers its calls alike
 
 
 def local_rows(sharding, batch_size: int) -> np.ndarray:
@@ -74,7 +74,7 @@ def prepare_on_hosts(data_cfg, *, progress: bool, index: int | None = None, coun
     if count == 1:
         return prepare(data_cfg, progress=progress)
     client = client or _client()
-    ns = f"mtpjax/data/{next(_calls)}"
+    ns = f"mtpjax/data/{next(_calls.setdefault(id(client), itertools.count()))}"
     if index == 0:
         return _lead(data_cfg, progress, client, ns, count, prepare)
     return _follow(data_cfg, client, ns, index, prepare)
