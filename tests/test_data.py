@@ -10,9 +10,19 @@ import numpy as np
 import pytest
 
 from mtpjax.config import DataConfig
-from mtpjax.data import (ByteTokenizer, DataError, PreparedData, check_vocab, load_tokenizer, make_iterator,
-                         prepare, segment_ids, tokenizer_from_dir, train_bpe)
-from mtpjax.data import sources
+from mtpjax.data import (
+    ByteTokenizer,
+    DataError,
+    PreparedData,
+    check_vocab,
+    load_tokenizer,
+    make_iterator,
+    prepare,
+    segment_ids,
+    sources,
+    tokenizer_from_dir,
+    train_bpe,
+)
 from mtpjax.data.__main__ import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +91,7 @@ def test_segment_ids_eos_closes_its_document():
 
 
 def test_same_seed_same_batches_and_each_epoch_is_a_new_permutation():
-    kw = dict(split="train", seq_len=4, batch_size=4, seed=7)
+    kw = {"split": "train", "seq_len": 4, "batch_size": 4, "seed": 7}
     a, b = _take(make_iterator(_numbered(40), **kw), 20), _take(make_iterator(_numbered(40), **kw), 20)
     assert _same(a, b)
     c = _take(make_iterator(_numbered(40), **{**kw, "seed": 8}), 20)
@@ -93,7 +103,7 @@ def test_same_seed_same_batches_and_each_epoch_is_a_new_permutation():
 
 
 def test_processes_read_their_rows_of_the_same_global_batches():
-    kw = dict(split="train", seq_len=4, batch_size=6, seed=3, num_epochs=2)
+    kw = {"split": "train", "seq_len": 4, "batch_size": 6, "seed": 3, "num_epochs": 2}
     whole = list(make_iterator(_numbered(42), **kw))
     halves = [list(make_iterator(_numbered(42), **kw, rows=r)) for r in ([0, 1, 2], [3, 4, 5])]
     assert len(whole) == len(halves[0]) == len(halves[1]) == 14
@@ -115,7 +125,7 @@ def test_single_source_stream_is_grain_shuffle_then_batch():
 
 
 def test_state_restore_continues_exactly_across_epochs():
-    kw = dict(split="train", seq_len=4, batch_size=4, seed=1)
+    kw = {"split": "train", "seq_len": 4, "batch_size": 4, "seed": 1}
     it = make_iterator(_numbered(12), **kw)
     _take(it, 5)
     state = json.loads(json.dumps(it.get_state()))
@@ -126,7 +136,7 @@ def test_state_restore_continues_exactly_across_epochs():
 
 
 def test_prefetch_threads_do_not_change_batches_or_state():
-    kw = dict(split="train", seq_len=4, batch_size=4, seed=5)
+    kw = {"split": "train", "seq_len": 4, "batch_size": 4, "seed": 5}
     plain, threaded = make_iterator(_numbered(30), **kw), make_iterator(_numbered(30), **kw, num_workers=2)
     assert _same(_take(plain, 9), _take(threaded, 9))
     assert threaded.get_state() == plain.get_state()
@@ -596,15 +606,15 @@ def test_cli_prepare_good_and_bad(tmp_path):
     (tmp_path / "a.txt").write_text("cli text " * 30)
     good = subprocess.run([sys.executable, "-m", "mtpjax.data", "prepare", "data.source=text",
                            f"data.paths=[{tmp_path / 'a.txt'}]", f"data.cache_dir={tmp_path / 'c'}"],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120, check=False)
     assert good.returncode == 0, good.stderr
     assert "prepared text corpus" in good.stdout and "train:" in good.stdout
     bad = subprocess.run([sys.executable, "-m", "mtpjax.data", "prepare", "data.source=text",
                           f"data.paths=[{tmp_path / 'missing'}]", f"data.cache_dir={tmp_path / 'c'}"],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120, check=False)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert bad.stderr.strip().splitlines() == [f"error: data path '{tmp_path / 'missing'}' does not exist; "
-                                               "fix data.paths"]
+    assert bad.stderr.strip().splitlines() == [(f"error: data path '{tmp_path / 'missing'}' does not exist; "
+                                                "fix data.paths")]
 
 
 @pytest.mark.parametrize("overrides, match", [

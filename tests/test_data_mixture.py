@@ -9,9 +9,17 @@ import numpy as np
 import pytest
 
 from mtpjax.config import ConfigError, DataConfig, MixtureSource, load_config
-from mtpjax.data import (ByteTokenizer, DataError, PreparedData, PreparedMixture, local_rows, make_iterator, prepare,
-                         prepare_on_hosts)
-from mtpjax.data import hosts
+from mtpjax.data import (
+    ByteTokenizer,
+    DataError,
+    PreparedData,
+    PreparedMixture,
+    hosts,
+    local_rows,
+    make_iterator,
+    prepare,
+    prepare_on_hosts,
+)
 from mtpjax.data.__main__ import main as cli_main
 
 SEQ = 4
@@ -41,7 +49,7 @@ def _same(a, b):
     return all(np.array_equal(x[k], y[k]) for x, y in zip(a, b, strict=True) for k in ("tokens", "segment_ids"))
 
 
-KW = dict(split="train", seq_len=SEQ, batch_size=16, seed=3)
+KW = {"split": "train", "seq_len": SEQ, "batch_size": 16, "seed": 3}
 
 
 # ----------------------------------------------------------------------------- the sampler
@@ -128,8 +136,8 @@ def _write_sources(tmp_path):
         (tmp_path / "web" / f"w{i}.txt").write_text(f"web page {i} " * 40)
         (tmp_path / "code" / f"c{i}.txt").write_text(f"def f{i}(): return {i}\n" * 30)
     return [f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=32", "data.val_fraction=0.2",
-            f"data.mixture=[{{name: web, paths: [{tmp_path / 'web'}], weight: 0.8}}, "
-            f"{{name: code, paths: [{tmp_path / 'code'}], weight: 0.2}}]"]
+            (f"data.mixture=[{{name: web, paths: [{tmp_path / 'web'}], weight: 0.8}}, "
+             f"{{name: code, paths: [{tmp_path / 'code'}], weight: 0.2}}]")]
 
 
 def test_each_source_is_prepared_and_cached_on_its_own(tmp_path):

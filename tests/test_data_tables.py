@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
+from pyarrow import feather
 
 from mtpjax.config import DataConfig
 from mtpjax.data import DataError, cache_path, encode, prepare, sources, train_bpe
@@ -91,10 +91,10 @@ def test_arrow_ipc_file_stream_and_dictionary_column_tokenize_like_parquet(tmp_p
     rows = _with_gaps(DOCS)
     table = pa.table({"text": pa.array(rows).dictionary_encode()})
     feather.write_feather(table, tmp_path / "f.feather", chunksize=6)  # Feather v2 = IPC file, several batches
-    with pa.OSFile(str(tmp_path / "data-00000-of-00001.arrow"), "wb") as sink:  # the format datasets saves
-        with pa.ipc.new_stream(sink, table.schema) as w:
-            for b in table.to_batches(max_chunksize=9):
-                w.write_batch(b)
+    stream = tmp_path / "data-00000-of-00001.arrow"  # the IPC stream format datasets saves
+    with pa.OSFile(str(stream), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        for b in table.to_batches(max_chunksize=9):
+            w.write_batch(b)
     pq.write_table(pa.table({"text": rows}), tmp_path / "p.parquet", row_group_size=5)
     got = {}
     for name, source in (("f.feather", "arrow"), ("data-00000-of-00001.arrow", "arrow"), ("p.parquet", "parquet")):
@@ -200,7 +200,7 @@ def test_progress_bar_counts_bytes_and_shows_tokens_per_second(capsys):
 def _cli(tmp_path, *overrides):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "mtpjax.data", "prepare", f"data.cache_dir={tmp_path / 'cache'}",
-                           *overrides], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+                           *overrides], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120, check=False)
 
 
 @pytest.mark.parametrize("make, overrides, message", [

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mtpjax.data.errors import DataError
 from mtpjax.data.corpus import PreparedData, cache_path, data_config_of, prepare, summary
+from mtpjax.data.errors import DataError
 from mtpjax.data.mixture import PreparedMixture
 from mtpjax.data.tokenizer import (ByteTokenizer, HFTokenizer, SentencePieceTokenizer, Tokenizer, check_vocab,
                                    load_spec, tokenizer_from_dir, train_bpe)
@@ -51,6 +51,7 @@ def check_vocab_early(data_cfg, vocab_size: int) -> None:
         check_vocab(load_spec(data_cfg.tokenizer), vocab_size)
 
 
-__all__ = ["BatchIterator", "ByteTokenizer", "DataError", "HFTokenizer", "PreparedData", "SentencePieceTokenizer",
-           "Tokenizer", "cache_path", "check_vocab", "check_vocab_early", "load_tokenizer", "make_iterator",
-           "prepare", "segment_ids", "summary", "tokenizer_from_dir", "train_bpe"]
+__all__ = ["BatchIterator", "ByteTokenizer", "DataError", "HFTokenizer", "PreparedData", "PreparedMixture",
+           "SentencePieceTokenizer", "Tokenizer", "cache_path", "check_vocab", "check_vocab_early", "eval_by_source",
+           "load_tokenizer", "local_rows", "make_iterator", "open_run_data", "prepare", "prepare_on_hosts",
+           "segment_ids", "summary", "tokenizer_from_dir", "train_bpe"]

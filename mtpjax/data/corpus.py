@@ -62,7 +62,7 @@ class PreparedData:
     def content_hash(self) -> str:
         return self.meta["content_hash"]
 
-    def sources(self) -> list[tuple[str, float, "PreparedData"]]:
+    def sources(self) -> list[tuple[str, float, PreparedData]]:
         """(name, weight, prepared) of each source: one unnamed source here (a mixture has several)."""
         return [("", 1.0, self)]
 
@@ -171,7 +171,7 @@ class _Sink:
 
     def __init__(self, path: Path, dtype):
         self.path, self.dtype, self.n, self.docs = path, np.dtype(dtype), 0, 0
-        self._f = open(path, "wb")
+        self._f = open(path, "wb")  # noqa: SIM115 - open across add() calls, closed by close()
         self._f.write(_npy_header(self.dtype, 0))
 
     def add(self, ids: np.ndarray, docs: int) -> None:

@@ -51,7 +51,7 @@ def _get(client, key: str) -> str:
     while True:
         try:
             return client.blocking_key_value_get(key, _WAIT_MS)
-        except Exception as e:  # noqa: BLE001 - JAX raises its runtime error type; only a timeout is retried
+        except Exception as e:
             if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
                 raise
 

@@ -26,8 +26,8 @@ def open_run_data(cfg, sharding) -> tuple:
 
     prepared = prepare_on_hosts(cfg.data, progress=cfg.train.progress and jax.process_index() == 0)
     check_vocab(prepared.tokenizer, cfg.model.vocab_size)
-    common = dict(seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
-                  rows=local_rows(sharding, cfg.train.batch_size))
+    common = {"seq_len": cfg.data.seq_len, "batch_size": cfg.train.batch_size, "seed": cfg.train.seed,
+              "rows": local_rows(sharding, cfg.train.batch_size)}
     train_it = make_iterator(prepared, split="train", shuffle=cfg.data.shuffle, num_workers=cfg.data.num_workers,
                              **common)
     n, val, by_source = cfg.train.eval_batches, [], {}

@@ -15,9 +15,9 @@ import json
 import os
 import sysconfig
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 

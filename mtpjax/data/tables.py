@@ -9,8 +9,8 @@ Nulls and empty strings are skipped; invalid UTF-8 (in string or binary columns)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from mtpjax.data.errors import DataError
 
