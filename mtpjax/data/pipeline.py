@@ -177,6 +177,5 @@ def make_iterator(prepared, *, split: str, seq_len: int, batch_size: int, seed: 
         parts.append((weight, w))
         sources.append([name, weight, p.content_hash])
     info = {"split": split, "seq_len": seq_len, "batch_size": batch_size, "seed": seed, "shuffle": shuffle,
-            "sources": sources, "eos_id": prepared.tokenizer.eos_id,
-            "batches_per_epoch": sum(w.count for _, w in parts) // batch_size}
+            "sources": sources, "eos_id": prepared.tokenizer.eos_id}
     return BatchIterator(parts, info, _check_rows(rows, batch_size), num_workers)

@@ -3,7 +3,8 @@
 pyarrow is used directly (no `datasets`): it streams a column by row group (Parquet) or record batch (memory-
 mapped IPC), which is all preparation needs, without `datasets`' own cache and dependency tree. IPC files in the
 stream format (the `data-*.arrow` shards `datasets.save_to_disk` writes) are read too, as one part per file.
-A part is what one reader call holds in memory: a Parquet row group or an IPC record batch, never a whole file.
+Memory holds the text column of one Parquet row group or IPC record batch at a time (other columns are neither
+read nor decompressed), never a whole file.
 Nulls and empty strings are skipped; invalid UTF-8 (in string or binary columns) is decoded with replacement.
 """
 
@@ -42,19 +43,24 @@ def _check_column(schema, field: str, f: Path) -> None:
         raise DataError(f"column '{field}' of '{f}' holds {tp}, not text; set data.text_field to a string column")
 
 
-def _ipc_reader(f: Path, source):
-    """(reader, is_file_format) of an Arrow IPC file, trying the random-access format, then the stream format."""
+def _ipc_reader(f: Path, src, field: str):
+    """(reader of the text column alone, is_file_format) of an Arrow IPC file, random-access format first."""
     import pyarrow as pa
 
-    try:
-        return pa.ipc.open_file(source), True
-    except (pa.ArrowInvalid, OSError):
-        pass
-    try:
-        return pa.ipc.open_stream(source), False
-    except (pa.ArrowInvalid, OSError) as e:
-        raise DataError(f"'{f}' is not a readable Arrow IPC / Feather v2 file ({_first_line(e)}); "
-                        "write it with pyarrow.feather.write_feather or pyarrow.ipc") from None
+    error = None
+    for opener, random_access in ((pa.ipc.open_file, True), (pa.ipc.open_stream, False)):
+        try:
+            src.seek(0)
+            schema = opener(src).schema
+        except (pa.ArrowInvalid, OSError) as e:
+            error = e
+            continue
+        _check_column(schema, field, f)
+        src.seek(0)  # other columns are never read (nor decompressed)
+        options = pa.ipc.IpcReadOptions(included_fields=[schema.get_field_index(field)])
+        return opener(src, options=options), random_access
+    raise DataError(f"'{f}' is not a readable Arrow IPC / Feather v2 file ({_first_line(error)}); "
+                    "write it with pyarrow.feather.write_feather or pyarrow.ipc")
 
 
 def parts(f: Path, kind: str, field: str) -> list[tuple[int, int, int]]:
@@ -79,8 +85,7 @@ def parts(f: Path, kind: str, field: str) -> list[tuple[int, int, int]]:
             row += rg.num_rows
         return out
     with pa.memory_map(str(f)) as src:
-        reader, random_access = _ipc_reader(f, src)
-        _check_column(reader.schema, field, f)
+        reader, random_access = _ipc_reader(f, src, field)
         if not random_access:
             return [(-1, 0, f.stat().st_size)]
         out, row = [], 0
@@ -115,9 +120,8 @@ def _batches(f: Path, kind: str, part: int, field: str) -> Iterator:
                 batch_size=_READ_ROWS, row_groups=[part], columns=[field], use_threads=False))
             return
         with pa.memory_map(str(f)) as src:
-            reader, random_access = _ipc_reader(f, src)
-            batches = [reader.get_batch(part)] if random_access else reader
-            yield from (b.column(b.schema.get_field_index(field)) for b in batches)
+            reader, random_access = _ipc_reader(f, src, field)
+            yield from (b.column(0) for b in ([reader.get_batch(part)] if random_access else reader))
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"'{f}' could not be read ({_first_line(e)}); check the file or remove it from "
                         "data.paths") from None
