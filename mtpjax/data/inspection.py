@@ -50,11 +50,11 @@ def report(cfg, *, docs: int = 3, windows: int = 2, width: int = 120) -> str:
     taken = np.zeros(len(srcs), np.int64)
     first = None
     for s in range(_SCAN_BATCHES):  # the stream's own choices: what the model is fed, in order
-        src, win = it.plan(s, taken)
+        src, j = it.plan(s, taken)
         first = src if first is None else first
-        for r, (k, w) in enumerate(zip(src, win)):
+        for r, (k, i) in enumerate(zip(src, j)):
             if len(picked[k]) < windows:
-                picked[k].append((s, r, int(w)))
+                picked[k].append((s, r, it.window(k, i)))
         if all(len(v) == windows for v in picked.values()):
             break
     lines = [f"tokenizer {tok!r}; seq_len {T}, batch {B}, seed {cfg.train.seed}"]

@@ -88,7 +88,7 @@ class BatchIterator:
         return self
 
     def plan(self, s: int, taken: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(source, window index) of every global row of batch s, given the windows taken before it (updated)."""
+        """(source, draw number within that source) of every global row of batch s; updates `taken` (drawn before)."""
         B = self.info["batch_size"]
         if len(self._parts) == 1:
             src, j = np.zeros(B, np.int64), taken[0] + np.arange(B)
@@ -104,11 +104,16 @@ class BatchIterator:
         for k, (_, w) in enumerate(self._parts):
             if w.limit is not None and (j[src == k] >= w.limit).any():
                 raise StopIteration
-        return src, np.array([self._parts[k][1].window(i) for k, i in zip(src, j)], np.int64)
+        return src, j
 
-    def _read(self, src: np.ndarray, win: np.ndarray) -> dict[str, np.ndarray]:
+    def window(self, k: int, j: int) -> int:
+        """The window index of source k's j-th draw."""
+        return self._parts[k][1].window(j)
+
+    def _read(self, src: np.ndarray, j: np.ndarray) -> dict[str, np.ndarray]:
         T = self.info["seq_len"]
-        src, win = src[self.rows], win[self.rows]
+        src = src[self.rows]  # only this process's rows are looked up and read
+        win = np.array([self.window(k, i) for k, i in zip(src, j[self.rows])], np.int64)
         tokens_BT = np.empty((len(self.rows), T), np.int32)
         for k in np.unique(src):
             sel = src == k
@@ -120,10 +125,10 @@ class BatchIterator:
             s = self._batch + len(self._queue)
             taken = (self._queue[-1][1]["taken"] if self._queue else self._taken).copy()
             try:
-                src, win = self.plan(s, taken)
+                src, j = self.plan(s, taken)
             except StopIteration:
                 return
-            job = self._pool.submit(self._read, src, win) if self._pool else self._read(src, win)
+            job = self._pool.submit(self._read, src, j) if self._pool else self._read(src, j)
             self._queue.append((job, {"batch": s + 1, "taken": taken}))
 
     def __next__(self) -> dict[str, np.ndarray]:
