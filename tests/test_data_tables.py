@@ -145,7 +145,7 @@ def hf_tokenizer(tmp_path_factory):
     return str(train_bpe(iter(DOCS * 3), 300).save(d) / "tokenizer.json")
 
 
-@pytest.mark.parametrize("tokenizer", ["byte", "hf"])
+@pytest.mark.parametrize("tokenizer", ["byte", "hf", "bpe"])
 def test_worker_processes_write_identical_arrays(tmp_path, monkeypatch, hf_tokenizer, tokenizer):
     monkeypatch.setattr(encode, "TASK_BYTES", 300)  # many small tasks, so that workers interleave
     d = tmp_path / "mixed"
@@ -154,11 +154,11 @@ def test_worker_processes_write_identical_arrays(tmp_path, monkeypatch, hf_token
         (d / f"t{i}.txt").write_text(DOCS[i] * 5)
     _jsonl(d / "lines.jsonl", DOCS[6:])
     pq.write_table(pa.table({"text": _with_gaps(DOCS)}), tmp_path / "p.parquet", row_group_size=3)
-    spec = hf_tokenizer if tokenizer == "hf" else "byte"
+    spec = hf_tokenizer if tokenizer == "hf" else tokenizer  # bpe: trained here, loaded by the workers
     for source, path in (("text", d), ("parquet", tmp_path / "p.parquet")):
-        here = prepare(_cfg(tmp_path, source=source, paths=(str(path),), tokenizer=spec, val_fraction=0.3))
-        cfg = _cfg(tmp_path / "w", source=source, paths=(str(path),), tokenizer=spec, val_fraction=0.3,
-                   prepare_workers=2)
+        kw = {"source": source, "paths": (str(path),), "tokenizer": spec, "val_fraction": 0.3, "bpe_vocab_size": 300}
+        here = prepare(_cfg(tmp_path, **kw))
+        cfg = _cfg(tmp_path / "w", **kw, prepare_workers=2)
         assert len(encode.tasks_of(sources.units(source, _files(cfg), "text"))) >= 4
         assert cache_path(cfg).name == here.dir.name  # worker counts are not part of the cache key
         there = prepare(cfg)
