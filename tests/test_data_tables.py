@@ -223,3 +223,12 @@ def test_bad_tables_are_one_line_exit_2_and_leave_no_cache(tmp_path, make, overr
     assert p.returncode == 2 and len(err) == 1 and "Traceback" not in p.stderr, p.stderr
     assert message.format(t=tmp_path) in err[0]
     assert _entries(tmp_path) == []
+
+
+def test_data_bench_smoke():
+    sys.path.insert(0, str(ROOT))
+    from bench.data_bench import run
+
+    res = run(0.05, "byte", [0], 1)
+    assert set(res["rows"]) == {"encoder", "read", "prepare_w0"} and res["tokens"] > 0
+    assert all(r["tokens_per_s"] > 0 and r["vs_encoder"] > 0 for r in res["rows"].values())

@@ -47,12 +47,12 @@ def _client():
 
 
 def _get(client, key: str) -> str:
-    """Block until `key` is set (repeated bounded waits: the coordination service caps one wait)."""
+    """Block until `key` is set, however long preparation takes (bounded waits, repeated)."""
     while True:
         try:
             return client.blocking_key_value_get(key, _WAIT_MS)
-        except Exception as e:
-            if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
+        except Exception as e:  # JaxRuntimeError; only "DEADLINE_EXCEEDED: GetKeyValue() timed out" is retried
+            if "DEADLINE_EXCEEDED" not in str(e):
                 raise
 
 
