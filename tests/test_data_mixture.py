@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import threading
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -230,19 +231,23 @@ class FakeCoordinator:
 
 
 def _on_two_processes(cfg, monkeypatch, shared=True):
-    """prepare_on_hosts in two threads standing for processes 0 and 1; ({index: result or error}, builds)."""
+    """prepare_on_hosts in two threads standing for processes 0 and 1; ({index: result or error}, builds).
+
+    Not shared: process 1 has its own data.cache_dir, where it cannot see process 0's probe file.
+    """
     from mtpjax.data import corpus
 
     builds, real = [], corpus._build
     monkeypatch.setattr(corpus, "_build", lambda *a: (builds.append(threading.current_thread().name), real(*a))[1])
     if not shared:
         monkeypatch.setattr(hosts, "_probe_visible", lambda path: False)
-    store, out = FakeCoordinator(), {}
+    store, out, ns = FakeCoordinator(), {}, f"test/{uuid.uuid4().hex}"
 
     def run(i):
         client = FakeCoordinator.View(store)  # each process has its own client of one store
+        mine = cfg if shared or i == 0 else dataclasses.replace(cfg, cache_dir=cfg.cache_dir + "-host1")
         try:
-            out[i] = prepare_on_hosts(cfg, progress=False, index=i, count=2, client=client)
+            out[i] = prepare_on_hosts(mine, progress=False, index=i, count=2, client=client, namespace=ns)
         except DataError as e:
             out[i] = e
 
@@ -267,7 +272,8 @@ def test_a_cache_not_shared_with_process_0_is_prepared_on_that_host_too(tmp_path
     (tmp_path / "a.txt").write_text("local corpus " * 200)
     cfg = DataConfig(source="text", paths=(str(tmp_path / "a.txt"),), cache_dir=str(tmp_path / "cache"))
     out, builds = _on_two_processes(cfg, monkeypatch, shared=False)
-    assert sorted(builds) == ["p0", "p1"] and out[0].content_hash == out[1].content_hash
+    assert sorted(builds) == ["p0", "p1"] and out[0].dir != out[1].dir
+    assert out[0].content_hash == out[1].content_hash
     assert "process 1: data.cache_dir is not shared with process 0" in capsys.readouterr().err
 
 

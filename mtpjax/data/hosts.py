@@ -23,7 +23,7 @@ import numpy as np
 from mtpjax.data.errors import DataError
 
 _WAIT_MS = 10 * 60 * 1000  # one wait on the coordination service; waits repeat until the event
-_calls: dict[int, itertools.count] = {}  # per client (one per process): every process numbers its calls alike
+_calls = itertools.count()  # every process numbers its calls alike: the keys of one call meet
 
 
 def local_rows(sharding, batch_size: int) -> np.ndarray:
@@ -63,8 +63,12 @@ def _probe_visible(path: str) -> bool:
         return False
 
 
-def prepare_on_hosts(data_cfg, *, progress: bool, index: int | None = None, count: int | None = None, client=None):
-    """prepare(data_cfg) on every process, building it once when data.cache_dir is shared; DataError everywhere on failure."""
+def prepare_on_hosts(data_cfg, *, progress: bool, index: int | None = None, count: int | None = None, client=None,
+                     namespace: str | None = None):
+    """prepare(data_cfg) on every process, building it once when data.cache_dir is shared; DataError everywhere on failure.
+
+    index/count/client/namespace default to this JAX process's (tests pass their own).
+    """
     import jax
 
     from mtpjax.data.corpus import prepare
@@ -74,7 +78,7 @@ def prepare_on_hosts(data_cfg, *, progress: bool, index: int | None = None, coun
     if count == 1:
         return prepare(data_cfg, progress=progress)
     client = client or _client()
-    ns = f"mtpjax/data/{next(_calls.setdefault(id(client), itertools.count()))}"
+    ns = namespace or f"mtpjax/data/{next(_calls)}"
     if index == 0:
         return _lead(data_cfg, progress, client, ns, count, prepare)
     return _follow(data_cfg, client, ns, index, prepare)
