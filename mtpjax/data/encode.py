@@ -1,9 +1,10 @@
 """Tokenize a text-like source into train/val token files, in this process or in worker processes.
 
-Measured (bench/data_bench.py): with the byte tokenizer, reading and decoding documents is nearly all of the
-work; with a BPE, the `tokenizers` batch encoder already uses every core but reading and encoding take turns.
-`data.prepare_workers=N` has N spawned processes each read, split and encode whole units (files, row groups,
-record batches) with a single-threaded encoder, overlapping reading with encoding on every core.
+Measured (bench/data_bench.py, README): with a BPE the `tokenizers` batch encoder, which already uses every
+core, dominates (reading is under 1%) and preparation runs at ~0.9x its speed; with bytes, per-document Python work
+(hashes, decoding) and writing dominate. `data.prepare_workers=N` has N spawned processes each read, split
+and encode whole units (files, row groups, record batches) with a single-threaded encoder, so reading
+overlaps encoding; it did not pay on 2 shared cores, hence the default 0.
 Both paths read the same units in the same order and encode each document on its own (EOS after each),
 so they write identical arrays; the content hash is a sha256 over per-unit digests for the same reason.
 """
