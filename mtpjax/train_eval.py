@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from mtpjax import distributed
+from mtpjax.data import eval_by_source
 from mtpjax.metrics import Writer
 from mtpjax.speculative import generate  # the decoder's cached generation: the one import of the decoder here
 
@@ -47,11 +48,14 @@ def samples(progs, state, val: list, tokenizer, n: int) -> list[str]:
     return [tokenizer.decode(p.tolist()) + " ⟶ " + tokenizer.decode(o) for p, o in zip(prompt_BP, out)]
 
 
-def run_eval(progs, state, val: list, to_global, tokenizer, writer: Writer, step: int, num_samples: int) -> dict:
-    """Validation scalars (returned as `eval/...`) and samples, written to TensorBoard at `step`."""
+def run_eval(progs, state, val: list, val_sources: dict, to_global, tokenizer, writer: Writer, step: int,
+             num_samples: int) -> dict:
+    """Validation scalars (returned as `eval/...`; a mixture's also per source) and samples, written at `step`."""
     if not val:
         return {}
-    scalars = {f"eval/{k}": v for k, v in validation(progs, state, val, to_global).items()}
+    met = validation(progs, state, val, to_global)
+    met |= eval_by_source(val_sources, lambda batches: validation(progs, state, batches, to_global), list(met))
+    scalars = {f"eval/{k}": v for k, v in met.items()}
     writer.scalars(step, scalars)
     for i, text in enumerate(samples(progs, state, val, tokenizer, num_samples)):
         writer.text(step, f"samples/{i}", text)

@@ -21,7 +21,7 @@ from mtpjax import data, distributed, rundir, runtime
 from mtpjax.checkpoint import Checkpointer, CheckpointError
 from mtpjax.config import Config, ConfigError, load_config
 from mtpjax.metrics import Writer, measure_peak_flops
-from mtpjax.sharding import MeshError, data_parallelism, make_mesh
+from mtpjax.sharding import MeshError, batch_sharding, data_parallelism, make_mesh
 from mtpjax.train_eval import run_eval
 from mtpjax.train_report import Logger, banner, summary
 from mtpjax.train_step import Programs, make_programs
@@ -48,20 +48,9 @@ def check_parallelism(cfg: Config, mesh) -> None:
 # ----------------------------------------------------------------------------- data
 
 
-def open_data(cfg: Config):
-    """(prepared corpus, train iterator, fixed validation batches); DataError on bad input."""
-    prepared = data.prepare(cfg.data, progress=cfg.train.progress)
-    data.check_vocab(prepared.tokenizer, cfg.model.vocab_size)
-    common = dict(seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
-                  process_index=jax.process_index(), process_count=jax.process_count())
-    train_it = data.make_iterator(prepared, split="train", shuffle=cfg.data.shuffle,
-                                  num_workers=cfg.data.num_workers, **common)
-    val = []
-    if cfg.train.eval_batches:
-        # The same first batches of the unshuffled validation split at every eval: comparable numbers.
-        val_it = data.make_iterator(prepared, split="val", shuffle=False, **common)
-        val = [next(val_it) for _ in range(cfg.train.eval_batches)]
-    return prepared, train_it, val
+def open_data(cfg: Config, mesh):
+    """(prepared corpus, train iterator, validation batches, per-source validation batches); DataError on bad input."""
+    return data.open_run_data(cfg, batch_sharding(mesh))  # each process reads its rows of every global batch
 
 
 def to_global(progs: Programs, batch: dict):
@@ -151,7 +140,7 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
     if not fresh:
         rundir.check_identity(cfg)
     rundir.probe_writable(Path(cfg.train.run_dir))
-    prepared, train_it, val = open_data(cfg)
+    prepared, train_it, val, val_sources = open_data(cfg, mesh)
     run = rundir.setup(cfg, prepared.tokenizer, fresh)
 
     progs = make_programs(cfg, mesh)
@@ -195,8 +184,8 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
                 consume(*pending)  # a checkpoint never holds a step whose NaN guard has not been checked yet
                 pending = None
             if step % cfg.train.eval_every == 0 or step == end:
-                ev = run_eval(progs, state, val, lambda b: to_global(progs, b), prepared.tokenizer, writer, step,
-                              cfg.train.num_samples)
+                ev = run_eval(progs, state, val, val_sources, lambda b: to_global(progs, b), prepared.tokenizer,
+                              writer, step, cfg.train.num_samples)
                 result.update(ev)
                 if ev:
                     _say(f"step {step}: eval loss/main {ev['eval/loss/main']:.4f}" + "".join(

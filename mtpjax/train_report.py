@@ -30,16 +30,19 @@ def banner(cfg: Config, mesh, run: Path, start: int, prepared) -> str:
     pc = param_counts(nnx.eval_shape(lambda: build_model(cfg)))
     mtp = f", {len(pc['mtp'])} MTP modules x {_millions(pc['mtp'][0])}" if pc["mtp"] else ", no MTP modules"
     dev = jax.devices()
-    m, t, d = prepared.meta, cfg.train, cfg.data
+    t, d = cfg.train, cfg.data
+    parts = [p for _, _, p in prepared.sources()]  # one for a corpus, several for a data.mixture
+    what = d.source if len(parts) == 1 else f"mixture of {len(parts)} sources"
+    files = None if any(p.meta.get("files") is None for p in parts) else sum(p.meta["files"] for p in parts)
     return "\n".join([
         f"mtpjax train: {_millions(pc['total'])} parameters (trunk {_millions(pc['trunk'])}, embedding/head "
         f"{_millions(pc['shared_embed_head'])}{mtp})",
         f"  devices: {len(dev)} x {dev[0].device_kind} on {jax.process_count()} process(es); mesh "
         + " ".join(f"{k}={v}" for k, v in mesh.shape.items()),
         f"  run dir: {run} ({f'resuming from step {start}' if start else 'fresh start'})",
-        f"  data: {d.source} ({_count(m.get('files'), 'file')}), {len(prepared.train_tokens):,} train / "
-        f"{len(prepared.val_tokens):,} val tokens, {d.tokenizer} tokenizer (vocab {prepared.tokenizer.vocab_size}), "
-        f"content {str(m.get('content_hash', '?'))[:12]}",
+        f"  data: {what} ({_count(files, 'file')}), {sum(len(p.train_tokens) for p in parts):,} train / "
+        f"{sum(len(p.val_tokens) for p in parts):,} val tokens, {d.tokenizer} tokenizer "
+        f"(vocab {prepared.tokenizer.vocab_size}), content {str(prepared.content_hash)[:12]}",
         f"  steps {start} -> {t.steps}: batch {t.batch_size} x {d.seq_len} tokens, eval every {t.eval_every}, "
         f"checkpoint every {cfg.checkpoint.every}",
     ])
