@@ -40,7 +40,7 @@ class Calibration:
                 "expected_tokens": self.expected_tokens, "seconds": self.seconds, "source": self.source}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Calibration":
+    def from_dict(cls, d: dict) -> Calibration:
         """Inverse of as_dict (JSON turns the γ keys into strings)."""
         return cls(num_draft=int(d["num_draft"]), round_cost={int(k): float(v) for k, v in d["round_cost"].items()},
                    alpha_by_position=[float(a) for a in d["alpha_by_position"]],
@@ -111,7 +111,7 @@ def calibrate(model, prompts, specs: dict, seed: int = 0, probe: int = 32, repea
 
     times: dict = {g: ([], []) for g in specs}
     rounds, last = {}, {}
-    for g, spec in specs.items():  # compile and warm
+    for spec in specs.values():  # compile and warm
         timed(spec, short)
     done, spent = 0, 0.0
     while done < repeats or (spent < min_seconds and done < max_repeats):

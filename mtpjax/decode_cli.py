@@ -29,7 +29,8 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts-file", help="a file with one prompt per line (\\n escapes allowed)")
     src.add_argument("--eval", action="store_true", help="validation metrics + speculative speed report")
     p.add_argument("--num-draft", type=_num_draft, default=None,
-                   help="drafts per round, or auto: measure 0..mtp_depth on the prompts and use the fastest (default: decode.num_draft)")
+                   help="drafts per round, or auto: measure 0..mtp_depth on the prompts and use the fastest "
+                        "(default: decode.num_draft)")
     p.add_argument("--proposer", choices=("mtp", "ngram"), default=None)
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
@@ -129,7 +130,8 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int) -> int:
             c = s["calibration"]
             how = (f"saved in {saved.path}; --recalibrate measures again" if c["source"] == "saved"
                    else f"probe took {c['seconds']:.1f}s")
-            print(f"[auto] round cost vs plain {_fmt(c['round_cost'])}, expected tokens/round {_fmt(c['expected_tokens'])} "
+            print(f"[auto] round cost vs plain {_fmt(c['round_cost'])}, "
+                  f"expected tokens/round {_fmt(c['expected_tokens'])} "
                   f"-> num_draft={c['num_draft']} ({how})", file=sys.stderr)
     return 0
 
