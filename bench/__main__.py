@@ -26,14 +26,16 @@ def _child(module: str, args: list[str], tmp: Path, name: str) -> dict:
     return json.loads(out.read_text())
 
 
-def run_suite(smoke: bool, rounds: int, run_dir: str, no_peer: bool, tmp: Path, large_run_dir: str | None = None) -> dict:
+def run_suite(smoke: bool, rounds: int, run_dir: str, no_peer: bool, tmp: Path,
+              large_run_dir: str | None = None) -> dict:
     """Training throughput per config, then decoding (ours vs the PyTorch peer); the raw results dict.
 
     `large_run_dir`: a checkpoint whose weights do not fit the last-level cache, decoded at batch 1 too:
     there a decode step is bound by reading weights, the regime speculation is for.
     """
     train = {}
-    for name, cfg, depths in [("tiny", "configs/tiny.yaml", "0,1,2,3"), ("cpu_medium", "configs/cpu_medium.yaml", "0,1")]:
+    for name, cfg, depths in [("tiny", "configs/tiny.yaml", "0,1,2,3"),
+                              ("cpu_medium", "configs/cpu_medium.yaml", "0,1")]:
         depths = ",".join(depths.split(",")[::2]) if smoke and name == "tiny" else depths  # smoke: 0,2 only
         args = ["--config", cfg, "--steps", str(rounds), "--depths", depths]
         args += ["--peak-n", "256", *SMOKE_TRAIN] if smoke else []
@@ -60,7 +62,8 @@ def targets(res: dict) -> list[dict]:
     def add(name, value, goal, ok):
         rows.append({"target": name, "value": value, "goal": goal, "met": bool(ok) if value is not None else None})
 
-    add("train MFU, tiny (mtp_depth 2)", t["tiny"]["depths"]["2"]["mfu"], ">= 0.40", t["tiny"]["depths"]["2"]["mfu"] >= 0.4)
+    add("train MFU, tiny (mtp_depth 2)", t["tiny"]["depths"]["2"]["mfu"], ">= 0.40",
+        t["tiny"]["depths"]["2"]["mfu"] >= 0.4)
     add("train MFU, cpu_medium (mtp_depth 1)", t["cpu_medium"]["depths"]["1"]["mfu"], ">= 0.50",
         t["cpu_medium"]["depths"]["1"]["mfu"] >= 0.5)
     worst = max(r["overhead_vs_flop_share"] for r in t["tiny"]["depths"].values() if "overhead_vs_flop_share" in r)
@@ -73,7 +76,8 @@ def targets(res: dict) -> list[dict]:
     mtps = {k: v for k, v in b1.items() if k.startswith("mtp")}
     if mtps:
         best = max(mtps, key=lambda k: mtps[k]["vs_plain"])
-        add(f"MTP speculative ({best}) / plain greedy, batch 1", mtps[best]["vs_plain"], ">= 2", mtps[best]["vs_plain"] >= 2)
+        add(f"MTP speculative ({best}) / plain greedy, batch 1", mtps[best]["vs_plain"], ">= 2",
+            mtps[best]["vs_plain"] >= 2)
         _add_ceiling(add, min(res["decode"]["batches"], key=lambda b: b["batch"]), "")
         mp = mtps[best]["measured_over_predicted"]
         add(f"{best} measured / formula-predicted speedup, batch 1", mp, "within 10%", abs(mp - 1) <= 0.1)
@@ -116,10 +120,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and few steps: seconds, for tests")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per comparison (default 5, smoke 1)")
-    ap.add_argument("--run-dir", default="runs/tiny", help="trained checkpoint for decoding (the README's main command)")
+    ap.add_argument("--run-dir", default="runs/tiny",
+                    help="trained checkpoint for decoding (the README's main command)")
     ap.add_argument("--no-peer", action="store_true", help="skip the PyTorch peer")
     ap.add_argument("--large-run-dir", default=None,
-                    help="also decode this checkpoint at batch 1: weights beyond the last-level cache (README: runs/medium_mtp2)")
+                    help="also decode this checkpoint at batch 1: weights beyond the last-level cache "
+                         "(README: runs/medium_mtp2)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results.json"))
     args = ap.parse_args(argv)
     rounds = args.rounds or (1 if args.smoke else 5)

@@ -152,7 +152,8 @@ def _ceiling(v: dict, cfg, context: int) -> dict:
     r = draft_work_ratio(cfg, context)
     alpha = v[f"mtp{D}"]["acceptance_by_position"]
     c = speedup_ceiling(alpha, r, D)
-    return {"work_ratio_r": r, "context": context, "alpha_by_position": alpha, "by_gamma": c["by_gamma"], "max": c["max"],
+    return {"work_ratio_r": r, "context": context, "alpha_by_position": alpha, "by_gamma": c["by_gamma"],
+            "max": c["max"],
             "num_draft": c["num_draft"], "perfect_drafter": speedup_ceiling([1.0], r, D)["by_gamma"][D]}
 
 
@@ -191,7 +192,8 @@ def main(argv=None) -> int:
         import torch
         import transformers
 
-        res["peer"] = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+        res["peer"] = {"torch": torch.__version__, "transformers": transformers.__version__,
+                       "threads": torch.get_num_threads(),
                        "max_logit_diff": peer_mod.max_logit_diff(model, peer, prompts[0])}
         print(f"peer: transformers {transformers.__version__} / torch {torch.__version__}, "
               f"max |logit diff| vs ours {res['peer']['max_logit_diff']:.2e}")
@@ -201,7 +203,8 @@ def main(argv=None) -> int:
         for k, v in r["variants"].items():
             if "tokens_per_sec" not in v:
                 continue
-            extra = "".join(f"  {f} {v[f]:.2f}" for f in ("tokens_per_round", "round_cost", "predicted_speedup") if f in v)
+            extra = "".join(f"  {f} {v[f]:.2f}" for f in ("tokens_per_round", "round_cost", "predicted_speedup")
+                            if f in v)
             if k == "auto":
                 extra = f"  {v['num_draft']} drafts; probe costs " + ", ".join(
                     f"{g}: {c:.2f}" for g, c in v["calibration"]["round_cost"].items())

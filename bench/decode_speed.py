@@ -48,7 +48,8 @@ def main(argv=None) -> int:
         alpha = "[" + ",".join(f"{a:.2f}" for a in r.get("acceptance_by_position", [])) + "]"
         print(f"{r['batch']:>5} {r['plain_tokens_per_sec']:>12.1f} {r.get('mtp_tokens_per_sec', 0):>10.1f} "
               f"{r.get('speedup', 0):>10.2f} {r.get('predicted_speedup', 0):>10.2f} {r['ngram_tokens_per_sec']:>12.1f} "
-              f"{r['ngram_speedup']:>12.2f} {r.get('tokens_per_round', 0):>10.2f} {alpha:>20} {r['outputs_identical']!s:>6}")
+              f"{r['ngram_speedup']:>12.2f} {r.get('tokens_per_round', 0):>10.2f} {alpha:>20} "
+              f"{r['outputs_identical']!s:>6}")
     print(f"num_draft={gamma}; costs relative to one plain round: " + "; ".join(
         f"batch {r['batch']}: v={r['verify_cost_v']:.2f} c={r.get('draft_cost_c', 0):.2f}" for r in rows))
     if args.json:

@@ -17,7 +17,6 @@ import functools
 import json
 import os
 import platform
-import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ class Calibration:
                 "expected_tokens": self.expected_tokens, "seconds": self.seconds, "source": self.source}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Calibration":
+    def from_dict(cls, d: dict) -> Calibration:
         """Inverse of as_dict (JSON turns the γ keys into strings)."""
         return cls(num_draft=int(d["num_draft"]), round_cost={int(k): float(v) for k, v in d["round_cost"].items()},
                    alpha_by_position=[float(a) for a in d["alpha_by_position"]],
@@ -112,7 +111,7 @@ def calibrate(model, prompts, specs: dict, seed: int = 0, probe: int = 32, repea
 
     times: dict = {g: ([], []) for g in specs}
     rounds, last = {}, {}
-    for g, spec in specs.items():  # compile and warm
+    for spec in specs.values():  # compile and warm
         timed(spec, short)
     done, spent = 0, 0.0
     while done < repeats or (spent < min_seconds and done < max_repeats):
@@ -171,13 +170,9 @@ def machine() -> str:
 
 def default_calibration_file() -> Path:
     """Where decode.py keeps calibrations: $MTPJAX_CACHE_DIR, else ~/.cache/mtpjax (never the run directory)."""
-    root = os.environ.get("MTPJAX_CACHE_DIR")
-    if not root:
-        try:
-            root = Path.home() / ".cache" / "mtpjax"
-        except (RuntimeError, KeyError):  # no home directory: the file is only a speed-up
-            root = Path(tempfile.gettempdir()) / "mtpjax"
-    return Path(root) / "decode_calibration.json"
+    from mtpjax.runtime import cache_root
+
+    return cache_root() / "decode_calibration.json"
 
 
 class SavedCalibrations:

@@ -28,15 +28,23 @@ class ModelConfig:
     head_dim: int = 0  # 0: d_model // n_heads
     d_ff: int = 0  # 0: SwiGLU width ~8/3 d_model rounded up to a multiple of 64
     rope_theta: float = 10000.0
+    rope_scaling: str = "none"  # none | llama3 (the four rope_* fields below)
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     norm_eps: float = 1e-6
+    qkv_bias: bool = False  # q/k/v projection biases (Qwen2)
     tie_embeddings: bool = True
     mtp_depth: int = 1
     mtp_kind: str = "sequential"  # sequential (DeepSeek-V3) | parallel (Gloeckle et al.)
+    mtp_init: str = "random"  # random | last_block (each module's block starts as a copy of the last trunk block)
     scan_layers: bool = False
     remat: str = "none"  # none | full | dots
     dtype: str = "float32"  # activation / compute dtype
     param_dtype: str = "float32"
     init_std: float = 0.02
+    attention: str = "auto"  # auto | xla | cudnn | pallas | splash: how attention is computed, not what (runtime-only)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -46,6 +54,14 @@ class ModelConfig:
     def resolved_d_ff(self) -> int:
         return self.d_ff or -(-(8 * self.d_model // 3) // 64) * 64
 
+    @property
+    def llama3_rope(self) -> tuple | None:
+        """(factor, low_freq_factor, high_freq_factor, original_max_len) when rope_scaling is llama3, else None."""
+        if self.rope_scaling != "llama3":
+            return None
+        return (self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                float(self.rope_original_max_len))
+
 
 @dataclass(frozen=True)
 class LossConfig:
@@ -54,10 +70,28 @@ class LossConfig:
     chunk_size: int = 0  # sequence positions per cross-entropy chunk; 0 = whole sequence at once
 
 
+SOURCES = ("stdlib", "text", "array", "parquet", "arrow")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+@dataclass(frozen=True)
+class MixtureSource:
+    """One source of a weighted data mixture (data.mixture); the rest of DataConfig is shared."""
+
+    name: str = ""  # TensorBoard tag part: eval/<name>/loss/main
+    source: str = "text"  # text | parquet | arrow | array | stdlib
+    paths: tuple[str, ...] = ()
+    weight: float = 1.0  # share of training windows (weights are normalized)
+    text_field: str = "text"  # the text column (parquet/arrow) or JSON-lines field
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "stdlib"  # stdlib | text | array
+    # Keys that do not change the prepared tokens or the stream: a resumed run may change them.
+    source: str = "stdlib"  # stdlib | text | array | parquet | arrow
     paths: tuple[str, ...] = ()
+    text_field: str = "text"  # the text column of parquet/arrow files, the field of JSON lines
+    mixture: tuple[MixtureSource, ...] = ()  # weighted sources; replaces source/paths/text_field
     tokenizer: str = "byte"  # byte | bpe | path to tokenizer.json or sentencepiece .model
     bpe_vocab_size: int = 1024
     seq_len: int = 256
@@ -65,6 +99,7 @@ class DataConfig:
     val_fraction: float = 0.05
     shuffle: bool = True
     num_workers: int = 0
+    prepare_workers: int = 0  # processes that read and tokenize during preparation (0: this process)
 
 
 @dataclass(frozen=True)
@@ -95,6 +130,8 @@ class TrainConfig:
     max_skipped_steps: int = 10
     peak_flops: float = 0.0  # FLOP/s per device for MFU; 0 = measure a matmul at start
     progress: bool = True
+    profile: str = ""  # "start:stop": a jax.profiler trace of those steps in the run's TensorBoard dir
+    compilation_cache: bool = True  # persistent XLA compilation cache under $MTPJAX_CACHE_DIR
 
 
 @dataclass(frozen=True)
@@ -141,6 +178,18 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
+# Keys that say how to compute, not what: a run resumes, and a checkpoint decodes, with another value.
+# Keys that change neither the weights nor the prepared tokens and their stream (a backend, worker counts, a cache
+# location): a run resumes, and a checkpoint decodes, with other values.
+RUNTIME_KEYS = frozenset({"model.attention", "data.cache_dir", "data.num_workers", "data.prepare_workers"})
+ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "pallas", "splash")
+
+
+def identity(cfg: Config, section: str) -> dict:
+    """cfg's `section` as a plain dict without its runtime-only keys (what must match to be the same run)."""
+    return {k: v for k, v in cfg.to_dict()[section].items() if f"{section}.{k}" not in RUNTIME_KEYS}
+
+
 def _plain(x):
     if isinstance(x, dict):
         return {k: _plain(v) for k, v in x.items()}
@@ -152,15 +201,32 @@ def _plain(x):
 # ----------------------------------------------------------------------------- parsing
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML without base-60 integers: `train.profile=10:15` stays the string "10:15", not 615."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    c: [(tag, rx) for tag, rx in rs if tag != "tag:yaml.org,2002:int"]
+    for c, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(
+    r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"), list("-+0123456789"))
+
+
+def _yaml(text: str):
+    return yaml.load(text, Loader=_Loader)
+
+
 def _fail(key: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"config key '{key}' = {value!r} is invalid: {allowed}")
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, f"{key}.")
     origin = typing.get_origin(tp)
     if origin is tuple:
         (item_tp, *_) = typing.get_args(tp)
-        if isinstance(value, str):
+        if isinstance(value, str) and not dataclasses.is_dataclass(item_tp):
             value = [value]
         if not isinstance(value, (list, tuple)):
             raise _fail(key, value, "expected a list")
@@ -224,7 +290,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if not all(parts):
         raise ConfigError(f"override '{item}' has an empty key part; use section.key=value")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = _yaml(text) if text.strip() else ""
     except yaml.YAMLError:
         value = text
     return parts, value
@@ -250,7 +316,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
         if not p.is_file():
             raise ConfigError(f"config file '{p}' does not exist; pass a path such as configs/tiny.yaml")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = _yaml(p.read_text()) or {}
         except yaml.YAMLError as e:
             line = getattr(getattr(e, "problem_mark", None), "line", None)
             where = f" (line {line + 1})" if line is not None else ""
@@ -320,6 +386,16 @@ def parse_lambda(spec: str) -> tuple[str, dict]:
         raise bad from None
 
 
+def parse_profile(spec: str) -> tuple[int, int] | None:
+    """train.profile "start:stop" -> (start, stop) with 0 <= start < stop; "" -> None; ConfigError otherwise."""
+    if not spec:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", spec)
+    if not m or int(m[1]) >= int(m[2]):
+        raise _fail("train.profile", spec, "expected start:stop with 0 <= start < stop (steps), e.g. 10:15, or empty")
+    return int(m[1]), int(m[2])
+
+
 def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
     if not cond:
         raise _fail(key, value, allowed)
@@ -347,7 +423,15 @@ def validate(cfg: Config) -> None:
     _choice("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
     _choice("model.param_dtype", m.param_dtype, ("float32", "bfloat16"))
     _check(m.rope_theta > 0, "model.rope_theta", m.rope_theta, "must be > 0")
+    _choice("model.rope_scaling", m.rope_scaling, ("none", "llama3"))
+    _check(m.rope_scaling_factor >= 1, "model.rope_scaling_factor", m.rope_scaling_factor, "must be >= 1")
+    _check(m.rope_low_freq_factor > 0, "model.rope_low_freq_factor", m.rope_low_freq_factor, "must be > 0")
+    _check(m.rope_high_freq_factor > m.rope_low_freq_factor, "model.rope_high_freq_factor", m.rope_high_freq_factor,
+           f"must be > model.rope_low_freq_factor={m.rope_low_freq_factor}")
+    _check(m.rope_original_max_len > 0, "model.rope_original_max_len", m.rope_original_max_len, "must be > 0")
+    _choice("model.mtp_init", m.mtp_init, ("random", "last_block"))
     _check(m.init_std > 0, "model.init_std", m.init_std, "must be > 0")
+    _choice("model.attention", m.attention, ATTENTION_BACKENDS)
 
     parse_lambda(cfg.loss.mtp_lambda)
     _check(cfg.loss.chunk_size >= 0, "loss.chunk_size", cfg.loss.chunk_size, "must be >= 0 (0 = no chunking)")
@@ -355,14 +439,19 @@ def validate(cfg: Config) -> None:
            cfg.loss.chunk_size, f"must divide data.seq_len={cfg.data.seq_len} (or be 0)")
 
     d = cfg.data
-    _choice("data.source", d.source, ("stdlib", "text", "array"))
+    _choice("data.source", d.source, SOURCES)
+    _check(bool(d.text_field), "data.text_field", d.text_field, "must name a column / JSON field")
     _check(d.seq_len >= m.mtp_depth + 2, "data.seq_len", d.seq_len,
            f"must be >= model.mtp_depth + 2 = {m.mtp_depth + 2} so every depth has a target")
     _check(0.0 < d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "must be in (0, 1)")
     _check(d.bpe_vocab_size >= 260, "data.bpe_vocab_size", d.bpe_vocab_size, "must be >= 260")
     _check(d.num_workers >= 0, "data.num_workers", d.num_workers, "must be >= 0")
-    _check(d.source == "stdlib" or len(d.paths) > 0, "data.paths", list(d.paths),
-           f"data.source={d.source} needs at least one path")
+    _check(d.prepare_workers >= 0, "data.prepare_workers", d.prepare_workers, "must be >= 0 (0: this process)")
+    if d.mixture:
+        _validate_mixture(d)
+    else:
+        _check(d.source == "stdlib" or len(d.paths) > 0, "data.paths", list(d.paths),
+               f"data.source={d.source} needs at least one path")
 
     o = cfg.optim
     _check(o.lr > 0, "optim.lr", o.lr, "must be > 0")
@@ -387,6 +476,7 @@ def validate(cfg: Config) -> None:
     _check(t.max_skipped_steps >= 0, "train.max_skipped_steps", t.max_skipped_steps, "must be >= 0")
     _check(t.peak_flops >= 0, "train.peak_flops", t.peak_flops, "must be >= 0 (0 = measure)")
     _check(bool(t.run_dir), "train.run_dir", t.run_dir, "must be a directory path")
+    parse_profile(t.profile)
 
     for k in ("data", "fsdp", "tensor"):
         _check(getattr(cfg.mesh, k) > 0, f"mesh.{k}", getattr(cfg.mesh, k), "must be > 0")
@@ -405,6 +495,25 @@ def validate(cfg: Config) -> None:
     _check(dc.top_k >= 0, "decode.top_k", dc.top_k, "must be >= 0 (0 disables)")
     _check(0 < dc.top_p <= 1, "decode.top_p", dc.top_p, "must be in (0, 1]")
     _check(dc.max_len > 1, "decode.max_len", dc.max_len, "must be > 1")
+
+
+def _validate_mixture(d: DataConfig) -> None:
+    _check(not d.paths, "data.paths", list(d.paths),
+           "must be empty when data.mixture is set (each source has its paths)")
+    _check(d.tokenizer != "bpe", "data.tokenizer", d.tokenizer, "a mixture needs one fixed tokenizer for every "
+           "source: byte, or a tokenizer.json / .model (e.g. the one `python -m mtpjax.data prepare` trained)")
+    seen = set()
+    for i, m in enumerate(d.mixture):
+        key = f"data.mixture[{i}]"
+        _check(bool(_NAME_RE.match(m.name)), f"{key}.name", m.name,
+               "must be a non-empty name of letters, digits, _ . -")
+        _check(m.name not in seen, f"{key}.name", m.name, "is repeated; give every source its own name")
+        seen.add(m.name)
+        _choice(f"{key}.source", m.source, SOURCES)
+        _check(m.source == "stdlib" or len(m.paths) > 0, f"{key}.paths", list(m.paths),
+               f"source {m.source} needs at least one path")
+        _check(m.weight > 0, f"{key}.weight", m.weight, "must be > 0")
+        _check(bool(m.text_field), f"{key}.text_field", m.text_field, "must name a column / JSON field")
 
 
 def field_doc() -> list[tuple[str, Any]]:

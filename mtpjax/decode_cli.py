@@ -29,7 +29,8 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts-file", help="a file with one prompt per line (\\n escapes allowed)")
     src.add_argument("--eval", action="store_true", help="validation metrics + speculative speed report")
     p.add_argument("--num-draft", type=_num_draft, default=None,
-                   help="drafts per round, or auto: measure 0..mtp_depth on the prompts and use the fastest (default: decode.num_draft)")
+                   help="drafts per round, or auto: measure 0..mtp_depth on the prompts and use the fastest "
+                        "(default: decode.num_draft)")
     p.add_argument("--proposer", choices=("mtp", "ngram"), default=None)
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
@@ -129,7 +130,8 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int) -> int:
             c = s["calibration"]
             how = (f"saved in {saved.path}; --recalibrate measures again" if c["source"] == "saved"
                    else f"probe took {c['seconds']:.1f}s")
-            print(f"[auto] round cost vs plain {_fmt(c['round_cost'])}, expected tokens/round {_fmt(c['expected_tokens'])} "
+            print(f"[auto] round cost vs plain {_fmt(c['round_cost'])}, "
+                  f"expected tokens/round {_fmt(c['expected_tokens'])} "
                   f"-> num_draft={c['num_draft']} ({how})", file=sys.stderr)
     return 0
 
@@ -228,12 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     import absl.logging
 
     absl.logging.set_verbosity(absl.logging.ERROR)  # orbax's read-only notice is not news to a reader
+    from mtpjax import runtime
     from mtpjax.checkpoint import CheckpointError, load_model_step
     from mtpjax.data import DataError
     from mtpjax.speculative import DecodeError
 
     try:
         cfg, model, tok, step = load_model_step(args.run_dir, args.step)
+        runtime.enable_compilation_cache(cfg.train.compilation_cache)  # under $MTPJAX_CACHE_DIR, not the run
         if args.eval:
             return _eval(args, cfg, model, tok, Path(args.run_dir), step)
         return _generate(args, cfg, model, tok, Path(args.run_dir), step)

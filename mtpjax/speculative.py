@@ -83,7 +83,7 @@ def _draft_mtp(model: MTPTransformer, st: DecodeState, spec: DecodeSpec, start_B
     """Module k drafts token k from a recomputed window [start, start+W) ending at n-2; last module reused."""
     D, G, B = model.cfg.mtp_depth, spec.num_draft, st.n_B.shape[0]
     sequential = model.cfg.mtp_kind == "sequential"
-    pos_BW = start_B[:, None] + jnp.arange(W, dtype=jnp.int32)
+    pos_BW = start_B[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :]
     out_idx = st.n_B - 2 - start_B
     h0_BWD = read_rows(st.h0_BSD, start_B, W)
     h_prev, seq, mtp = h0_BWD, st.seq_BS, st.cache.mtp
@@ -118,7 +118,7 @@ def _draft_ngram(seq_BS, n_B, G: int, max_n: int):
         eq &= (n_B >= m + 1)[:, None]
         j = jnp.max(jnp.where(eq, pos[None, :], -1), axis=1).astype(jnp.int32)
         best = jnp.where(best < 0, j, best)
-    idx = jnp.minimum(best[:, None] + 1 + jnp.arange(G), n_B[:, None] - 1)
+    idx = jnp.minimum(best[:, None] + 1 + jnp.arange(G)[None, :], n_B[:, None] - 1)
     last = take_rows(seq_BS, n_B - 1)[:, None]
     drafts = jnp.where(best[:, None] >= 0, jnp.take_along_axis(seq_BS, idx, axis=1), last)
     return drafts.astype(jnp.int32)
@@ -202,7 +202,7 @@ def _round(model: MTPTransformer, st: DecodeState, spec: DecodeSpec, it):
     """One verify → accept → commit → propose round."""
     last = take_rows(st.seq_BS, st.n_B - 1)[:, None]
     vt = jnp.concatenate([last, st.drafts_BG], axis=1)
-    pos = (st.n_B - 1)[:, None] + jnp.arange(vt.shape[1], dtype=jnp.int32)
+    pos = (st.n_B - 1)[:, None] + jnp.arange(vt.shape[1], dtype=jnp.int32)[None, :]
     with jax.named_scope("verify"):
         h, trunk = model.trunk(vt, pos, cache=st.cache.trunk)
     h0 = write_rows(st.h0_BSD, h, st.n_B - 1) if spec.proposer == "mtp" and spec.num_draft else st.h0_BSD
@@ -237,7 +237,8 @@ def _prefill(model: MTPTransformer, tokens_BP, plen_B, budget_B, ref_BS, key, sp
     V = cfg.vocab_size if (not spec.sampler.greedy) else 1
     st = DecodeState(
         cache=DecodeCache(trunk=trunk, mtp=cache.mtp), seq_BS=seq, h0_BSD=h0, n_B=plen_B + 1,
-        prompt_len_B=plen_B, budget_B=budget_B, ref_BS=ref_BS, drafts_BG=jnp.zeros((B, G), jnp.int32), q_BGV=jnp.zeros((B, G, V), jnp.float32),
+        prompt_len_B=plen_B, budget_B=budget_B, ref_BS=ref_BS, drafts_BG=jnp.zeros((B, G), jnp.int32),
+        q_BGV=jnp.zeros((B, G, V), jnp.float32),
         done_B=done, rounds_B=jnp.zeros((B,), jnp.int32), reached_BG=jnp.zeros((B, G), jnp.int32),
         accepted_BG=jnp.zeros((B, G), jnp.int32), key=key)
     return _propose(model, st, spec, jnp.zeros((B,), jnp.int32), P, 0)

@@ -262,8 +262,6 @@ def test_stochastic_speculative_preserves_target_distribution(top_k):
     exact = _exact_joint(model, prompt, sampler, n_tok)
 
     def tv(num_draft, proposer="mtp", broken=False):
-        import mtpjax.speculative as sp
-
         spec = make_spec(model, [prompt] * N, max_new_tokens=n_tok, num_draft=num_draft, proposer=proposer,
                          sampler=sampler, eos_id=None, max_len=None)
         res = summarize(run(model, [prompt] * N, spec, seed=7))
@@ -382,7 +380,8 @@ def test_saved_calibration_is_reused_and_kept_per_machine_and_model(half_trained
     def fake_calibrate(model, prompts, specs, seed=0, **kw):
         probes.append(sorted(specs))
         return autodraft.Calibration(num_draft=len(probes) % 3, round_cost={g: 1.0 + g for g in specs},
-                                     alpha_by_position=[0.5, 0.25], expected_tokens={g: 1.0 for g in specs}, seconds=1.5)
+                                     alpha_by_position=[0.5, 0.25], expected_tokens={g: 1.0 for g in specs},
+                                     seconds=1.5)
 
     monkeypatch.setattr(autodraft, "calibrate", fake_calibrate)
 

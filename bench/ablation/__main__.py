@@ -17,8 +17,8 @@ from mtpjax.train_loop import NonFiniteError, TrainError
 # --smoke: a few seconds of training per variant on a 2-layer, 32-wide model (what the tests run)
 SMOKE = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64",
          "data.seq_len=32", "train.batch_size=8", "train.eval_every=1", "train.eval_batches=1", "train.log_every=2",
-         "train.num_samples=1", "train.peak_flops=1e9", "train.progress=false", "checkpoint.every=4", "optim.warmup_steps=2",
-         "optim.lr=1e-2"]
+         "train.num_samples=1", "train.peak_flops=1e9", "train.progress=false", "checkpoint.every=4",
+         "optim.warmup_steps=2", "optim.lr=1e-2"]
 SMOKE_STEPS, SMOKE_ROUNDS = 8, 2
 
 

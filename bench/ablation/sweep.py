@@ -99,6 +99,7 @@ def run_all(runs: list[Run], log=print) -> bool:
         ev = read_evals(r.dir)
         last = ev[-1] if ev else {}
         bpb = f", bits/byte {last['bits_per_byte']:.4f}" if "bits_per_byte" in last else ""
-        log(f"{head}: done in {_fmt(time.perf_counter() - t0)}, eval loss/main {last.get('loss/main', float('nan')):.4f}"
-            f"{bpb} at step {last.get('step')}; {prog.eta()}")
+        loss = last.get("loss/main", float("nan"))
+        log(f"{head}: done in {_fmt(time.perf_counter() - t0)}, eval loss/main {loss:.4f}{bpb} at step"
+            f" {last.get('step')}; {prog.eta()}")
     return True
