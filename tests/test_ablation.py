@@ -15,14 +15,14 @@ import pytest
 from flax import nnx
 from train_helpers import write_corpus
 
-from bench.ablation import grid, report
+from bench.ablation import grid, report, sweep
 from bench.ablation.__main__ import SMOKE, main
 from mtpjax import train_loop
 from mtpjax.config import load_config, replace
 from mtpjax.eval_log import append_eval, read_evals
 from mtpjax.model import MTPModule, MTPTransformer, build_model
 from mtpjax.sharding import make_mesh
-from mtpjax.train_step import abstract_state, init_state
+from mtpjax.train_step import make_programs
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "configs" / "ablation.yaml")
@@ -54,8 +54,7 @@ def test_shared_parameters_start_identical_in_every_variant(tmp_path):
     inits = {}
     for v in vs:  # the jitted sharded init the train loop uses
         cfg = grid.variant_config(base, v, 0, 8, tmp_path / v.name)
-        _, _, sh = abstract_state(cfg, mesh)
-        inits[v.name] = _shared(init_state(cfg, mesh, sh)[0])
+        inits[v.name] = _shared(make_programs(cfg, mesh).init().params)
     ref = inits["d0"]
     assert len(ref) > 10 and any("embed" in k for k in ref) and any("blocks" in k for k in ref)
     for name, shared in inits.items():
@@ -147,6 +146,9 @@ def test_report_pairs_by_seed_and_reads_d0_at_equal_flops(tmp_path):
     assert res["tokens"] == 8 * base.train.batch_size * base.data.seq_len
     text = report.table(res)
     assert "d2-par-constant_0.3" in text and "-0.2500 ± 0.0000" in text and f"({n})" in text
+    md = report.markdown(res).splitlines()  # the README's table: the same cells between pipes
+    assert md[2].count("|") == len(report.HEAD) + 1 and md[3].startswith("| ---")
+    assert [line.split(" | ")[0] for line in md[4:]] == [f"| {v.name}" for v in vs]
     summ = report.summary(res)
     assert [r["variant"] for r in summ["rows"]] == [v.name for v in vs[1:]]
     from bench.ablation.plots import make_plots
@@ -200,17 +202,35 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     assert not out.exists()  # nothing written
 
 
-def test_an_out_dir_of_another_sweep_is_refused(tmp_path, capsys):
-    base = _base(tmp_path)
-    old = grid.variant_config(base, grid.Variant(0), 0, 30, tmp_path / "out" / "seed0" / "d0")
+def _old_run(tmp_path, base, steps, *over):
+    """A run dir of D=0 as another sweep left it (only its config.yaml)."""
+    old = replace(grid.variant_config(base, grid.Variant(0), 0, steps, tmp_path / "out" / "seed0" / "d0"), list(over))
     old_dir = Path(old.train.run_dir)
     old_dir.mkdir(parents=True)
     (old_dir / "config.yaml").write_text(old.to_yaml())
+    return old_dir
+
+
+@pytest.mark.parametrize("schedule, over, said", [
+    ("constant", ["optim.lr=0.5"], "was trained with optim.lr=0.5, this sweep asks"),
+    ("cosine", [], "was trained with train.steps=30, this sweep asks"),  # the run's length sets its lr
+])
+def test_an_out_dir_of_another_sweep_is_refused(tmp_path, capsys, schedule, over, said):
+    sched = f"optim.schedule={schedule}"
+    old_dir = _old_run(tmp_path, _base(tmp_path, sched), 30, *over)
     before = sorted(p.name for p in old_dir.iterdir())
-    assert main(["--smoke", "--config", CONFIG, "--out", str(tmp_path / "out"), *_data(tmp_path)]) == 2
+    assert main(["--smoke", "--config", CONFIG, "--out", str(tmp_path / "out"), *_data(tmp_path), sched]) == 2
     err = capsys.readouterr().err
-    assert "was trained with train.steps=30, this sweep asks" in err and "pass another --out" in err
+    assert said in err and "pass another --out" in err
     assert sorted(p.name for p in old_dir.iterdir()) == before
+
+
+def test_under_a_constant_lr_a_run_of_another_length_is_continued(tmp_path):
+    """Its first steps do not depend on its length (test_d0_read_at_step_n_...), so --steps may change."""
+    base = _base(tmp_path)
+    _old_run(tmp_path, base, 30)
+    vs = grid.variants([0, 2], {"sequential": [2]}, ["constant:0.3"])
+    sweep.check_same_sweep(grid.plan_runs(base, vs, [0], 8, tmp_path / "out"))
 
 
 # ----------------------------------------------------------------------------- real sweeps (smoke size)
@@ -224,31 +244,30 @@ def _fingerprint(x) -> str:
 def test_variants_see_the_same_batches_and_start_from_the_same_shared_parameters(tmp_path, monkeypatch):
     """Recorded inside the train loop of a real sweep: every batch each variant trains and evaluates on."""
     seen: dict[str, dict] = {}
-    real_programs, real_init = train_loop.make_programs, train_loop.init_state
+    real_programs = train_loop.make_programs
 
     def programs(cfg, *a, **kw):
         progs = real_programs(cfg, *a, **kw)
         rec = seen.setdefault(Path(cfg.train.run_dir).name, {"train": [], "eval": []})
 
-        def train_step(state, tok, seg, step):
-            rec["train"].append((int(step), _fingerprint(tok), _fingerprint(seg)))
-            return progs.train_step(state, tok, seg, step)
+        def init():
+            state = progs.init()
+            rec["init"] = _shared(state.params)
+            return state
 
-        def eval_step(state, tok, seg, step):
+        def train_step(state, tok, seg):
+            rec["train"].append((int(state.step), _fingerprint(tok), _fingerprint(seg)))
+            return progs.train_step(state, tok, seg)
+
+        def eval_step(state, tok, seg):
             rec["eval"].append(_fingerprint(tok))
-            return progs.eval_step(state, tok, seg, step)
+            return progs.eval_step(state, tok, seg)
 
         import dataclasses
 
-        return dataclasses.replace(progs, train_step=train_step, eval_step=eval_step)
-
-    def init(cfg, mesh, shardings):
-        state = real_init(cfg, mesh, shardings)
-        seen.setdefault(Path(cfg.train.run_dir).name, {"train": [], "eval": []})["init"] = _shared(state[0])
-        return state
+        return dataclasses.replace(progs, init=init, train_step=train_step, eval_step=eval_step)
 
     monkeypatch.setattr(train_loop, "make_programs", programs)
-    monkeypatch.setattr(train_loop, "init_state", init)
     out = tmp_path / "out"
     argv = ["--smoke", "--config", CONFIG, "--out", str(out), "--depths", "0,2", "--kinds", "sequential,parallel",
             "--timing-rounds", "1", *_data(tmp_path)]

@@ -130,14 +130,16 @@ def fmt_spread(s: dict | None, digits: int = 4, sign: bool = False) -> str:
     return f.format(s["mean"]) + (f" ± {s['std']:.{digits}f}" if s["std"] is not None else "")
 
 
-def table(res: dict) -> str:
-    """The results as a fixed-width table (one row per variant)."""
-    head = ["variant", "loss/main", "bits/byte", "Δ loss vs D=0", "Δ at equal FLOPs (D=0 steps)",
-            "mtp_k loss", "agreement_k", "E tok/round", "FLOPs ×", "step time ×"]
-    lines = [head]
+HEAD = ["variant", "loss/main", "bits/byte", "Δ loss vs D=0", "Δ at equal FLOPs (D=0 steps)", "mtp_k loss",
+        "agreement_k", "E tok/round", "FLOPs ×", "step time ×"]
+
+
+def _cells(res: dict) -> list[list[str]]:
+    """One row of formatted cells per variant, in HEAD's order."""
+    out = []
     for name, r in res["variants"].items():
         eqf = r.get("equal_flops")
-        lines.append([
+        out.append([
             name, fmt_spread(r["loss_main"]), fmt_spread(r.get("bits_per_byte")),
             fmt_spread(r["delta_loss_main"], sign=True) if r["depth"] else "-",
             f"{fmt_spread(eqf['delta_loss_main'], sign=True)} ({eqf['d0_steps']})" if eqf else "-",
@@ -145,10 +147,32 @@ def table(res: dict) -> str:
             " / ".join(f"{s['mean']:.3f}" for s in r["agreement"]) or "-",
             f"{r['expected_tokens_per_round']['mean']:.3f}", f"{r['flops_ratio']:.3f}",
             f"{r['step_time_ratio']:.3f}" if "step_time_ratio" in r else "-"])
-    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
-    n_seeds = len(res["seeds"])
-    title = (f"{res['steps']} steps = {res['tokens']:,} tokens per run, {n_seeds} seed(s) (mean ± sd over seeds); "
-             f"trunk {res['scale']['trunk_params'] / 1e6:.2f}M params; validation {res['scale']['eval_tokens']:,} "
-             f"tokens; Δ = variant − D=0, paired by seed; equal FLOPs: D=0 after steps × FLOPs ratio "
-             f"({res['equal_flops_mode']} mode, lr schedule {res['lr_schedule']})")
-    return "\n".join([title] + ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines])
+    return out
+
+
+def title(res: dict) -> str:
+    return (f"{res['steps']} steps = {res['tokens']:,} tokens per run, {len(res['seeds'])} seed(s) (mean ± sd over "
+            f"seeds); trunk {res['scale']['trunk_params'] / 1e6:.2f}M params; validation "
+            f"{res['scale']['eval_tokens']:,} tokens; Δ = variant − D=0, paired by seed; equal FLOPs: D=0 after "
+            f"steps × FLOPs ratio ({res['equal_flops_mode']} mode, lr schedule {res['lr_schedule']})")
+
+
+def table(res: dict) -> str:
+    """The results as a fixed-width table (one row per variant)."""
+    lines = [HEAD, *_cells(res)]
+    widths = [max(len(row[i]) for row in lines) for i in range(len(HEAD))]
+    return "\n".join([title(res)] + ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines])
+
+
+def markdown(res: dict) -> str:
+    """The same table in Markdown, for the README: `python -m bench.ablation.report <results.json>`."""
+    rows = [HEAD, ["---"] * len(HEAD), *_cells(res)]
+    return "\n".join([title(res) + ":", ""] + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    for path in sys.argv[1:]:
+        print(markdown(json.loads(open(path).read())))
