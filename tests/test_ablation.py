@@ -314,10 +314,11 @@ def test_d0_read_at_step_n_of_the_longer_run_equals_a_run_of_n_steps(tmp_path):
 
 def _sweep(out: Path, data: list[str], *, kill_after: list[str] | None = None) -> subprocess.CompletedProcess | None:
     """The smoke sweep in a child process; with kill_after, SIGKILL it once those lines have appeared in order."""
-    cmd = [sys.executable, "-m", "bench.ablation", "--smoke", "--config", CONFIG, "--out", str(out), *data]
+    cmd = [sys.executable, "-m", "bench.ablation", "--smoke", "--config", CONFIG, "--out", str(out), "--depths", "0,2",
+           "--timing-rounds", "1", *data]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if kill_after is None:
-        return subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        return subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     want = list(kill_after)
     for line in proc.stdout:  # event-driven: the kill follows the line it waits for
@@ -347,15 +348,15 @@ def test_smoke_sweep_killed_and_rerun_equals_an_uninterrupted_one(tmp_path):
     data = _data(tmp_path)
     whole = _sweep(tmp_path / "a", data)
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
-    assert "[4/4] seed 0 d2-par-constant_0.3" in whole.stdout and "ETA" in whole.stdout
+    assert "[3/3] seed 0 d2-par-constant_0.3" in whole.stdout and "ETA" in whole.stdout
     b = tmp_path / "b"
-    _sweep(b, data, kill_after=["[2/4] seed 0 d1-seq"])  # between variants: d0 done, d1 not started
-    _sweep(b, data, kill_after=["[1/4] seed 0 d0 (D=0): complete", "[3/4] seed 0 d2-seq", "step 5: eval"])  # mid-run
-    assert (b / "seed0" / "d2-seq-constant_0.3" / "eval.jsonl").exists()
+    _sweep(b, data, kill_after=["[2/3] seed 0 d2-seq"])  # between variants: d0 done, d2-seq not started
+    _sweep(b, data, kill_after=["[1/3] seed 0 d0 (D=0): complete", "[3/3] seed 0 d2-par", "step 5: eval"])  # mid-run
+    assert (b / "seed0" / "d2-par-constant_0.3" / "eval.jsonl").exists()
     assert not (b / "results.json").exists()
     rest = _sweep(b, data)
     assert rest.returncode == 0, rest.stdout[-3000:] + rest.stderr[-3000:]
-    assert "[2/4] seed 0 d1-seq-constant_0.3 (D=1 sequential λ=constant:0.3): complete" in rest.stdout
+    assert "[2/3] seed 0 d2-seq-constant_0.3 (D=2 sequential λ=constant:0.3): complete" in rest.stdout
     ra, rb = (json.loads((d / "results.json").read_text()) for d in (tmp_path / "a", b))
     assert _without_timings(ra) == _without_timings(rb)
     assert ra["variants"]["d2-seq-constant_0.3"]["equal_flops"]["d0_steps"] > 8
