@@ -66,5 +66,8 @@ def evidence_lines(trunk_params: int, results_path: Path | None = None, seeds_pa
     head = f"does MTP help the main model? this config has a {trunk_params / 1e6:.1f}M-parameter trunk"
     res = _summary(results_path or RESULTS)
     if res is not None and res.get("trunk_params"):
-        head += f", {trunk_params / res['trunk_params']:.3g}x the one measured here"
+        ratio = trunk_params / res["trunk_params"]
+        head += f", {ratio:.3g}x the one measured here"
+        # within a decade the measurement speaks for this config; beyond it, the published scales do
+        head += " (the measurement applies)" if 0.1 <= ratio <= 10 else " (far from it: see the published results)"
     return [head, *measured_lines(results_path, seeds_path), *(f"  published: {p}" for p in PUBLISHED)]

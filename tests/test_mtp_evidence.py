@@ -31,7 +31,9 @@ def test_without_a_committed_sweep_the_plan_says_not_yet_measured(tmp_path):
 
 def test_the_measured_differences_are_stated_next_to_the_published_ones(tmp_path):
     lines = evidence_lines(8_860_000, _summary(tmp_path / "results.json"), tmp_path / "absent.json")
-    assert lines[0].endswith("8.9M-parameter trunk, 2x the one measured here")
+    assert lines[0].endswith("8.9M-parameter trunk, 2x the one measured here (the measurement applies)")
+    big = evidence_lines(1_000_000_000, tmp_path / "results.json", tmp_path / "absent.json")[0]
+    assert big.endswith("226x the one measured here (far from it: see the published results)")
     assert "4.4M-parameter trunk, 2.05M tokens, byte tokens of the stdlib corpus, 2 seed(s)" in lines[1]
     assert "D=1 sequential λ=constant:0.3" in lines[2]
     assert "-0.031 ± 0.004 at equal tokens, +0.012 at equal training FLOPs" in lines[2]
