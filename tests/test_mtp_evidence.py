@@ -60,6 +60,7 @@ def test_plan_cli_prints_the_section(tmp_path, monkeypatch, capsys):
 
 def test_the_committed_conclusion_follows_the_numbers(tmp_path, monkeypatch):
     path, none = _summary(tmp_path / "results.json"), tmp_path / "absent.json"
+    monkeypatch.setattr(mtp_evidence, "CONCLUSION", None)
     assert not any("in short" in line for line in evidence_lines(1, path, none))
     monkeypatch.setattr(mtp_evidence, "CONCLUSION", "MTP helped at equal tokens, not at equal FLOPs.")
     assert "  in short: MTP helped at equal tokens, not at equal FLOPs." in evidence_lines(1, path, none)
