@@ -23,6 +23,7 @@ from mtpjax.model import build_model, mtp_from_last_block
 TRUNK_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "resolved_head_dim", "resolved_d_ff",
               "rope_theta", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
               "rope_original_max_len", "norm_eps", "qkv_bias", "tie_embeddings")
+_READ_ONLY = ocp.CheckpointManagerOptions(save_interval_steps=0, create=False, read_only=True)
 PROBE_TEXT = "def f(x):\n    return {'é': x ** 2}  # 你好, tokenizers\n"
 
 
@@ -44,21 +45,21 @@ def source_config(cfg: Config, fresh: bool = False) -> Config | None:
     """The init_from run's config after checking it can start `cfg`; None when init_from is unset or not read
     (the new run directory already has a checkpoint and is not --fresh). InitFromError otherwise; nothing written."""
     t = cfg.train
-    if not t.init_from or (not fresh and _steps(Path(t.run_dir).expanduser())):
-        return None
     src = Path(t.init_from).expanduser()
     where = f"train.init_from '{t.init_from}'"
+    if t.init_from and src.resolve() == Path(t.run_dir).expanduser().resolve():
+        raise InitFromError(f"{where} is this run's own train.run_dir; post-training starts a new run: set another "
+                            "train.run_dir")
+    if not t.init_from or (not fresh and _steps(Path(t.run_dir).expanduser())):
+        return None
     if not src.is_dir():
         raise InitFromError(f"{where} is not a directory; pass the train.run_dir of a trained run or the --out of "
                             "`python -m mtpjax.convert import`")
-    if src.resolve() == Path(t.run_dir).expanduser().resolve():
-        raise InitFromError(f"{where} is this run's own train.run_dir; post-training starts a new run: set another "
-                            "train.run_dir")
     steps = _steps(src)
     if not steps:
         raise InitFromError(f"{where} holds no complete checkpoint; train it first or pass another run directory")
     try:
-        mngr = ocp.CheckpointManager(ckpt_dir(src), options=ocp.CheckpointManagerOptions(read_only=True))
+        mngr = ocp.CheckpointManager(ckpt_dir(src), options=_READ_ONLY)
         meta = mngr.restore(steps[-1], args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         mngr.close()
         scfg = from_dict(meta["config"])
@@ -102,7 +103,7 @@ def _source_params(src: Path, scfg: Config) -> dict:
     """The source's newest model parameters as a pure dict of host numpy arrays (every process reads them)."""
     abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(scfg))))
     args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), abstract)
-    mngr = ocp.CheckpointManager(ckpt_dir(src), options=ocp.CheckpointManagerOptions(read_only=True))
+    mngr = ocp.CheckpointManager(ckpt_dir(src), options=_READ_ONLY)
     try:
         out = mngr.restore(_steps(src)[-1], args=ocp.args.Composite(
             model=ocp.args.PyTreeRestore(item=abstract, restore_args=args)))["model"]

@@ -137,9 +137,9 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
     runtime.enable_compilation_cache(cfg.train.compilation_cache)
     mesh = make_mesh(cfg.mesh)
     check_parallelism(cfg, mesh)
+    source = posttrain.source_config(cfg, fresh)  # checked before anything is written
     if not fresh:
         rundir.check_identity(cfg)
-    source = posttrain.source_config(cfg, fresh)  # checked before anything is written
     rundir.probe_writable(Path(cfg.train.run_dir))
     prepared, train_it, val, val_sources = open_data(cfg, mesh)
     posttrain.check_tokenizer(cfg, source, prepared.tokenizer)
