@@ -200,3 +200,38 @@ def test_self_targets_beat_data_targets_on_a_frozen_trunk(tmp_path):
         got[target] = (out["eval/agreement/mtp_1"], out["eval/accept_prob/mtp_1"])
     print(got)
     assert got["self"][0] > got["data"][0] and got["self"][1] > got["data"][1], got
+
+
+@pytest.mark.slow
+def test_an_imported_model_post_trains_and_decodes(tmp_path):
+    """transformers Qwen2 → `convert import` → init_from + freeze=trunk → decode.py: the imported trunk stays
+    bitwise, and speculative greedy output with the post-trained modules equals plain greedy output."""
+    import subprocess
+    import sys
+
+    from test_convert import ROOT, _hf_model, _tokenizer_json, cli
+
+    from mtpjax.checkpoint import read_run_config
+
+    hf_dir, imp = tmp_path / "qwen2", tmp_path / "imported"
+    _hf_model("qwen2").save_pretrained(str(hf_dir))
+    _tokenizer_json(hf_dir)
+    assert cli("import", "--hf", hf_dir, "--out", imp, "model.mtp_depth=2") == 0
+    corpus = write_corpus(tmp_path)
+    cfg = replace(read_run_config(imp), [
+        "data.source=text", f"data.paths={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=32",
+        "data.val_fraction=0.1", "train.batch_size=8", "train.eval_batches=1", "train.num_samples=1",
+        "train.progress=false", "train.peak_flops=1e9", f"train.run_dir={tmp_path / 'post'}", f"train.init_from={imp}",
+        "train.freeze=trunk", "loss.mtp_target=self", "train.steps=6", "train.eval_every=6", "checkpoint.every=3"])
+    out = train(cfg)
+    assert out["step"] == 6 and 0 <= out["eval/accept_prob/mtp_1"] <= 1
+    before, after = _flat(load_model(imp)[1]), _flat(load_model(tmp_path / "post")[1])
+    assert all(np.array_equal(before[k], after[k]) for k in before if k[0] != "mtp")
+    outs = []
+    for draft in ("2", "0"):
+        p = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--run-dir", str(tmp_path / "post"), "--prompt",
+                            "def f(x):", "--max-new-tokens", "12", "--num-draft", draft], check=False,
+                           capture_output=True, text=True, cwd=ROOT, timeout=600)
+        assert p.returncode == 0, p.stderr
+        outs.append(p.stdout)
+    assert outs[0] == outs[1] and len(outs[0].strip()) > 0
