@@ -124,6 +124,34 @@ def test_a_frozen_step_computes_less_than_a_joint_step(tmp_path):
     assert f <= j - trunk_fwd, (f, j, trunk_fwd)
 
 
+def test_micro_batches_equal_the_full_batch_with_self_targets_on_a_frozen_trunk(tmp_path):
+    """Self targets and accept_prob are normalized by the whole batch's counts too: micro-batches sum to it."""
+    import functools
+
+    import jax.numpy as jnp
+
+    from mtpjax.optim import trainable
+    from mtpjax.train_step import loss_and_grads, split_trainable
+
+    cfg = tiny_cfg(tmp_path, "train.init_from=unused", "train.freeze=trunk", "loss.mtp_target=mix:0.7")
+    progs = _programs(cfg)
+    train_part, frozen = split_trainable(progs.init().params, trainable(cfg.train))
+    assert {k[0] for k, _ in nnx.to_flat_state(train_part)} == {"mtp"}
+    tok, seg = synthetic_batches(1, 8, 32)[0]
+
+    def run(m):
+        f = functools.partial(loss_and_grads, graphdef=progs.graphdef, loss_cfg=cfg.loss, micro_batches=m)
+        return jax.jit(f)(train_part, frozen, tok, seg, jnp.int32(0))
+
+    (g1, m1), (g4, m4) = run(1), run(4)
+    assert "accept_prob/mtp_2" in m1 and "expected_accept_length_sampled" in m1
+    for k in m1:
+        np.testing.assert_allclose(float(m4[k]), float(m1[k]), rtol=2e-6, err_msg=k)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g4), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=1e-6 * float(np.abs(a).max()))
+
+
 # ----------------------------------------------------------------------------- bad input: one line, exit 2
 
 
