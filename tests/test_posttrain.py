@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from train_helpers import cli_args, synthetic_batches, tiny_cfg, write_corpus
+from train_helpers import cli_args, one_line_error, synthetic_batches, tiny_cfg, write_corpus
 
 from mtpjax import posttrain
 from mtpjax.checkpoint import Checkpointer, load_model
@@ -156,11 +156,7 @@ def test_micro_batches_equal_the_full_batch_with_self_targets_on_a_frozen_trunk(
 
 
 def _error(capsys, argv) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
-    return err
+    return one_line_error(capsys, main, argv)
 
 
 def _wordlevel_tokenizer(directory: Path) -> None:
