@@ -9,7 +9,6 @@ import pytest
 
 from bench.__main__ import targets
 from bench.peer import available
-from mtpjax.autodraft import choose_num_draft, expected_tokens, speedup_ceiling
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,6 +37,12 @@ def test_suite_smoke_writes_every_key(tmp_path):
         assert all(v[k]["identical_to_plain"] for k in ("mtp1", "mtp2", "ngram2"))
         assert len(v["mtp2"]["acceptance_by_position"]) == 2
         assert v["mtp2"]["predicted_speedup"] > 0 and v["auto"]["num_draft"] in (0, 1, 2)
+        # the draft model (a random one in smoke mode) beside MTP and n-gram, with its acceptance and ceiling
+        assert all(v[f"model{g}"]["identical_to_plain"] for g in (1, 2, 3))
+        assert len(v["model3"]["acceptance_by_position"]) == 3 and v["model3"]["predicted_speedup"] > 0
+        assert 0 < b["draft_ceiling"]["work_ratio_r"] < b["ceiling"]["work_ratio_r"] and b["draft_ceiling"]["max"] >= 1
+    assert [r["proposer"] for r in res["proposers"]] == ["MTP modules", "n-gram", "draft model"]
+    assert set(res["proposers"][2]["by_batch"]) == {1, 2} and "draft model" in r.stdout
     reason = available()
     if reason:  # the peer part is the only thing skipped without torch, and it says why
         assert res["decode"]["peer_skipped"] == reason and reason in r.stdout
@@ -52,39 +57,6 @@ def test_suite_smoke_writes_every_key(tmp_path):
     assert 0 < ceil["work_ratio_r"] < 1 and ceil["max"] >= 1 and ceil["perfect_drafter"] > 1
     peer_row = [t for t in res["targets"] if "transformers" in t["target"]][0]
     assert (peer_row["value"] is None) == bool(reason)
-
-
-def test_expected_tokens():
-    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
-    assert expected_tokens([1.0, 0.0], 2) == pytest.approx(2.0)
-    assert expected_tokens([0.9], 3) == pytest.approx(1 + 0.9 + 0.81 + 0.729)  # last rate reused past the list
-    assert expected_tokens([], 2) == 1.0
-
-
-def test_choose_num_draft_prefers_fewer_drafts_when_rounds_get_expensive():
-    alpha = [0.9, 0.6]
-    # cheap drafting (batch 1): two drafts pay off
-    assert choose_num_draft(alpha, {1: 1.2, 2: 1.4}) == 2
-    # verification compute-bound (batch 32): a round costs more than the tokens it yields -> plain decoding
-    assert choose_num_draft(alpha, {1: 2.0, 2: 2.6}) == 0
-    # in between: one draft
-    assert choose_num_draft(alpha, {1: 1.3, 2: 2.5}) == 1
-    # a tie goes to fewer drafts
-    assert choose_num_draft([1.0], {1: 2.0}) == 0
-
-
-def test_speedup_ceiling_is_the_best_round_at_floor_costs():
-    c = speedup_ceiling([0.97, 0.62], 0.31, 2)
-    assert c["by_gamma"][0] == 1.0
-    assert c["by_gamma"][1] == pytest.approx(1.97 / 1.31)
-    assert c["by_gamma"][2] == pytest.approx((1 + 0.97 + 0.97 * 0.62) / 1.62)
-    assert c["num_draft"] == 2 and c["max"] == pytest.approx(1.587, abs=1e-3) and c["max"] < 2
-    # the cost model, handed the floor costs v = 1, c = r, picks the ceiling's γ
-    for alpha, r in (([0.97, 0.62], 0.31), ([0.5, 0.5], 0.3), ([0.9, 0.9, 0.9], 0.05)):
-        c = speedup_ceiling(alpha, r, len(alpha))
-        assert choose_num_draft(alpha, {g: 1 + g * r for g in range(1, len(alpha) + 1)}) == c["num_draft"]
-    # a perfect drafter with free drafts gains γ+1
-    assert speedup_ceiling([1.0], 0.0, 3)["max"] == 4.0
 
 
 def _res(mfu_tiny, mfu_med, peer_ratio):

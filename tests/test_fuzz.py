@@ -17,7 +17,8 @@ import yaml
 from test_reliability import tree_hash
 from train_helpers import cli_args, tiny_cfg
 
-from mtpjax import decode_cli, train_loop
+from mtpjax import train_loop
+from mtpjax.decode import cli as decode_cli
 from mtpjax.config import Config, ConfigError, field_doc, load_config
 
 REPO = Path(__file__).resolve().parent.parent
