@@ -98,7 +98,7 @@ def _add_ceiling(add, batch: dict, size: str) -> None:
     """The row saying whether 2x is reachable at all: the best E(γ)/(1+γr) with this model's measured α."""
     c = batch.get("ceiling")
     if c:
-        add(f"MTP ceiling E/(1+γr), r = {c['work_ratio_r']:.2f}, batch {batch['batch']}{size}", c["max"],
+        add(f"MTP ceiling E/(1+γr), r = {c['ceiling_r']:.2f}, batch {batch['batch']}{size}", c["max"],
             ">= 2 (2x reachable)", c["max"] >= 2)
 
 

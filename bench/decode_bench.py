@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -25,7 +26,15 @@ from bench.common import interleave, load, log, median_ratio  # noqa: E402
 from mtpjax.decode import DraftModelProposer, MTPProposer, make_loop, run, summarize  # noqa: E402
 from mtpjax.evaluate import decode_context  # noqa: E402
 from mtpjax.plan import tree_bytes  # noqa: E402
-from mtpjax.speed import choose_num_draft, expected_tokens, predicted_speedup, speedup_ceiling, work_ratio  # noqa: E402
+from mtpjax.speed import (  # noqa: E402
+    choose_num_draft,
+    expected_tokens,
+    floor_ratio,
+    predicted_speedup,
+    speedup_ceiling,
+    weight_ratio,
+    work_ratio,
+)
 
 DRAFT_GAMMAS = (1, 2, 3)  # draft-model variants: its drafts cost a fraction of an MTP module's
 
@@ -73,10 +82,13 @@ def load_draft(draft_run_dir: str | None, smoke: bool, model):
                   "configs/draft_tiny.yaml`")
 
 
-def _ours(model, groups, num_draft: int, proposer: str, max_new: int, draft=None):
-    """A closure generating every group once; it records the last stats (tokens, rounds, loops, acceptance)."""
+def _ours(model, groups, num_draft: int, proposer: str, max_new: int, draft=None, variant=None):
+    """A closure generating every group once; it records the last stats (tokens, rounds, loops, acceptance).
+
+    `variant`: a proposer object that replaces the named one (the same γ), for variants of a proposer."""
     loops = [make_loop(model, g, max_new_tokens=max_new, num_draft=num_draft, proposer=proposer, draft=draft)
              for g in groups]
+    loops = [lp if variant is None else replace(lp, proposer=variant) for lp in loops]
     box = {}
 
     def call():
@@ -126,13 +138,15 @@ def bench_batch(model, prompts, batch: int, max_new: int, rounds: int, peer=None
         gens["peer_greedy"] = _peer(peer, groups, max_new, 0)
         if batch == 1:  # transformers' assisted generation takes one sequence at a time
             gens[f"peer_lookup{gd}"] = _peer(peer, groups, max_new, gd)
-    times = interleave({k: v[0] for k, v in gens.items()}, rounds, seed=batch)
+    cpu: dict = {}
+    times = interleave({k: v[0] for k, v in gens.items()}, rounds, seed=batch, cpu=cpu)
     total = batch * n * max_new
     plain = gens["plain"][1]
     out = {"batch": batch, "max_new": max_new, "runs_per_call": n, "load": load(), "variants": {}}
     for k, (_, box) in gens.items():
         r = {"tokens_per_sec": float(np.median(total / np.asarray(times[k]))),
              "vs_plain": median_ratio(times["plain"], times[k]),
+             "vs_plain_cpu": median_ratio(cpu["plain"], cpu[k]),  # CPU time: what a loaded host does not inflate
              "identical_to_plain": box["tokens"] == plain["tokens"]}
         if "loops" in box:
             r["round_cost"] = float(np.median(times[k]) / box["loops"] / (np.median(times["plain"]) / plain["loops"]))
@@ -145,11 +159,11 @@ def bench_batch(model, prompts, batch: int, max_new: int, rounds: int, peer=None
         _predict(out["variants"], gd, prefix)
     context = decode_context(prompts, max_new)
     if D:
-        out["ceiling"] = _ceiling(out["variants"], "mtp", D, lambda g: work_ratio(MTPProposer(g), model.cfg, context))
+        out["ceiling"] = _ceiling(out["variants"], "mtp", D, lambda g: MTPProposer(g), model.cfg, context)
         _auto(model, groups, max_new, out["variants"])
     if draft is not None:
-        out["draft_ceiling"] = _ceiling(out["variants"], "model", max(DRAFT_GAMMAS), lambda g: work_ratio(
-            DraftModelProposer(g), model.cfg, context, draft.cfg))
+        out["draft_ceiling"] = _ceiling(out["variants"], "model", max(DRAFT_GAMMAS), lambda g: DraftModelProposer(g),
+                                        model.cfg, context, draft.cfg)
     for c in (out.get("ceiling"), out.get("draft_ceiling")):
         if c:
             c["context"] = context
@@ -176,11 +190,16 @@ def _predict(v: dict, gd: int, prefix: str) -> None:
             "num_draft": choose_num_draft(alpha, costs), "round_cost": costs}
 
 
-def _ceiling(v: dict, prefix: str, top: int, ratio) -> dict:
-    """The most any round of this proposer could gain with its measured α: E(γ)/(1 + γr), r(γ) its work ratio."""
+def _ceiling(v: dict, prefix: str, top: int, proposer, cfg, context: int, draft_cfg=None) -> dict:
+    """The most any round of this proposer could gain with its measured α: E(γ)/(1 + γr), r(γ) its floor ratio
+    (the smaller of the FLOPs it computes and the weights it reads, per draft, over a plain step's)."""
     alpha = v[f"{prefix}{top}"]["acceptance_by_position"]
+    gammas = range(1, top + 1)
+    work = {g: work_ratio(proposer(g), cfg, context, draft_cfg) for g in gammas}
+    reads = {g: weight_ratio(proposer(g), cfg, context, draft_cfg) for g in gammas}
+    ratio = lambda g: floor_ratio(proposer(g), cfg, context, draft_cfg)  # noqa: E731
     c = speedup_ceiling(alpha, ratio, top)
-    return {"work_ratio_r": ratio(c["num_draft"] or top), "work_ratio_by_gamma": {g: ratio(g) for g in range(1, top + 1)},
+    return {"ceiling_r": ratio(c["num_draft"] or top), "work_ratio_by_gamma": work, "weight_ratio_by_gamma": reads,
             "alpha_by_position": alpha, "by_gamma": c["by_gamma"], "max": c["max"], "num_draft": c["num_draft"],
             "perfect_drafter": speedup_ceiling([1.0], ratio, top)["by_gamma"][top]}
 
@@ -242,12 +261,15 @@ def main(argv=None) -> int:
             if k == "auto":
                 extra = f"  {v['num_draft']} drafts; probe costs " + ", ".join(
                     f"{g}: {c:.2f}" for g, c in v["calibration"]["round_cost"].items())
-            print(f"  batch {b:3d} {k:12s} {v['tokens_per_sec']:9.1f} tok/s  x{v['vs_plain']:.2f} vs plain{extra}")
+            cpu = f" (CPU time x{v['vs_plain_cpu']:.2f})" if "vs_plain_cpu" in v else ""
+            print(f"  batch {b:3d} {k:12s} {v['tokens_per_sec']:9.1f} tok/s  x{v['vs_plain']:.2f}{cpu} vs plain{extra}")
         for key, name in (("ceiling", "MTP"), ("draft_ceiling", "draft model")):
             if key in r:
                 c = r[key]
-                rs = ", ".join(f"{x:.3f}" for x in c["work_ratio_by_gamma"].values())
-                print(f"  batch {b:3d} {name} ceiling x{c['max']:.2f} at {c['num_draft']} drafts (E/(1+γr), r(γ) = {rs}, "
+                rs = ", ".join(f"{x:.3f}/{y:.3f}" for x, y in zip(c["work_ratio_by_gamma"].values(),
+                                                                 c["weight_ratio_by_gamma"].values()))
+                print(f"  batch {b:3d} {name} ceiling x{c['max']:.2f} at {c['num_draft']} drafts (E/(1+γr), r = FLOPs/"
+                      f"weights per γ: {rs}, "
                       f"α {[round(a, 3) for a in c['alpha_by_position']]}; α = 1: x{c['perfect_drafter']:.2f})")
         log(f"  batch {b} done")
     if args.json:

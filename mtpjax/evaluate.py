@@ -23,7 +23,7 @@ from mtpjax.decode.loop import DecodeState, Loop, Request
 from mtpjax.decode.proposers import DraftModelProposer, MTPProposer
 from mtpjax.loss import mtp_loss
 from mtpjax.model import MTPTransformer
-from mtpjax.speed import ceiling, expected_tokens, predicted_speedup, work_ratio
+from mtpjax.speed import ceiling, expected_tokens, floor_ratio, predicted_speedup, weight_ratio, work_ratio
 
 
 def validation_metrics(cfg: Config, model: MTPTransformer, batches) -> dict:
@@ -180,7 +180,7 @@ def speed_report(model, prompts, *, num_draft: int, max_new: int, batch: int = 1
         exact &= r["outputs"] == plain["outputs"]
         alpha_pos = (r["accepted"] / np.maximum(r["reached"], 1)).tolist()
         cost = r["sec_per_round"] / t
-        ratio = work_ratio(proposer, model.cfg, context, None if dm is None else dm.cfg)
+        dcfg = None if dm is None else dm.cfg
         rep[f"{name}_tokens_per_sec"] = r["tokens_per_sec"]
         rep.update({f"{prefix}{k}": x for k, x in {
             "speedup": r["tokens_per_sec"] / plain["tokens_per_sec"],
@@ -189,8 +189,10 @@ def speed_report(model, prompts, *, num_draft: int, max_new: int, batch: int = 1
             "round_cost": cost, "draft_cost_c": max(0.0, (cost - v) / num_draft),
             "predicted_speedup": predicted_speedup(alpha_pos, num_draft, cost),
             "draft_time_fraction": max(0.0, cost - v) / cost,
-            # the most this γ could give with these α if verifying cost one plain step and drafting its FLOPs
-            "work_ratio_r": ratio, "speedup_ceiling": ceiling(alpha_pos, num_draft, ratio),
+            # the most this γ could give with these α: verifying costs >= one plain step, a draft >= its floor r
+            "work_ratio_r": work_ratio(proposer, model.cfg, context, dcfg),
+            "weight_ratio_r": weight_ratio(proposer, model.cfg, context, dcfg),
+            "speedup_ceiling": ceiling(alpha_pos, num_draft, floor_ratio(proposer, model.cfg, context, dcfg)),
         }.items()})
     if model.cfg.mtp_depth:
         # greedy: the speculative outputs are the plain ones (outputs_identical)

@@ -39,7 +39,9 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> dict:
         "block_matmul": blk["matmul"],
         "block_attention": blk["attention"],
         "trunk": trunk,
+        "trunk_matmul": m.n_layers * blk["matmul"],  # 2 x the weights a row reads (the head apart)
         "mtp_module": float(module),
+        "mtp_module_matmul": float(eh_proj + blk["matmul"]),
         "mtp": [float(module)] * D,
         "head": head,
         "head_applications": D + 1,

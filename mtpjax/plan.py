@@ -17,7 +17,7 @@ from mtpjax.config import Config, ConfigError, load_config
 from mtpjax.decode.proposers import MTPProposer
 from mtpjax.flops import flops_per_token
 from mtpjax.model import build_model, param_counts
-from mtpjax.speed import ceiling, expected_tokens, work_ratio
+from mtpjax.speed import ceiling, expected_tokens, floor_ratio, weight_ratio, work_ratio
 
 
 def tree_bytes(tree) -> int:
@@ -28,8 +28,8 @@ def tree_bytes(tree) -> int:
 def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None, max_gamma: int | None = None) -> dict:
     """The plan as numbers: parameters, memory, FLOPs per token by depth, and the speculation ceiling per γ.
 
-    r is mtpjax.speed's work ratio of MTP drafting (each module recomputes its window), unless `draft_cost`
-    fixes it for every γ (another drafter)."""
+    r is mtpjax.speed's floor ratio of MTP drafting (the smaller of the FLOPs it computes, each module
+    recomputing its window, and the weights it reads), unless `draft_cost` fixes it for every γ."""
     model = nnx.eval_shape(lambda: build_model(cfg))
     counts = param_counts(model)
     params = jax.tree.leaves(nnx.state(model, nnx.Param))
@@ -40,12 +40,17 @@ def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None,
     D = cfg.model.mtp_depth
     max_gamma = D + 2 if max_gamma is None else max_gamma
 
-    def ratio(g: int) -> float:
-        return draft_cost if draft_cost is not None else work_ratio(MTPProposer(g), cfg.model, cfg.data.seq_len)
+    def ratios(g: int) -> dict:
+        if draft_cost is not None:
+            return {"work_ratio": draft_cost, "weight_ratio": draft_cost, "floor_ratio": draft_cost}
+        args = (MTPProposer(g), cfg.model, cfg.data.seq_len)
+        return {"work_ratio": work_ratio(*args), "weight_ratio": weight_ratio(*args), "floor_ratio": floor_ratio(*args)}
 
-    spec = [] if draft_cost is None and not D else [
-        {"gamma": g, "tokens_per_round": expected_tokens([alpha], g), "work_ratio": ratio(g),
-         "speedup": ceiling([alpha], g, ratio(g))} for g in range(1, max_gamma + 1)]
+    spec = []
+    for g in range(1, max_gamma + 1) if draft_cost is not None or D else ():
+        r = ratios(g)
+        spec.append({"gamma": g, "tokens_per_round": expected_tokens([alpha], g), **r,
+                     "speedup": ceiling([alpha], g, r["floor_ratio"])})
     return {"params": counts, "param_bytes": tree_bytes(params), "optimizer_bytes": tree_bytes(opt_state),
             "param_dtype": cfg.model.param_dtype, "flops": fl, "alpha": alpha, "draft_cost": draft_cost,
             "speculation": spec}
@@ -87,12 +92,13 @@ def format_plan(plan: dict, cfg: Config) -> str:
         lines.append("speculation: mtp_depth=0, no MTP drafter (pass --draft-cost to plan another drafter)")
     else:
         cost = (f"draft cost c={plan['draft_cost']:.4f} of a target forward" if plan["draft_cost"] is not None else
-                f"r = FLOPs of a round's MTP drafting per draft over a plain step; module k recomputes gamma+1 "
-                f"rows, gamma > {m.mtp_depth} reuses the last module")
+                f"per draft over a plain step: FLOPs computed (module k recomputes gamma+1 rows) and weights read; "
+                f"r = the smaller; gamma > {m.mtp_depth} reuses the last module")
         lines += [f"speculation (alpha={plan['alpha']}, {cost}):",
-                  "  gamma   E=(1-a^(g+1))/(1-a)   r        speedup ceiling E/(1+g*r)"]
+                  "  gamma   E=(1-a^(g+1))/(1-a)   FLOPs    weights  speedup ceiling E/(1+g*r)"]
         for s in plan["speculation"]:
-            lines.append(f"  {s['gamma']:<5d}   {s['tokens_per_round']:<21.4f} {s['work_ratio']:<8.4f} {s['speedup']:.4f}")
+            lines.append(f"  {s['gamma']:<5d}   {s['tokens_per_round']:<21.4f} {s['work_ratio']:<8.4f} "
+                         f"{s['weight_ratio']:<8.4f} {s['speedup']:.4f}")
     return "\n".join(lines)
 
 

@@ -8,12 +8,15 @@ A round with γ drafts verifies γ+1 tokens and commits E(γ) of them on average
 Measured against a plain decode step, a round costs v + γc (v: verifying γ+1 tokens, c: one draft), so
 
     predicted speedup = E(γ) / (v + γc)              (v + γc: the round's measured cost)
-    ceiling           = E(γ) / (1 + γr)              (v >= 1; r: a draft's FLOPs over a plain step's)
+    ceiling           = E(γ) / (1 + γr)              (v >= 1, c >= r)
 
-r counts the rows a round's drafting really computes (an MTP module recomputes a window, a draft model
-catches up on the committed tokens), so the ceiling is the speedup with drafts running at the trunk's
-speed per FLOP and verification as cheap as one plain step. Everything here is plain arithmetic on
-numbers or traced scalars: the training metric `expected_accept_length` calls `expected_tokens` under jit.
+A draft's work is counted as a round really does it: `work_ratio` counts every row it computes (an MTP
+module recomputes a window of γ+1 rows, a draft model first catches up on the committed tokens), in FLOPs
+over a plain step's; `weight_ratio` counts the weights it reads (once per call, whatever the rows). Where
+a decode step is compute-bound the FLOPs set the cost, where it waits on memory the weights do, and the
+ceiling takes r as the smaller (`floor_ratio`), so it bounds the speedup in either regime. Everything here
+is plain arithmetic on numbers or traced scalars: the training metric `expected_accept_length` calls
+`expected_tokens` under jit.
 """
 
 from __future__ import annotations
@@ -33,16 +36,30 @@ def expected_tokens(alpha_by_pos, gamma: int):
 
 
 def work_ratio(proposer, model_cfg: ModelConfig, context: int, draft_cfg: ModelConfig | None = None) -> float:
-    """r: the FLOPs one round's drafting computes per draft, over one plain decode step's (trunk + head).
+    """The FLOPs one round's drafting computes per draft over a plain decode step's (trunk + head), every row
+    counted (an MTP module recomputes its window). A draft's cost where decoding is compute-bound."""
+    return _ratio(proposer, model_cfg, context, draft_cfg, "draft_flops", ("trunk", "head"))
 
-    `proposer` counts its own rows (`draft_flops`); `context` is the mean decode context (attention keys).
-    """
+
+def weight_ratio(proposer, model_cfg: ModelConfig, context: int, draft_cfg: ModelConfig | None = None) -> float:
+    """The weights one round's drafting reads per draft over those a plain decode step reads (each call reads
+    its weights once, whatever its rows). A draft's cost where decoding is bound by reading weights."""
+    return _ratio(proposer, model_cfg, context, draft_cfg, "draft_reads", ("trunk_matmul", "head"))
+
+
+def floor_ratio(proposer, model_cfg: ModelConfig, context: int, draft_cfg: ModelConfig | None = None) -> float:
+    """r of the ceiling: a draft costs at least the smaller of its FLOP and weight shares of a plain step
+    (roofline: time >= max(FLOPs / peak, bytes / bandwidth) for the draft and the plain step alike)."""
+    return min(work_ratio(proposer, model_cfg, context, draft_cfg), weight_ratio(proposer, model_cfg, context, draft_cfg))
+
+
+def _ratio(proposer, model_cfg, context, draft_cfg, count: str, plain: tuple) -> float:
     G = proposer.num_draft
     if G == 0:
         return 0.0
     f = flops_per_token(model_cfg, context)
     fd = flops_per_token(draft_cfg, context) if draft_cfg is not None else None
-    return proposer.draft_flops(f, fd) / (G * (f["trunk"] + f["head"]))
+    return getattr(proposer, count)(f, fd) / (G * sum(f[k] for k in plain))
 
 
 def ceiling(alpha_by_pos, gamma: int, r: float) -> float:

@@ -40,7 +40,7 @@ def test_suite_smoke_writes_every_key(tmp_path):
         # the draft model (a random one in smoke mode) beside MTP and n-gram, with its acceptance and ceiling
         assert all(v[f"model{g}"]["identical_to_plain"] for g in (1, 2, 3))
         assert len(v["model3"]["acceptance_by_position"]) == 3 and v["model3"]["predicted_speedup"] > 0
-        assert 0 < b["draft_ceiling"]["work_ratio_r"] < b["ceiling"]["work_ratio_r"] and b["draft_ceiling"]["max"] >= 1
+        assert 0 < b["draft_ceiling"]["ceiling_r"] < b["ceiling"]["ceiling_r"] and b["draft_ceiling"]["max"] >= 1
     assert [r["proposer"] for r in res["proposers"]] == ["MTP modules", "n-gram", "draft model"]
     assert set(res["proposers"][2]["by_batch"]) == {1, 2} and "draft model" in r.stdout
     reason = available()
@@ -54,7 +54,7 @@ def test_suite_smoke_writes_every_key(tmp_path):
     assert all(Path(p).stat().st_size > 1000 for p in res["plots"])
     assert len(res["targets"]) == 8
     ceil = res["decode"]["batches"][0]["ceiling"]
-    assert 0 < ceil["work_ratio_r"] < 1 and ceil["max"] >= 1 and ceil["perfect_drafter"] > 1
+    assert 0 < ceil["ceiling_r"] < 1 and ceil["max"] >= 1 and ceil["perfect_drafter"] > 1
     peer_row = [t for t in res["targets"] if "transformers" in t["target"]][0]
     assert (peer_row["value"] is None) == bool(reason)
 
@@ -77,7 +77,7 @@ def test_targets_table_reports_met_and_unmet():
     assert [r for r in t if "overhead" in r["target"]][0]["met"] is True
     assert not [r for r in t if "ceiling" in r["target"]]  # only when the decode bench measured one
     res = _res(0.45, 0.4, 0.25)
-    res["decode"]["batches"][0]["ceiling"] = {"work_ratio_r": 0.31, "max": 1.59}
+    res["decode"]["batches"][0]["ceiling"] = {"ceiling_r": 0.31, "max": 1.59}
     row = [r for r in targets(res) if "ceiling" in r["target"]][0]
     assert row["value"] == 1.59 and row["met"] is False and "r = 0.31, batch 1" in row["target"]
     res["decode"]["batches"][0]["ceiling"]["max"] = 2.3
@@ -95,7 +95,7 @@ def test_large_model_row_reports_batch_1_mtp_speed():
     res["decode_large"]["batches"][0]["variants"]["mtp2"]["vs_plain"] = 0.9
     res["decode_large"]["batches"][0]["variants"]["mtp1"]["vs_plain"] = 0.8
     assert [r for r in targets(res) if "MB model" in r["target"]][0]["met"] is False
-    res["decode_large"]["batches"][0]["ceiling"] = {"work_ratio_r": 0.2, "max": 1.74}
+    res["decode_large"]["batches"][0]["ceiling"] = {"ceiling_r": 0.2, "max": 1.74}
     row = [r for r in targets(res) if "ceiling" in r["target"]][0]
     assert "99 MB" in row["target"] and row["met"] is False
 
@@ -122,3 +122,15 @@ def test_cache_cliff_measures_round_cost_per_layer():
     assert 0 < rows[0]["weights_mb"] < rows[1]["weights_mb"]
     # Timings of a 64-wide model over a few tokens are noise; the test checks the bookkeeping only.
     assert all(abs(r["us_per_layer"] * r["n_layers"] - r["us_per_round"]) < 1e-6 for r in rows)
+
+
+def test_mtp_drafting_variants_decode_exactly():
+    """bench.mtp_drafting's bookkeeping: every variant (old window, γ+1 window, module 1 only) is exact."""
+    from bench.decode_bench import load_subject
+    from bench.mtp_drafting import bench_batch
+
+    model, prompts, _ = load_subject(None, True, 2, 16)
+    r = bench_batch(model, prompts, 1, max_new=8, rounds=1, gammas=[1, 2])
+    assert set(r["variants"]) == {"plain", "mtp1_old_window", "mtp1", "mtp2_old_window", "mtp2", "mtp2_module1"}
+    assert all(v["identical_to_plain"] for v in r["variants"].values())
+    assert r["variants"]["mtp2"]["vs_old_window"] > 0 and r["variants"]["mtp2"]["vs_old_window_cpu"] > 0 and len(r["variants"]["mtp2_module1"]["acceptance_by_position"]) == 2

@@ -116,9 +116,9 @@ def test_eval_report_json_and_tensorboard(runs, tmp_path, capsys):
         assert d[k] >= 0, k
     from mtpjax.checkpoint import load_model
     from mtpjax.decode import MTPProposer
-    from mtpjax.speed import expected_tokens, work_ratio
+    from mtpjax.speed import expected_tokens, floor_ratio
 
-    r = work_ratio(MTPProposer(2), load_model(str(runs["mtp"]))[0].model, 32 + 24 // 2)  # prompts of 32, 24 new
+    r = floor_ratio(MTPProposer(2), load_model(str(runs["mtp"]))[0].model, 32 + 24 // 2)  # prompts of 32, 24 new
     assert d["speedup_ceiling"] == pytest.approx(expected_tokens(d["acceptance_by_position"], 2) / (1 + 2 * r))
     assert {"loss/main", "loss/mtp_1", "loss/mtp_2", "agreement/mtp_1"} <= set(rep["validation"])
     screen = capsys.readouterr().out
@@ -168,6 +168,17 @@ def test_draft_run_drafts_and_keeps_the_greedy_text(runs, capsys):
     assert main(argv + ["--draft-run-dir", str(runs["plain"]), "--num-draft", "2"]) == 0
     out = capsys.readouterr()
     assert out.out == plain and "[model num_draft=2]" in out.err
+
+
+def test_eval_reports_the_draft_model_beside_mtp_and_ngram(runs, tmp_path):
+    out = tmp_path / "eval.json"
+    argv = ["--run-dir", str(runs["mtp"]), "--eval", "--eval-batches", "1", "--eval-prompts", "1", "--prompt-len", "16",
+            "--max-new-tokens", "8", "--draft-run-dir", str(runs["plain"]), "--json", str(out)]
+    assert main(argv) == 0
+    d = json.loads(out.read_text())["decode"]
+    assert d["outputs_identical"] is True and len(d["model_acceptance_by_position"]) == 2
+    assert d["model_tokens_per_sec"] > 0 and d["model_predicted_speedup"] > 0
+    assert d["model_work_ratio_r"] > 0 and d["model_speedup_ceiling"] > 0
 
 
 def test_draft_run_with_another_tokenizer_is_one_line_exit_2(runs, tmp_path, capsys):

@@ -14,7 +14,7 @@ from mtpjax.decode import MTPProposer
 from mtpjax.flops import flops_per_token
 from mtpjax.model import build_model, param_counts
 from mtpjax.plan import build_plan, main
-from mtpjax.speed import ceiling, expected_tokens, work_ratio
+from mtpjax.speed import ceiling, expected_tokens, floor_ratio, weight_ratio, work_ratio
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -53,12 +53,15 @@ def test_default_draft_cost_counts_the_rows_mtp_drafting_computes():
     f = plan["flops"]
     assert plan["draft_cost"] is None
     assert [s["gamma"] for s in plan["speculation"]] == [1, 2, 3, 4]  # D=2, and a bit beyond
-    # one draft recomputes module 1's window of 2 rows and applies the head once
-    one = plan["speculation"][0]["work_ratio"]
-    assert one == pytest.approx((2 * f["mtp_module"] + f["head"]) / (f["trunk"] + f["head"]))
+    # one draft recomputes module 1's window of 2 rows and applies the head once; it reads the module once
+    one = plan["speculation"][0]
+    assert one["work_ratio"] == pytest.approx((2 * f["mtp_module"] + f["head"]) / (f["trunk"] + f["head"]))
+    assert one["weight_ratio"] == pytest.approx((f["mtp_module_matmul"] + f["head"]) / (f["trunk_matmul"] + f["head"]))
     for s in plan["speculation"]:
-        c = work_ratio(MTPProposer(s["gamma"]), cfg.model, cfg.data.seq_len)
-        assert s["work_ratio"] == pytest.approx(c)
+        args = (MTPProposer(s["gamma"]), cfg.model, cfg.data.seq_len)
+        assert (s["work_ratio"], s["weight_ratio"]) == pytest.approx((work_ratio(*args), weight_ratio(*args)))
+        c = floor_ratio(*args)
+        assert c == min(s["work_ratio"], s["weight_ratio"])
         assert s["speedup"] == pytest.approx(expected_tokens([0.7], s["gamma"]) / (1 + s["gamma"] * c))
     assert build_plan(cfg, draft_cost=0.5, max_gamma=6)["speculation"][-1]["speedup"] == \
         pytest.approx(expected_tokens([0.8], 6) / 4.0)

@@ -93,6 +93,12 @@ def test_greedy_speculative_equals_plain(half_trained):
     _check_greedy_equal(half_trained, "ngram", (2,), (PROMPTS,))
 
 
+def test_module_1_drafting_every_token_equals_plain(half_trained):
+    """proposer="mtp1": module 1 drafts every token (as vLLM and SGLang do), beyond the model's depth too."""
+    assert autodraft.candidates(half_trained, "mtp1") == [0, 1, 2, 3]
+    _check_greedy_equal(half_trained, "mtp1", (2, 3), (PROMPTS,))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("proposer", ["mtp", "ngram"])
 def test_greedy_speculative_equals_plain_full_matrix(half_trained, proposer):
@@ -289,6 +295,8 @@ def test_stochastic_speculative_preserves_target_distribution(top_k):
     assert spec_tv < bound
     ngram_tv, _ = tv(2, "ngram")
     assert ngram_tv < bound
+    module1_tv, _ = tv(3, "mtp1")
+    assert module1_tv < bound
 
 
 def test_stochastic_companion_wrong_rule_is_detected():

@@ -7,7 +7,16 @@ import pytest
 from mtpjax.decode import DraftModelProposer, MTPProposer, NgramProposer
 from mtpjax.decode.proposers import Plain
 from mtpjax.loss import expected_accept_length
-from mtpjax.speed import ceiling, choose_num_draft, expected_tokens, predicted_speedup, speedup_ceiling, work_ratio
+from mtpjax.speed import (
+    ceiling,
+    choose_num_draft,
+    expected_tokens,
+    floor_ratio,
+    predicted_speedup,
+    speedup_ceiling,
+    weight_ratio,
+    work_ratio,
+)
 
 
 def test_expected_tokens():
@@ -64,8 +73,9 @@ def test_predicted_speedup_is_expected_tokens_over_the_round_cost():
     assert choose_num_draft([0.9, 0.6], rc) == best
 
 
-# hand count (tests/conftest.py's SMALL config at T = 12): module 24064, head 2048, trunk 39936 FLOPs per row
-MODULE, HEAD, TRUNK = 24064, 2048, 39936
+# hand count (tests/conftest.py's SMALL config at T = 12): module 24064, head 2048, trunk 39936 FLOPs per row,
+# of which attention over the 12 keys is 1536 per block (module and trunk blocks alike): not weights
+MODULE, HEAD, TRUNK, ATTN = 24064, 2048, 39936, 1536
 
 
 @pytest.mark.parametrize("proposer,rows", [
@@ -79,6 +89,10 @@ def test_mtp_work_ratio_counts_the_window_rows(model_cfg, proposer, rows):
     G = proposer.num_draft
     want = ((window_rows + reuse_rows) * MODULE + G * HEAD) / (G * (TRUNK + HEAD))
     assert work_ratio(proposer, model_cfg(), 12) == pytest.approx(want)
+    # each call reads its module once, whatever its rows: one module and one head per draft
+    reads = (MODULE - ATTN + HEAD) / (TRUNK - 2 * ATTN + HEAD)
+    assert weight_ratio(proposer, model_cfg(), 12) == pytest.approx(reads)
+    assert floor_ratio(proposer, model_cfg(), 12) == pytest.approx(min(want, reads)) == pytest.approx(reads)
 
 
 def test_draft_model_work_ratio_counts_its_catch_up_and_steps(model_cfg):
@@ -88,6 +102,8 @@ def test_draft_model_work_ratio_counts_its_catch_up_and_steps(model_cfg):
     for G in (1, 3):
         want = ((2 + G - 1) * d_trunk + G * d_head) / (G * (TRUNK + HEAD))
         assert work_ratio(DraftModelProposer(G), model_cfg(), 12, draft) == pytest.approx(want)
+        reads = (d_trunk - 2 * 2 * 12 * 8 * 2 + d_head) / (TRUNK - 2 * ATTN + HEAD)  # γ calls, weights once each
+        assert weight_ratio(DraftModelProposer(G), model_cfg(), 12, draft) == pytest.approx(reads)
     assert work_ratio(NgramProposer(2), model_cfg(), 12) == 0.0 and work_ratio(Plain(), model_cfg(), 12) == 0.0
 
 

@@ -36,8 +36,9 @@ def parser() -> argparse.ArgumentParser:
                    help="drafts per round, or auto: measure 0..mtp_depth (n-gram 0..3, draft model 0..4) on the "
                         "prompts and use the fastest (default: decode.num_draft)")
     p.add_argument("--proposer", choices=tuple(PROPOSERS), default=None,
-                   help="mtp: the run's MTP modules; ngram: prompt lookup; model: the --draft-run-dir model "
-                        "(default: decode.proposer, or model with --draft-run-dir)")
+                   help="mtp: the run's MTP modules (module k drafts token k); mtp1: module 1 drafts every token; "
+                        "ngram: prompt lookup; model: the --draft-run-dir model (default: decode.proposer, or model "
+                        "with --draft-run-dir)")
     p.add_argument("--draft-run-dir", default=None,
                    help="a run trained with the same tokenizer (e.g. configs/draft_tiny.yaml) whose model drafts")
     p.add_argument("--temperature", type=float, default=None)

@@ -3,7 +3,8 @@
     start(models, ctx) -> (state, Draft)        once, after the prefill committed the first token
     step(models, state, ctx) -> (state, Draft)  after every commit
     problem(target, draft) -> str | None        what makes a request impossible, said before compiling
-    draft_flops(f_target, f_draft) -> float     FLOPs one round of drafting computes (mtpjax.speed's r)
+    draft_flops(f_target, f_draft) -> float     FLOPs one round of drafting computes, rows counted (mtpjax.speed)
+    draft_reads(f_target, f_draft) -> float     the weights it reads, as matmul FLOPs of one row (mtpjax.speed)
     most_drafts(target) -> int                  the largest γ `num_draft="auto"` probes
 
 A proposer holds only static fields (it is part of the compiled loop's hash); its arrays live in the state
@@ -13,6 +14,7 @@ draft was sampled from, None when greedy (only the tokens matter there).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -71,6 +73,8 @@ class Plain:
     def draft_flops(self, f_target: dict, f_draft: dict | None) -> float:
         return 0.0
 
+    draft_reads = draft_flops
+
 
 @dataclass(frozen=True)
 class NgramProposer:
@@ -97,6 +101,8 @@ class NgramProposer:
 
     def draft_flops(self, f_target: dict, f_draft: dict | None) -> float:
         return 0.0
+
+    draft_reads = draft_flops
 
 
 def lookup(seq_BS, n_B, G: int, max_n: int):
@@ -145,7 +151,10 @@ class MTPProposer:
         return None
 
     def most_drafts(self, target) -> int:
-        return target.cfg.mtp_depth
+        D = target.cfg.mtp_depth
+        if target.cfg.mtp_kind == "parallel" or not self.modules:
+            return min(D, self.modules or D)
+        return max(D, 3)  # a reused module drafts any number of tokens
 
     def used(self, depth: int) -> int:
         """Modules that draft from a recomputed window (the rest of the γ drafts reuse the last of them)."""
@@ -202,6 +211,10 @@ class MTPProposer:
         G, D = self.num_draft, len(f_target["mtp"])
         U = self.used(D)
         return (U * self.window() + (G - U)) * f_target["mtp_module"] + G * f_target["head"]
+
+    def draft_reads(self, f_target: dict, f_draft: dict | None) -> float:
+        """Every module call reads its module once (whatever its rows), the head once per draft."""
+        return self.num_draft * (f_target["mtp_module_matmul"] + f_target["head"])
 
 
 @dataclass(frozen=True)
@@ -260,8 +273,13 @@ class DraftModelProposer:
         G = self.num_draft
         return (self.catch_up() + G - 1) * f_draft["trunk"] + G * f_draft["head"]
 
+    def draft_reads(self, f_target: dict, f_draft: dict | None) -> float:
+        """γ calls of the draft model (the catch-up and γ-1 steps), each reading its weights once."""
+        return self.num_draft * (f_draft["trunk_matmul"] + f_draft["head"])
 
-PROPOSERS = {"mtp": MTPProposer, "ngram": NgramProposer, "model": DraftModelProposer}
+
+PROPOSERS = {"mtp": MTPProposer, "mtp1": functools.partial(MTPProposer, modules=1), "ngram": NgramProposer,
+             "model": DraftModelProposer}
 
 
 def make_proposer(name: str, num_draft: int):
