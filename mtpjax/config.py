@@ -28,15 +28,23 @@ class ModelConfig:
     head_dim: int = 0  # 0: d_model // n_heads
     d_ff: int = 0  # 0: SwiGLU width ~8/3 d_model rounded up to a multiple of 64
     rope_theta: float = 10000.0
+    rope_scaling: str = "none"  # none | llama3 (the four rope_* fields below)
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     norm_eps: float = 1e-6
+    qkv_bias: bool = False  # q/k/v projection biases (Qwen2)
     tie_embeddings: bool = True
     mtp_depth: int = 1
     mtp_kind: str = "sequential"  # sequential (DeepSeek-V3) | parallel (Gloeckle et al.)
+    mtp_init: str = "random"  # random | last_block (each module's block starts as a copy of the last trunk block)
     scan_layers: bool = False
     remat: str = "none"  # none | full | dots
     dtype: str = "float32"  # activation / compute dtype
     param_dtype: str = "float32"
     init_std: float = 0.02
+    attention: str = "auto"  # auto | xla | cudnn | pallas | splash: how attention is computed, not what (runtime-only)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -45,6 +53,14 @@ class ModelConfig:
     @property
     def resolved_d_ff(self) -> int:
         return self.d_ff or -(-(8 * self.d_model // 3) // 64) * 64
+
+    @property
+    def llama3_rope(self) -> tuple | None:
+        """(factor, low_freq_factor, high_freq_factor, original_max_len) when rope_scaling is llama3, else None."""
+        if self.rope_scaling != "llama3":
+            return None
+        return (self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                float(self.rope_original_max_len))
 
 
 @dataclass(frozen=True)
@@ -95,6 +111,8 @@ class TrainConfig:
     max_skipped_steps: int = 10
     peak_flops: float = 0.0  # FLOP/s per device for MFU; 0 = measure a matmul at start
     progress: bool = True
+    profile: str = ""  # "start:stop": a jax.profiler trace of those steps in the run's TensorBoard dir
+    compilation_cache: bool = True  # persistent XLA compilation cache under $MTPJAX_CACHE_DIR
 
 
 @dataclass(frozen=True)
@@ -141,6 +159,16 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
+# Keys that say how to compute, not what: a run resumes, and a checkpoint decodes, with another value.
+RUNTIME_KEYS = frozenset({"model.attention"})
+ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "pallas", "splash")
+
+
+def identity(cfg: Config, section: str) -> dict:
+    """cfg's `section` as a plain dict without its runtime-only keys (what must match to be the same run)."""
+    return {k: v for k, v in cfg.to_dict()[section].items() if f"{section}.{k}" not in RUNTIME_KEYS}
+
+
 def _plain(x):
     if isinstance(x, dict):
         return {k: _plain(v) for k, v in x.items()}
@@ -150,6 +178,21 @@ def _plain(x):
 
 
 # ----------------------------------------------------------------------------- parsing
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML without base-60 integers: `train.profile=10:15` stays the string "10:15", not 615."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    c: [(tag, rx) for tag, rx in rs if tag != "tag:yaml.org,2002:int"]
+    for c, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(
+    r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"), list("-+0123456789"))
+
+
+def _yaml(text: str):
+    return yaml.load(text, Loader=_Loader)
 
 
 def _fail(key: str, value: Any, allowed: str) -> ConfigError:
@@ -224,7 +267,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if not all(parts):
         raise ConfigError(f"override '{item}' has an empty key part; use section.key=value")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = _yaml(text) if text.strip() else ""
     except yaml.YAMLError:
         value = text
     return parts, value
@@ -250,7 +293,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
         if not p.is_file():
             raise ConfigError(f"config file '{p}' does not exist; pass a path such as configs/tiny.yaml")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = _yaml(p.read_text()) or {}
         except yaml.YAMLError as e:
             line = getattr(getattr(e, "problem_mark", None), "line", None)
             where = f" (line {line + 1})" if line is not None else ""
@@ -320,6 +363,16 @@ def parse_lambda(spec: str) -> tuple[str, dict]:
         raise bad from None
 
 
+def parse_profile(spec: str) -> tuple[int, int] | None:
+    """train.profile "start:stop" -> (start, stop) with 0 <= start < stop; "" -> None; ConfigError otherwise."""
+    if not spec:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", spec)
+    if not m or int(m[1]) >= int(m[2]):
+        raise _fail("train.profile", spec, "expected start:stop with 0 <= start < stop (steps), e.g. 10:15, or empty")
+    return int(m[1]), int(m[2])
+
+
 def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
     if not cond:
         raise _fail(key, value, allowed)
@@ -347,7 +400,15 @@ def validate(cfg: Config) -> None:
     _choice("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
     _choice("model.param_dtype", m.param_dtype, ("float32", "bfloat16"))
     _check(m.rope_theta > 0, "model.rope_theta", m.rope_theta, "must be > 0")
+    _choice("model.rope_scaling", m.rope_scaling, ("none", "llama3"))
+    _check(m.rope_scaling_factor >= 1, "model.rope_scaling_factor", m.rope_scaling_factor, "must be >= 1")
+    _check(m.rope_low_freq_factor > 0, "model.rope_low_freq_factor", m.rope_low_freq_factor, "must be > 0")
+    _check(m.rope_high_freq_factor > m.rope_low_freq_factor, "model.rope_high_freq_factor", m.rope_high_freq_factor,
+           f"must be > model.rope_low_freq_factor={m.rope_low_freq_factor}")
+    _check(m.rope_original_max_len > 0, "model.rope_original_max_len", m.rope_original_max_len, "must be > 0")
+    _choice("model.mtp_init", m.mtp_init, ("random", "last_block"))
     _check(m.init_std > 0, "model.init_std", m.init_std, "must be > 0")
+    _choice("model.attention", m.attention, ATTENTION_BACKENDS)
 
     parse_lambda(cfg.loss.mtp_lambda)
     _check(cfg.loss.chunk_size >= 0, "loss.chunk_size", cfg.loss.chunk_size, "must be >= 0 (0 = no chunking)")
@@ -387,6 +448,7 @@ def validate(cfg: Config) -> None:
     _check(t.max_skipped_steps >= 0, "train.max_skipped_steps", t.max_skipped_steps, "must be >= 0")
     _check(t.peak_flops >= 0, "train.peak_flops", t.peak_flops, "must be >= 0 (0 = measure)")
     _check(bool(t.run_dir), "train.run_dir", t.run_dir, "must be a directory path")
+    parse_profile(t.profile)
 
     for k in ("data", "fsdp", "tensor"):
         _check(getattr(cfg.mesh, k) > 0, f"mesh.{k}", getattr(cfg.mesh, k), "must be > 0")

@@ -19,13 +19,16 @@ letter, one meaning:
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtpjax import kernels
 from mtpjax.config import ModelConfig
 
 
@@ -44,17 +47,21 @@ def param(rngs: nnx.Rngs, shape, std: float, axes: tuple, dtype) -> nnx.Param:
 
 
 class Dense(nnx.Module):
-    """Bias-free projection; inputs are flattened to 2-D (XLA CPU's backward is slow on 3-D dots)."""
+    """Projection, bias-free unless `bias` (zero-initialised); inputs are flattened to 2-D (XLA CPU's backward is slow on 3-D dots)."""
 
-    def __init__(self, d_in: int, d_out: int, axes: tuple, cfg: ModelConfig, rngs: nnx.Rngs, std=None):
+    def __init__(self, d_in: int, d_out: int, axes: tuple, cfg: ModelConfig, rngs: nnx.Rngs, std=None, bias=False):
         std = cfg.init_std if std is None else std
         self.kernel = param(rngs, (d_in, d_out), std, axes, dtype_of(cfg.param_dtype))
+        if bias:
+            self.bias = nnx.Param(jnp.zeros((d_out,), dtype_of(cfg.param_dtype)), logical_axes=axes[1:])
         self.dtype = dtype_of(cfg.dtype)
 
     def __call__(self, x_ID):
         lead = x_ID.shape[:-1]
         x2 = x_ID.reshape(-1, x_ID.shape[-1]).astype(self.dtype)
         y2 = jnp.dot(x2, self.kernel[...].astype(self.dtype))
+        if hasattr(self, "bias"):
+            y2 = y2 + self.bias[...].astype(self.dtype)[None, :]
         return y2.reshape(*lead, y2.shape[-1])
 
 
@@ -72,15 +79,29 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
-def rope_tables(pos_BT, head_dim: int, theta: float):
+def rope_frequencies(head_dim: int, theta: float, llama3: tuple | None = None):
+    """The H/2 rotation frequencies theta^(-i/(H/2)); `llama3` = (factor, low_freq_factor, high_freq_factor,
+    original_max_len) applies Llama 3's long-context rule: long wavelengths slowed by `factor`, short ones kept,
+    the band between interpolated."""
+    half = head_dim // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if llama3 is None:
+        return freq
+    factor, low, high, original = llama3
+    wavelen = 2 * math.pi / freq
+    smooth = (original / wavelen - low) / (high - low)
+    between = (1 - smooth) * freq / factor + smooth * freq
+    return jnp.where(wavelen > original / low, freq / factor, jnp.where(wavelen < original / high, freq, between))
+
+
+def rope_tables(pos_BT, head_dim: int, theta: float, llama3: tuple | None = None):
     """(cos, sin) of shape [B, T, 1, H/2], materialized once per attention call.
 
     The barrier stops XLA from fusing sin/cos into every consumer, where they were recomputed for
     each head and each half of the rotation (profiled: ~5% of a tiny-config train step).
     """
-    half = head_dim // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    ang_BTH = pos_BT.astype(jnp.float32)[..., None] * freq  # H/2 frequencies
+    freq = rope_frequencies(head_dim, theta, llama3)
+    ang_BTH = pos_BT.astype(jnp.float32)[..., None] * freq[None, None, :]  # H/2 frequencies
     cos, sin = jax.lax.optimization_barrier((jnp.cos(ang_BTH), jnp.sin(ang_BTH)))
     return cos[:, :, None, :], sin[:, :, None, :]
 
@@ -107,6 +128,60 @@ def attend(q_BTKRH, k_BSKH, v_BSKH, bias_BTS):
     l_BKRT = e_BKRTS.sum(axis=-1)
     o_BTKRH = jnp.einsum("bkrts,bskh->btkrh", e_BKRTS.astype(v_BSKH.dtype), v_BSKH, preferred_element_type=jnp.float32)
     return o_BTKRH / l_BKRT.transpose(0, 3, 1, 2)[..., None]
+
+
+KERNEL_PLATFORM = {"cudnn": "gpu", "pallas": "gpu", "splash": "tpu"}  # where each fused kernel compiles
+INTERPRET_ENV = "MTPJAX_ATTENTION_INTERPRET"  # "1": a Pallas kernel off its platform runs interpreted, not replaced
+
+
+def _auto_attention(platform: str, dtype: str, head_dim: int) -> str:
+    # cuDNN's flash attention takes bf16/fp16 with head dims that are multiples of 8 (<= 128 before Hopper).
+    cudnn_ok = dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 128
+    return {"tpu": "splash", "gpu": "cudnn" if cudnn_ok else "xla"}.get(platform, "xla")
+
+
+@functools.cache
+def attention_backend(name: str, platform: str, dtype: str, head_dim: int, interpret_ok: bool) -> tuple[str, bool]:
+    """(backend, interpret) that `model.attention=name` runs as here; every choice and fallback is noted once.
+
+    auto: splash on TPU, cuDNN on GPU (bf16/fp16), else the XLA reference. An explicit kernel off its platform
+    falls back to auto's choice, or runs in Pallas interpret mode when `interpret_ok` (pallas, splash; tests).
+    """
+    auto = _auto_attention(platform, dtype, head_dim)
+    if name == "auto":
+        kernels.note(f"model.attention=auto runs {auto} on {platform} ({dtype}, head_dim {head_dim})")
+        return auto, False
+    if name == "xla" or (KERNEL_PLATFORM[name] == platform and (name != "cudnn" or auto == "cudnn")):
+        return name, False
+    if interpret_ok and name != "cudnn":
+        kernels.note(f"model.attention={name} runs in Pallas interpret mode on {platform} (slow; for tests)")
+        return name, True
+    need = "a GPU with bf16/fp16 compute" if name == "cudnn" else f"a {KERNEL_PLATFORM[name].upper()}"
+    kernels.note(f"model.attention={name} needs {need} (this is {platform}, {dtype}); using {auto}")
+    return auto, False
+
+
+def self_attention(q_BTKRH, k_BTKH, v_BTKH, pos_BT, seg_BT, name: str):
+    """Causal attention of T positions over themselves (segment-restricted), computed by `model.attention`.
+
+    The one place the backend is chosen. The fused kernels take positions to be 0..T-1, as every caller
+    without a cache has them; `attend` (xla) is the reference they are tested against.
+    """
+    backend, interpret = attention_backend(name, jax.default_backend(), jnp.dtype(q_BTKRH.dtype).name,
+                                           q_BTKRH.shape[-1], os.environ.get(INTERPRET_ENV) == "1")
+    if backend == "cudnn":
+        if seg_BT is not None:
+            kernels.note("cudnn: jax.nn.dot_product_attention takes no segment ids; packed documents are masked "
+                         "with a dense [B,1,T,T] mask (exact, but T^2 values per row: compare model.attention=pallas)")
+        return kernels.cudnn_attention(q_BTKRH, k_BTKH, v_BTKH, seg_BT)
+    if backend == "pallas":
+        return kernels.pallas_gpu_attention(q_BTKRH, k_BTKH, v_BTKH, seg_BT, interpret=interpret)
+    if backend == "splash":
+        return kernels.splash_attention(q_BTKRH, k_BTKH, v_BTKH, seg_BT, interpret=interpret)
+    mask_BTS = pos_BT[:, None, :] <= pos_BT[:, :, None]
+    if seg_BT is not None:
+        mask_BTS &= seg_BT[:, None, :] == seg_BT[:, :, None]
+    return attend(q_BTKRH, k_BTKH, v_BTKH, jnp.where(mask_BTS, 0.0, -1e30).astype(jnp.float32))
 
 
 class KV(NamedTuple):
@@ -166,15 +241,17 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
         self.n_heads, self.n_kv, self.head_dim, self.theta = h, kv, hd, cfg.rope_theta
+        self.llama3 = cfg.llama3_rope
+        self.attention = cfg.attention  # how, not what: no parameter depends on it
         out_std = cfg.init_std / math.sqrt(2 * max(1, cfg.n_layers))
-        self.wq = Dense(d, h * hd, ("embed", "heads"), cfg, rngs)
-        self.wk = Dense(d, kv * hd, ("embed", "kv_heads"), cfg, rngs)
-        self.wv = Dense(d, kv * hd, ("embed", "kv_heads"), cfg, rngs)
+        self.wq = Dense(d, h * hd, ("embed", "heads"), cfg, rngs, bias=cfg.qkv_bias)
+        self.wk = Dense(d, kv * hd, ("embed", "kv_heads"), cfg, rngs, bias=cfg.qkv_bias)
+        self.wv = Dense(d, kv * hd, ("embed", "kv_heads"), cfg, rngs, bias=cfg.qkv_bias)
         self.wo = Dense(h * hd, d, ("heads", "embed"), cfg, rngs, std=out_std)
 
     def __call__(self, x_BTD, pos_BT, seg_BT=None, cache: KV | None = None):
         B, T, _ = x_BTD.shape
-        tables = rope_tables(pos_BT, self.head_dim, self.theta)
+        tables = rope_tables(pos_BT, self.head_dim, self.theta, self.llama3)
         # The 1/sqrt(hd) score scale rides on q's rotation: [B,T,H,hd] multiplies instead of [B,H,T,S].
         q = apply_rope(self.wq(x_BTD).reshape(B, T, self.n_heads, self.head_dim), tables, 1 / math.sqrt(self.head_dim))
         k = apply_rope(self.wk(x_BTD).reshape(B, T, self.n_kv, self.head_dim), tables)
@@ -182,10 +259,7 @@ class Attention(nnx.Module):
         R = self.n_heads // self.n_kv
         q = q.reshape(B, T, self.n_kv, R, self.head_dim)
         if cache is None:
-            mask_BTS = pos_BT[:, None, :] <= pos_BT[:, :, None]
-            if seg_BT is not None:
-                mask_BTS &= seg_BT[:, None, :] == seg_BT[:, :, None]
-            o, new_cache = attend(q, k, v, jnp.where(mask_BTS, 0.0, -1e30).astype(jnp.float32)), None
+            o, new_cache = self_attention(q, k, v, pos_BT, seg_BT, self.attention), None
         else:
             # Entries at or past a row's start are stale (rejected drafts) and masked; this call's own
             # keys come from k, v directly and are written afterwards.

@@ -158,9 +158,40 @@ def _positions(tokens_BT):
 
 
 def build_model(cfg: Config | ModelConfig, *, seed: int = 0) -> MTPTransformer:
-    """Build the model from a Config (or its model section) with parameters from `seed`."""
+    """Build the model from a Config (or its model section) with parameters from `seed`, MTP modules as model.mtp_init says."""
     mcfg = cfg.model if isinstance(cfg, Config) else cfg
-    return MTPTransformer(mcfg, rngs=nnx.Rngs(params=seed))
+    model = MTPTransformer(mcfg, rngs=nnx.Rngs(params=seed))
+    if mcfg.mtp_init == "last_block":
+        init_mtp_from_last_block(model)
+    return model
+
+
+def last_block_params(cfg: ModelConfig, params: dict) -> dict:
+    """The last trunk block's subtree of a pure-dict parameter tree (its layer axis indexed away when scanned)."""
+    if cfg.scan_layers:
+        return jax.tree.map(lambda x: x[-1], params["blocks"])
+    return params["blocks"][cfg.n_layers - 1]
+
+
+def mtp_from_last_block(cfg: ModelConfig, params: dict) -> dict:
+    """model.mtp_init=last_block on a pure-dict parameter tree: each MTP module's block becomes the last trunk block.
+
+    The modules' norms and eh_proj keep their fresh init. Leaves are used as given (the importer passes lazy ones).
+    """
+    last = last_block_params(cfg, params)
+    mtp = {k: {**m, "block": last} for k, m in params["mtp"].items()}
+    return {**params, "mtp": mtp}
+
+
+def init_mtp_from_last_block(model: MTPTransformer) -> None:
+    """Apply model.mtp_init=last_block in place: every MTP module's block becomes a copy of the last trunk block."""
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    new = mtp_from_last_block(model.cfg, params)["mtp"]
+    for k, mod in enumerate(model.mtp):
+        block = nnx.state(mod.block, nnx.Param)
+        # copies: one buffer held by two parameters cannot be donated to the train step
+        nnx.replace_by_pure_dict(block, jax.tree.map(jnp.copy, new[k]["block"]))
+        nnx.update(mod.block, block)
 
 
 def param_counts(model: MTPTransformer) -> dict[str, int]:

@@ -13,9 +13,9 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from mtpjax import data, distributed
+from mtpjax import data, distributed, runtime
 from mtpjax.checkpoint import Checkpointer, CheckpointError, read_run_config
-from mtpjax.config import Config, ConfigError, load_config
+from mtpjax.config import Config, ConfigError, identity, load_config
 from mtpjax.flops import train_flops_per_token
 from mtpjax.metrics import Writer, measure_peak_flops, mfu
 from mtpjax.sharding import MeshError, data_parallelism, make_mesh, replicated
@@ -58,7 +58,7 @@ def check_run_dir(cfg: Config) -> bool:
     old = read_run_config(run)
     if old is None:
         return run.exists() and any(run.iterdir())
-    diffs = [d for s in IDENTITY_SECTIONS for d in _diff(old.to_dict()[s], cfg.to_dict()[s], s)]
+    diffs = [d for s in IDENTITY_SECTIONS for d in _diff(identity(old, s), identity(cfg, s), s)]
     if diffs:
         shown = "; ".join(diffs[:3]) + (f"; +{len(diffs) - 3} more" if len(diffs) > 3 else "")
         raise TrainError(f"run dir '{run}' holds a run with a different model/data config ({shown}); pass --fresh "
@@ -235,6 +235,7 @@ def train(cfg: Config, *, fresh: bool = False, max_steps: int | None = None) -> 
 
 
 def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) -> dict:
+    runtime.enable_compilation_cache(cfg.train.compilation_cache)
     mesh = make_mesh(cfg.mesh)
     check_parallelism(cfg, mesh)
     if not fresh:
@@ -264,10 +265,12 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
     show = cfg.train.progress and distributed.is_primary()
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not show, desc="train", unit="step")
     log = _Logger(cfg, writer, bar, mesh.size, peak)
+    prof = runtime.Profiler(cfg.train.profile, run / "tensorboard")
     result: dict = {"preempted": False}
     step, pending, saved = start, None, start
     try:
         while step < end and not pre.check(step):
+            prof.step(step, state)
             state, met = progs.train_step(state, *to_global(progs, next(train_it)), np.int32(step))
             step += 1
             if pending is not None:
@@ -288,6 +291,7 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
         if saved != step:  # a run always checkpoints its last step (also when preempted)
             ck.save(step, state, train_it.get_state(), _meta(cfg, step, log.last), force=True)
     finally:
+        prof.close(step, state)
         ck.close()
         writer.close()
         bar.close()

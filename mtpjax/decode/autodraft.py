@@ -17,7 +17,6 @@ import functools
 import json
 import os
 import platform
-import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -131,13 +130,9 @@ def machine() -> str:
 
 def default_calibration_file() -> Path:
     """Where decode.py keeps calibrations: $MTPJAX_CACHE_DIR, else ~/.cache/mtpjax (never the run directory)."""
-    root = os.environ.get("MTPJAX_CACHE_DIR")
-    if not root:
-        try:
-            root = Path.home() / ".cache" / "mtpjax"
-        except (RuntimeError, KeyError):  # no home directory: the file is only a speed-up
-            root = Path(tempfile.gettempdir()) / "mtpjax"
-    return Path(root) / "decode_calibration.json"
+    from mtpjax.runtime import cache_root
+
+    return cache_root() / "decode_calibration.json"
 
 
 class SavedCalibrations:

@@ -269,11 +269,13 @@ def main(argv: list[str] | None = None) -> int:
     import absl.logging
 
     absl.logging.set_verbosity(absl.logging.ERROR)  # orbax's read-only notice is not news to a reader
+    from mtpjax import runtime
     from mtpjax.checkpoint import CheckpointError, load_model_step
     from mtpjax.data import DataError
 
     try:
         cfg, model, tok, step = load_model_step(args.run_dir, args.step)
+        runtime.enable_compilation_cache(cfg.train.compilation_cache)  # under $MTPJAX_CACHE_DIR, not the run
         _proposer(args, cfg)  # flag conflicts before loading a draft
         draft, draft_tag = _load_draft(args, tok, Path(args.run_dir))
         if args.eval:

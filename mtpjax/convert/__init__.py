@@ -1,0 +1,24 @@
+"""Hugging Face export and import (`python -m mtpjax.convert export|import --help`).
+
+export: a run's checkpoint as a Qwen2 model that `transformers` loads with no custom code, with MTP modules
+in the MiMo layout that vLLM and SGLang draft with (or a plain Llama). import: a Llama / Qwen2 safetensors
+checkpoint as a model-only run directory that `load_model` and decode.py read. Both stream tensor by tensor.
+"""
+
+
+class ConvertError(ValueError):
+    """Conversion is impossible as asked; the message is one line naming the problem and the fix."""
+
+
+def export_run(*args, **kwargs):
+    """See mtpjax.convert.export.export_run."""
+    from mtpjax.convert.export import export_run as f
+
+    return f(*args, **kwargs)
+
+
+def import_hf(*args, **kwargs):
+    """See mtpjax.convert.importer.import_hf."""
+    from mtpjax.convert.importer import import_hf as f
+
+    return f(*args, **kwargs)

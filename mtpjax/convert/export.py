@@ -1,0 +1,199 @@
+"""Export a run's checkpoint as a Hugging Face directory, reading the orbax checkpoint one leaf at a time.
+
+Written into a temporary sibling directory renamed into place at the end: a failed export leaves nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from mtpjax.checkpoint import ckpt_dir
+from mtpjax.config import Config, ConfigError, from_dict
+from mtpjax.convert import ConvertError, layout
+from mtpjax.convert.hf_config import export_config
+from mtpjax.convert.hf_tokenizer import export_tokenizer
+from mtpjax.convert.safetensors_io import Spec, write_checkpoint
+from mtpjax.model import build_model
+
+DEFAULT_SHARD_BYTES = 2e9
+
+
+def param_shapes(cfg: Config) -> dict:
+    """The model's pure-dict parameter tree with each leaf's shape and dtype (nothing allocated)."""
+    abstract = nnx.eval_shape(lambda: build_model(cfg))
+    return nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+
+
+def shape_tree(shapes: dict) -> dict:
+    """The same tree with each leaf's shape (a tuple)."""
+    return jax.tree.map(lambda a: tuple(a.shape), shapes)
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__
+
+
+class RunCheckpoint:
+    """A run's checkpoint opened read-only: its config, tokenizer, step, and its parameters one leaf at a time."""
+
+    def __init__(self, run_dir: str | Path, step: int | None = None):
+        from mtpjax.data import DataError, tokenizer_from_dir
+
+        run = Path(run_dir)
+        if not ckpt_dir(run).is_dir():
+            raise ConvertError(f"'{run}' is not a run directory with checkpoints; pass the train.run_dir of a trained run")
+        self.mngr = ocp.CheckpointManager(ckpt_dir(run), options=ocp.CheckpointManagerOptions(
+            read_only=True, create=False, save_interval_steps=0))
+        steps = sorted(self.mngr.all_steps())
+        if not steps:
+            raise ConvertError(f"run directory '{run}' holds no complete checkpoint; train it first")
+        if step is not None and step not in steps:
+            raise ConvertError(f"run '{run}' has no checkpoint at step {step}; available: {steps}")
+        self.step = steps[-1] if step is None else step
+        try:
+            meta = self.mngr.restore(self.step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            self.cfg = from_dict(meta["config"])
+        except ConfigError as e:
+            raise ConvertError(f"checkpoint {self.step} of '{run}' has an invalid config ({e})") from None
+        except Exception as e:  # noqa: BLE001 (orbax raises many types; the user needs one line)
+            raise ConvertError(f"checkpoint {self.step} of '{run}' is unreadable ({_first_line(e)})") from None
+        try:
+            self.tokenizer = tokenizer_from_dir(run / "tokenizer")
+        except DataError as e:
+            raise ConvertError(f"run '{run}' has no usable tokenizer ({e})") from None
+        self.run, self._cached = run, (None, None)
+
+    def leaf(self, path: tuple) -> np.ndarray:
+        """One parameter as a host array (the last one read is kept: a stacked trunk leaf serves every layer)."""
+        if self._cached[0] == path:
+            return self._cached[1]
+        self.release()  # the previous leaf goes before the next is read
+        item, args = 0, ocp.RestoreArgs(restore_type=np.ndarray)
+        for p in reversed(path):
+            item, args = {p: item}, {p: args}
+        try:
+            out = self.mngr.restore(self.step, args=ocp.args.Composite(model=ocp.args.PyTreeRestore(
+                item=item, restore_args=args, partial_restore=True)))["model"]
+        except Exception as e:  # noqa: BLE001 (orbax raises many types)
+            raise ConvertError(f"parameter {'.'.join(map(str, path))} of checkpoint {self.step} in '{self.run}' "
+                               f"is unreadable ({_first_line(e)})") from None
+        for p in path:
+            out = out[p] if p in out else out[str(p)]
+        self._cached = (path, out)
+        return out
+
+    def release(self) -> None:
+        """Forget the kept leaf."""
+        self._cached = (None, None)
+
+    def close(self) -> None:
+        self.mngr.close()
+
+
+def _check(cfg: Config, fmt: str, mtp_modules: int | None, tokenizer) -> int:
+    """The number of MTP modules to write; ConvertError if the run or the format cannot give them."""
+    m = cfg.model
+    if fmt not in layout.FORMATS:
+        raise ConvertError(f"--format {fmt} is unknown; use one of {', '.join(layout.FORMATS)}")
+    if fmt == "llama":
+        if mtp_modules:
+            raise ConvertError("--format llama writes the trunk only (Llama has no MTP layout); "
+                               "use --format qwen2 for MTP modules, or --mtp-modules 0")
+        return 0
+    if mtp_modules is None:
+        mtp_modules = min(1, m.mtp_depth if m.mtp_kind == "sequential" else 0)
+    if mtp_modules < 0:
+        raise ConvertError(f"--mtp-modules {mtp_modules} must be >= 0")
+    if mtp_modules > m.mtp_depth:
+        raise ConvertError(f"--mtp-modules {mtp_modules} asks for more MTP modules than the run has "
+                           f"(model.mtp_depth={m.mtp_depth}); pass at most {m.mtp_depth}")
+    if mtp_modules and m.mtp_kind != "sequential":
+        raise ConvertError(f"the run's MTP modules are model.mtp_kind={m.mtp_kind}, which the MiMo layout cannot "
+                           "express (it chains [hidden; embedding]); pass --mtp-modules 0 for the trunk alone")
+    if tokenizer.kind not in ("byte", "hf"):
+        raise ConvertError(f"a {tokenizer.kind} tokenizer cannot be exported as tokenizer.json; "
+                           "export runs trained with data.tokenizer=byte, bpe or a tokenizer.json")
+    if tokenizer.vocab_size > m.vocab_size:
+        raise ConvertError(f"the run's tokenizer has {tokenizer.vocab_size} ids but model.vocab_size={m.vocab_size}")
+    return mtp_modules
+
+
+def _specs(ck: RunCheckpoint, cfg: Config, fmt: str, mtp_modules: int) -> list[Spec]:
+    shapes = param_shapes(cfg)
+    dtype = np.dtype(jax.numpy.dtype(cfg.model.param_dtype))
+
+    def producer(t: layout.Tensor):
+        if t.kind == "zeros":
+            return lambda: np.zeros(t.shape, dtype)
+
+        def produce():
+            x = ck.leaf(t.path)
+            if t.layer is None:  # only a stacked (scanned) leaf is read again, for its next layer
+                ck.release()
+                return layout.to_hf(t, x)
+            return layout.to_hf(t, x[t.layer])
+        return produce
+
+    return [Spec(t.hf, t.shape, dtype, producer(t)) for t in layout.tensors(cfg.model, shape_tree(shapes), fmt,
+                                                                            mtp_modules)]
+
+
+def fresh_dir(out: Path) -> Path:
+    """A new temporary sibling of `out` (which must not exist yet) to write into before renaming."""
+    out = Path(out)
+    if out.exists():
+        raise ConvertError(f"'{out}' already exists; pass a new --out directory (nothing was written)")
+    if not out.parent.is_dir():
+        raise ConvertError(f"the parent of --out '{out}' is not a directory; create it first")
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise ConvertError(f"cannot write into '{out.parent}' ({e.strerror}); choose a writable --out") from None
+    return tmp
+
+
+def commit(tmp: Path, out: Path) -> None:
+    """Rename the finished temporary directory into place."""
+    try:
+        tmp.rename(out)
+    except OSError as e:
+        raise ConvertError(f"cannot rename '{tmp}' to '{out}' ({e.strerror})") from None
+
+
+def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None, mtp_modules: int | None = None,
+               fmt: str = "qwen2", max_shard_bytes: float = DEFAULT_SHARD_BYTES) -> dict:
+    """Write the run's checkpoint as a Hugging Face directory at `out`; a summary. ConvertError on bad input."""
+    out = Path(out)
+    ck = RunCheckpoint(run_dir, step)
+    try:
+        cfg = ck.cfg
+        mtp_modules = _check(cfg, fmt, mtp_modules, ck.tokenizer)
+        specs = _specs(ck, cfg, fmt, mtp_modules)
+        tmp = fresh_dir(out)
+        try:
+            files = write_checkpoint(tmp, specs, max_shard_bytes)
+            max_len = max(cfg.data.seq_len, cfg.decode.max_len)
+            eos = ck.tokenizer.eos_id
+            (tmp / "config.json").write_text(json.dumps(
+                export_config(cfg.model, fmt, mtp_modules, eos, max_len), indent=2) + "\n")
+            gen = {"bos_token_id": None, "eos_token_id": eos, "pad_token_id": eos, "do_sample": False}
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+            export_tokenizer(ck.tokenizer, tmp, max_len)
+            commit(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        ck.close()
+    return {"out": str(out), "step": ck.step, "format": fmt, "mtp_modules": mtp_modules, "files": files,
+            "bytes": sum(s.nbytes for s in specs), "tensors": len(specs)}

@@ -1,0 +1,69 @@
+"""Tokenizer files for `AutoTokenizer`: tokenizer.json + tokenizer_config.json encoding text to mtpjax's ids.
+
+The byte tokenizer becomes a `tokenizers` BPE with no merges over the byte-level alphabet, so each byte is
+one token whose id is its value; id 0 is `<|eos|>` instead of the NUL byte, which no token spells, so a NUL
+in the text is dropped, as mtpjax drops it. A literal `<|eos|>` in a document stays text on both sides
+(`split_special_tokens`). Our own `tokenizer_meta.json` is written too, so import restores the same class.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mtpjax.convert import ConvertError
+from mtpjax.data.tokenizer import (
+    EOS_TOKEN,
+    HF_FILE,
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+)
+
+CONFIG_FILE = "tokenizer_config.json"
+
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's printable stand-in for each byte value (the ByteLevel pre-tokenizer's alphabet)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def byte_tokenizer_json():
+    """A `tokenizers` Tokenizer whose ids are mtpjax's byte ids (id 0 = <|eos|>)."""
+    from tokenizers import Tokenizer as _Tok
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {c: b for b, c in enumerate(_byte_chars()) if b != ByteTokenizer.eos_id}
+    vocab[EOS_TOKEN] = ByteTokenizer.eos_id
+    tok = _Tok(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def export_tokenizer(tok: Tokenizer, directory: Path, max_len: int) -> str:
+    """Write tokenizer.json, tokenizer_config.json (and tokenizer_meta.json) into `directory`; the EOS token's text."""
+    if isinstance(tok, ByteTokenizer):
+        inner = byte_tokenizer_json()
+        inner.save(str(directory / HF_FILE))
+    elif isinstance(tok, HFTokenizer):
+        inner = tok._tok
+    else:
+        raise ConvertError(f"a {tok.kind} tokenizer cannot be exported as tokenizer.json; "
+                                   "train with data.tokenizer=byte, bpe or a tokenizer.json")
+    tok.save(directory)  # tokenizer_meta.json (+ tokenizer.json for an HF tokenizer)
+    eos = inner.id_to_token(tok.eos_id)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos, "bos_token": None,
+              "unk_token": None, "model_max_length": max_len, "split_special_tokens": True,
+              "clean_up_tokenization_spaces": False}
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return eos

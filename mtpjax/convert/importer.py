@@ -1,0 +1,225 @@
+"""Import a Llama / Qwen2 safetensors checkpoint as a model-only run directory that `load_model` reads.
+
+Layout written (the items `checkpoint.Checkpointer` writes, without optimizer or data state):
+`OUT/config.yaml`, `OUT/tokenizer/`, `OUT/checkpoints/0/{model,meta}`. Tensors stream from memory-mapped
+safetensors into orbax one at a time: a lazy leaf type whose handler writes leaves sequentially, so memory
+holds a few tensors, not the model (orbax's own numpy path copies every array before writing any).
+MTP modules present in the checkpoint (our own MiMo export) are read back; the others start as
+`model.mtp_init` says.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from mtpjax.config import ConfigError, load_config
+from mtpjax.convert import ConvertError, layout
+from mtpjax.convert.export import commit, fresh_dir, param_shapes, shape_tree
+from mtpjax.convert.hf_config import model_overrides, read_config
+from mtpjax.convert.safetensors_io import FLOATS, Reader
+from mtpjax.model import MTPModule, mtp_from_last_block
+
+_MTP_PREFIX = re.compile(r"^model\.mtp_layers\.(\d+)\.")
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+_QKV_BIAS = re.compile(r"self_attn\.[qkv]_proj\.bias$")
+_O_BIAS = re.compile(r"self_attn\.o_proj\.bias$")
+
+
+class Lazy:
+    """A leaf produced on demand (shape and dtype known up front); `stack` keeps per-layer parts separate."""
+
+    def __init__(self, shape, dtype, produce, parts: list | None = None):
+        self.shape, self.dtype, self.produce, self.parts = tuple(shape), np.dtype(dtype), produce, parts
+        self.ndim, self.size = len(self.shape), int(np.prod(self.shape, dtype=np.int64))
+
+    @classmethod
+    def stack(cls, parts: list[Lazy]) -> Lazy:
+        return cls((len(parts), *parts[0].shape), parts[0].dtype, lambda: np.stack([p.produce() for p in parts]), parts)
+
+    def __getitem__(self, i: int) -> Lazy:  # the last layer of a stacked trunk (mtp_init=last_block)
+        return self.parts[i]
+
+
+class _SequentialHandler(ocp.type_handlers.NumpyHandler):
+    """Writes Lazy leaves one after another, each materialized just before its write and released after."""
+
+    async def _background_serialize(self, values, infos, args=None):
+        args = args or [ocp.SaveArgs()] * len(values)
+        for value, info, arg in zip(values, infos, args):
+            arr = np.ascontiguousarray(value.produce(), dtype=value.dtype)
+            await super()._background_serialize([arr], [info], [arg])
+            del arr
+
+
+def save_model_checkpoint(run_dir: Path, params: dict, meta: dict) -> None:
+    """`run_dir/checkpoints/0` with the items `model` (params: a pure dict of Lazy leaves) and `meta` (JSON)."""
+    registry = ocp.type_handlers.create_type_handler_registry((Lazy, _SequentialHandler(deepcopy_host_arrays=False)))
+    # float weights barely compress (~7%) and compression halves the write speed
+    handlers = {"model": ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_compression=False),
+                "meta": ocp.JsonCheckpointHandler()}
+    mngr = ocp.CheckpointManager((run_dir / "checkpoints").absolute(), item_handlers=handlers,
+                                 options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
+    try:
+        mngr.save(0, args=ocp.args.Composite(model=ocp.args.PyTreeSave(params), meta=ocp.args.JsonSave(meta)))
+        mngr.wait_until_finished()
+    finally:
+        mngr.close()
+
+
+def _loaded_modules(reader: Reader) -> int:
+    """How many MTP layers the checkpoint holds (model.mtp_layers.0 .. n-1)."""
+    found = {int(m[1]) for name in reader.entries if (m := _MTP_PREFIX.match(name))}
+    n = 0
+    while n in found:
+        n += 1
+    return n
+
+
+def _is_zero(reader: Reader, names: list[str]) -> bool:
+    return all(not np.any(reader.array(n)) for n in names)
+
+
+def _has_qkv_bias(reader: Reader) -> bool:
+    """Whether the checkpoint has nonzero q/k/v biases (all-zero ones compute nothing); nonzero o_proj ones are refused."""
+    o = [n for n in reader.entries if _O_BIAS.search(n)]
+    if not _is_zero(reader, o):
+        raise ConvertError("the checkpoint has attention output (o_proj) biases, which mtpjax cannot represent")
+    return not _is_zero(reader, [n for n in reader.entries if _QKV_BIAS.search(n)])
+
+
+def _leaf(reader: Reader, t: layout.Tensor, dtype: np.dtype) -> Lazy:
+    e = reader.entries[t.hf]
+    if e.shape != t.shape:
+        raise ConvertError(f"tensor {t.hf} has shape {list(e.shape)} but the config implies {list(t.shape)}; "
+                           "the checkpoint does not match its config.json")
+    if e.dtype not in FLOATS:
+        raise ConvertError(f"tensor {t.hf} is {e.dtype}; import takes float checkpoints (not quantized ones)")
+    shape = t.shape[::-1] if t.kind in ("t", "eh") else t.shape
+    return Lazy(shape, dtype, lambda: layout.from_hf(t, reader.array(t.hf)))  # a view: cast and copied once, when written
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+    for p in path[:-1]:
+        tree = tree[p]
+    tree[path[-1]] = value
+
+
+def _params(cfg, reader: Reader, fmt: str, loaded: int, has_bias: bool) -> dict:
+    """The model's pure-dict tree with Lazy leaves: HF tensors, then fresh MTP modules for the ones not loaded."""
+    m = cfg.model
+    if has_bias and not m.qkv_bias:
+        raise ConvertError("model.qkv_bias=false would drop the checkpoint's nonzero q/k/v biases; leave it unset")
+    shapes = param_shapes(cfg)
+    dtype = np.dtype(shapes["embed"].dtype)
+    tensors = layout.tensors(m, shape_tree(shapes), fmt, loaded)
+    expected = {t.hf for t in tensors}
+    extra = [n for n in reader.entries if n not in expected and not _IGNORED.search(n)
+             and not _QKV_BIAS.search(n) and not _O_BIAS.search(n)  # checked to be zero
+             and not (n == "lm_head.weight" and m.tie_embeddings)  # tied: transformers ignores it too
+             and not ((k := _MTP_PREFIX.match(n)) and int(k[1]) >= loaded)]
+    missing = [t.hf for t in tensors if t.kind != "zeros" and t.hf not in reader]
+    if missing:
+        raise ConvertError(f"the checkpoint lacks tensor {missing[0]} (and {len(missing) - 1} more) that its config "
+                           "implies; it does not match its config.json")
+    if extra:
+        raise ConvertError(f"the checkpoint has tensor {extra[0]} (and {len(extra) - 1} more) that a "
+                           f"{fmt} model of this config does not have; mtpjax cannot represent it")
+    tree = _nested_copy(shapes)
+    stacks: dict[tuple, list] = {}
+    for t in tensors:
+        if t.kind == "zeros":
+            continue
+        leaf = _leaf(reader, t, dtype)
+        if t.layer is None:
+            _set(tree, t.path, leaf)
+        else:
+            stacks.setdefault(t.path, []).append(leaf)
+    for path, parts in stacks.items():
+        _set(tree, path, Lazy.stack(parts))
+    new = {k: lazy_tree(v) for k, v in _fresh_modules(m, cfg.train.seed).items() if k >= loaded} \
+        if loaded < m.mtp_depth else {}
+    if new and m.mtp_init == "last_block":
+        new = mtp_from_last_block(m, {**tree, "mtp": new})["mtp"]
+    tree["mtp"].update(new)
+    return tree
+
+
+def _nested_copy(tree):
+    return {k: _nested_copy(v) for k, v in tree.items()} if isinstance(tree, dict) else None
+
+
+def _fresh_modules(m, seed: int) -> dict:
+    """Freshly initialized MTP modules as a pure dict (built in one jit: eager init compiles every shape)."""
+    if m.mtp_depth == 0:
+        return {}
+
+    @nnx.jit
+    def build():
+        rngs = nnx.Rngs(params=seed)
+        return nnx.List([MTPModule(m, rngs) for _ in range(m.mtp_depth)])
+
+    return nnx.to_pure_dict(nnx.state(build(), nnx.Param))
+
+
+def lazy_tree(tree):
+    """Lazy leaves over a tree of (fresh, small) arrays."""
+    if isinstance(tree, dict):
+        return {k: lazy_tree(v) for k, v in tree.items()}
+    arr = np.asarray(tree)
+    return Lazy(arr.shape, arr.dtype, lambda: arr)
+
+
+def _tokenizer_spec(tok, out: Path) -> str:
+    """data.tokenizer naming the tokenizer saved in the run (absolute: the run may be read from anywhere)."""
+    from mtpjax.data.tokenizer import HF_FILE, SP_FILE
+
+    if tok.kind == "byte":
+        return "byte"
+    return str(out.absolute() / "tokenizer" / (HF_FILE if tok.kind == "hf" else SP_FILE))
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, overrides=()) -> dict:
+    """Write the Hugging Face checkpoint at `hf_dir` as a model-only run directory `out`; a summary."""
+    from mtpjax.data import DataError, check_vocab, tokenizer_from_dir
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    if not hf_dir.is_dir():
+        raise ConvertError(f"--hf '{hf_dir}' is not a directory; pass a local Hugging Face model directory")
+    hf = read_config(hf_dir)
+    fmt, model_ovr = model_overrides(hf)
+    reader = Reader(hf_dir)
+    try:
+        tok = tokenizer_from_dir(hf_dir)
+    except DataError as e:
+        raise ConvertError(f"'{hf_dir}' has no usable tokenizer ({e})") from None
+    has_bias = _has_qkv_bias(reader)
+    if fmt == "llama" and has_bias and not hf.get("attention_bias"):
+        raise ConvertError("the checkpoint has q/k/v biases but its config.json says attention_bias=false")
+    try:
+        cfg = load_config(None, [*model_ovr, f"model.qkv_bias={str(has_bias).lower()}", f"train.run_dir={out}",
+                                 f"data.tokenizer={_tokenizer_spec(tok, out)}", *overrides])
+        check_vocab(tok, cfg.model.vocab_size)
+    except (ConfigError, DataError) as e:
+        raise ConvertError(str(e)) from None
+    loaded = min(_loaded_modules(reader), cfg.model.mtp_depth)
+    params = _params(cfg, reader, fmt, loaded, has_bias)
+    tmp = fresh_dir(out)
+    try:
+        (tmp / "config.yaml").write_text(cfg.to_yaml())
+        tok.save(tmp / "tokenizer")
+        meta = {"step": 0, "config": cfg.to_dict(), "source": {"hf_dir": str(hf_dir.resolve()), "format": fmt,
+                                                               "mtp_modules_loaded": loaded}}
+        save_model_checkpoint(tmp, params, meta)
+        commit(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"out": str(out), "format": fmt, "mtp_depth": cfg.model.mtp_depth, "mtp_modules_loaded": loaded,
+            "tensors": len(reader.entries), "bytes": sum(int(np.prod(e.shape, dtype=np.int64)) * e.dtype.itemsize
+                                                         for e in reader.entries.values())}

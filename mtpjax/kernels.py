@@ -1,0 +1,104 @@
+"""Fused attention kernels behind `model.attention` (layers.self_attention chooses): cuDNN, Pallas GPU, Pallas TPU splash.
+
+Each adapter computes what `layers.attend` computes for the training forward — causal attention over positions
+0..T-1 (no cache), restricted to equal segment ids when they are given, grouped-query heads — from the same
+inputs: q [B,T,K,R,H] already scaled by 1/sqrt(H), k and v [B,T,K,H], segment ids [B,T] or None. T is padded
+up to what a kernel needs; padded keys come after every real query (causal) and carry segment id -1, so no
+real query sees them, and the padded rows of the output are dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+
+PAD_SEGMENT = -1  # data segment ids are >= 0 (0 = padding), so a padded position matches no real one
+
+
+def note(message: str) -> None:
+    """One `attention: ...` line on stderr, once per process and message (process 0 only)."""
+    if message not in _NOTED and jax.process_index() == 0:
+        print(f"attention: {message}", file=sys.stderr, flush=True)
+    _NOTED.add(message)
+
+
+_NOTED: set[str] = set()
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _pad(x, T_pad: int, value=0):
+    """x padded along axis 1 (positions) to T_pad with `value`."""
+    extra = T_pad - x.shape[1]
+    if extra == 0:
+        return x
+    return jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+
+
+def cudnn_attention(q_BTKRH, k_BTKH, v_BTKH, seg_BT, *, implementation: str = "cudnn"):
+    """jax.nn.dot_product_attention (cuDNN flash attention on GPU; implementation="xla" runs the same call on CPU).
+
+    Its public signature takes no segment ids (query_seq_lengths only trims one padded tail per row), so packed
+    documents go in as a dense [B,1,T,T] mask, which cuDNN reads as a bias: exact, but it moves T² values per row.
+    """
+    B, T, K, R, H = q_BTKRH.shape
+    T_pad = _round_up(T, 2)  # cuDNN trains with a bias only on even lengths
+    q = _pad(q_BTKRH.reshape(B, T, K * R, H), T_pad)
+    k, v = _pad(k_BTKH, T_pad), _pad(v_BTKH, T_pad)
+    mask = None
+    if seg_BT is not None:
+        seg = _pad(seg_BT, T_pad, PAD_SEGMENT)
+        mask = (seg[:, :, None] == seg[:, None, :])[:, None]
+    o = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=True, implementation=implementation)
+    return o[:, :T].reshape(B, T, K, R, H)
+
+
+def pallas_gpu_attention(q_BTKRH, k_BTKH, v_BTKH, seg_BT, *, interpret: bool = False, block: int = 128):
+    """The Pallas GPU (Triton) flash-attention kernel with segment ids; it wants as many KV heads as query heads."""
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+
+    B, T, K, R, H = q_BTKRH.shape
+    block = min(block, 1 << max(4, (T - 1).bit_length()))  # a power of two, no larger than T needs
+    T_pad = _round_up(T, block)
+    q = _pad(q_BTKRH.reshape(B, T, K * R, H), T_pad)
+    k, v = (_pad(jnp.repeat(x, R, axis=2), T_pad) for x in (k_BTKH, v_BTKH))  # head k*R + r reads KV head k
+    seg = None if seg_BT is None else _pad(seg_BT, T_pad, PAD_SEGMENT)
+    bwd = min(32, block)
+    sizes = gpu_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=bwd, block_kv_dkv=bwd,
+                                     block_q_dq=bwd, block_kv_dq=bwd)
+    o = gpu_attention.mha(q, k, v, seg, sm_scale=1.0, causal=True, block_sizes=sizes, interpret=interpret)
+    return o[:, :T].reshape(B, T, K, R, H)
+
+
+@functools.cache
+def _splash_kernel(T_pad: int, n_heads: int, block: int, interpret: bool):
+    """A causal splash-attention kernel for one row ([N,T,H] queries, [K,T,H] keys), built once per shape."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    mask = splash.MultiHeadMask([splash.CausalMask((T_pad, T_pad)) for _ in range(n_heads)])
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def splash_attention(q_BTKRH, k_BTKH, v_BTKH, seg_BT, *, interpret: bool = False, block: int | None = None):
+    """The Pallas TPU splash-attention kernel (grouped-query heads and segment ids natively), vmapped over rows."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+
+    B, T, K, R, H = q_BTKRH.shape
+    block = block or (512 if T > 256 else 128)
+    T_pad = _round_up(T, block)
+    q_BNTH = _pad(q_BTKRH.reshape(B, T, K * R, H), T_pad).transpose(0, 2, 1, 3)
+    k_BKTH, v_BKTH = (_pad(x, T_pad).transpose(0, 2, 1, 3) for x in (k_BTKH, v_BTKH))
+    kernel = _splash_kernel(T_pad, K * R, block, interpret)
+    if seg_BT is None:
+        o_BNTH = jax.vmap(kernel)(q_BNTH, k_BKTH, v_BKTH)
+    else:
+        seg = _pad(seg_BT, T_pad, PAD_SEGMENT)
+        o_BNTH = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=SegmentIds(s, s)))(q_BNTH, k_BKTH, v_BKTH, seg)
+    return o_BNTH.transpose(0, 2, 1, 3)[:, :T].reshape(B, T, K, R, H)

@@ -1,0 +1,49 @@
+"""bench/accelerator.py: its --smoke run (the same code a lent GPU runs) and the table of published chip peaks."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.accelerator import published_peak
+
+ROOT = Path(__file__).resolve().parent.parent
+# What the lent machine lacks (it has jax, flax, optax, numpy, yaml): the script must run without any of it.
+ABSENT = ("grain", "orbax", "orbax.checkpoint", "tensorboardX", "tokenizers", "torch", "transformers", "tqdm")
+
+
+@pytest.mark.parametrize("kind,peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200", 989e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5p", 459e12),
+    ("TPU v6 lite", 918e12), ("cpu", None),
+])
+def test_published_peaks(kind, peak):
+    assert published_peak(kind) == peak
+
+
+@pytest.mark.slow
+def test_smoke_runs_the_whole_check_without_what_the_device_lacks(tmp_path):
+    out = tmp_path / "acc.json"
+    code = (f"import runpy, sys; sys.modules.update(dict.fromkeys({ABSENT!r})); "
+            f"sys.argv = ['accelerator.py', '--smoke', '--json', {str(out)!r}]; "
+            "runpy.run_path('bench/accelerator.py', run_name='__main__')")
+    p = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["smoke"] and res["device"]["platform"] == "cpu" and "measured" in res["device"]["peak_source"]
+    (train,) = res["train"]
+    assert train["attention"] == "xla" and train["tokens_per_sec"] > 0 and 0 < train["mfu"] < 1.5
+    assert train["memory_bytes"] > 0
+    rows = res["decode"]["rows"]
+    assert [r["batch"] for r in rows] == [1, 4]
+    for r in rows:
+        assert r["plain_tokens_per_sec"] > 0 and r["mtp_tokens_per_sec"] > 0 and r["v"] > 0 and r["c"] >= 0
+        assert r["same_tokens_as_plain"]
+    assert res["decode"]["alpha"] == [0.98, 0.5] and res["decode"]["ceiling"] > 0
+    assert res["equality"]["identical"] == {"1": True, "2": True}
+    table = [ln for ln in p.stdout.splitlines() if ln.startswith("|")]  # one table: header, train, decode, equality
+    assert table[:2] == ["| measure | setting | result |", "|---|---|---|"] and len(table) == 2 + 1 + 2 + 1
+    assert "(passed in, CPU-trained run)" in table[3] and "1 draft: identical, 2 drafts: identical" in table[-1]

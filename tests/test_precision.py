@@ -1,0 +1,66 @@
+"""Mixed precision as accelerator users expect it: bf16 compute, float32 master weights, moments, logits and loss."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from train_helpers import TINY, synthetic_batches
+
+from mtpjax.config import load_config
+from mtpjax.layers import attend
+from mtpjax.sharding import make_mesh
+from mtpjax.train_step import abstract_state, init_state, make_programs
+
+
+def _setup(*overrides):
+    cfg = load_config(None, TINY + ["data.paths=unused", "train.batch_size=2", *overrides])
+    mesh = make_mesh(cfg.mesh)
+    graphdef, abstract, shardings = abstract_state(cfg, mesh)
+    return cfg, mesh, graphdef, abstract, shardings
+
+
+def _float_dtypes(tree) -> set[str]:
+    arrays = [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype")]
+    return {jnp.dtype(x.dtype).name for x in arrays if jnp.issubdtype(x.dtype, jnp.floating)}
+
+
+def test_bf16_compute_step_keeps_float32_params_moments_logits_and_loss():
+    cfg, mesh, graphdef, _, shardings = _setup("model.dtype=bfloat16")
+    progs = make_programs(cfg, mesh, graphdef, shardings)
+    tok, seg = (jnp.asarray(x) for x in synthetic_batches(1, 2, cfg.data.seq_len)[0])
+    state = init_state(cfg, mesh, shardings)
+    before = [np.asarray(x) for x in jax.tree.leaves(state[0])]
+    grads, _ = jax.eval_shape(progs.grads, state, tok, seg, np.int32(0))
+    new, met = progs.train_step(state, tok, seg, np.int32(0))
+    params, opt = new[0], new[1]
+    assert _float_dtypes(params) == {"float32"}  # master weights
+    assert _float_dtypes(opt) == {"float32"}  # AdamW mu and nu
+    assert _float_dtypes(grads) == {"float32"}
+    assert met["loss/total"].dtype == jnp.float32 and np.isfinite(float(met["loss/total"]))
+    # every parameter was updated: no update lost to rounding the weights to bf16
+    assert all(not np.array_equal(a, np.asarray(b)) for a, b in zip(before, jax.tree.leaves(params)))
+    model = nnx.merge(graphdef, new)[0]
+    hidden = jax.eval_shape(lambda: model(tok, seg).hidden)
+    assert hidden.dtype == jnp.bfloat16  # the computation runs in bf16
+    assert jax.eval_shape(lambda: model.logits(model(tok, seg).hidden[0])).dtype == jnp.float32
+    q, k, v = (jnp.ones(s, jnp.bfloat16) for s in ((1, 4, 1, 2, 8), (1, 4, 1, 8), (1, 4, 1, 8)))
+    assert attend(q, k, v, jnp.zeros((1, 4, 4), jnp.float32)).dtype == jnp.float32  # softmax in float32
+
+
+def test_companion_bf16_params_are_seen():
+    """The dtype checks above can fail: with param_dtype=bfloat16 the master weights and moments are bf16."""
+    abstract = _setup("model.dtype=bfloat16", "model.param_dtype=bfloat16")[3]
+    assert "bfloat16" in _float_dtypes(abstract[0]) and "bfloat16" in _float_dtypes(abstract[1])
+
+
+def test_gpu_1b_is_one_accelerator_1b_bf16_seq_4096_mtp_1():
+    from pathlib import Path
+
+    from mtpjax.model import build_model, param_counts
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "gpu_1b.yaml")
+    m = cfg.model
+    assert (m.dtype, m.param_dtype, m.mtp_depth, cfg.data.seq_len) == ("bfloat16", "float32", 1, 4096)
+    assert cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor == 1
+    total = param_counts(nnx.eval_shape(lambda: build_model(cfg)))["total"]
+    assert 0.9e9 < total < 1.1e9

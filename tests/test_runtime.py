@@ -1,0 +1,109 @@
+"""mtpjax.runtime: the cache root, the persistent compilation cache across runs, train.profile traces."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from train_helpers import cli_args, tiny_cfg, write_corpus
+
+from mtpjax import runtime
+from mtpjax.config import ConfigError, load_config, parse_profile
+
+REPO = Path(__file__).resolve().parent.parent
+SHORT = ["model.n_layers=1", "model.mtp_depth=1", "data.seq_len=16", "train.batch_size=4", "train.eval_batches=0",
+         "train.steps=2", "checkpoint.async_save=false"]
+# train.py with a listener counting JAX's monitoring events, printed as one JSON line at exit
+COUNTING = ("import atexit, collections, json, runpy, sys; import jax.monitoring as m; c = collections.Counter(); "
+            "m.register_event_listener(lambda e, **k: c.update([e])); "
+            "atexit.register(lambda: print('EVENTS ' + json.dumps(c), file=sys.stderr)); "
+            "sys.argv = ['train.py'] + sys.argv[1:]; runpy.run_path('train.py', run_name='__main__')")
+
+
+def test_cache_root_is_one_place(monkeypatch, tmp_path):
+    from mtpjax.decode.autodraft import default_calibration_file
+
+    monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path))
+    assert runtime.cache_root() == tmp_path and runtime.compilation_cache_dir() == tmp_path / "xla"
+    assert default_calibration_file() == tmp_path / "decode_calibration.json"
+    monkeypatch.delenv("MTPJAX_CACHE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert runtime.cache_root() == tmp_path / "home" / ".cache" / "mtpjax"
+
+
+def _events(run: str, tmp: Path, corpus: Path, *extra: str) -> dict:
+    cfg = tiny_cfg(tmp, *SHORT, *extra, corpus=corpus, run=run)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MTPJAX_CACHE_DIR": str(tmp / "cache-root")}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    p = subprocess.run([sys.executable, "-c", COUNTING, *cli_args(cfg)], check=False, cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    line = next(ln for ln in p.stderr.splitlines() if ln.startswith("EVENTS "))
+    events = json.loads(line[len("EVENTS "):])
+    return {k.rsplit("/", 1)[1]: v for k, v in events.items() if k.startswith("/jax/compilation_cache/")}
+
+
+@pytest.mark.slow
+def test_second_run_reads_every_program_from_the_compilation_cache(tmp_path):
+    """Run 1 compiles and writes the cache; run 2 (same config, another run dir) compiles nothing: every compile
+    request is a cache hit. The cache lives under $MTPJAX_CACHE_DIR, never in a run directory. Companion: run 3
+    with train.compilation_cache=false reads nothing from the same, full cache."""
+    corpus = write_corpus(tmp_path)
+    first = _events("a", tmp_path, corpus)
+    assert first["cache_misses"] == first["compile_requests_use_cache"] >= 2 and first.get("cache_hits", 0) == 0
+    entries = sorted(p.name for p in (tmp_path / "cache-root" / "xla").iterdir())
+    assert any(n.startswith("jit_train_step-") for n in entries), entries
+    second = _events("b", tmp_path, corpus)
+    assert second["cache_hits"] == second["compile_requests_use_cache"] == first["compile_requests_use_cache"]
+    assert second.get("cache_misses", 0) == 0
+    for run in ("a", "b"):
+        assert not [p for p in (tmp_path / run).rglob("*") if p.name.endswith("-cache") or p.name == "xla"]
+    off = _events("c", tmp_path, corpus, "train.compilation_cache=false")
+    assert off.get("cache_hits", 0) == 0
+    assert sorted(p.name for p in (tmp_path / "cache-root" / "xla").iterdir()) == entries
+
+
+def test_profile_window_parses_and_refuses_bad_values(tmp_path):
+    assert parse_profile("") is None and parse_profile("10:15") == (10, 15) and parse_profile(" 0 : 2 ") == (0, 2)
+    # YAML would read 10:15 as the base-60 integer 615; the loader keeps it a string, on the command line and in files
+    assert load_config(None, ["train.profile=10:15"]).train.profile == "10:15"
+    (tmp_path / "c.yaml").write_text("train:\n  profile: 10:15\n")
+    assert load_config(tmp_path / "c.yaml").train.profile == "10:15"
+    assert load_config(None, ["train.steps=1_000"]).train.steps == 1000  # other integers still read as before
+    for bad in ("5:5", "7:3", "3", "a:b", "-1:4"):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [f"train.profile={bad}"])
+        assert "train.profile" in str(e.value) and "start:stop" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_profiler_traces_the_window_only(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(runtime.jax.profiler, "start_trace", lambda d: calls.append(("start", d)))
+    monkeypatch.setattr(runtime.jax.profiler, "stop_trace", lambda: calls.append(("stop",)))
+    prof = runtime.Profiler("2:4", "/tmp/nowhere-profile")
+    for done in range(6):
+        prof.step(done, None)
+        calls.append(done)
+    prof.close(6, None)
+    assert calls == [0, 1, ("start", "/tmp/nowhere-profile"), 2, 3, ("stop",), 4, 5]
+    assert "profile of steps 3..4 written" in capsys.readouterr().err
+    resumed = runtime.Profiler("2:4", "/tmp/nowhere-profile")
+    calls.clear()
+    resumed.step(3, None)  # a run resumed inside the window traces the rest of it
+    resumed.close(3, None)  # and one that ends inside it stops the trace at its end
+    assert calls == [("start", "/tmp/nowhere-profile"), ("stop",)]
+    calls.clear()
+    runtime.Profiler("", "/x").step(0, None)
+    assert calls == []
+
+
+def test_train_profile_writes_a_trace_tensorboard_reads(tmp_path):
+    from mtpjax.train_loop import train
+
+    cfg = tiny_cfg(tmp_path, *SHORT, "train.steps=3", "train.profile=1:2")
+    train(cfg)
+    traces = list((tmp_path / "run" / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+    assert b"train_step" in traces[0].read_bytes()  # the traced window holds a train step
