@@ -50,7 +50,7 @@ def _mutations(rng: random.Random, n: int):
             r = rng.random()
             key = rng.choice(keys)
             sec, name = key.split(".")
-            if r < 0.1:
+            if r < 0.1 and isinstance(raw.get(sec, {}), dict):  # (a section already made a scalar stays one)
                 raw.setdefault(sec, {})[name + rng.choice(["_", "s", "x"])] = 1
             elif r < 0.15:
                 raw[sec + "z"] = {name: 1}
