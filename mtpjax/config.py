@@ -70,10 +70,28 @@ class LossConfig:
     chunk_size: int = 0  # sequence positions per cross-entropy chunk; 0 = whole sequence at once
 
 
+SOURCES = ("stdlib", "text", "array", "parquet", "arrow")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+@dataclass(frozen=True)
+class MixtureSource:
+    """One source of a weighted data mixture (data.mixture); the rest of DataConfig is shared."""
+
+    name: str = ""  # TensorBoard tag part: eval/<name>/loss/main
+    source: str = "text"  # text | parquet | arrow | array | stdlib
+    paths: tuple[str, ...] = ()
+    weight: float = 1.0  # share of training windows (weights are normalized)
+    text_field: str = "text"  # the text column (parquet/arrow) or JSON-lines field
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "stdlib"  # stdlib | text | array
+    # Keys that do not change the prepared tokens or the stream: a resumed run may change them.
+    source: str = "stdlib"  # stdlib | text | array | parquet | arrow
     paths: tuple[str, ...] = ()
+    text_field: str = "text"  # the text column of parquet/arrow files, the field of JSON lines
+    mixture: tuple[MixtureSource, ...] = ()  # weighted sources; replaces source/paths/text_field
     tokenizer: str = "byte"  # byte | bpe | path to tokenizer.json or sentencepiece .model
     bpe_vocab_size: int = 1024
     seq_len: int = 256
@@ -81,6 +99,7 @@ class DataConfig:
     val_fraction: float = 0.05
     shuffle: bool = True
     num_workers: int = 0
+    prepare_workers: int = 0  # processes that read and tokenize during preparation (0: this process)
 
 
 @dataclass(frozen=True)
@@ -160,7 +179,9 @@ class Config:
 
 
 # Keys that say how to compute, not what: a run resumes, and a checkpoint decodes, with another value.
-RUNTIME_KEYS = frozenset({"model.attention"})
+# Keys that change neither the weights nor the prepared tokens and their stream (a backend, worker counts, a cache
+# location): a run resumes, and a checkpoint decodes, with other values.
+RUNTIME_KEYS = frozenset({"model.attention", "data.cache_dir", "data.num_workers", "data.prepare_workers"})
 ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "pallas", "splash")
 
 
@@ -200,10 +221,12 @@ def _fail(key: str, value: Any, allowed: str) -> ConfigError:
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, f"{key}.")
     origin = typing.get_origin(tp)
     if origin is tuple:
         (item_tp, *_) = typing.get_args(tp)
-        if isinstance(value, str):
+        if isinstance(value, str) and not dataclasses.is_dataclass(item_tp):
             value = [value]
         if not isinstance(value, (list, tuple)):
             raise _fail(key, value, "expected a list")
@@ -416,14 +439,19 @@ def validate(cfg: Config) -> None:
            cfg.loss.chunk_size, f"must divide data.seq_len={cfg.data.seq_len} (or be 0)")
 
     d = cfg.data
-    _choice("data.source", d.source, ("stdlib", "text", "array"))
+    _choice("data.source", d.source, SOURCES)
+    _check(bool(d.text_field), "data.text_field", d.text_field, "must name a column / JSON field")
     _check(d.seq_len >= m.mtp_depth + 2, "data.seq_len", d.seq_len,
            f"must be >= model.mtp_depth + 2 = {m.mtp_depth + 2} so every depth has a target")
     _check(0.0 < d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "must be in (0, 1)")
     _check(d.bpe_vocab_size >= 260, "data.bpe_vocab_size", d.bpe_vocab_size, "must be >= 260")
     _check(d.num_workers >= 0, "data.num_workers", d.num_workers, "must be >= 0")
-    _check(d.source == "stdlib" or len(d.paths) > 0, "data.paths", list(d.paths),
-           f"data.source={d.source} needs at least one path")
+    _check(d.prepare_workers >= 0, "data.prepare_workers", d.prepare_workers, "must be >= 0 (0: this process)")
+    if d.mixture:
+        _validate_mixture(d)
+    else:
+        _check(d.source == "stdlib" or len(d.paths) > 0, "data.paths", list(d.paths),
+               f"data.source={d.source} needs at least one path")
 
     o = cfg.optim
     _check(o.lr > 0, "optim.lr", o.lr, "must be > 0")
@@ -467,6 +495,23 @@ def validate(cfg: Config) -> None:
     _check(dc.top_k >= 0, "decode.top_k", dc.top_k, "must be >= 0 (0 disables)")
     _check(0 < dc.top_p <= 1, "decode.top_p", dc.top_p, "must be in (0, 1]")
     _check(dc.max_len > 1, "decode.max_len", dc.max_len, "must be > 1")
+
+
+def _validate_mixture(d: DataConfig) -> None:
+    _check(not d.paths, "data.paths", list(d.paths), "must be empty when data.mixture is set (each source has its paths)")
+    _check(d.tokenizer != "bpe", "data.tokenizer", d.tokenizer, "a mixture needs one fixed tokenizer for every "
+           "source: byte, or a tokenizer.json / .model (e.g. the one `python -m mtpjax.data prepare` trained)")
+    seen = set()
+    for i, m in enumerate(d.mixture):
+        key = f"data.mixture[{i}]"
+        _check(bool(_NAME_RE.match(m.name)), f"{key}.name", m.name, "must be a non-empty name of letters, digits, _ . -")
+        _check(m.name not in seen, f"{key}.name", m.name, "is repeated; give every source its own name")
+        seen.add(m.name)
+        _choice(f"{key}.source", m.source, SOURCES)
+        _check(m.source == "stdlib" or len(m.paths) > 0, f"{key}.paths", list(m.paths),
+               f"source {m.source} needs at least one path")
+        _check(m.weight > 0, f"{key}.weight", m.weight, "must be > 0")
+        _check(bool(m.text_field), f"{key}.text_field", m.text_field, "must name a column / JSON field")
 
 
 def field_doc() -> list[tuple[str, Any]]:

@@ -18,7 +18,7 @@ from mtpjax.checkpoint import Checkpointer, CheckpointError, read_run_config
 from mtpjax.config import Config, ConfigError, identity, load_config
 from mtpjax.flops import train_flops_per_token
 from mtpjax.metrics import Writer, measure_peak_flops, mfu
-from mtpjax.sharding import MeshError, data_parallelism, make_mesh, replicated
+from mtpjax.sharding import MeshError, batch_sharding, data_parallelism, make_mesh, replicated
 from mtpjax.train_step import Programs, abstract_state, init_state, make_programs
 
 IDENTITY_SECTIONS = ("model", "data")  # what makes a run dir "the same run"; other sections may change on resume
@@ -99,20 +99,9 @@ def setup_run_dir(cfg: Config, prepared, fresh: bool) -> Path:
 # ----------------------------------------------------------------------------- data
 
 
-def open_data(cfg: Config):
-    """(prepared corpus, train iterator, fixed validation batches); DataError on bad input."""
-    prepared = data.prepare(cfg.data, progress=cfg.train.progress)
-    data.check_vocab(prepared.tokenizer, cfg.model.vocab_size)
-    common = dict(seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
-                  process_index=jax.process_index(), process_count=jax.process_count())
-    train_it = data.make_iterator(prepared, split="train", shuffle=cfg.data.shuffle,
-                                  num_workers=cfg.data.num_workers, **common)
-    val = []
-    if cfg.train.eval_batches:
-        # The same first batches of the unshuffled validation split at every eval: comparable numbers.
-        val_it = data.make_iterator(prepared, split="val", shuffle=False, **common)
-        val = [next(val_it) for _ in range(cfg.train.eval_batches)]
-    return prepared, train_it, val
+def open_data(cfg: Config, mesh):
+    """(prepared corpus, train iterator, validation batches, per-source validation batches); DataError on bad input."""
+    return data.open_run_data(cfg, batch_sharding(mesh))  # each process reads its rows of every global batch
 
 
 def to_global(progs: Programs, batch: dict):
@@ -241,7 +230,7 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
     if not fresh:
         check_run_dir(cfg)
     probe_writable(Path(cfg.train.run_dir))
-    prepared, train_it, val = open_data(cfg)
+    prepared, train_it, val, val_sources = open_data(cfg, mesh)
     run = setup_run_dir(cfg, prepared, fresh)
 
     graphdef, target, shardings = abstract_state(cfg, mesh)
@@ -281,7 +270,7 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
                 log.consume(*pending)
                 pending = None
             if step % cfg.train.eval_every == 0 or step == end:
-                result.update(_eval(cfg, progs, state, val, prepared.tokenizer, writer, step))
+                result.update(_eval(cfg, progs, state, val, val_sources, prepared.tokenizer, writer, step))
                 log.restart_clock(step)
             if ck.save(step, state, train_it.get_state(), _meta(cfg, step, log.last), force=step == end):
                 saved = step
@@ -298,11 +287,12 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
     return {**log.last, **result, "step": step, "skipped_steps": log.skipped, "history": log.history}
 
 
-def _eval(cfg, progs, state, val, tokenizer, writer: Writer, step: int) -> dict:
+def _eval(cfg, progs, state, val, val_sources, tokenizer, writer: Writer, step: int) -> dict:
     if not val:
         return {}
     ev = evaluate(progs, state, val, step)
     keep = {k: v for k, v in ev.items() if k.startswith(("loss/", "agreement/", "accuracy/"))}
+    keep |= data.eval_by_source(val_sources, lambda batches: evaluate(progs, state, batches, step), list(keep))
     writer.scalars(step, keep, prefix="eval/")
     for i, text in enumerate(samples(progs, state, val, tokenizer, cfg.train.num_samples)):
         writer.text(step, f"samples/{i}", text)

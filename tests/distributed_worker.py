@@ -1,9 +1,9 @@
-"""One process with 4 CPU devices: the reference for a 2-process run of launch/local.sh, then its resume.
+"""One process with 4 CPU devices: the single-process twin of a 2-process run of launch/local.sh, then resumes.
 
-argv: <in.json> <out.json>. Rebuilds the batches each of 2 processes read (process_index 0 and 1 of 2),
-trains on their concatenation (the global batch) and, from step `first` on, on a 1-process iterator at
-the same batch index; then resumes the 2-process run dir here with train(). Writes the first local
-batches, the reference metrics per step, and the resumed history.
+argv: <in.json> <out.json>. Trains the same config and mesh here (run dir `solo`) for train.steps, then resumes
+both that run and the 2-process run dir here with `resume_steps` steps. Also trains on global batches whose
+second half repeats the first (what the run would see if both processes fed the same rows). Writes the
+TensorBoard losses of `solo`, the resumed histories, and that companion's losses.
 """
 
 import os
@@ -27,47 +27,43 @@ from mtpjax.train_loop import train  # noqa: E402
 from mtpjax.train_step import abstract_state, init_state, make_programs  # noqa: E402
 
 
-def iterator(cfg, prepared, index: int, count: int):
-    return data.make_iterator(prepared, split="train", seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
-                              seed=cfg.train.seed, shuffle=cfg.data.shuffle, process_index=index,
-                              process_count=count)
+def scalars(tb_dir: Path, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)}
 
 
-def run_steps(cfg, progs, state, batches, first_step: int):
-    mets = []
-    for i, b in enumerate(batches):
-        put = lambda x: jax.device_put(np.asarray(x, np.int32), progs.batch_sharding)
-        state, met = progs.train_step(state, put(b["tokens"]), put(b["segment_ids"]), np.int32(first_step + i))
-        mets.append({k: float(v) for k, v in jax.device_get(met).items()})
-    return state, mets
+def same_rows_losses(cfg) -> list[float]:
+    """loss/main per step when both halves of every global batch are its first half."""
+    it = data.make_iterator(data.prepare(cfg.data), split="train", seq_len=cfg.data.seq_len,
+                            batch_size=cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+    mesh = make_mesh(cfg.mesh)
+    graphdef, _, shardings = abstract_state(cfg, mesh)
+    progs = make_programs(cfg, mesh, graphdef, shardings)
+    state, out, half = init_state(cfg, mesh, shardings), [], cfg.train.batch_size // 2
+    for step in range(cfg.train.steps):
+        b = next(it)
+        put = lambda x: jax.device_put(np.concatenate([x[:half], x[:half]]).astype(np.int32), progs.batch_sharding)
+        state, met = progs.train_step(state, put(b["tokens"]), put(b["segment_ids"]), np.int32(step))
+        out.append(float(met["loss/main"]))
+    return out
 
 
 def main_worker(inp: dict) -> dict:
     assert jax.device_count() == 4 and jax.process_count() == 1
     cfg = load_config(inp["config"], inp["overrides"])
-    first, total = cfg.train.steps, inp["resume_steps"]
-    prepared = data.prepare(cfg.data)
-    it0, it1, solo = iterator(cfg, prepared, 0, 2), iterator(cfg, prepared, 1, 2), iterator(cfg, prepared, 0, 1)
-    local = [(next(it0), next(it1)) for _ in range(first)]
-    glob = [{k: np.concatenate([a[k], b[k]]) for k in a} for a, b in local]
-    for _ in range(first):
-        next(solo)  # the resumed 1-process iterator continues at the same batch index of its own shard
-    later = [next(solo) for _ in range(total - first)]
-
-    mesh = make_mesh(cfg.mesh)
-    graphdef, _, shardings = abstract_state(cfg, mesh)
-    progs = make_programs(cfg, mesh, graphdef, shardings)
-    state, ref = run_steps(cfg, progs, init_state(cfg, mesh, shardings), glob, 0)
-    longer = replace(cfg, [f"train.steps={total}"])  # the resumed run's LR schedule spans the new step count
-    graphdef6, _, shardings6 = abstract_state(longer, mesh)  # the optimizer (and its schedule) is in the graphdef
-    _, ref_later = run_steps(longer, make_programs(longer, mesh, graphdef6, shardings6), state, later, first)
-    # The same model fed process 0's rows twice: what the run would show if both processes read one shard.
-    same = [{k: np.concatenate([a[k], a[k]]) for k in a} for a, _ in local]
-    _, ref_same = run_steps(cfg, progs, init_state(cfg, mesh, shardings), same, 0)
-
-    resumed = train(longer)
-    return {"first_tokens": [np.asarray(local[0][0]["tokens"]).tolist(), np.asarray(local[0][1]["tokens"]).tolist()],
-            "reference": ref + ref_later, "reference_same_shard": ref_same, "resumed": resumed["history"]}
+    two_run = Path(cfg.train.run_dir)
+    solo = replace(cfg, [f"train.run_dir={two_run.parent / 'solo'}"])
+    train(solo)
+    tb = Path(solo.train.run_dir) / "tensorboard"
+    logged = {k: scalars(tb, f"loss/{k}") for k in ("main", "mtp_1", "mtp_2")}
+    longer = [f"train.steps={inp['resume_steps']}"]
+    resumed_solo = train(replace(solo, longer))["history"]
+    resumed_two = train(replace(cfg, longer))["history"]
+    return {"solo": logged, "resumed_solo": resumed_solo, "resumed_two": resumed_two,
+            "same_rows": same_rows_losses(cfg)}
 
 
 if __name__ == "__main__":

@@ -1,28 +1,31 @@
-"""Data: corpus sources, tokenizers, cached preparation and the grain batch pipeline.
+"""Data: corpus sources, tokenizers, cached preparation, mixtures and the global batch stream.
 
-Public API: prepare, PreparedData, make_iterator, load_tokenizer, tokenizer_from_dir, Tokenizer,
-check_vocab, DataError (see each module's docstring for the formats and conventions).
+Public API: prepare (a PreparedData, or a PreparedMixture for data.mixture), make_iterator, open_run_data,
+eval_by_source, prepare_on_hosts, local_rows, load_tokenizer, tokenizer_from_dir, Tokenizer, check_vocab,
+DataError (see each module's docstring for the formats and conventions).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from mtpjax.data.errors import DataError
 from mtpjax.data.corpus import PreparedData, cache_path, data_config_of, prepare, summary
+from mtpjax.data.errors import DataError
+from mtpjax.data.mixture import PreparedMixture
 from mtpjax.data.tokenizer import (ByteTokenizer, HFTokenizer, SentencePieceTokenizer, Tokenizer, check_vocab,
                                    load_spec, tokenizer_from_dir, train_bpe)
 
 
-_PIPELINE = ("BatchIterator", "make_iterator", "segment_ids")
+_LAZY = {"BatchIterator": "pipeline", "make_iterator": "pipeline", "segment_ids": "pipeline",
+         "open_run_data": "run", "eval_by_source": "run", "prepare_on_hosts": "hosts", "local_rows": "hosts"}
 
 
 def __getattr__(name: str):
     # grain takes ~2 s to import; `python -m mtpjax.data prepare` and tokenizer users do not need it
-    if name in _PIPELINE:
-        from mtpjax.data import pipeline
+    if name in _LAZY:
+        import importlib
 
-        return getattr(pipeline, name)
+        return getattr(importlib.import_module(f"mtpjax.data.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'mtpjax.data' has no attribute '{name}'")
 
 
@@ -48,6 +51,7 @@ def check_vocab_early(data_cfg, vocab_size: int) -> None:
         check_vocab(load_spec(data_cfg.tokenizer), vocab_size)
 
 
-__all__ = ["BatchIterator", "ByteTokenizer", "DataError", "HFTokenizer", "PreparedData", "SentencePieceTokenizer",
-           "Tokenizer", "cache_path", "check_vocab", "check_vocab_early", "load_tokenizer", "make_iterator",
-           "prepare", "segment_ids", "summary", "tokenizer_from_dir", "train_bpe"]
+__all__ = ["BatchIterator", "ByteTokenizer", "DataError", "HFTokenizer", "PreparedData", "PreparedMixture",
+           "SentencePieceTokenizer", "Tokenizer", "cache_path", "check_vocab", "check_vocab_early", "eval_by_source",
+           "load_tokenizer", "local_rows", "make_iterator", "open_run_data", "prepare", "prepare_on_hosts",
+           "segment_ids", "summary", "tokenizer_from_dir", "train_bpe"]

@@ -1,11 +1,15 @@
 """Corpus preparation: read a source, tokenize, split, and cache flat token arrays atomically.
 
 The cache directory `<data.cache_dir>/<source>-<tokenizer>-<key>` is keyed by a hash of the source,
-its files' paths/sizes/mtimes, the tokenizer spec (and its file's stat), bpe_vocab_size and val_fraction.
-It holds `train.npy`, `val.npy` (uint16, or int32 for vocabularies over 65536; documents joined with
-EOS after each), `meta.json` and the tokenizer's files. It is built in a `.tmp-*` sibling and renamed
-into place, so a killed preparation never leaves a directory that is later mistaken for a finished one;
-temp dirs of dead processes on this host are deleted by the next `prepare`.
+its files' paths/sizes/mtimes, the text field, the tokenizer spec (and its file's stat), bpe_vocab_size
+and val_fraction; never by worker counts (they do not change the arrays). A `data.mixture` prepares each
+source into its own entry (see mixture.py).
+
+An entry holds `train.npy`, `val.npy` (uint16, or int32 for vocabularies over 65536; documents joined with
+EOS after each; written in place, the header filled in at the end), `meta.json` and the tokenizer's files.
+It is built in a `.tmp-*` sibling and renamed into place, so a killed preparation never leaves a directory
+that is later mistaken for a finished one; temp dirs of dead processes on this host are deleted by the
+next `prepare`.
 
 Split: text documents go to validation by a hash of their key (see sources.is_val). When that leaves a
 side empty (e.g. a single .txt file) and for pre-tokenized arrays, the joined stream is cut instead:
@@ -15,6 +19,7 @@ the last `val_fraction` of its tokens is the validation split (meta["split"] say
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -28,14 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from mtpjax.data import sources
+from mtpjax.data import encode, sources
 from mtpjax.data.errors import DataError
-from mtpjax.data.tokenizer import (ByteTokenizer, Tokenizer, load_spec, tokenizer_file, tokenizer_from_dir,
-                                   tokenizer_kind, train_bpe)
+from mtpjax.data.tokenizer import Tokenizer, load_spec, tokenizer_file, tokenizer_from_dir, tokenizer_kind, train_bpe
 
-FORMAT = 1
+FORMAT = 2  # 2: content hash over per-unit digests
 BPE_MAX_TRAIN_BYTES = 32 << 20  # BPE merges stabilise long before this; keeps training to seconds
-_BATCH_BYTES = 4 << 20
+TEXT_SOURCES = ("text", "parquet", "arrow")  # the sources data.text_field applies to
 
 
 @dataclass
@@ -58,6 +62,10 @@ class PreparedData:
     def content_hash(self) -> str:
         return self.meta["content_hash"]
 
+    def sources(self) -> list[tuple[str, float, PreparedData]]:
+        """(name, weight, prepared) of each source: one unnamed source here (a mixture has several)."""
+        return [("", 1.0, self)]
+
 
 def _files(cfg) -> list[tuple[Path, str]]:
     if cfg.source == "stdlib":
@@ -66,12 +74,16 @@ def _files(cfg) -> list[tuple[Path, str]]:
         return sources.text_files(tuple(cfg.paths))
     if cfg.source == "array":
         return sources.array_files(tuple(cfg.paths))
-    raise DataError(f"unknown data.source '{cfg.source}'; use stdlib, text or array")
+    if cfg.source in ("parquet", "arrow"):
+        return sources.table_files(tuple(cfg.paths), cfg.source)
+    raise DataError(f"unknown data.source '{cfg.source}'; use stdlib, text, array, parquet or arrow")
 
 
 def _key(cfg, files, kind: str) -> str:
     spec: dict[str, Any] = {"format": FORMAT, "source": cfg.source, "files": sources.file_stats(files),
                             "tokenizer": cfg.tokenizer, "val_fraction": cfg.val_fraction}
+    if cfg.source in TEXT_SOURCES:
+        spec["text_field"] = cfg.text_field
     if cfg.source == "stdlib":
         spec["python"] = sys.version
     if kind == "bpe":
@@ -116,13 +128,19 @@ def _clean_stale(final: Path) -> None:
             shutil.rmtree(t, ignore_errors=True)
 
 
-def prepare(data_cfg, *, progress: bool = False) -> PreparedData:
-    """Return the prepared corpus for `data_cfg` (a DataConfig), building and caching it if needed."""
+def prepare(data_cfg, *, progress: bool = False):
+    """The prepared corpus of `data_cfg` (a DataConfig), built and cached if needed; a PreparedMixture for a mixture."""
+    if getattr(data_cfg, "mixture", ()):
+        from mtpjax.data.mixture import prepare_mixture
+
+        return prepare_mixture(data_cfg, progress=progress)
     kind = tokenizer_kind(data_cfg.tokenizer)
     files = _files(data_cfg)
     final = Path(data_cfg.cache_dir).expanduser() / f"{data_cfg.source}-{kind}-{_key(data_cfg, files, kind)}"
     if (final / "meta.json").is_file():
         return _load(final)
+    # tables are opened (columns checked) before anything is written
+    units = sources.units(data_cfg.source, files, data_cfg.text_field) if data_cfg.source != "array" else []
     final.parent.mkdir(parents=True, exist_ok=True)
     _clean_stale(final)
     if final.exists() and not (final / "meta.json").is_file():  # no meta.json: not ours to trust
@@ -130,7 +148,7 @@ def prepare(data_cfg, *, progress: bool = False) -> PreparedData:
     tmp = final.parent / f".tmp-{final.name}-{socket.gethostname()}~{os.getpid()}~{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        _build(data_cfg, files, kind, tmp, progress)
+        _build(data_cfg, files, units, kind, tmp, progress)
         try:
             os.rename(tmp, final)
         except OSError:  # another process finished first: its copy is equivalent
@@ -141,12 +159,20 @@ def prepare(data_cfg, *, progress: bool = False) -> PreparedData:
     return _load(final)
 
 
+def _npy_header(dtype, n: int) -> bytes:
+    buf = io.BytesIO()  # numpy pads the header so that a longer shape fits in the same bytes
+    np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                                               "shape": (n,)})
+    return buf.getvalue()
+
+
 class _Sink:
-    """Appends token ids to a raw file; `to_npy` turns a slice of it into a .npy."""
+    """Appends token ids straight into a .npy file whose header `finish` fills in (no copy of the tokens)."""
 
     def __init__(self, path: Path, dtype):
         self.path, self.dtype, self.n, self.docs = path, np.dtype(dtype), 0, 0
-        self._f = open(path, "wb")
+        self._f = open(path, "wb")  # noqa: SIM115 - open across add() calls, closed by close()
+        self._f.write(_npy_header(self.dtype, 0))
 
     def add(self, ids: np.ndarray, docs: int) -> None:
         self._f.write(np.ascontiguousarray(ids, dtype=self.dtype).tobytes())
@@ -156,37 +182,47 @@ class _Sink:
     def close(self) -> None:
         self._f.close()
 
-    def to_npy(self, out: Path, start: int = 0, stop: int | None = None, chunk: int = 1 << 24) -> int:
+    def finish(self, stop: int | None = None) -> int:
+        """Keep the first `stop` tokens (default all) and write the real header; the token count."""
         stop = self.n if stop is None else stop
-        src = np.memmap(self.path, dtype=self.dtype, mode="r") if self.n else np.zeros(0, self.dtype)
-        dst = np.lib.format.open_memmap(out, mode="w+", dtype=self.dtype, shape=(stop - start,))
-        for s in range(start, stop, chunk):
-            dst[s - start:min(s + chunk, stop) - start] = src[s:min(s + chunk, stop)]
+        head = _npy_header(self.dtype, stop)
+        if len(head) != len(_npy_header(self.dtype, 0)):
+            raise AssertionError("the .npy header outgrew its reserved bytes")
+        with open(self.path, "r+b") as f:
+            f.truncate(len(head) + stop * self.dtype.itemsize)
+            f.write(head)
+        return stop
+
+    def copy_tail(self, out: Path, start: int, chunk: int = 1 << 24) -> int:
+        """Write tokens [start, n) to a new .npy file; their count."""
+        src = np.memmap(self.path, dtype=self.dtype, mode="r", offset=len(_npy_header(self.dtype, 0)), shape=(self.n,))
+        dst = np.lib.format.open_memmap(out, mode="w+", dtype=self.dtype, shape=(self.n - start,))
+        for s in range(start, self.n, chunk):
+            dst[s - start:min(s + chunk, self.n) - start] = src[s:min(s + chunk, self.n)]
         dst.flush()
         del dst, src
-        return stop - start
+        return self.n - start
 
 
-def _tqdm(progress: bool, total: int, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="file", disable=not progress, leave=False)
-
-
-def _make_tokenizer(cfg, files, kind: str, progress: bool) -> Tokenizer:
+def _make_tokenizer(cfg, units, kind: str, progress: bool) -> Tokenizer:
     if kind != "bpe":
         return load_spec(cfg.tokenizer)
 
     def texts():
-        seen = 0
-        with _tqdm(progress, len(files), "train bpe") as bar:
-            for key, text in sources.iter_documents(files, bar):
-                if sources.is_val(key, cfg.val_fraction):
-                    continue
-                yield text
-                seen += len(text)
-                if seen >= BPE_MAX_TRAIN_BYTES:
-                    return
+        seen, utf8 = 0, sources.Utf8Tracker()
+        bar = encode.Progress(progress, min(BPE_MAX_TRAIN_BYTES, sum(u.size for u in units)), "train bpe")
+        try:
+            for u in units:
+                for key, text in sources.read_unit(u, cfg.text_field, utf8):
+                    if sources.is_val(key, cfg.val_fraction):
+                        continue
+                    yield text
+                    seen += len(text)
+                    if seen >= BPE_MAX_TRAIN_BYTES:
+                        return
+                bar.advance(u.size)
+        finally:
+            bar.close()
 
     tok = train_bpe(texts(), cfg.bpe_vocab_size)
     if tok.eos_id != 0:
@@ -194,43 +230,26 @@ def _make_tokenizer(cfg, files, kind: str, progress: bool) -> Tokenizer:
     return tok
 
 
-def _tokenize_batch(tok: Tokenizer, texts: list[str]) -> np.ndarray:
-    """Documents → one id array with EOS after each."""
-    if isinstance(tok, ByteTokenizer):
-        sep = bytes([tok.eos_id])
-        return np.frombuffer(sep.join(tok.encode_bytes(t) for t in texts) + sep, dtype=np.uint8)
-    ids = tok.encode_batch(texts)
-    return np.concatenate([np.asarray(x + [tok.eos_id], dtype=np.int64) for x in ids])
-
-
-def _text_streams(cfg, files, tok, sinks, progress) -> str:
-    """Tokenize text documents into the train/val sinks by key hash; returns the content hash."""
-    h = hashlib.sha256()
-    pending: dict[str, list[str]] = {"train": [], "val": []}
-    size = {"train": 0, "val": 0}
-
-    def flush(split):
-        if pending[split]:
-            sinks[split].add(_tokenize_batch(tok, pending[split]), len(pending[split]))
-            pending[split], size[split] = [], 0
-
-    with _tqdm(progress, len(files), "tokenize") as bar:
-        for key, text in sources.iter_documents(files, bar):
-            h.update(key.encode() + b"\0" + text.encode("utf-8", errors="replace") + b"\0")
-            split = "val" if sources.is_val(key, cfg.val_fraction) else "train"
-            pending[split].append(text)
-            size[split] += len(text)
-            if size[split] >= _BATCH_BYTES:
-                flush(split)
-    flush("train")
-    flush("val")
-    return h.hexdigest()
+def _text_streams(cfg, units, tok, out: Path, sinks, progress) -> str:
+    """Tokenize text documents into the train/val sinks by key hash (in worker processes if asked); content hash."""
+    bar = encode.Progress(progress, sum(u.size for u in units), f"prepare {cfg.source}")
+    try:
+        if cfg.prepare_workers > 0 and len(encode.tasks_of(units)) > 1:
+            content_hash, bad = encode.encode_workers(units, cfg.text_field, out, cfg.val_fraction, sinks, bar,
+                                                      cfg.prepare_workers)
+        else:
+            content_hash, bad = encode.encode_here(units, cfg.text_field, tok, cfg.val_fraction, sinks, bar)
+    finally:
+        bar.close()
+    sources.Utf8Tracker().warn(bad)
+    return content_hash
 
 
 def _array_stream(files, tok, sink, progress) -> str:
     """Copy pre-tokenized arrays into one sink (EOS between files), checking ids; returns the content hash."""
     h = hashlib.sha256()
-    with _tqdm(progress, len(files), "copy arrays") as bar:
+    bar = encode.Progress(progress, sum(f.stat().st_size for f, _ in files), "copy arrays")
+    try:
         for f, key in files:
             arr = sources.load_array(f)
             if len(arr):
@@ -239,19 +258,22 @@ def _array_stream(files, tok, sink, progress) -> str:
                 sink.add(arr, 0)
                 if int(arr[-1]) != tok.eos_id:
                     sink.add(np.array([tok.eos_id]), 0)
-            bar.update(1)
+            bar.advance(f.stat().st_size, len(arr))
+    finally:
+        bar.close()
     return h.hexdigest()
 
 
-def _build(cfg, files, kind: str, out: Path, progress: bool) -> None:
+def _build(cfg, files, units, kind: str, out: Path, progress: bool) -> None:
     t0 = time.time()
-    tok = _make_tokenizer(cfg, files, kind, progress)
+    tok = _make_tokenizer(cfg, units, kind, progress)
+    tok.save(out)  # worker processes load it from here
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.int32
-    sinks = {s: _Sink(out / f"{s}.raw", dtype) for s in ("train", "val")}
+    sinks = {s: _Sink(out / f"{s}.npy", dtype) for s in ("train", "val")}
     if cfg.source == "array":
         content_hash = _array_stream(files, tok, sinks["train"], progress)
     else:
-        content_hash = _text_streams(cfg, files, tok, sinks, progress)
+        content_hash = _text_streams(cfg, units, tok, out, sinks, progress)
     for s in sinks.values():
         s.close()
     total = sinks["train"].n + sinks["val"].n
@@ -260,19 +282,20 @@ def _build(cfg, files, kind: str, out: Path, progress: bool) -> None:
                         "point data.paths at non-empty files")
     split = "hash"
     if sinks["train"].n and sinks["val"].n:
-        stats = {s: {"docs": sinks[s].docs, "tokens": sinks[s].to_npy(out / f"{s}.npy")} for s in sinks}
+        stats = {s: {"docs": sinks[s].docs, "tokens": sinks[s].finish()} for s in sinks}
     else:
         split = "tail"
         whole = sinks["train"] if sinks["train"].n else sinks["val"]
         if whole.n < 2:
             raise DataError(f"the corpus has only {whole.n} token(s); it cannot be split into train and val")
+        if whole is sinks["val"]:  # every document hashed to val: the stream becomes train.npy, then is cut
+            os.replace(whole.path, out / "train.npy")
+            whole.path = out / "train.npy"
         cut = whole.n - min(whole.n - 1, max(1, round(whole.n * cfg.val_fraction)))
-        stats = {"train": {"docs": None, "tokens": whole.to_npy(out / "train.npy", 0, cut)},
-                 "val": {"docs": None, "tokens": whole.to_npy(out / "val.npy", cut)}}
-    for s in sinks.values():
-        s.path.unlink()
-    tok.save(out)
+        val_tokens = whole.copy_tail(out / "val.npy", cut)
+        stats = {"train": {"docs": None, "tokens": whole.finish(cut)}, "val": {"docs": None, "tokens": val_tokens}}
     meta = {"format": FORMAT, "source": cfg.source, "paths": list(cfg.paths), "files": len(files),
+            "text_field": cfg.text_field if cfg.source in TEXT_SOURCES else None,
             "tokenizer": cfg.tokenizer, "tokenizer_kind": tok.kind, "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id, "dtype": np.dtype(dtype).name, "val_fraction": cfg.val_fraction,
             "bpe_vocab_size": cfg.bpe_vocab_size if kind == "bpe" else None, "content_hash": content_hash,
@@ -281,8 +304,12 @@ def _build(cfg, files, kind: str, out: Path, progress: bool) -> None:
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
-def summary(p: PreparedData) -> str:
-    """A few human-readable lines about a prepared corpus."""
+def summary(p) -> str:
+    """A few human-readable lines about a prepared corpus (every source of a mixture)."""
+    if not isinstance(p, PreparedData):
+        from mtpjax.data.mixture import summary as mixture_summary
+
+        return mixture_summary(p)
     m = p.meta
     tr, va = m["train"], m["val"]
     docs = lambda s: f"{s['docs']} docs, " if s["docs"] is not None else ""

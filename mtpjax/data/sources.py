@@ -1,9 +1,11 @@
-"""Corpus sources: the running interpreter's stdlib, users' text / JSON-lines files, pre-tokenized arrays.
+"""Corpus sources: the running interpreter's stdlib, users' text / JSON-lines / Parquet / Arrow files, token arrays.
 
-Text sources yield `(key, text)` documents; the key (a relative path, plus a line number for JSON lines)
-decides the train/validation split by hash, so the split does not depend on where the corpus lives.
-Non-UTF-8 bytes are decoded with errors="replace" and one warning names the affected files (the
-corpus stays usable; an error would block e.g. a stdlib with one latin-1 file).
+Text-like sources are read as units (a file, a Parquet row group, an Arrow record batch) of `(key, text)`
+documents; the key (a relative path, plus a line number for JSON lines or a row number for tables) decides
+the train/validation split by hash, so the split does not depend on where the corpus lives. JSON lines and
+tables read the text from `data.text_field`; null or empty texts are no document. Non-UTF-8 bytes are
+decoded with errors="replace" and one warning names the affected files (the corpus stays usable; an
+error would block e.g. a stdlib with one latin-1 file).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import json
 import os
 import sysconfig
 import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -69,6 +72,14 @@ def text_files(paths: tuple[str, ...]) -> list[tuple[Path, str]]:
     return _walk(paths, TEXT_SUFFIXES + JSONL_SUFFIXES, "text (.txt/.jsonl)")
 
 
+def table_files(paths: tuple[str, ...], source: str) -> list[tuple[Path, str]]:
+    """The files of a parquet or arrow source (directories are walked for their suffixes)."""
+    from mtpjax.data.tables import ARROW_SUFFIXES, PARQUET_SUFFIXES
+
+    suffixes = PARQUET_SUFFIXES if source == "parquet" else ARROW_SUFFIXES
+    return _walk(paths, suffixes, "Parquet" if source == "parquet" else "Arrow IPC")
+
+
 def array_files(paths: tuple[str, ...]) -> list[tuple[Path, str]]:
     """The files of a pre-tokenized source (.npy int arrays or .bin raw uint16)."""
     files = _walk(paths, ARRAY_SUFFIXES, "token array (.npy/.bin)")
@@ -87,51 +98,81 @@ def file_stats(files: list[tuple[Path, str]]) -> list[list]:
     return out
 
 
-class _Utf8Tracker:
-    """Decodes bytes as UTF-8 with replacement and remembers which files needed it."""
+class Utf8Tracker:
+    """Decodes bytes as UTF-8 with replacement and remembers which files needed it (each once)."""
 
     def __init__(self):
-        self.bad: list[str] = []
+        self.bad: dict[str, None] = {}
 
     def decode(self, raw: bytes, name: str) -> str:
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
-            self.bad.append(name)
+            self.bad[name] = None
             return raw.decode("utf-8", errors="replace")
 
-    def warn(self) -> None:
-        if self.bad:
-            warnings.warn(f"{len(self.bad)} file(s) are not valid UTF-8 (first: {self.bad[0]}); "
+    def warn(self, names=None) -> None:
+        """One warning naming the first bad file of `names` (default: those seen here)."""
+        bad = list(self.bad if names is None else names)
+        if bad:
+            warnings.warn(f"{len(bad)} file(s) are not valid UTF-8 (first: {bad[0]}); "
                           "undecodable bytes were replaced with U+FFFD", stacklevel=3)
 
 
-def _jsonl_docs(f: Path, key: str, text: str) -> Iterator[tuple[str, str]]:
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            obj = None
-        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-            raise DataError(f"{f}:{n} is not a JSON object with a string \"text\" field; "
-                            "write one {\"text\": ...} object per line")
-        yield f"{key}:{n}", obj["text"]
+@dataclass(frozen=True)
+class Unit:
+    """What preparation reads as one piece: a text or JSON-lines file, a Parquet row group, an Arrow batch."""
+
+    path: str
+    key: str  # the file's key (relative path); documents get key or key:line / key:row
+    kind: str  # txt | jsonl | parquet | arrow
+    part: int = -1  # row group / record batch (-1: the whole file)
+    first_row: int = 0  # rows of the file before this part
+    size: int = 0  # bytes, for the progress bar
 
 
-def iter_documents(files: list[tuple[Path, str]], progress=None) -> Iterator[tuple[str, str]]:
-    """(key, text) for every non-empty document of the files, in order; warns once about non-UTF-8 files."""
-    utf8 = _Utf8Tracker()
-    for f, key in files:
-        text = utf8.decode(f.read_bytes(), str(f))
-        if f.suffix in JSONL_SUFFIXES:
-            yield from ((k, t) for k, t in _jsonl_docs(f, key, text) if t)
-        elif text:
-            yield key, text
-        if progress is not None:
-            progress.update(1)
-    utf8.warn()
+def units(source: str, files: list[tuple[Path, str]], field: str) -> list[Unit]:
+    """The units of a text-like source in reading order; checks every table's text column first."""
+    if source in ("parquet", "arrow"):
+        from mtpjax.data import tables
+
+        return [Unit(str(f), key, source, part, row, size) for f, key in files
+                for part, row, size in tables.parts(f, source, field)]
+    return [Unit(str(f), key, "jsonl" if f.suffix in JSONL_SUFFIXES else "txt", size=f.stat().st_size)
+            for f, key in files]
+
+
+def _jsonl_docs(u: Unit, field: str, utf8: Utf8Tracker) -> Iterator[tuple[str, str]]:
+    with open(u.path, "rb") as fh:  # line by line: a JSON-lines file is never held in memory whole
+        for n, raw in enumerate(fh, 1):
+            line = utf8.decode(raw, u.path)
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                obj = None
+            text = obj.get(field) if isinstance(obj, dict) else 0
+            if not isinstance(obj, dict) or field not in obj or not (text is None or isinstance(text, str)):
+                raise DataError(f"{u.path}:{n} is not a JSON object with a string \"{field}\" field; write one "
+                                f"{{\"{field}\": ...}} object per line or set data.text_field")
+            if text:  # null and "" are no document
+                yield f"{u.key}:{n}", text
+
+
+def read_unit(u: Unit, field: str, utf8: Utf8Tracker) -> Iterator[tuple[str, str]]:
+    """(key, text) for every non-empty document of a unit, in order."""
+    if u.kind == "txt":
+        text = utf8.decode(Path(u.path).read_bytes(), u.path)
+        if text:
+            yield u.key, text
+    elif u.kind == "jsonl":
+        yield from _jsonl_docs(u, field, utf8)
+    else:
+        from mtpjax.data import tables
+
+        yield from tables.read_part(Path(u.path), u.key, u.kind, u.part, u.first_row, field,
+                                    lambda raw: utf8.decode(raw, u.path))
 
 
 def is_val(key: str, val_fraction: float) -> bool:

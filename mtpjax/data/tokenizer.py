@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -104,7 +104,7 @@ class HFTokenizer(Tokenizer):
         self.eos_id = int(eos)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "HFTokenizer":
+    def from_file(cls, path: str | Path) -> HFTokenizer:
         """Load a tokenizer.json; DataError if it is missing or does not parse."""
         from tokenizers import Tokenizer as _Tok
 
@@ -113,7 +113,7 @@ class HFTokenizer(Tokenizer):
             raise DataError(f"tokenizer file '{p}' does not exist; set data.tokenizer to byte, bpe or an existing file")
         try:
             tok = _Tok.from_file(str(p))
-        except Exception as e:  # the Rust error text is multi-line; keep its first line
+        except Exception as e:  # noqa: BLE001 - the Rust error has no public type; keep its first line
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise DataError(f"tokenizer file '{p}' does not parse as a tokenizers JSON ({first}); "
                             "pass a valid tokenizer.json") from None
@@ -156,7 +156,7 @@ class SentencePieceTokenizer(Tokenizer):
                             "run `pip install sentencepiece`") from None
         try:
             self._sp = spm.SentencePieceProcessor(model_file=str(p))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - sentencepiece raises RuntimeError/OSError/...
             raise DataError(f"tokenizer file '{p}' does not parse as a sentencepiece model ({e}); "
                             "pass a valid .model file") from None
         self._path = p
@@ -169,7 +169,7 @@ class SentencePieceTokenizer(Tokenizer):
         return list(self._sp.encode(text))
 
     def decode(self, ids: Iterable[int]) -> str:
-        ids = list(int(i) for i in ids)
+        ids = [int(i) for i in ids]
         parts, run = [], []
         for i in ids:
             if i == self.eos_id:
@@ -189,7 +189,8 @@ class SentencePieceTokenizer(Tokenizer):
 
 def train_bpe(texts: Iterator[str], vocab_size: int, length: int | None = None) -> HFTokenizer:
     """Train a byte-level BPE with `<|eos|>` as id 0 on an iterator of documents."""
-    from tokenizers import Tokenizer as _Tok, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as _Tok
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = _Tok(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
