@@ -26,7 +26,7 @@ def import_graph(root: Path, package: str) -> dict[str, set[str]]:
     graph = {m: set() for m in mods}
     for name, path in mods.items():
         pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -43,6 +43,19 @@ def import_graph(root: Path, package: str) -> dict[str, set[str]]:
                 if t and t != name:
                     graph[name].add(t)
     return graph
+
+
+def _runtime_nodes(tree):
+    """Every node that can run: all of them but the bodies of `if TYPE_CHECKING:` blocks."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                stack.extend(child.orelse)
+            else:
+                stack.append(child)
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str]:
@@ -82,4 +95,6 @@ def test_companion_a_function_level_cycle_is_found(tmp_path):
     (pkg / "speculative.py").write_text("from pkg import autodraft\n")
     (pkg / "autodraft.py").write_text("def calibrate():\n    from .speculative import run\n    return run\n")
     (pkg / "other.py").write_text("import pkg.speculative\n")
+    (pkg / "typed.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.other\n")
+    (pkg / "other.py").write_text("import pkg.speculative\nimport pkg.typed\n")  # typed's import never runs
     assert find_cycle(import_graph(tmp_path, "pkg")) == ["pkg.autodraft", "pkg.speculative", "pkg.autodraft"]
