@@ -35,7 +35,8 @@ def run_suite(smoke: bool, rounds: int, run_dir: str, no_peer: bool, tmp: Path, 
     draft model decoded beside MTP and n-gram (random in smoke mode; skipped, with a note, if absent).
     """
     train = {}
-    for name, cfg, depths in [("tiny", "configs/tiny.yaml", "0,1,2,3"), ("cpu_medium", "configs/cpu_medium.yaml", "0,1")]:
+    for name, cfg, depths in [("tiny", "configs/tiny.yaml", "0,1,2,3"),
+                              ("cpu_medium", "configs/cpu_medium.yaml", "0,1")]:
         depths = ",".join(depths.split(",")[::2]) if smoke and name == "tiny" else depths  # smoke: 0,2 only
         args = ["--config", cfg, "--steps", str(rounds), "--depths", depths]
         args += ["--peak-n", "256", *SMOKE_TRAIN] if smoke else []
@@ -62,7 +63,8 @@ def targets(res: dict) -> list[dict]:
     def add(name, value, goal, ok):
         rows.append({"target": name, "value": value, "goal": goal, "met": bool(ok) if value is not None else None})
 
-    add("train MFU, tiny (mtp_depth 2)", t["tiny"]["depths"]["2"]["mfu"], ">= 0.40", t["tiny"]["depths"]["2"]["mfu"] >= 0.4)
+    add("train MFU, tiny (mtp_depth 2)", t["tiny"]["depths"]["2"]["mfu"], ">= 0.40",
+        t["tiny"]["depths"]["2"]["mfu"] >= 0.4)
     add("train MFU, cpu_medium (mtp_depth 1)", t["cpu_medium"]["depths"]["1"]["mfu"], ">= 0.50",
         t["cpu_medium"]["depths"]["1"]["mfu"] >= 0.5)
     worst = max(r["overhead_vs_flop_share"] for r in t["tiny"]["depths"].values() if "overhead_vs_flop_share" in r)
@@ -75,7 +77,8 @@ def targets(res: dict) -> list[dict]:
     mtps = {k: v for k, v in b1.items() if k.startswith("mtp")}
     if mtps:
         best = max(mtps, key=lambda k: mtps[k]["vs_plain"])
-        add(f"MTP speculative ({best}) / plain greedy, batch 1", mtps[best]["vs_plain"], ">= 2", mtps[best]["vs_plain"] >= 2)
+        add(f"MTP speculative ({best}) / plain greedy, batch 1", mtps[best]["vs_plain"], ">= 2",
+            mtps[best]["vs_plain"] >= 2)
         _add_ceiling(add, min(res["decode"]["batches"], key=lambda b: b["batch"]), "")
         mp = mtps[best]["measured_over_predicted"]
         add(f"{best} measured / formula-predicted speedup, batch 1", mp, "within 10%", abs(mp - 1) <= 0.1)
@@ -127,7 +130,8 @@ def print_table(res: dict) -> None:
         print(f"{r['target']:58s} {v:>9s}  {r['goal']:>20s}  {r['met']}")
     print("\nspeculative / plain greedy by proposer (best γ; acceptance by position; ceiling E/(1+γr)):")
     for r in res.get("proposers", []):
-        cells = "  ".join(f"batch {b}: x{c['vs_plain']:.2f} ({c['variant']}, α {[round(a, 2) for a in c['acceptance_by_position']]}"
+        cells = "  ".join(f"batch {b}: x{c['vs_plain']:.2f} "
+                          f"({c['variant']}, α {[round(a, 2) for a in c['acceptance_by_position']]}"
                           + (f", ceiling x{c['ceiling']:.2f})" if c["ceiling"] is not None else ")")
                           for b, c in r["by_batch"].items())
         print(f"  {r['proposer']:12s} {cells}")
@@ -144,12 +148,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and few steps: seconds, for tests")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per comparison (default 5, smoke 1)")
-    ap.add_argument("--run-dir", default="runs/tiny", help="trained checkpoint for decoding (the README's main command)")
+    ap.add_argument("--run-dir", default="runs/tiny",
+                    help="trained checkpoint for decoding (the README's main command)")
     ap.add_argument("--no-peer", action="store_true", help="skip the PyTorch peer")
     ap.add_argument("--draft-run-dir", default="runs/draft_tiny",
                     help="a draft-model run with the same tokenizer (python train.py --config configs/draft_tiny.yaml)")
     ap.add_argument("--large-run-dir", default=None,
-                    help="also decode this checkpoint at batch 1: weights beyond the last-level cache (README: runs/medium_mtp2)")
+                    help="also decode this checkpoint at batch 1: weights beyond the last-level cache "
+                         "(README: runs/medium_mtp2)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results.json"))
     args = ap.parse_args(argv)
     rounds = args.rounds or (1 if args.smoke else 5)

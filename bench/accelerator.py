@@ -103,22 +103,20 @@ def train_row(cfg, peak: float, steps: int) -> dict:
     """Compile one train step for cfg, run it `steps` times after a warm-up; tokens/s, MFU, memory."""
     from mtpjax.flops import train_flops_per_token
     from mtpjax.sharding import make_mesh
-    from mtpjax.train_step import abstract_state, init_state, make_programs
+    from mtpjax.train_step import make_programs
 
-    mesh = make_mesh(cfg.mesh)
-    graphdef, _, shardings = abstract_state(cfg, mesh)
-    progs = make_programs(cfg, mesh, graphdef, shardings)
-    state = init_state(cfg, mesh, shardings)
+    progs = make_programs(cfg, make_mesh(cfg.mesh))
+    state = progs.init()
     B, T = cfg.train.batch_size, cfg.data.seq_len
     tok, seg = (jax.device_put(x, progs.batch_sharding) for x in packed_batch(B, T, cfg.model.vocab_size))
     t0 = time.perf_counter()
-    step = progs.train_step.lower(state, tok, seg, np.int32(0)).compile()
+    step = progs.train_step.lower(state, tok, seg).compile()
     compile_s = time.perf_counter() - t0
     mem = step.memory_analysis()
     times = []
-    for i in range(steps + 1):  # the first run warms up
+    for _ in range(steps + 1):  # the first run warms up
         t = time.perf_counter()
-        state, met = step(state, tok, seg, np.int32(0))
+        state, met = step(state, tok, seg)
         jax.block_until_ready(met)
         times.append(time.perf_counter() - t)
     sec = float(np.median(times[1:]))
@@ -231,7 +229,8 @@ def table(res: dict) -> str:
         what = f"train step, attention={r['attention']}"
         setting = f"{t['name']}: {t['params']:,} parameters, {t['batch']}x{t['seq_len']} tokens, {t['dtype']}"
         if "tokens_per_sec" in r:
-            result = (f"{r['tokens_per_sec']:,.0f} tok/s, MFU {r['mfu']:.1%} of {peak}, {r['step_seconds']:.3f} s/step, "
+            result = (f"{r['tokens_per_sec']:,.0f} tok/s, MFU {r['mfu']:.1%} of {peak}, "
+                      f"{r['step_seconds']:.3f} s/step, "
                       f"memory {_gib(r.get('memory_bytes'))}, compile {r['compile_seconds']:.0f} s")
         else:
             result = r.get("failed") or f"skipped: {r['skipped']}"
@@ -284,7 +283,8 @@ def main(argv=None) -> int:
     if peak is None:
         from mtpjax.metrics import measure_peak_flops
 
-        peak, source = measure_peak_flops(256 if args.smoke else 2048, 0.2), "measured float32 matmul: no published peak"
+        peak = measure_peak_flops(256 if args.smoke else 2048, 0.2)
+        source = "measured float32 matmul: no published peak"
     overrides = [f"train.batch_size={2 if args.smoke else args.train_batch}", "train.micro_batches=1"]
     batches = "1,4" if args.smoke and args.batches == "1,8,32" else args.batches
     base = load_config(args.config, overrides + (SMOKE if args.smoke else []))

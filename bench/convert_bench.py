@@ -115,7 +115,8 @@ def measure(mb: float) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mb", type=float, nargs="+", default=[300.0, 800.0], help="approximate model sizes in MB (float32)")
+    ap.add_argument("--mb", type=float, nargs="+", default=[300.0, 800.0],
+                    help="approximate model sizes in MB (float32)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", nargs=3, metavar=("KIND", "SRC", "DST"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -218,7 +218,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", default="runs/tiny")
     ap.add_argument("--draft-run-dir", default="runs/draft_tiny",
-                    help="a run with the same tokenizer whose model drafts (python train.py --config configs/draft_tiny.yaml)")
+                    help="a run with the same tokenizer whose model drafts "
+                         "(python train.py --config configs/draft_tiny.yaml)")
     ap.add_argument("--smoke", action="store_true", help="random tiny model, short generations")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--max-new", type=int, default=128)
@@ -247,17 +248,20 @@ def main(argv=None) -> int:
         import torch
         import transformers
 
-        res["peer"] = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+        res["peer"] = {"torch": torch.__version__, "transformers": transformers.__version__,
+                       "threads": torch.get_num_threads(),
                        "max_logit_diff": peer_mod.max_logit_diff(model, peer, prompts[0])}
         print(f"peer: transformers {transformers.__version__} / torch {torch.__version__}, "
               f"max |logit diff| vs ours {res['peer']['max_logit_diff']:.2e}")
     for b in batches:
-        r = bench_batch(model, prompts[:max(b, args.prompts if b == 1 else b)], b, args.max_new, args.rounds, peer, draft)
+        group = prompts[:max(b, args.prompts if b == 1 else b)]
+        r = bench_batch(model, group, b, args.max_new, args.rounds, peer, draft)
         res["batches"].append(r)
         for k, v in r["variants"].items():
             if "tokens_per_sec" not in v:
                 continue
-            extra = "".join(f"  {f} {v[f]:.2f}" for f in ("tokens_per_round", "round_cost", "predicted_speedup") if f in v)
+            extra = "".join(f"  {f} {v[f]:.2f}" for f in ("tokens_per_round", "round_cost", "predicted_speedup")
+                            if f in v)
             if k == "auto":
                 extra = f"  {v['num_draft']} drafts; probe costs " + ", ".join(
                     f"{g}: {c:.2f}" for g, c in v["calibration"]["round_cost"].items())

@@ -96,7 +96,8 @@ def main(argv=None) -> int:
             extra = (f"  x{v['vs_old_window']:.2f} (CPU time: x{v['vs_old_window_cpu']:.2f}) vs the old window"
                      if "vs_old_window" in v else "")
             alpha = [round(a, 3) for a in v["acceptance_by_position"]]
-            print(f"  batch {b:3d} {k:18s} x{v['vs_plain']:.2f} (CPU x{v['vs_plain_cpu']:.2f}) vs plain{extra}  α {alpha}  "
+            print(f"  batch {b:3d} {k:18s} x{v['vs_plain']:.2f} (CPU x{v['vs_plain_cpu']:.2f}) vs plain{extra}  "
+                  f"α {alpha}  "
                   f"identical {v['identical_to_plain']}")
         log(f"  batch {b} done")
     if args.json:

@@ -41,7 +41,7 @@ def build_peer(model, threads: int = 2):
         sd["lm_head.weight"] = _np(model.head[...]).T
     for i in range(c.n_layers):
         if c.scan_layers:
-            pick = lambda v: _np(v[...])[i]  # noqa: E731
+            pick = lambda v, i=i: _np(v[...])[i]  # noqa: E731
             blk = model.blocks
         else:
             pick = lambda v: _np(v[...])  # noqa: E731

@@ -1,4 +1,5 @@
-"""PNG plots of a results.json: acceptance by draft position, tokens/round and speedup vs num_draft, training vs depth."""
+"""PNG plots of a results.json: acceptance by draft position, tokens/round and speedup vs num_draft, training vs
+depth."""
 
 from __future__ import annotations
 

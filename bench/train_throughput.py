@@ -22,22 +22,20 @@ from mtpjax.config import load_config, replace  # noqa: E402
 from mtpjax.flops import train_flops_per_token  # noqa: E402
 from mtpjax.metrics import measure_peak_flops  # noqa: E402
 from mtpjax.sharding import make_mesh  # noqa: E402
-from mtpjax.train_step import abstract_state, init_state, make_programs  # noqa: E402
+from mtpjax.train_step import make_programs  # noqa: E402
 
 
 def make_stepper(cfg):
     """A closure running one jitted train step on fixed random tokens (compiled and warmed up)."""
-    mesh = make_mesh(cfg.mesh)
-    graphdef, _, sh = abstract_state(cfg, mesh)
-    progs = make_programs(cfg, mesh, graphdef, sh)
-    box = [init_state(cfg, mesh, sh)]
+    progs = make_programs(cfg, make_mesh(cfg.mesh))
+    box = [progs.init()]
     B, T = cfg.train.batch_size, cfg.data.seq_len
     rng = np.random.default_rng(0)
     tok = jax.device_put(rng.integers(0, cfg.model.vocab_size, (B, T)).astype(np.int32), progs.batch_sharding)
     seg = jax.device_put(np.ones((B, T), np.int32), progs.batch_sharding)
 
     def step():
-        box[0], met = progs.train_step(box[0], tok, seg, np.int32(0))
+        box[0], met = progs.train_step(box[0], tok, seg)
         jax.block_until_ready(met)
 
     step()

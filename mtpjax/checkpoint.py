@@ -1,6 +1,10 @@
-"""Orbax checkpoints of a run: model, optimizer, step, RNG, data-iterator state and resolved config.
+"""Orbax checkpoints of a run: the TrainState, the data-iterator position and the resolved config.
 
-Run directory layout: `config.yaml`, `tokenizer/`, `checkpoints/<step>/{model,opt,data,meta}`, `tensorboard/`.
+Run directory layout: `config.yaml`, `tokenizer/`, `tensorboard/`, and `checkpoints/<step>/` with the items
+- `model`: `nnx.to_pure_dict` of the model state: all that `load_model` (decoding, export) reads;
+- `train`: the rest of the TrainState: `{"opt": optimizer state, "step": int32, "rng": uint32[2]}`;
+- `data`: the data iterator's state (JSON); `meta`: `{"step", "config": cfg.to_dict(), "metrics"}` (JSON).
+A model-only directory (export/import) holds just `model` and `meta`.
 Arrays are saved with StandardSave and restored with StandardRestore onto the caller's target shardings,
 so a checkpoint written on one mesh restores onto any other.
 """
@@ -49,35 +53,38 @@ class Checkpointer:
         return self.mngr.should_save(step)
 
     def save(self, step: int, state, data_state: dict, meta: dict, *, force: bool = False) -> bool:
-        """Save (maybe asynchronously) if `step` is due or `force`; returns whether a save started."""
+        """Save a TrainState (maybe asynchronously) if `step` is due or `force`; returns whether a save started."""
         args = ocp.args.Composite(
-            model=ocp.args.StandardSave(nnx.to_pure_dict(state[0])),
-            opt=ocp.args.StandardSave(nnx.to_pure_dict(state[1])),
+            model=ocp.args.StandardSave(nnx.to_pure_dict(state.params)),
+            train=ocp.args.StandardSave(_train_item(state)),
             data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta))
         try:  # also raises the error of a failed earlier asynchronous save
             return self.mngr.save(step, args=args, force=force)
         except Exception as e:
             raise self._save_error(e) from None
 
-    def restore(self, step: int, target_state):
-        """(state, data_state, meta) at `step`, arrays placed like `target_state` (ShapeDtypeStructs)."""
+    def restore(self, step: int, target):
+        """(state, data_state, meta) at `step`, arrays placed like `target` (a TrainState of ShapeDtypeStructs)."""
         try:
-            return self._restore(step, target_state)
+            return self._restore(step, target)
         except CheckpointError as e:
             raise CheckpointError(f"{e}; use --fresh to start over") from None
 
-    def _restore(self, step: int, target_state):
+    def _restore(self, step: int, target):
         args = ocp.args.Composite(
-            model=ocp.args.StandardRestore(nnx.to_pure_dict(target_state[0])),
-            opt=ocp.args.StandardRestore(nnx.to_pure_dict(target_state[1])),
+            model=ocp.args.StandardRestore(nnx.to_pure_dict(target.params)),
+            train=ocp.args.StandardRestore(_train_item(target)),
             data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
         try:
             out = self.mngr.restore(step, args=args)
         except Exception as e:  # orbax raises many types; the user needs one line
             raise CheckpointError(f"checkpoint {step} in {self.dir} could not be restored ({_first_line(e)})") from None
-        return _fill(target_state, {0: out["model"], 1: out["opt"]}), out["data"], out["meta"]
+        train = out["train"]
+        state = target.replace(params=_fill(target.params, out["model"]), opt=_fill_vars(target.opt, train["opt"]),
+                               step=train["step"], rng=train["rng"])
+        return state, out["data"], out["meta"]
 
-    def restore_latest(self, target_state):
+    def restore_latest(self, target):
         """(step, state, data_state, meta) of the newest checkpoint that restores, or None if there is none.
 
         Unreadable newer checkpoints are reported on stderr and, once an older one restored, moved aside to
@@ -86,7 +93,7 @@ class Checkpointer:
         steps, bad = sorted(self.mngr.all_steps(), reverse=True), []
         for step in steps:
             try:
-                out = self._restore(step, target_state)
+                out = self._restore(step, target)
             except CheckpointError as e:
                 warn(f"{e}; trying the previous checkpoint")
                 bad.append(step)
@@ -148,7 +155,7 @@ def load_model(run_dir: str | Path, step: int | None = None):
 
 
 def load_model_step(run_dir: str | Path, step: int | None = None):
-    """(cfg, model, tokenizer, step) where step is the checkpoint actually restored (older if the latest is unreadable)."""
+    """(cfg, model, tokenizer, step); step is the checkpoint actually restored (older if the latest is unreadable)."""
     from mtpjax.data import DataError, tokenizer_from_dir
 
     run = Path(run_dir)
@@ -202,6 +209,21 @@ def _load_step(ck: Checkpointer, run: Path, step: int):
 
 def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__
+
+
+def _train_item(state) -> dict:
+    """The `train` item of a TrainState: optimizer state (Variables unwrapped to arrays), step and RNG."""
+    opt = jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, state.opt, is_leaf=_is_var)
+    return {"opt": opt, "step": state.step, "rng": state.rng}
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _fill_vars(target, arrays):
+    """`target` (a pytree that may hold nnx Variables) with its leaves replaced by the restored `arrays`."""
+    return jax.tree.map(lambda t, a: t.replace(a) if _is_var(t) else a, target, arrays, is_leaf=_is_var)
 
 
 def _fill(target_state, pure: dict):

@@ -498,13 +498,15 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_mixture(d: DataConfig) -> None:
-    _check(not d.paths, "data.paths", list(d.paths), "must be empty when data.mixture is set (each source has its paths)")
+    _check(not d.paths, "data.paths", list(d.paths),
+           "must be empty when data.mixture is set (each source has its paths)")
     _check(d.tokenizer != "bpe", "data.tokenizer", d.tokenizer, "a mixture needs one fixed tokenizer for every "
            "source: byte, or a tokenizer.json / .model (e.g. the one `python -m mtpjax.data prepare` trained)")
     seen = set()
     for i, m in enumerate(d.mixture):
         key = f"data.mixture[{i}]"
-        _check(bool(_NAME_RE.match(m.name)), f"{key}.name", m.name, "must be a non-empty name of letters, digits, _ . -")
+        _check(bool(_NAME_RE.match(m.name)), f"{key}.name", m.name,
+               "must be a non-empty name of letters, digits, _ . -")
         _check(m.name not in seen, f"{key}.name", m.name, "is repeated; give every source its own name")
         seen.add(m.name)
         _choice(f"{key}.source", m.source, SOURCES)

@@ -11,6 +11,10 @@ Where the processes come from (first match wins; `MTPJAX_CLUSTER=off` forces one
 bounds the rendezvous: a coordinator that cannot be reached, a missing process or processes that disagree
 on the process count end the process with one line on stderr and exit status 2 instead of a hang.
 Cross-process collectives on CPU use gloo.
+
+JAX internals used here, with no public equivalent (tests/test_distributed.py pins both): `jax._src.clusters.
+SlurmCluster` (SLURM's coordinator, process count and ids as JAX itself reads them) and the key-value client
+of `jax._src.distributed.global_state` (processes compare their counts before any collective could hang).
 """
 
 from __future__ import annotations
@@ -181,7 +185,11 @@ class _Watchdog:
 
 
 def _check_agreement(launch: Launch) -> None:
-    """Every process must have been started with the coordinator's process count (JAX does not check)."""
+    """Every process must have been started with the coordinator's process count (JAX does not check).
+
+    Compared through the coordinator's key-value store: a collective would hang on a process that waits
+    for more peers than exist.
+    """
     from jax._src import distributed as jd
 
     client, me, n = jd.global_state.client, jd.global_state.process_id, jd.global_state.num_processes
@@ -200,29 +208,21 @@ def configure_local_devices() -> None:
     n = local_cpu_devices()
     if n is None:
         return
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
+    try:
+        jax.config.update("jax_num_cpu_devices", n)  # JAX refuses a change once its backends exist
+    except RuntimeError:
         if jax.local_device_count() != n:
             raise DistributedError(f"{LOCAL_DEVICES}={n} was read after JAX started with "
                                    f"{jax.local_device_count()} devices; call mtpjax.distributed.initialize() "
-                                   "before any other JAX use")
-        return
-    jax.config.update("jax_num_cpu_devices", n)
+                                   "before any other JAX use") from None
 
 
 def initialize() -> Launch | None:
     """Join the multi-process run described by the environment (no-op alone); DistributedError if misconfigured."""
-    from jax._src import xla_bridge
-
     configure_local_devices()
     launch = detect()
     if launch is None or jax.distributed.is_initialized():
         return launch
-    if xla_bridge.backends_are_initialized():
-        raise DistributedError("JAX was used before mtpjax.distributed.initialize(); call it first, before any "
-                               "other JAX use")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kw = dict(coordinator_address=launch.coordinator, num_processes=launch.num_processes,
               process_id=launch.process_id, local_device_ids=launch.local_device_ids,
               # JAX's own deadline lies past ours so that the watchdog, not an abort, reports a stuck start
@@ -235,10 +235,19 @@ def initialize() -> Launch | None:
         try:
             jax.distributed.initialize(**kw)
         except (RuntimeError, ValueError) as e:  # JAX raises several types; the user needs one line
+            if _backends_started(e):
+                raise DistributedError("JAX was used before mtpjax.distributed.initialize(); call it first, "
+                                       "before any other JAX use") from None
             raise DistributedError(f"jax.distributed.initialize failed ({str(e).splitlines()[0][:200]}); check "
                                    f"the {launch.method} launch settings") from None
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # backends start after this
         _check_agreement(launch)
     return launch
+
+
+def _backends_started(e: Exception) -> bool:
+    """Whether JAX refused because its backends already exist (its documented RuntimeError of initialize)."""
+    return isinstance(e, RuntimeError) and "must be called before any JAX" in str(e)
 
 
 def is_primary() -> bool:

@@ -196,7 +196,8 @@ def speed_report(model, prompts, *, num_draft: int, max_new: int, batch: int = 1
         }.items()})
     if model.cfg.mtp_depth:
         # greedy: the speculative outputs are the plain ones (outputs_identical)
-        rep["agreement_on_generated"] = agreement_on(model, prompts, plain["outputs"], min(num_draft, model.cfg.mtp_depth))
+        depth = min(num_draft, model.cfg.mtp_depth)
+        rep["agreement_on_generated"] = agreement_on(model, prompts, plain["outputs"], depth)
     rep["outputs_identical"] = bool(exact)
     return rep
 

@@ -1,4 +1,4 @@
-"""Fused attention kernels behind `model.attention` (layers.self_attention chooses): cuDNN, Pallas GPU, Pallas TPU splash.
+"""Fused attention kernels behind `model.attention` (layers.self_attention chooses): cuDNN, Pallas GPU, TPU splash.
 
 Each adapter computes what `layers.attend` computes for the training forward — causal attention over positions
 0..T-1 (no cache), restricted to equal segment ids when they are given, grouped-query heads — from the same

@@ -47,7 +47,8 @@ def param(rngs: nnx.Rngs, shape, std: float, axes: tuple, dtype) -> nnx.Param:
 
 
 class Dense(nnx.Module):
-    """Projection, bias-free unless `bias` (zero-initialised); inputs are flattened to 2-D (XLA CPU's backward is slow on 3-D dots)."""
+    """Projection, bias-free unless `bias` (zero-initialised); inputs are flattened to 2-D (XLA CPU's backward is
+    slow on 3-D dots)."""
 
     def __init__(self, d_in: int, d_out: int, axes: tuple, cfg: ModelConfig, rngs: nnx.Rngs, std=None, bias=False):
         std = cfg.init_std if std is None else std
@@ -76,7 +77,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+        return (y * self.scale[...].astype(jnp.float32)[(None,) * (y.ndim - 1)]).astype(self.dtype)
 
 
 def rope_frequencies(head_dim: int, theta: float, llama3: tuple | None = None):
@@ -219,12 +220,13 @@ def attend_cached(q_BTKRH, k_BTKH, v_BTKH, cache: KV, start_B):
     """
     B, T, K, R, H = q_BTKRH.shape
     q_BKQH = q_BTKRH.transpose(0, 2, 3, 1, 4).reshape(B, K, R * T, H)  # query row r*T + t
-    s_BKQS = jnp.einsum("bkqh,bksh->bkqs", q_BKQH, cache.k_BKSH.astype(q_BKQH.dtype), preferred_element_type=jnp.float32)
+    s_BKQS = jnp.einsum("bkqh,bksh->bkqs", q_BKQH, cache.k_BKSH.astype(q_BKQH.dtype),
+                        preferred_element_type=jnp.float32)
     committed_BS = jnp.arange(s_BKQS.shape[-1])[None, :] < start_B[:, None]
     s_BKQS = s_BKQS + jnp.where(committed_BS, 0.0, -1e30)[:, None, None, :]
     s_BKQT = jnp.einsum("bkqh,btkh->bkqt", q_BKQH, k_BTKH, preferred_element_type=jnp.float32)
     causal_QT = jnp.tile(jnp.arange(T)[None, :] <= jnp.arange(T)[:, None], (R, 1))
-    s_BKQT = s_BKQT + jnp.where(causal_QT, 0.0, -1e30)
+    s_BKQT = s_BKQT + jnp.where(causal_QT, 0.0, -1e30)[None, None]
     m = jax.lax.stop_gradient(jnp.maximum(s_BKQS.max(-1, keepdims=True), s_BKQT.max(-1, keepdims=True)))
     e_old, e_new = jnp.exp(s_BKQS - m), jnp.exp(s_BKQT - m)
     dt = v_BTKH.dtype

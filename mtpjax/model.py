@@ -158,7 +158,8 @@ def _positions(tokens_BT):
 
 
 def build_model(cfg: Config | ModelConfig, *, seed: int = 0) -> MTPTransformer:
-    """Build the model from a Config (or its model section) with parameters from `seed`, MTP modules as model.mtp_init says."""
+    """Build the model from a Config (or its model section) with parameters from `seed`, MTP modules as
+    model.mtp_init says."""
     mcfg = cfg.model if isinstance(cfg, Config) else cfg
     model = MTPTransformer(mcfg, rngs=nnx.Rngs(params=seed))
     if mcfg.mtp_init == "last_block":

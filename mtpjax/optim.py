@@ -1,4 +1,9 @@
-"""AdamW with a decay mask, warmup + decay learning-rate schedule and global-norm clipping."""
+"""AdamW with a decay mask and global-norm clipping; the learning rate is a schedule of the train step counter.
+
+The schedule is not inside the optax chain: the chain is wrapped by `optax.inject_hyperparams` and the
+train step writes `lr_schedule(step)` into it before each update (`with_lr`), so the learning rate and
+λ(step) read the same counter (TrainState.step), also after a skipped update.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from mtpjax.config import Config, OptimConfig
+from mtpjax.config import OptimConfig
+
+# What the optimizer updates. A later `train.freeze=trunk` narrows this filter to the MTP modules
+# (e.g. nnx.All(nnx.Param, nnx.PathContains("mtp"))); the step and the checkpoints follow it.
+TRAINABLE = nnx.Param
 
 
 def lr_schedule(ocfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -28,9 +37,8 @@ def lr_schedule(ocfg: OptimConfig, total_steps: int) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(peak / warm, peak, warm - 1), after], [warm])
 
 
-def decay_mask(model: nnx.Module):
+def decay_mask(params: nnx.State):
     """True for parameters that get weight decay: matrices (>= 2 logical axes), not norm scales."""
-    params = nnx.state(model, nnx.Param)
 
     def wants_decay(v: nnx.Variable) -> bool:
         axes = v.get_metadata().get("logical_axes")
@@ -39,18 +47,21 @@ def decay_mask(model: nnx.Module):
     return jax.tree.map(wants_decay, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def make_tx(ocfg: OptimConfig, total_steps: int, mask) -> optax.GradientTransformation:
-    """Clip (global norm) -> AdamW(schedule, masked decay)."""
-    adamw = optax.adamw(lr_schedule(ocfg, total_steps), b1=ocfg.b1, b2=ocfg.b2, eps=ocfg.eps,
-                        weight_decay=ocfg.weight_decay, mask=mask)
-    if ocfg.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(ocfg.grad_clip), adamw)
-    return adamw
+def make_tx(ocfg: OptimConfig, mask) -> optax.GradientTransformation:
+    """Clip (global norm) -> AdamW(masked decay), its learning rate injected by the step (see with_lr)."""
+
+    def chain(learning_rate):
+        adamw = optax.adamw(learning_rate, b1=ocfg.b1, b2=ocfg.b2, eps=ocfg.eps,
+                            weight_decay=ocfg.weight_decay, mask=mask)
+        return optax.chain(optax.clip_by_global_norm(ocfg.grad_clip), adamw) if ocfg.grad_clip > 0 else adamw
+
+    return optax.inject_hyperparams(chain)(learning_rate=ocfg.lr)
 
 
-def make_optimizer(cfg: Config, model: nnx.Module) -> nnx.Optimizer:
-    """nnx.Optimizer over the model's Params with the configured AdamW chain."""
-    return nnx.Optimizer(model, make_tx(cfg.optim, cfg.train.steps, decay_mask(model)), wrt=nnx.Param)
+def with_lr(opt_state, lr):
+    """The optimizer state of make_tx with its learning rate set to `lr` for the next update."""
+    hp = opt_state.hyperparams
+    return opt_state._replace(hyperparams={**hp, "learning_rate": jnp.asarray(lr, hp["learning_rate"].dtype)})
 
 
 def global_norm(tree) -> jax.Array:

@@ -71,7 +71,8 @@ def format_plan(plan: dict, cfg: Config) -> str:
              f"mtp_kind={m.mtp_kind} tied={m.tie_embeddings} seq_len={cfg.data.seq_len}",
              "parameters:",
              f"  trunk (blocks + final norm)  {p['trunk']:>14,d}",
-             f"  shared embedding/head        {p['shared_embed_head']:>14,d}  ({p['shared_embed_head'] / trunk:.4f} of trunk)"]
+             f"  shared embedding/head        {p['shared_embed_head']:>14,d}  "
+             f"({p['shared_embed_head'] / trunk:.4f} of trunk)"]
     for k, n in enumerate(p["mtp"], 1):
         lines.append(f"  mtp module {k:<17d} {n:>14,d}  ({n / trunk:.4f} of trunk)")
     lines.append(f"  total                        {p['total']:>14,d}")

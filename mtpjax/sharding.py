@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -62,7 +62,9 @@ def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh
     return P(*spec)
 
 
-def _var_sharding(var: nnx.Variable, mesh: Mesh):
+def _var_sharding(var, mesh: Mesh):
+    if not isinstance(var, nnx.Variable):  # step counter, RNG key, optimizer counts: replicated
+        return NamedSharding(mesh, P())
     axes = var.get_metadata().get("logical_axes")
     shape = np.shape(var.get_value())  # get_value(): var[...] cannot index an abstract ShapeDtypeStruct
     spec = P() if axes is None else logical_to_spec(axes, shape, mesh)
@@ -70,7 +72,10 @@ def _var_sharding(var: nnx.Variable, mesh: Mesh):
 
 
 def state_shardings(state, mesh: Mesh):
-    """NamedShardings mirroring an nnx state (arrays or ShapeDtypeStructs); moments shard like their params."""
+    """NamedShardings mirroring a pytree of nnx Variables and arrays (or ShapeDtypeStructs).
+
+    Variables shard by their logical axes (Adam moments carry their parameter's); other leaves are replicated.
+    """
     return jax.tree.map(lambda v: _var_sharding(v, mesh), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 

@@ -50,7 +50,8 @@ def weight_ratio(proposer, model_cfg: ModelConfig, context: int, draft_cfg: Mode
 def floor_ratio(proposer, model_cfg: ModelConfig, context: int, draft_cfg: ModelConfig | None = None) -> float:
     """r of the ceiling: a draft costs at least the smaller of its FLOP and weight shares of a plain step
     (roofline: time >= max(FLOPs / peak, bytes / bandwidth) for the draft and the plain step alike)."""
-    return min(work_ratio(proposer, model_cfg, context, draft_cfg), weight_ratio(proposer, model_cfg, context, draft_cfg))
+    args = (proposer, model_cfg, context, draft_cfg)
+    return min(work_ratio(*args), weight_ratio(*args))
 
 
 def _ratio(proposer, model_cfg, context, draft_cfg, count: str, plain: tuple) -> float:

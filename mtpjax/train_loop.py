@@ -1,4 +1,8 @@
-"""The training loop (DESIGN §5): build once, jit once, loop; eval, checkpoints, TensorBoard, NaN guard, preemption."""
+"""The training loop (DESIGN §5): build once, jit once, loop; eval, checkpoints, NaN guard and preemption hang off it.
+
+Around the loop: `rundir` (the run directory's lifecycle), `train_step` (TrainState and the jitted step),
+`train_eval` (the eval hook), `train_report` (banner, metrics, summary), `checkpoint`.
+"""
 
 from __future__ import annotations
 
@@ -13,27 +17,22 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from mtpjax import data, distributed, runtime
-from mtpjax.checkpoint import Checkpointer, CheckpointError, read_run_config
-from mtpjax.config import Config, ConfigError, identity, load_config
-from mtpjax.flops import train_flops_per_token
-from mtpjax.metrics import Writer, measure_peak_flops, mfu
-from mtpjax.sharding import MeshError, batch_sharding, data_parallelism, make_mesh, replicated
-from mtpjax.train_step import Programs, abstract_state, init_state, make_programs
-
-IDENTITY_SECTIONS = ("model", "data")  # what makes a run dir "the same run"; other sections may change on resume
-SAMPLE_PROMPT = 32
+from mtpjax import data, distributed, rundir, runtime
+from mtpjax.checkpoint import Checkpointer, CheckpointError
+from mtpjax.config import Config, ConfigError, load_config
+from mtpjax.metrics import Writer, measure_peak_flops
+from mtpjax.sharding import MeshError, batch_sharding, data_parallelism, make_mesh
+from mtpjax.train_eval import run_eval
+from mtpjax.train_report import Logger, banner, summary
+from mtpjax.train_step import Programs, make_programs
 
 
 class TrainError(RuntimeError):
-    """Bad training setup (batch/mesh, run dir); the message is one line naming the problem and the fix."""
+    """Bad training setup (batch vs mesh); the message is one line naming the problem and the fix."""
 
 
 class NonFiniteError(TrainError):
     """The loss or gradient became non-finite beyond what train.nan_policy allows."""
-
-
-# ----------------------------------------------------------------------------- checks before anything is written
 
 
 def check_parallelism(cfg: Config, mesh) -> None:
@@ -44,56 +43,6 @@ def check_parallelism(cfg: Config, mesh) -> None:
                          f"times train.micro_batches={M}; use a multiple of {dp * M}")
     if B % jax.process_count():
         raise TrainError(f"train.batch_size={B} is not divisible by the {jax.process_count()} processes")
-
-
-def _diff(a, b, prefix: str) -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{prefix}.{k}")]
-    return [] if a == b else [f"{prefix.lstrip('.')}: {a!r} -> {b!r}"]
-
-
-def check_run_dir(cfg: Config) -> bool:
-    """Refuse a run dir whose saved model/data config differs; True if it holds a previous run."""
-    run = Path(cfg.train.run_dir)
-    old = read_run_config(run)
-    if old is None:
-        return run.exists() and any(run.iterdir())
-    diffs = [d for s in IDENTITY_SECTIONS for d in _diff(identity(old, s), identity(cfg, s), s)]
-    if diffs:
-        shown = "; ".join(diffs[:3]) + (f"; +{len(diffs) - 3} more" if len(diffs) > 3 else "")
-        raise TrainError(f"run dir '{run}' holds a run with a different model/data config ({shown}); pass --fresh "
-                         "to move it aside, or set another train.run_dir")
-    return True
-
-
-def probe_writable(run: Path) -> None:
-    """Create the run dir (if missing) and write a probe file; TrainError if impossible."""
-    try:
-        run.mkdir(parents=True, exist_ok=True)
-        probe = run / f".write-probe-{time.time_ns()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise TrainError(f"train.run_dir '{run}' is not writable ({e.strerror or e}); choose a writable "
-                         "train.run_dir") from None
-
-
-def setup_run_dir(cfg: Config, prepared, fresh: bool) -> Path:
-    """--fresh moves an old run to <run_dir>.old-<timestamp> (never deletes); writes config.yaml and tokenizer/."""
-    run = Path(cfg.train.run_dir)
-    if fresh and jax.process_index() == 0 and run.exists() and any(run.iterdir()):
-        aside = run.with_name(f"{run.name}.old-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6:06d}")
-        run.rename(aside)
-        print(f"moved the previous run aside to {aside}", file=sys.stderr)
-    if jax.process_index() == 0:
-        run.mkdir(parents=True, exist_ok=True)
-        # Written aside and renamed: a kill mid-write must not leave a truncated config that blocks resuming.
-        tmp = run / f".config.yaml.tmp-{time.time_ns()}"
-        tmp.write_text(cfg.to_yaml())
-        tmp.replace(run / "config.yaml")
-        prepared.tokenizer.save(run / "tokenizer")
-    distributed.barrier("mtpjax-run-dir")  # no process may look for checkpoints before the run dir is set up
-    return run
 
 
 # ----------------------------------------------------------------------------- data
@@ -110,29 +59,7 @@ def to_global(progs: Programs, batch: dict):
     return put(batch["tokens"]), put(batch["segment_ids"])
 
 
-# ----------------------------------------------------------------------------- eval and samples
-
-
-def evaluate(progs: Programs, state, val: list, step: int) -> dict:
-    """Mean validation metrics over the fixed eval batches."""
-    mets = [progs.eval_step(state, *to_global(progs, b), np.int32(step)) for b in val]
-    mets = jax.device_get(mets)
-    return {k: float(np.mean([m[k] for m in mets])) for k in mets[0]}
-
-
-def samples(progs: Programs, state, val: list, tokenizer, n: int) -> list[str]:
-    """Greedy continuations of the first validation rows' opening tokens, as text."""
-    rows = np.asarray(val[0]["tokens"])[:n, :SAMPLE_PROMPT]
-    if jax.process_count() > 1:  # a replicated prompt must be the same on every process: process 0's rows
-        from jax.experimental import multihost_utils
-
-        rows = np.asarray(multihost_utils.broadcast_one_to_all(rows))
-    prompt = jax.device_put(rows.astype(np.int32), replicated(progs.batch_sharding.mesh))
-    out = np.asarray(jax.device_get(progs.sample(state, prompt)))
-    return [tokenizer.decode(p.tolist()) + " ⟶ " + tokenizer.decode(o.tolist()) for p, o in zip(rows, out)]
-
-
-# ----------------------------------------------------------------------------- the loop
+# ----------------------------------------------------------------------------- what hangs off the loop
 
 
 class _Preemption:
@@ -163,57 +90,39 @@ class _Preemption:
             signal.signal(signal.SIGTERM, self.old)
 
 
-class _Logger:
-    """Consumes each step's metrics one step late: NaN guard, TensorBoard, progress bar, throughput."""
+class NonFiniteGuard:
+    """train.nan_policy on the host: a skipped (non-finite) step warns, or stops the run past the allowed count."""
 
-    def __init__(self, cfg: Config, writer: Writer, bar, n_devices: int, peak: float):
-        self.cfg, self.writer, self.bar = cfg, writer, bar
-        self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-        self.flops = train_flops_per_token(cfg.model, cfg.data.seq_len)
-        self.n_devices, self.peak = n_devices, peak
-        self.skipped, self.history, self.last = 0, [], {}
-        self.t0, self.s0 = None, None
+    def __init__(self, cfg: Config):
+        self.policy, self.limit, self.skipped = cfg.train.nan_policy, cfg.train.max_skipped_steps, 0
 
-    def restart_clock(self, step: int) -> None:
-        """Exclude compilation, eval and checkpoint time from tokens/s."""
-        self.t0, self.s0 = time.perf_counter(), step
-
-    def consume(self, step: int, met_dev) -> None:
-        met = {k: float(v) for k, v in jax.device_get(met_dev).items()}
-        self.bar.update(1)
-        if met.pop("skipped"):
-            self._non_finite(step, met)
-            return
-        self.last = met
-        self.history.append((step, met["loss/total"]))
-        if self.t0 is None:
-            self.restart_clock(step)  # the first fetched step included compilation
-        elif step % self.cfg.train.log_every == 0 and step > self.s0:
-            tps = (step - self.s0) * self.tokens_per_step / (time.perf_counter() - self.t0)
-            extra = {"tokens_per_sec": tps, "mfu": mfu(tps, self.flops, self.peak, self.n_devices)}
-            self.writer.scalars(step, {k: v for k, v in met.items() if k != "loss/total"} | extra)
-            self.bar.set_postfix(loss=f"{met['loss/main']:.3f}", tok_s=f"{tps:,.0f}")
-            self.restart_clock(step)
-
-    def _non_finite(self, step: int, met: dict) -> None:
+    def check(self, step: int, met: dict) -> bool:
+        """True if the step's update was applied; NonFiniteError when the policy says stop."""
+        if not met["skipped"]:
+            return True
         self.skipped += 1
-        t = self.cfg.train
         what = f"non-finite loss/gradient at step {step} (loss {met['loss/total']}, grad_norm {met['grad_norm']})"
-        if t.nan_policy == "stop":
+        if self.policy == "stop":
             raise NonFiniteError(f"{what}; stopped, the last good checkpoint is kept (nan_policy=stop). Lower "
                                  "optim.lr or raise optim.warmup_steps")
-        if self.skipped > t.max_skipped_steps:
-            raise NonFiniteError(f"{what}; {self.skipped} updates skipped > train.max_skipped_steps="
-                                 f"{t.max_skipped_steps}; stopped, the last good checkpoint is kept")
+        if self.skipped > self.limit:
+            raise NonFiniteError(f"{what}; {self.skipped} updates skipped > train.max_skipped_steps={self.limit}; "
+                                 "stopped, the last good checkpoint is kept")
         if distributed.is_primary():
-            tqdm.write(f"warning: {what}; update skipped ({self.skipped}/{t.max_skipped_steps})", file=sys.stderr)
+            tqdm.write(f"warning: {what}; update skipped ({self.skipped}/{self.limit})", file=sys.stderr)
+        return False
+
+
+def _say(text: str) -> None:
+    if distributed.is_primary():
+        tqdm.write(text, file=sys.stderr)
 
 
 def _meta(cfg: Config, step: int, last: dict) -> dict:
-    # The model has no stochastic layers; data order is in the iterator state. The key is saved for
-    # completeness (and future dropout) so that resume reproduces every random stream.
-    key = np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(cfg.train.seed), step)))
-    return {"step": step, "rng": key.tolist(), "config": cfg.to_dict(), "metrics": last}
+    return {"step": step, "config": cfg.to_dict(), "metrics": last}
+
+
+# ----------------------------------------------------------------------------- the loop
 
 
 def train(cfg: Config, *, fresh: bool = False, max_steps: int | None = None) -> dict:
@@ -224,28 +133,27 @@ def train(cfg: Config, *, fresh: bool = False, max_steps: int | None = None) -> 
 
 
 def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) -> dict:
+    t_start = time.perf_counter()
     runtime.enable_compilation_cache(cfg.train.compilation_cache)
     mesh = make_mesh(cfg.mesh)
     check_parallelism(cfg, mesh)
     if not fresh:
-        check_run_dir(cfg)
-    probe_writable(Path(cfg.train.run_dir))
+        rundir.check_identity(cfg)
+    rundir.probe_writable(Path(cfg.train.run_dir))
     prepared, train_it, val, val_sources = open_data(cfg, mesh)
-    run = setup_run_dir(cfg, prepared, fresh)
+    run = rundir.setup(cfg, prepared.tokenizer, fresh)
 
-    graphdef, target, shardings = abstract_state(cfg, mesh)
-    progs = make_programs(cfg, mesh, graphdef, shardings)
+    progs = make_programs(cfg, mesh)
     ck = Checkpointer(run, cfg.checkpoint)
-    restored = ck.restore_latest(target)  # the newest readable checkpoint; unreadable ones are reported
-    start = restored[0] if restored else 0
+    restored = ck.restore_latest(progs.target)  # the newest readable checkpoint; unreadable ones are reported
     if restored:
-        state, data_state = restored[1:3]
+        start, state, data_state, _ = restored
         train_it.set_state(data_state)
-        if distributed.is_primary():
-            print(f"resuming from checkpoint {start} in {ck.dir}", file=sys.stderr, flush=True)
+        _say(f"resuming from checkpoint {start} in {ck.dir}")
     else:
-        state = init_state(cfg, mesh, shardings)
+        start, state = 0, progs.init()
     end = min(cfg.train.steps, cfg.train.steps if max_steps is None else max_steps)
+    _say(banner(cfg, mesh, run, start, prepared))
 
     writer = Writer(run, enabled=jax.process_index() == 0)
     if start == 0:
@@ -253,30 +161,41 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
     peak = cfg.train.peak_flops or measure_peak_flops()
     show = cfg.train.progress and distributed.is_primary()
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not show, desc="train", unit="step")
-    log = _Logger(cfg, writer, bar, mesh.size, peak)
+    log, guard = Logger(cfg, writer, bar, mesh.size, peak), NonFiniteGuard(cfg)
     prof = runtime.Profiler(cfg.train.profile, run / "tensorboard")
+
+    def consume(step: int, met_dev) -> None:  # one step late, so the host never stalls the device
+        met = {k: float(v) for k, v in jax.device_get(met_dev).items()}
+        bar.update(1)
+        if guard.check(step, met):
+            log.record(step, met)
+
     result: dict = {"preempted": False}
     step, pending, saved = start, None, start
     try:
         while step < end and not pre.check(step):
             prof.step(step, state)
-            state, met = progs.train_step(state, *to_global(progs, next(train_it)), np.int32(step))
-            step += 1
+            state, met = progs.train_step(state, *to_global(progs, next(train_it)))
+            step += 1  # the host's mirror of state.step: one batch, one step, skipped or not
             if pending is not None:
-                log.consume(*pending)
+                consume(*pending)
             pending = (step, met)
             if step % cfg.train.eval_every == 0 or step == end or ck.due(step):
-                # A checkpoint never holds a step whose NaN guard has not been checked yet.
-                log.consume(*pending)
+                consume(*pending)  # a checkpoint never holds a step whose NaN guard has not been checked yet
                 pending = None
             if step % cfg.train.eval_every == 0 or step == end:
-                result.update(_eval(cfg, progs, state, val, val_sources, prepared.tokenizer, writer, step))
+                ev = run_eval(progs, state, val, val_sources, lambda b: to_global(progs, b), prepared.tokenizer,
+                              writer, step, cfg.train.num_samples)
+                result.update(ev)
+                if ev:
+                    _say(f"step {step}: eval loss/main {ev['eval/loss/main']:.4f}" + "".join(
+                        f", mtp_{k} {ev[f'eval/loss/mtp_{k}']:.4f}" for k in range(1, cfg.model.mtp_depth + 1)))
                 log.restart_clock(step)
             if ck.save(step, state, train_it.get_state(), _meta(cfg, step, log.last), force=step == end):
                 saved = step
         result["preempted"] = pre.requested
         if pending is not None:
-            log.consume(*pending)
+            consume(*pending)
         if saved != step:  # a run always checkpoints its last step (also when preempted)
             ck.save(step, state, train_it.get_state(), _meta(cfg, step, log.last), force=True)
     finally:
@@ -284,24 +203,11 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
         ck.close()
         writer.close()
         bar.close()
-    return {**log.last, **result, "step": step, "skipped_steps": log.skipped, "history": log.history}
-
-
-def _eval(cfg, progs, state, val, val_sources, tokenizer, writer: Writer, step: int) -> dict:
-    if not val:
-        return {}
-    ev = evaluate(progs, state, val, step)
-    keep = {k: v for k, v in ev.items() if k.startswith(("loss/", "agreement/", "accuracy/"))}
-    keep |= data.eval_by_source(val_sources, lambda batches: evaluate(progs, state, batches, step), list(keep))
-    writer.scalars(step, keep, prefix="eval/")
-    for i, text in enumerate(samples(progs, state, val, tokenizer, cfg.train.num_samples)):
-        writer.text(step, f"samples/{i}", text)
-    writer.flush()
-    if distributed.is_primary():
-        tqdm.write(f"step {step}: eval loss/main {ev['loss/main']:.4f}"
-                   + "".join(f", mtp_{k} {ev[f'loss/mtp_{k}']:.4f}" for k in range(1, cfg.model.mtp_depth + 1)),
-                   file=sys.stderr)
-    return {f"eval/{k}": v for k, v in keep.items()}
+    out = {**log.last, **result, "step": step, "skipped_steps": guard.skipped, "history": log.history,
+           "seconds": time.perf_counter() - t_start}
+    last = ck.dir / str(step)
+    _say(summary(cfg, run, out, last if last.is_dir() else None))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except (ConfigError, data.DataError, CheckpointError, MeshError, TrainError, distributed.DistributedError) as e:
+    except (ConfigError, data.DataError, CheckpointError, MeshError, TrainError, rundir.RunDirError,
+            distributed.DistributedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if out["preempted"] and distributed.is_primary():

@@ -1,38 +1,49 @@
-"""The jitted programs of training: sharded state init, the train step (with micro-batching), eval, greedy samples."""
+"""TrainState and the jitted programs of training: sharded init, the train step (micro-batched, guarded), eval.
+
+The step functions are top-level; `make_programs` binds their static parts with functools.partial and
+jits them once with explicit shardings and a donated state.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import functools
+from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+import optax
+from flax import nnx, struct
 from jax.sharding import Mesh
 
-from mtpjax.config import Config
+from mtpjax.config import Config, LossConfig
 from mtpjax.loss import expected_accept_length, mtp_loss, token_counts
 from mtpjax.model import build_model
-from mtpjax.optim import global_norm, lr_schedule, make_optimizer
+from mtpjax.optim import TRAINABLE, decay_mask, global_norm, lr_schedule, make_tx, with_lr
 from mtpjax.sharding import batch_sharding, replicated, state_shardings
 
 
-def _make_model_and_optimizer(cfg: Config):
-    model = build_model(cfg, seed=cfg.train.seed)
-    return model, make_optimizer(cfg, model)
+@struct.dataclass
+class TrainState:
+    """Everything a train step reads and writes, and what a checkpoint holds besides the data position."""
+
+    params: nnx.State  # nnx.state(model): every variable of the model
+    opt: Any  # optax state of make_tx over the TRAINABLE part of params
+    step: jax.Array  # int32[]: batches consumed, skipped ones included; λ(step) and lr(step) read it
+    rng: jax.Array  # uint32[2]: key data of the run's key; step s would draw from fold_in(key, s)
 
 
-def abstract_state(cfg: Config, mesh: Mesh):
-    """(graphdef, abstract state with target shardings, shardings) of model+optimizer, without allocating."""
-    graphdef, abs_state = nnx.split(nnx.eval_shape(lambda: _make_model_and_optimizer(cfg)))
-    shardings = state_shardings(abs_state, mesh)
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, shardings)
-    return graphdef, target, shardings
+def split_trainable(params: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """(the part the optimizer updates, the rest) of a model state."""
+    return nnx.split_state(params, TRAINABLE, ...)
 
 
-def init_state(cfg: Config, mesh: Mesh, shardings):
-    """Model+optimizer state created directly in its sharded layout (jitted init with out_shardings)."""
-    return jax.jit(lambda: nnx.split(_make_model_and_optimizer(cfg))[1], out_shardings=shardings)()
+def new_state(params: nnx.State, tx: optax.GradientTransformation, seed: int, step: int = 0) -> TrainState:
+    """A TrainState around existing parameters: a fresh optimizer over their trainable part, counter at `step`."""
+    train, _ = split_trainable(params)
+    return TrainState(params=params, opt=tx.init(train), step=jnp.asarray(step, jnp.int32),
+                      rng=jax.random.key_data(jax.random.key(seed)))
 
 
 def _sum_micro_metrics(metrics: dict, depth: int) -> dict:
@@ -44,85 +55,89 @@ def _sum_micro_metrics(metrics: dict, depth: int) -> dict:
     return out
 
 
-@dataclasses.dataclass
+def loss_and_grads(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, graphdef, loss_cfg: LossConfig,
+                   micro_batches: int, batch_sharding=None):
+    """(gradient of the trainable parameters, metrics) of one batch, summed over its micro-batches."""
+    depth = nnx.merge(graphdef, train, frozen).cfg.mtp_depth
+    counts = token_counts(tokens_BT, seg_BT, depth)
+    B, T = tokens_BT.shape
+    M = micro_batches
+
+    def loss_fn(train, tok_BT, seg_BT):
+        model = nnx.merge(graphdef, train, frozen)
+        return mtp_loss(model, model(tok_BT, seg_BT), tok_BT, seg_BT, step=step, cfg=loss_cfg, counts=counts)
+
+    def body(acc, xs):
+        if batch_sharding is not None:
+            xs = tuple(jax.lax.with_sharding_constraint(x, batch_sharding) for x in xs)
+        (_, met), g = jax.value_and_grad(loss_fn, has_aux=True)(train, *xs)
+        return jax.tree.map(jnp.add, acc, g), met
+
+    # Micro-batch m holds rows m, m+M, ...: every device keeps its own rows, no resharding.
+    split = lambda x_BT: x_BT.reshape(B // M, M, T).swapaxes(0, 1)
+    grads, mets = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, train), (split(tokens_BT), split(seg_BT)))
+    return grads, _sum_micro_metrics(mets, depth)
+
+
+def train_step(state: TrainState, tokens_BT, seg_BT, *, graphdef, tx: optax.GradientTransformation,
+               lr: optax.Schedule, loss_cfg: LossConfig, micro_batches: int, batch_sharding=None):
+    """(next state, metrics) of one batch; a non-finite loss or gradient skips the update, not the counter."""
+    train, frozen = split_trainable(state.params)
+    grads, metrics = loss_and_grads(train, frozen, tokens_BT, seg_BT, state.step, graphdef=graphdef,
+                                    loss_cfg=loss_cfg, micro_batches=micro_batches, batch_sharding=batch_sharding)
+    lr_now = jnp.asarray(lr(state.step), jnp.float32)
+    gnorm = global_norm(grads)
+    ok = jnp.isfinite(metrics["loss/total"]) & jnp.isfinite(gnorm)
+
+    def update(train, opt):
+        updates, opt = tx.update(grads, with_lr(opt, lr_now), train)
+        return optax.apply_updates(train, updates), opt
+
+    # The skip happens inside the program, so XLA updates parameters and moments in place either way
+    # (a select between new and old state would need both alive); the host decides to stop or go on.
+    train, opt = jax.lax.cond(ok, update, lambda train, opt: (train, opt), train, state.opt)
+    new = state.replace(params=nnx.merge_state(train, frozen), opt=opt, step=state.step + 1)
+    return new, {**metrics, "lr": lr_now, "grad_norm": gnorm, "skipped": (~ok).astype(jnp.int32)}
+
+
+def eval_step(state: TrainState, tokens_BT, seg_BT, *, graphdef, loss_cfg: LossConfig) -> dict:
+    """Metrics of one batch at the state's step, without gradients."""
+    model = nnx.merge(graphdef, state.params)
+    return mtp_loss(model, model(tokens_BT, seg_BT), tokens_BT, seg_BT, step=state.step, cfg=loss_cfg)[1]
+
+
+@dataclasses.dataclass(frozen=True)
 class Programs:
-    """Compiled-once functions over the (graphdef, state) split, plus the shardings they use."""
+    """The compiled-once functions of a run and the layouts they use."""
 
-    graphdef: Any
-    shardings: Any
+    graphdef: Any  # the model's nnx graph; nnx.merge(graphdef, state.params) is the model
+    tx: optax.GradientTransformation
+    shardings: TrainState  # NamedShardings of every TrainState leaf
+    target: TrainState  # ShapeDtypeStructs with those shardings: what a checkpoint restores onto
     batch_sharding: Any
-    train_step: Callable  # (state, tokens_BT, seg_BT, step) -> (state, metrics)
-    grads: Callable  # (state, tokens_BT, seg_BT, step) -> (grads, metrics), for tests
-    eval_step: Callable  # (state, tokens_BT, seg_BT, step) -> metrics
-    sample: Callable  # (state, prompt_BP) -> tokens_BN (greedy continuation)
+    init: Callable  # () -> TrainState, created directly in its sharded layout
+    train_step: Callable  # (state, tokens_BT, seg_BT) -> (state, metrics)
+    eval_step: Callable  # (state, tokens_BT, seg_BT) -> metrics
 
 
-def make_programs(cfg: Config, mesh: Mesh, graphdef, shardings, sample_tokens: int = 64) -> Programs:
-    """Build the jitted train/eval/sample functions with explicit in/out shardings and donated state."""
-    D, M = cfg.model.mtp_depth, cfg.train.micro_batches
-    lr_fn = lr_schedule(cfg.optim, cfg.train.steps)
+def make_programs(cfg: Config, mesh: Mesh) -> Programs:
+    """Trace the state abstractly (nothing allocated), then jit init, train and eval steps with their shardings."""
+    graphdef, abs_params = nnx.split(nnx.eval_shape(lambda: build_model(cfg, seed=cfg.train.seed)))
+    tx = make_tx(cfg.optim, decay_mask(split_trainable(abs_params)[0]))
+
+    def init() -> TrainState:
+        return new_state(nnx.state(build_model(cfg, seed=cfg.train.seed)), tx, cfg.train.seed)
+
+    shardings = state_shardings(jax.eval_shape(init), mesh)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.eval_shape(init),
+                          shardings)
     bsh, rep = batch_sharding(mesh), replicated(mesh)
-
-    def loss_fn(params, rest, mgdef, tokens_BT, seg_BT, step, counts):
-        model = nnx.merge(mgdef, params, rest)
-        out = model(tokens_BT, seg_BT)
-        return mtp_loss(model, out, tokens_BT, seg_BT, step=step, cfg=cfg.loss, counts=counts)
-
-    def grads_and_metrics(state, tokens_BT, seg_BT, step):
-        model, _ = nnx.merge(graphdef, state)
-        mgdef, params, rest = nnx.split(model, nnx.Param, ...)
-        counts = token_counts(tokens_BT, seg_BT, D)
-        B, T = tokens_BT.shape
-        # Micro-batch m holds rows m, m+M, ...: every device keeps its own rows, no resharding.
-        split = lambda x: x.reshape(B // M, M, T).swapaxes(0, 1)
-
-        def body(acc, xs):
-            tok, seg = (jax.lax.with_sharding_constraint(x, bsh) for x in xs)
-            (_, met), g = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, mgdef, tok, seg, step, counts)
-            return jax.tree.map(jnp.add, acc, g), met
-
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, mets = jax.lax.scan(body, zeros, (split(tokens_BT), split(seg_BT)))
-        return grads, _sum_micro_metrics(mets, D)
-
-    def train_step(state, tokens_BT, seg_BT, step):
-        old = jax.tree.map(lambda x: x, state)  # merge shares Variables with `state`; update mutates them
-        grads, metrics = grads_and_metrics(state, tokens_BT, seg_BT, step)
-        model, opt = nnx.merge(graphdef, state)
-        gnorm = global_norm(grads)
-        metrics["lr"] = jnp.asarray(lr_fn(opt.step[...]), jnp.float32)
-        opt.update(model, grads)
-        new_state = nnx.split((model, opt))[1]
-        # A non-finite loss or gradient leaves the state untouched; the host decides to stop or go on.
-        ok = jnp.isfinite(metrics["loss/total"]) & jnp.isfinite(gnorm)
-        new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, old)
-        metrics["grad_norm"] = gnorm
-        metrics["skipped"] = (~ok).astype(jnp.int32)
-        return new_state, metrics
-
-    def eval_step(state, tokens_BT, seg_BT, step):
-        model, _ = nnx.merge(graphdef, state)
-        return mtp_loss(model, model(tokens_BT, seg_BT), tokens_BT, seg_BT, step=step, cfg=cfg.loss)[1]
-
-    def sample(state, prompt_BP):
-        model, _ = nnx.merge(graphdef, state)
-        B, P = prompt_BP.shape
-        buf = jnp.concatenate([prompt_BP, jnp.zeros((B, sample_tokens), prompt_BP.dtype)], axis=1)
-
-        def body(i, buf):
-            # Causal attention: the zeros after position i-1 cannot change its hidden state.
-            h, _ = model.trunk(buf)
-            h_last = jax.lax.dynamic_index_in_dim(h, i - 1, axis=1, keepdims=False)
-            nxt = jnp.argmax(model.logits(model.final_norm(h_last)), axis=-1).astype(buf.dtype)
-            return buf.at[:, i].set(nxt)
-
-        return jax.lax.fori_loop(P, P + sample_tokens, body, buf)[:, P:]
-
-    in_sh = (shardings, bsh, bsh, rep)
+    step = functools.partial(train_step, graphdef=graphdef, tx=tx, lr=lr_schedule(cfg.optim, cfg.train.steps),
+                             loss_cfg=cfg.loss, micro_batches=cfg.train.micro_batches, batch_sharding=bsh)
+    evaluate = functools.partial(eval_step, graphdef=graphdef, loss_cfg=cfg.loss)
     return Programs(
-        graphdef=graphdef, shardings=shardings, batch_sharding=bsh,
-        train_step=jax.jit(train_step, in_shardings=in_sh, out_shardings=(shardings, rep), donate_argnums=0),
-        grads=jax.jit(grads_and_metrics, in_shardings=in_sh),
-        eval_step=jax.jit(eval_step, in_shardings=in_sh, out_shardings=rep),
-        sample=jax.jit(sample, in_shardings=(shardings, rep), out_shardings=rep),
+        graphdef=graphdef, tx=tx, shardings=shardings, target=target, batch_sharding=bsh,
+        init=jax.jit(init, out_shardings=shardings),
+        train_step=jax.jit(step, in_shardings=(shardings, bsh, bsh), out_shardings=(shardings, rep), donate_argnums=0),
+        eval_step=jax.jit(evaluate, in_shardings=(shardings, bsh, bsh), out_shardings=rep),
     )

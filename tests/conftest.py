@@ -1,10 +1,38 @@
-"""Shared fixtures: small float32 models only (2 shared CPU cores)."""
+"""Shared fixtures: small float32 models only (2 shared CPU cores); implicit rank promotion is an error.
 
+One cache root per session ($MTPJAX_CACHE_DIR, a temporary directory, not the user's ~/.cache): decode
+calibrations and the persistent compilation cache live there, so the tiny programs that many tests compile
+(here and in the train.py / decode.py processes they start) are compiled once. One trained run (`tiny_run`)
+is shared by the tests that only need a run directory.
+"""
+
+import atexit
+import os
+import shutil
+import tempfile
+
+import jax
 import pytest
 
+from mtpjax import runtime
 from mtpjax.config import ModelConfig
 
+# A [B,T,D] array meeting a [D] one must say how it broadcasts: silent rank promotion hides shape bugs.
+jax.config.update("jax_numpy_rank_promotion", "raise")
+os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"  # and in the train.py / decode.py / worker subprocesses
+
+# Set before anything compiles; the environment carries the cache root to subprocesses, whose train.py and
+# decode.py turn the compilation cache on there themselves.
+_CACHE_ROOT = tempfile.mkdtemp(prefix="mtpjax-tests-cache-")
+atexit.register(shutil.rmtree, _CACHE_ROOT, ignore_errors=True)
+os.environ["MTPJAX_CACHE_DIR"] = _CACHE_ROOT
+os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # a user's own cache directory would win over the session's
+runtime.enable_compilation_cache(True)
+
 SMALL = dict(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, mtp_depth=2)
+# The shared run: 7 steps, checkpoints every 2 keeping 3, so [4, 6, 7] (7: a run always saves its last step).
+TINY_RUN = ["train.steps=7", "train.eval_batches=0", "train.eval_every=1000", "checkpoint.every=2",
+            "checkpoint.keep=3", "checkpoint.async_save=false"]
 
 
 @pytest.fixture
@@ -15,9 +43,14 @@ def model_cfg():
     return make
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _calibration_cache(tmp_path_factory):
-    """decode.py saves auto-draft calibrations under $MTPJAX_CACHE_DIR: a temporary one, not the user's ~/.cache."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MTPJAX_CACHE_DIR", str(tmp_path_factory.mktemp("mtpjax_cache")))
-        yield
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """(cfg, run dir) of a trained tiny run with checkpoints 4, 6, 7; read-only: copy it before changing it."""
+    from train_helpers import tiny_cfg
+
+    from mtpjax.train_loop import train
+
+    tmp = tmp_path_factory.mktemp("tiny_run")
+    cfg = tiny_cfg(tmp, *TINY_RUN)
+    train(cfg)
+    return cfg, tmp / "run"

@@ -24,7 +24,7 @@ from mtpjax import data  # noqa: E402
 from mtpjax.config import load_config, replace  # noqa: E402
 from mtpjax.sharding import make_mesh  # noqa: E402
 from mtpjax.train_loop import train  # noqa: E402
-from mtpjax.train_step import abstract_state, init_state, make_programs  # noqa: E402
+from mtpjax.train_step import make_programs  # noqa: E402
 
 
 def scalars(tb_dir: Path, tag: str) -> dict[int, float]:
@@ -39,14 +39,12 @@ def same_rows_losses(cfg) -> list[float]:
     """loss/main per step when both halves of every global batch are its first half."""
     it = data.make_iterator(data.prepare(cfg.data), split="train", seq_len=cfg.data.seq_len,
                             batch_size=cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
-    mesh = make_mesh(cfg.mesh)
-    graphdef, _, shardings = abstract_state(cfg, mesh)
-    progs = make_programs(cfg, mesh, graphdef, shardings)
-    state, out, half = init_state(cfg, mesh, shardings), [], cfg.train.batch_size // 2
-    for step in range(cfg.train.steps):
+    progs = make_programs(cfg, make_mesh(cfg.mesh))
+    state, out, half = progs.init(), [], cfg.train.batch_size // 2
+    for _ in range(cfg.train.steps):
         b = next(it)
         put = lambda x: jax.device_put(np.concatenate([x[:half], x[:half]]).astype(np.int32), progs.batch_sharding)
-        state, met = progs.train_step(state, put(b["tokens"]), put(b["segment_ids"]), np.int32(step))
+        state, met = progs.train_step(state, put(b["tokens"]), put(b["segment_ids"]))
         out.append(float(met["loss/main"]))
     return out
 

@@ -24,7 +24,8 @@ def _load(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     index = directory / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+             else ["model.safetensors"])
     out = {}
     for f in files:
         out.update({k: v.float() for k, v in load_file(str(directory / f)).items()})
@@ -75,7 +76,8 @@ class MiMoReference:
         o = torch.einsum("bhts,bshd->bthd", s.softmax(-1), v).reshape(B, T, -1)
         x = x + self._lin(o, p + "self_attn.o_proj")
         h = self._rms(x, p + "post_attention_layernorm.weight")
-        return x + self._lin(F.silu(self._lin(h, p + "mlp.gate_proj")) * self._lin(h, p + "mlp.up_proj"), p + "mlp.down_proj")
+        gated = F.silu(self._lin(h, p + "mlp.gate_proj")) * self._lin(h, p + "mlp.up_proj")
+        return x + self._lin(gated, p + "mlp.down_proj")
 
     def head(self, h):
         w = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from mtpjax.checkpoint import Checkpointer  # noqa: E402
 from mtpjax.config import replace  # noqa: E402
 from mtpjax.sharding import make_mesh  # noqa: E402
-from mtpjax.train_step import abstract_state  # noqa: E402
+from mtpjax.train_step import make_programs  # noqa: E402
 from mtpjax.train_loop import main, train  # noqa: E402
 
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 4, 2)]
@@ -36,8 +36,8 @@ MESHES = [(8, 1, 1), (2, 2, 2), (1, 4, 2)]
 
 def shardings(state) -> dict:
     """Spec and per-device shard shape of a few parameters and their Adam moments."""
-    model, opt = state[0], state[1]
-    mu = opt["opt_state"][1][0]["mu"]  # chain(clip, adamw): adamw's ScaleByAdamState
+    model = state.params
+    mu = state.opt.inner_state[1][0].mu  # injected chain(clip, adamw): adamw's ScaleByAdamState
     picks = {"embed": (model["embed"], mu["embed"]),
              "wq": (model["blocks"][0]["attn"]["wq"]["kernel"], mu["blocks"][0]["attn"]["wq"]["kernel"]),
              "down": (model["blocks"][0]["mlp"]["down"]["kernel"], mu["blocks"][0]["mlp"]["down"]["kernel"])}
@@ -56,11 +56,11 @@ def save_and_restore(cfg, state, tmp: Path) -> bool:
     ck.close()
     np.savez(tmp / "ck222.npz", *[np.asarray(x) for x in jax.tree.leaves(state)])
     c142 = replace(cfg, ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"])
-    _, target, _ = abstract_state(c142, make_mesh(c142.mesh))
+    target = make_programs(c142, make_mesh(c142.mesh)).target
     restored, _, _ = Checkpointer(tmp / "ck222", cfg.checkpoint).restore(1, target)
     same = all(np.array_equal(np.asarray(a), np.asarray(b)) and a.sharding == t.sharding
                for a, b, t in zip(jax.tree.leaves(restored), jax.tree.leaves(state), jax.tree.leaves(target)))
-    return same and str(restored[0]["embed"][...].sharding.spec) == str(P("tensor", "fsdp"))
+    return same and str(restored.params["embed"][...].sharding.spec) == str(P("tensor", "fsdp"))
 
 
 def main_worker(inp: dict) -> dict:

@@ -1,5 +1,7 @@
 """model.attention: every backend that runs here (the Pallas kernels interpreted) equals the XLA reference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,7 +98,8 @@ def test_choice_per_platform_and_visible_fallbacks(capfd):
     err = capfd.readouterr().err.splitlines()
     assert "attention: model.attention=splash needs a TPU (this is gpu, bfloat16); using cudnn" in err
     assert "attention: model.attention=pallas needs a GPU (this is cpu, bfloat16); using xla" in err
-    assert "attention: model.attention=cudnn needs a GPU with bf16/fp16 compute (this is gpu, float32); using xla" in err
+    assert ("attention: model.attention=cudnn needs a GPU with bf16/fp16 compute (this is gpu, float32); "
+            "using xla") in err
 
 
 def test_each_choice_is_logged_once(capfd):
@@ -111,16 +114,16 @@ def _model_grads(name, monkeypatch, T=37):
 
     from mtpjax.config import load_config
     from mtpjax.sharding import make_mesh
-    from mtpjax.train_step import abstract_state, init_state, make_programs
+    from mtpjax.train_step import loss_and_grads, make_programs, split_trainable
 
     monkeypatch.setenv(INTERPRET_ENV, "1")
     cfg = load_config(None, TINY + [f"model.attention={name}", f"data.seq_len={T}", "train.batch_size=2",
                                     "data.paths=unused"])
-    mesh = make_mesh(cfg.mesh)
-    graphdef, _, shardings = abstract_state(cfg, mesh)
-    progs = make_programs(cfg, mesh, graphdef, shardings)
+    progs = make_programs(cfg, make_mesh(cfg.mesh))
     tok, seg = synthetic_batches(1, 2, T)[0]
-    return progs.grads(init_state(cfg, mesh, shardings), tok, seg, np.int32(0))
+    state = progs.init()
+    grads = jax.jit(functools.partial(loss_and_grads, graphdef=progs.graphdef, loss_cfg=cfg.loss, micro_batches=1))
+    return grads(*split_trainable(state.params), tok, seg, state.step)
 
 
 @pytest.mark.slow
@@ -137,7 +140,7 @@ def test_model_gradients_with_an_interpreted_kernel_equal_xla(name, monkeypatch)
 def test_attention_is_left_out_of_the_run_identity(tmp_path):
     """A run dir whose saved config differs only in model.attention is the same run; any other model key is not."""
     from mtpjax.config import identity, load_config
-    from mtpjax.train_loop import TrainError, check_run_dir
+    from mtpjax.rundir import RunDirError, check_identity
 
     run = tmp_path / "run"
     run.mkdir()
@@ -145,9 +148,9 @@ def test_attention_is_left_out_of_the_run_identity(tmp_path):
     (run / "config.yaml").write_text(old.to_yaml())
     new = load_config(None, ["model.attention=cudnn", f"train.run_dir={run}"])
     assert "attention" not in identity(new, "model") and identity(new, "model") == identity(old, "model")
-    assert check_run_dir(new) is True
-    with pytest.raises(TrainError, match="model.n_layers: 4 -> 3"):
-        check_run_dir(load_config(None, ["model.attention=cudnn", "model.n_layers=3", f"train.run_dir={run}"]))
+    assert check_identity(new) is True
+    with pytest.raises(RunDirError, match="model.n_layers: 4 -> 3"):
+        check_identity(load_config(None, ["model.attention=cudnn", "model.n_layers=3", f"train.run_dir={run}"]))
 
 
 @pytest.mark.slow
@@ -159,7 +162,8 @@ def test_a_run_resumes_and_decodes_on_another_backend(tmp_path, capfd):
     from mtpjax.checkpoint import load_model
     from mtpjax.config import replace
     from mtpjax.decode import generate
-    from mtpjax.train_loop import TrainError, check_run_dir, train
+    from mtpjax.rundir import RunDirError, check_identity
+    from mtpjax.train_loop import train
 
     cfg = tiny_cfg(tmp_path, "model.attention=splash", "train.steps=2", "train.eval_batches=0", "data.seq_len=16",
                    "checkpoint.every=2")
@@ -167,8 +171,8 @@ def test_a_run_resumes_and_decodes_on_another_backend(tmp_path, capfd):
     assert "model.attention=splash needs a TPU (this is cpu, float32); using xla" in capfd.readouterr().err
     resumed = train(replace(cfg, ["model.attention=xla", "train.steps=3"]))
     assert [s for s, _ in resumed["history"]] == [3]
-    with pytest.raises(TrainError, match="model.n_layers"):
-        check_run_dir(replace(cfg, ["model.attention=xla", "model.n_layers=3"]))
+    with pytest.raises(RunDirError, match="model.n_layers"):
+        check_identity(replace(cfg, ["model.attention=xla", "model.n_layers=3"]))
     saved, model, _ = load_model(tmp_path / "run", step=2)
     assert saved.model.attention == "splash"
     out = generate(model, [[1, 2, 3, 4, 5]], max_new_tokens=6, num_draft=1).tokens

@@ -88,7 +88,8 @@ def test_large_model_row_reports_batch_1_mtp_speed():
     res = _res(0.45, 0.6, 0.25)
     assert not [r for r in targets(res) if "MB model" in r["target"]]  # only with --large-run-dir
     res["decode_large"] = {"weights_mb": 99.2, "batches": [{"batch": 1, "variants": {
-        "plain": {"vs_plain": 1.0}, "mtp1": {"vs_plain": 1.17}, "mtp2": {"vs_plain": 1.23}, "ngram2": {"vs_plain": 1.9}}}]}
+        "plain": {"vs_plain": 1.0}, "mtp1": {"vs_plain": 1.17}, "mtp2": {"vs_plain": 1.23},
+        "ngram2": {"vs_plain": 1.9}}}]}
     row = [r for r in targets(res) if "MB model" in r["target"]][0]
     assert row["target"].startswith("MTP speculative (mtp2)") and "99 MB" in row["target"]
     assert row["value"] == pytest.approx(1.23) and row["met"] is True
@@ -114,16 +115,6 @@ def test_suite_decodes_the_large_run_at_batch_1_only(monkeypatch, tmp_path):
     assert "--no-peer" in args and "--smoke" not in args
 
 
-def test_cache_cliff_measures_round_cost_per_layer():
-    from bench.cache_cliff import measure
-
-    rows = measure([1, 2], d_model=64, short=4, long_=12, repeats=1)
-    assert [r["n_layers"] for r in rows] == [1, 2]
-    assert 0 < rows[0]["weights_mb"] < rows[1]["weights_mb"]
-    # Timings of a 64-wide model over a few tokens are noise; the test checks the bookkeeping only.
-    assert all(abs(r["us_per_layer"] * r["n_layers"] - r["us_per_round"]) < 1e-6 for r in rows)
-
-
 def test_mtp_drafting_variants_decode_exactly():
     """bench.mtp_drafting's bookkeeping: every variant (old window, γ+1 window, module 1 only) is exact."""
     from bench.decode_bench import load_subject
@@ -133,4 +124,6 @@ def test_mtp_drafting_variants_decode_exactly():
     r = bench_batch(model, prompts, 1, max_new=8, rounds=1, gammas=[1, 2])
     assert set(r["variants"]) == {"plain", "mtp1_old_window", "mtp1", "mtp2_old_window", "mtp2", "mtp2_module1"}
     assert all(v["identical_to_plain"] for v in r["variants"].values())
-    assert r["variants"]["mtp2"]["vs_old_window"] > 0 and r["variants"]["mtp2"]["vs_old_window_cpu"] > 0 and len(r["variants"]["mtp2_module1"]["acceptance_by_position"]) == 2
+    mtp2 = r["variants"]["mtp2"]
+    assert mtp2["vs_old_window"] > 0 and mtp2["vs_old_window_cpu"] > 0
+    assert len(r["variants"]["mtp2_module1"]["acceptance_by_position"]) == 2

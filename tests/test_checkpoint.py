@@ -1,45 +1,49 @@
 """Checkpoints: manager policy (every / keep / last step), load_model, and its errors."""
 
+import shutil
+
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+from flax import nnx
 from train_helpers import tiny_cfg
 
-from mtpjax.checkpoint import CheckpointError, Checkpointer, load_model
+from mtpjax.checkpoint import CheckpointError, Checkpointer, ckpt_dir, load_model
 from mtpjax.model import MTPTransformer
 from mtpjax.sharding import make_mesh
-from mtpjax.train_step import abstract_state, init_state
+from mtpjax.train_step import make_programs
 
 
 def test_round_trip_of_state_data_state_and_meta(tmp_path):
     cfg = tiny_cfg(tmp_path, "checkpoint.async_save=false")
-    mesh = make_mesh(cfg.mesh)
-    _, target, sh = abstract_state(cfg, mesh)
-    state = init_state(cfg, mesh, sh)
+    progs = make_programs(cfg, make_mesh(cfg.mesh))
+    state = progs.init()
+    state = state.replace(step=state.step + 4, rng=state.rng + 1)  # every field distinguishable from a fresh one
     ck = Checkpointer(tmp_path / "run", cfg.checkpoint)
     assert ck.save(4, state, {"pos": 7}, {"step": 4, "config": cfg.to_dict()})
     assert not ck.save(5, state, {"pos": 8}, {"step": 5})  # not due (every 4)
     ck.close()
     ck = Checkpointer(tmp_path / "run", cfg.checkpoint)
     assert ck.latest_step() == 4
-    restored, data_state, meta = ck.restore(4, target)
-    assert data_state == {"pos": 7} and meta["step"] == 4
-    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    restored, data_state, meta = ck.restore(4, progs.target)
+    assert data_state == {"pos": 7} and meta["step"] == 4 and int(restored.step) == 4
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "4").iterdir() if p.is_dir()) == \
+        ["data", "meta", "model", "train"]
 
 
-def test_keep_every_and_load_model(tmp_path):
-    from mtpjax.train_loop import train
-
-    cfg = tiny_cfg(tmp_path, "train.steps=10", "checkpoint.every=3", "checkpoint.keep=2", "train.eval_every=100")
-    train(cfg)
-    assert sorted(Checkpointer(tmp_path / "run", cfg.checkpoint).mngr.all_steps()) == [9, 10]  # last always
-    got_cfg, model, tok = load_model(tmp_path / "run")
+def test_keep_every_and_load_model(tiny_run):
+    cfg, run = tiny_run  # 7 steps, checkpoint.every=2, checkpoint.keep=3
+    assert sorted(Checkpointer(run, cfg.checkpoint).mngr.all_steps()) == [4, 6, 7]  # the last step always
+    got_cfg, model, tok = load_model(run)
     assert isinstance(model, MTPTransformer) and got_cfg.model == cfg.model and tok.vocab_size == 256
-    _, model9, _ = load_model(tmp_path / "run", step=9)
-    assert not np.array_equal(np.asarray(model.embed[...]), np.asarray(model9.embed[...]))
-    with pytest.raises(CheckpointError, match="no checkpoint at step 3"):
-        load_model(tmp_path / "run", step=3)
+    _, model6, _ = load_model(run, step=6)
+    assert not np.array_equal(np.asarray(model.embed[...]), np.asarray(model6.embed[...]))
+    with pytest.raises(CheckpointError, match="no checkpoint at step 2"):
+        load_model(run, step=2)
 
 
 def test_load_model_errors_are_one_line(tmp_path):
@@ -52,3 +56,20 @@ def test_load_model_errors_are_one_line(tmp_path):
     (tmp_path / "empty" / "checkpoints").mkdir()
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         load_model(tmp_path / "empty")
+
+
+def test_load_model_reads_a_model_only_directory(tiny_run, tmp_path):
+    """Export/import write only the `model` and `meta` items (no optimizer, no data position): enough for load_model."""
+    cfg, run = tiny_run
+    _, model, _ = load_model(run)
+    out = tmp_path / "exported"
+    shutil.copytree(run / "tokenizer", out / "tokenizer")
+    mngr = ocp.CheckpointManager(ckpt_dir(out))
+    mngr.save(7, args=ocp.args.Composite(model=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(model))),
+                                         meta=ocp.args.JsonSave({"step": 7, "config": cfg.to_dict()})))
+    mngr.wait_until_finished()
+    mngr.close()
+    got_cfg, again, _ = load_model(out)
+    assert got_cfg == cfg
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(again)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -403,7 +403,8 @@ def _random_strings(n: int, seed: int) -> list[str]:
               "Привет", "\r\n", "'''", "#", "😀👍", "a", "Z"]
     out = []
     for _ in range(n):
-        parts = [rng.choice(pieces) if rng.random() < 0.5 else chr(rng.randint(32, 0x2FFF)) for _ in range(rng.randint(1, 30))]
+        parts = [rng.choice(pieces) if rng.random() < 0.5 else chr(rng.randint(32, 0x2FFF))
+                 for _ in range(rng.randint(1, 30))]
         out.append("".join(parts).encode("utf-8", "replace").decode("utf-8", "replace"))
     return out
 

@@ -29,13 +29,15 @@ SEQ = 4
 def _part(first_token: int, n_windows: int) -> PreparedData:
     """A source whose window w holds only the token first_token + w (no EOS): a row names its source and window."""
     toks = np.repeat(np.arange(first_token, first_token + n_windows), SEQ).astype(np.uint16)
-    return PreparedData(Path("/nonexistent"), {"content_hash": f"h{first_token}"}, ByteTokenizer(), toks, toks[:SEQ * 2])
+    return PreparedData(Path("/nonexistent"), {"content_hash": f"h{first_token}"}, ByteTokenizer(), toks,
+                        toks[:SEQ * 2])
 
 
 def _mix(weights, sizes=(50, 30, 20)) -> PreparedMixture:
     names = ["a", "b", "c"][:len(weights)]
     total = sum(weights)
-    return PreparedMixture(names, [w / total for w in weights], [_part(1 + 100 * k, sizes[k]) for k in range(len(names))])
+    return PreparedMixture(names, [w / total for w in weights],
+                           [_part(1 + 100 * k, sizes[k]) for k in range(len(names))])
 
 
 def _src(batch) -> np.ndarray:
@@ -166,7 +168,8 @@ def test_inspect_shows_documents_and_decoded_windows_per_source(tmp_path, capsys
 
 @pytest.mark.parametrize("override, message", [
     ("data.mixture=[{name: a, paths: [x], weight: 0}]", "data.mixture[0].weight' = 0.0 is invalid: must be > 0"),
-    ("data.mixture=[{name: a, paths: [x]}, {name: a, paths: [y]}]", "data.mixture[1].name' = 'a' is invalid: is repeated"),
+    ("data.mixture=[{name: a, paths: [x]}, {name: a, paths: [y]}]",
+     "data.mixture[1].name' = 'a' is invalid: is repeated"),
     ("data.mixture=[{name: a, paths: [x], colour: red}]", "unknown config key 'data.mixture[0].colour'"),
     ("data.mixture=[{name: a, source: parquet, paths: [{t}/missing.parquet]}]",
      "data.mixture source 'a': data path '{t}/missing.parquet' does not exist"),
@@ -305,15 +308,15 @@ def test_different_files_on_two_hosts_are_an_error(tmp_path, monkeypatch):
 
 
 def test_runtime_data_keys_may_change_on_resume_and_others_may_not(tmp_path):
-    from mtpjax.train_loop import TrainError, check_run_dir
+    from mtpjax.rundir import RunDirError, check_identity
 
     base = ["data.source=text", "data.paths=[a.txt]", f"train.run_dir={tmp_path / 'run'}"]
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text(load_config(None, base).to_yaml())
-    assert check_run_dir(load_config(None, base + ["data.num_workers=4", "data.prepare_workers=8",
-                                                   f"data.cache_dir={tmp_path / 'elsewhere'}"]))
-    with pytest.raises(TrainError, match="data.text_field: 'text' -> 'body'"):
-        check_run_dir(load_config(None, base + ["data.text_field=body"]))
+    assert check_identity(load_config(None, base + ["data.num_workers=4", "data.prepare_workers=8",
+                                                    f"data.cache_dir={tmp_path / 'elsewhere'}"]))
+    with pytest.raises(RunDirError, match="data.text_field: 'text' -> 'body'"):
+        check_identity(load_config(None, base + ["data.text_field=body"]))
 
 
 # ----------------------------------------------------------------------------- a mixture run

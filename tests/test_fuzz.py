@@ -4,6 +4,7 @@ Each bad input ends in one `error: ...` line with exit status 2 (or is handled c
 never a hang, and never changes the run directory (hashed before and after).
 """
 
+import functools
 import json
 import os
 import random
@@ -66,8 +67,9 @@ def test_config_fuzz_is_a_config_or_one_line_config_error(tmp_path):
     for i, raw in enumerate(_mutations(rng, n)):
         path = tmp_path / f"c{i}.yaml"
         path.write_text(yaml.safe_dump(raw, allow_unicode=True))
-        overrides = [f"{s}.{k}={json.dumps(v)}" for s, sec in raw.items() if isinstance(sec, dict) for k, v in sec.items()]
-        for load in (lambda: load_config(path), lambda: load_config(None, overrides)):
+        overrides = [f"{s}.{k}={json.dumps(v)}" for s, sec in raw.items() if isinstance(sec, dict)
+                     for k, v in sec.items()]
+        for load in (functools.partial(load_config, path), functools.partial(load_config, None, overrides)):
             try:
                 assert isinstance(load(), Config)
             except ConfigError as e:
@@ -82,12 +84,10 @@ def test_non_finite_numbers_are_refused():
             load_config(None, [f"optim.lr={v}"])
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fuzzrun")
-    cfg = tiny_cfg(tmp, "train.steps=2", "train.eval_batches=0", "checkpoint.async_save=false")
-    train_loop.train(cfg)
-    return cfg, tmp / "run"
+@pytest.fixture
+def trained(tiny_run):
+    """The session's shared trained run (conftest.tiny_run): these tests check they leave it unchanged."""
+    return tiny_run
 
 
 def test_bad_configs_on_an_existing_run_change_nothing(trained, tmp_path, capsys):
@@ -148,7 +148,8 @@ BAD_DATA = {  # name: (make files -> overrides, words the error names)
         "o.npy"),
     "truncated npy": (
         lambda t: ["data.source=array",
-                   f"data.paths={_write(t, 'cut.npy', _npy(t, 'full.npy', np.ones(4000, np.int32)).read_bytes()[:500])}"],
+                   "data.paths=" + str(_write(t, "cut.npy",
+                                              _npy(t, "full.npy", np.ones(4000, np.int32)).read_bytes()[:500]))],
         "cut.npy"),
     "random bytes npy": (lambda t: ["data.source=array", f"data.paths={_write(t, 'r.npy', bytes(range(256)))}"],
                          "r.npy"),

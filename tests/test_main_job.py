@@ -1,6 +1,7 @@
 """The README's main job end to end: train configs/tiny.yaml, then decode and evaluate it (slow: minutes)."""
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,9 @@ def test_readme_main_job_trains_and_speculates(tmp_path):
     train = subprocess.run([sys.executable, "train.py", "--config", "configs/tiny.yaml", f"train.run_dir={run}",
                             "train.progress=false"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert train.returncode == 0, train.stderr[-2000:]
+    # train.py's summary ends with the command to run next, for this run directory; it is run as printed below
+    nxt = train.stderr.rstrip().splitlines()[-1]
+    assert nxt == f"  next: python decode.py --run-dir {run} --prompt 'def fibonacci(n):' --stats"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(run / "tensorboard"))
@@ -24,8 +28,9 @@ def test_readme_main_job_trains_and_speculates(tmp_path):
     assert len(val) >= 3 and val[-1] < val[0] - 0.4, val  # clearly falling validation loss
     assert (run / "checkpoints").is_dir()
 
-    gen = subprocess.run([sys.executable, "decode.py", "--run-dir", str(run), "--prompt", "def fibonacci(n):",
-                          "--max-new-tokens", "64", "--stats"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    python, *args = shlex.split(nxt.split("next: ", 1)[1])
+    assert python == "python"
+    gen = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert gen.returncode == 0, gen.stderr[-2000:]
     # a 200-step byte model often continues code with whitespace, so count characters, not words
     assert len(gen.stdout.rstrip("\n")) >= 32 and "tokens/round=" in gen.stderr

@@ -68,7 +68,8 @@ def test_packed_documents_do_not_see_each_other(model_cfg, kind):
     b = a.copy()
     b[:5] = (b[:5] + 7) % V  # rewrite document 1 only
     seg = np.array([1] * 5 + [2] * 7, np.int32)
-    la, lb = all_logits(model, np.stack([a, b]), np.stack([seg, seg]))[:, 0], all_logits(model, np.stack([b, a]), np.stack([seg, seg]))[:, 0]
+    la = all_logits(model, np.stack([a, b]), np.stack([seg, seg]))[:, 0]
+    lb = all_logits(model, np.stack([b, a]), np.stack([seg, seg]))[:, 0]
     np.testing.assert_allclose(la[:, 5:], lb[:, 5:], rtol=0, atol=1e-6 * np.abs(la).max())
     assert np.abs(la[0, :5] - lb[0, :5]).max() > 1e-3
 
@@ -86,7 +87,8 @@ def test_mtp_adds_exactly_its_modules(model_cfg, kind, tied):
     D = 3
     cfg = model_cfg(mtp_depth=D, mtp_kind=kind, tie_embeddings=tied, d_ff=0, head_dim=16, vocab_size=96)
     model = nnx.eval_shape(lambda: build_model(cfg))
-    base = nnx.eval_shape(lambda: build_model(model_cfg(mtp_depth=0, mtp_kind=kind, tie_embeddings=tied, d_ff=0, head_dim=16, vocab_size=96)))
+    base = nnx.eval_shape(lambda: build_model(model_cfg(mtp_depth=0, mtp_kind=kind, tie_embeddings=tied, d_ff=0,
+                                                        head_dim=16, vocab_size=96)))
 
     def total(m):
         return sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
@@ -101,7 +103,8 @@ def test_mtp_adds_exactly_its_modules(model_cfg, kind, tied):
     for path, var in nnx.to_flat_state(nnx.state(model.mtp, nnx.Param)):
         assert "vocab" not in var.get_metadata()["logical_axes"], path
         assert V not in var.shape, path
-    vocab_params = [p for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)) if "vocab" in v.get_metadata()["logical_axes"]]
+    vocab_params = [p for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+                    if "vocab" in v.get_metadata()["logical_axes"]]
     assert sorted(vocab_params) == sorted([("embed",)] + ([] if tied else [("head",)]))
 
 

@@ -1,5 +1,7 @@
 """Mixed precision as accelerator users expect it: bf16 compute, float32 master weights, moments, logits and loss."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,14 +11,12 @@ from train_helpers import TINY, synthetic_batches
 from mtpjax.config import load_config
 from mtpjax.layers import attend
 from mtpjax.sharding import make_mesh
-from mtpjax.train_step import abstract_state, init_state, make_programs
+from mtpjax.train_step import loss_and_grads, make_programs, split_trainable
 
 
 def _setup(*overrides):
     cfg = load_config(None, TINY + ["data.paths=unused", "train.batch_size=2", *overrides])
-    mesh = make_mesh(cfg.mesh)
-    graphdef, abstract, shardings = abstract_state(cfg, mesh)
-    return cfg, mesh, graphdef, abstract, shardings
+    return cfg, make_programs(cfg, make_mesh(cfg.mesh))
 
 
 def _float_dtypes(tree) -> set[str]:
@@ -25,21 +25,21 @@ def _float_dtypes(tree) -> set[str]:
 
 
 def test_bf16_compute_step_keeps_float32_params_moments_logits_and_loss():
-    cfg, mesh, graphdef, _, shardings = _setup("model.dtype=bfloat16")
-    progs = make_programs(cfg, mesh, graphdef, shardings)
+    cfg, progs = _setup("model.dtype=bfloat16")
     tok, seg = (jnp.asarray(x) for x in synthetic_batches(1, 2, cfg.data.seq_len)[0])
-    state = init_state(cfg, mesh, shardings)
-    before = [np.asarray(x) for x in jax.tree.leaves(state[0])]
-    grads, _ = jax.eval_shape(progs.grads, state, tok, seg, np.int32(0))
-    new, met = progs.train_step(state, tok, seg, np.int32(0))
-    params, opt = new[0], new[1]
+    state = progs.init()
+    before = [np.asarray(x) for x in jax.tree.leaves(state.params)]
+    grads, _ = jax.eval_shape(functools.partial(loss_and_grads, graphdef=progs.graphdef, loss_cfg=cfg.loss,
+                                                micro_batches=1), *split_trainable(state.params), tok, seg, state.step)
+    new, met = progs.train_step(state, tok, seg)
+    params, opt = new.params, new.opt
     assert _float_dtypes(params) == {"float32"}  # master weights
     assert _float_dtypes(opt) == {"float32"}  # AdamW mu and nu
     assert _float_dtypes(grads) == {"float32"}
     assert met["loss/total"].dtype == jnp.float32 and np.isfinite(float(met["loss/total"]))
     # every parameter was updated: no update lost to rounding the weights to bf16
     assert all(not np.array_equal(a, np.asarray(b)) for a, b in zip(before, jax.tree.leaves(params)))
-    model = nnx.merge(graphdef, new)[0]
+    model = nnx.merge(progs.graphdef, new.params)
     hidden = jax.eval_shape(lambda: model(tok, seg).hidden)
     assert hidden.dtype == jnp.bfloat16  # the computation runs in bf16
     assert jax.eval_shape(lambda: model.logits(model(tok, seg).hidden[0])).dtype == jnp.float32
@@ -49,8 +49,8 @@ def test_bf16_compute_step_keeps_float32_params_moments_logits_and_loss():
 
 def test_companion_bf16_params_are_seen():
     """The dtype checks above can fail: with param_dtype=bfloat16 the master weights and moments are bf16."""
-    abstract = _setup("model.dtype=bfloat16", "model.param_dtype=bfloat16")[3]
-    assert "bfloat16" in _float_dtypes(abstract[0]) and "bfloat16" in _float_dtypes(abstract[1])
+    abstract = _setup("model.dtype=bfloat16", "model.param_dtype=bfloat16")[1].target
+    assert "bfloat16" in _float_dtypes(abstract.params) and "bfloat16" in _float_dtypes(abstract.opt)
 
 
 def test_gpu_1b_is_one_accelerator_1b_bf16_seq_4096_mtp_1():

@@ -23,7 +23,7 @@ import pytest
 from train_helpers import cli_args, tiny_cfg, write_corpus
 
 import mtpjax.train_step
-from mtpjax.checkpoint import CheckpointError, Checkpointer, load_model
+from mtpjax.checkpoint import CheckpointError, load_model
 from mtpjax.config import ConfigError, load_config, replace
 from mtpjax.train_loop import NonFiniteError, main, train
 
@@ -114,9 +114,9 @@ def test_kill9_anywhere_resumes_from_last_complete_checkpoint_and_ends_identical
         if phase == "prep":
             assert wait_for(in_prep, proc), log.read_text()[-2000:]
         elif phase == "save":
-            assert wait_for(lambda: in_save() and complete_steps(run) != before, proc), log.read_text()[-2000:]
+            assert wait_for(lambda b=before: in_save() and complete_steps(run) != b, proc), log.read_text()[-2000:]
         elif phase == "step":
-            assert wait_for(lambda: complete_steps(run) != before, proc), log.read_text()[-2000:]
+            assert wait_for(lambda b=before: complete_steps(run) != b, proc), log.read_text()[-2000:]
             time.sleep(rng.uniform(0.0, 0.5))
         else:
             wait_for(lambda: False, proc, timeout=rng.uniform(0.2, 0.8) * ref_secs)
@@ -160,18 +160,8 @@ def test_sigterm_saves_the_current_step_exits_0_and_the_rerun_continues_there(tm
 # ----------------------------------------------------------------------------- corrupt checkpoints
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A 6-step run with checkpoints 2, 4, 6 (synchronous saves) and its config."""
-    tmp = tmp_path_factory.mktemp("trained")
-    cfg = tiny_cfg(tmp, *FAST, "train.steps=6", "checkpoint.async_save=false")
-    train(cfg)
-    assert complete_steps(tmp / "run") == [2, 4, 6]
-    return cfg, tmp / "run"
-
-
-def _copy_run(trained, tmp: Path, name: str):
-    cfg, run = trained
+def _copy_run(tiny_run, tmp: Path, name: str):
+    cfg, run = tiny_run
     dst = tmp / name
     shutil.copytree(run, dst)
     return replace(cfg, [f"train.run_dir={dst}"]), dst
@@ -185,41 +175,41 @@ CORRUPTIONS = {  # name: (damage, whether the model arrays (all load_model reads
     "truncated array data": (lambda d: _largest_file(d / "model").open("r+b").truncate(100), True),
     "garbled array metadata": (lambda d: (d / "model" / "_METADATA").write_bytes(b"\x00garbage{"), True),
     "garbled data-iterator state": (lambda d: next((d / "data").glob("*")).write_text("{not json"), False),
-    "missing optimizer state": (lambda d: shutil.rmtree(d / "opt"), False),
+    "missing optimizer state": (lambda d: shutil.rmtree(d / "train"), False),
 }
 
 
 @pytest.mark.parametrize("kind", list(CORRUPTIONS))
-def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(trained, tmp_path, capsys, kind):
-    cfg, run = _copy_run(trained, tmp_path, "run")
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tiny_run, tmp_path, capsys, kind):
+    cfg, run = _copy_run(tiny_run, tmp_path, "run")
     damage, hits_model = CORRUPTIONS[kind]
-    damage(run / "checkpoints" / "6")
+    damage(run / "checkpoints" / "7")
     capsys.readouterr()
     _, model, _ = load_model(run)  # read-only: warns and falls back if it must, moves nothing
     err = capsys.readouterr().err
-    assert ("warning:" in err and "checkpoint 6" in err) == hits_model, err
-    assert complete_steps(run) == [2, 4, 6]
-    _, expect, _ = load_model(trained[1], step=4 if hits_model else 6)
+    assert ("warning:" in err and "checkpoint 7" in err) == hits_model, err
+    assert complete_steps(run) == [4, 6, 7]
+    _, expect, _ = load_model(tiny_run[1], step=6 if hits_model else 7)
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(expect), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     if hits_model:
-        with pytest.raises(CheckpointError, match="checkpoint 6"):  # asked for explicitly: no silent substitute
-            load_model(run, step=6)
-    good = tree_hash(run / "checkpoints" / "4")
+        with pytest.raises(CheckpointError, match="checkpoint 7"):  # asked for explicitly: no silent substitute
+            load_model(run, step=7)
+    good = tree_hash(run / "checkpoints" / "6")
     capsys.readouterr()
     out = train(cfg)
     err = capsys.readouterr().err
-    assert "checkpoint 6" in err and "resuming from checkpoint 4" in err, err
-    assert [s for s, _ in out["history"]] == [5, 6]
+    assert "checkpoint 7" in err and "resuming from checkpoint 6" in err, err
+    assert [s for s, _ in out["history"]] == [7]
     moved = list((run / "checkpoints-corrupt").iterdir())
-    assert len(moved) == 1 and moved[0].name.startswith("6-")  # kept for inspection, never deleted
-    assert complete_steps(run) == [2, 4, 6] and tree_hash(run / "checkpoints" / "4") == good
-    assert_same_params(run, trained[1], step=6)  # the re-done steps 5, 6 equal the original ones
+    assert len(moved) == 1 and moved[0].name.startswith("7-")  # kept for inspection, never deleted
+    assert complete_steps(run) == [4, 6, 7] and tree_hash(run / "checkpoints" / "6") == good
+    assert_same_params(run, tiny_run[1], step=7)  # the re-done step 7 equals the original one
 
 
-def test_no_readable_checkpoint_is_an_error_not_a_silent_restart(trained, tmp_path, capsys):
-    cfg, run = _copy_run(trained, tmp_path, "run")
-    for s in (2, 4, 6):
+def test_no_readable_checkpoint_is_an_error_not_a_silent_restart(tiny_run, tmp_path, capsys):
+    cfg, run = _copy_run(tiny_run, tmp_path, "run")
+    for s in (4, 6, 7):
         CORRUPTIONS["truncated array data"][0](run / "checkpoints" / str(s))
     before = tree_hash(run)
     with pytest.raises(CheckpointError, match="none of the checkpoints"):
@@ -242,64 +232,63 @@ def _nan_grad(x, hit):
 _nan_grad.defvjp(lambda x, hit: (x, hit), lambda hit, g: (jnp.where(hit, jnp.nan, g), None))
 
 
-def _poison(monkeypatch, where: str, steps: tuple[int, ...]):
-    """Make the train step's loss (or only its gradient) non-finite at the given 0-based step indices."""
+POISONED = (5, 6, 7)  # NaN gradients (finite loss) in the updates producing steps 6, 7 and 8
+
+
+def _poison(monkeypatch):
+    """NaN gradients at the POISONED step counters; one program for every NaN test (compiled once)."""
     real = mtpjax.train_step.mtp_loss
 
     def poisoned(*args, step, **kw):
         loss, met = real(*args, step=step, **kw)
-        hit = jnp.isin(step, jnp.asarray(steps))
-        if where == "loss":
-            loss = jnp.where(hit, jnp.inf, loss)
-            met = {**met, "loss/total": loss}
-        else:
-            loss = _nan_grad(loss, hit)
-        return loss, met
+        return _nan_grad(loss, jnp.isin(step, jnp.asarray(POISONED))), met
 
     monkeypatch.setattr(mtpjax.train_step, "mtp_loss", poisoned)
 
 
 @pytest.fixture
-def at_step_4(trained, tmp_path):
-    """A copy of the trained run cut back to checkpoints 2 and 4 (as if it had been stopped at step 4)."""
-    cfg, run = _copy_run(trained, tmp_path, "run")
-    shutil.rmtree(run / "checkpoints" / "6")
+def at_step_4(tiny_run, tmp_path):
+    """A copy of the shared run cut back to checkpoint 4 (as if it had been stopped at step 4)."""
+    cfg, run = _copy_run(tiny_run, tmp_path, "run")
+    for s in (6, 7):
+        shutil.rmtree(run / "checkpoints" / str(s))
     return cfg, run
 
 
 def test_nan_stop_policy_keeps_the_last_good_checkpoint_untouched(at_step_4, monkeypatch):
     cfg, run = at_step_4
     before = tree_hash(run / "checkpoints")
-    _poison(monkeypatch, "loss", (5,))  # the update producing step 6, a checkpoint step
+    _poison(monkeypatch)  # the first bad update produces step 6, a checkpoint step
     with pytest.raises(NonFiniteError, match="step 6.*nan_policy=stop"):
-        train(cfg)
+        train(replace(cfg, ["train.steps=9"]))  # the NaN tests share one program: the same step count
     assert tree_hash(run / "checkpoints") == before  # no checkpoint of the bad step, nothing rewritten
     monkeypatch.undo()
-    assert [s for s, _ in train(cfg)["history"]] == [5, 6]
+    assert [s for s, _ in train(cfg)["history"]] == [5, 6, 7]
 
 
 def test_nan_skip_policy_skips_up_to_the_limit(at_step_4, monkeypatch):
     cfg, run = at_step_4
-    before = ckpt_hash(run, 4)
-    _poison(monkeypatch, "grad", (4, 5))  # finite loss, NaN gradient at steps 5 and 6
-    out = train(replace(cfg, ["train.nan_policy=skip", "train.max_skipped_steps=2", "train.steps=8"]))
-    assert out["skipped_steps"] == 2 and [s for s, _ in out["history"]] == [7, 8]
-    assert ckpt_hash(run, 4) == before  # the last good checkpoint before the NaN (2 left by checkpoint.keep=3)
-    _, m4, _ = load_model(run, step=4)
-    _, m6, _ = load_model(run, step=6)  # both updates were skipped: the parameters did not move
-    for a, b in zip(jax.tree.leaves(m4), jax.tree.leaves(m6), strict=True):
+    _poison(monkeypatch)
+    out = train(replace(cfg, ["train.nan_policy=skip", "train.max_skipped_steps=3", "train.steps=9"]))
+    assert out["skipped_steps"] == 3 and [s for s, _ in out["history"]] == [5, 9]
+    assert complete_steps(run) == [6, 8, 9]
+    _, m6, _ = load_model(run, step=6)
+    _, m8, _ = load_model(run, step=8)  # the updates to steps 7 and 8 were skipped: the parameters did not move
+    for a, b in zip(jax.tree.leaves(m6), jax.tree.leaves(m8), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(m6))
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(m8))
+    _, m9, _ = load_model(run, step=9)  # and the next good update moved them again
+    assert not np.array_equal(np.asarray(m8.embed[...]), np.asarray(m9.embed[...]))
 
 
 def test_nan_skip_policy_stops_past_the_limit(at_step_4, monkeypatch):
     cfg, run = at_step_4
-    before = tree_hash(run / "checkpoints")
-    _poison(monkeypatch, "grad", (4, 5, 6))
-    with pytest.raises(NonFiniteError, match="max_skipped_steps=2"):
-        train(replace(cfg, ["train.nan_policy=skip", "train.max_skipped_steps=2", "train.steps=8"]))
-    assert ckpt_hash(run, 2, 4) == before
-    assert complete_steps(run) == [2, 4, 6]  # step 6 (two skips, within the limit) was still a good state
+    before = ckpt_hash(run, 4)
+    _poison(monkeypatch)
+    with pytest.raises(NonFiniteError, match="step 8.*max_skipped_steps=2"):
+        train(replace(cfg, ["train.nan_policy=skip", "train.max_skipped_steps=2", "train.steps=9"]))
+    assert ckpt_hash(run, 4) == before
+    assert complete_steps(run) == [4, 6]  # step 6 (one skip, within the limit) was still a good state
 
 
 # ----------------------------------------------------------------------------- a full disk
@@ -324,19 +313,25 @@ def test_disk_full_during_a_save_is_a_clear_error_and_keeps_the_previous_checkpo
     assert main(cli_args(cfg, f"checkpoint.async_save={str(async_save).lower()}", "train.steps=8")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: saving a checkpoint") and "No space left on device" in err[-1], err
-    assert ckpt_hash(run, 2, 4) == before
-    assert complete_steps(run) == [2, 4]
+    assert ckpt_hash(run, 4) == before
+    assert complete_steps(run) == [4]
     monkeypatch.undo()
     out = train(cfg)  # the failed save's temporary directory is never taken for a checkpoint
-    assert [s for s, _ in out["history"]] == [5, 6] and complete_steps(run) == [2, 4, 6]
+    assert [s for s, _ in out["history"]] == [5, 6, 7] and complete_steps(run) == [4, 6, 7]
 
 
 # ----------------------------------------------------------------------------- nothing executes code on load
 
 
 def test_no_pickle_or_unsafe_yaml_in_the_package():
-    bad = re.compile(r"\bpickle\b|\bdill\b|\bcloudpickle\b|yaml\.load\(|yaml\.unsafe_load|yaml\.Loader|"
-                     r"allow_pickle\s*=\s*True|\beval\(|\bexec\(|torch\.load")
+    import yaml
+
+    from mtpjax import config
+
+    # yaml.load is allowed with config's own loader only, a SafeLoader (no python tags) that keeps 10:15 a string
+    assert issubclass(config._Loader, yaml.SafeLoader)
+    bad = re.compile(r"\bpickle\b|\bdill\b|\bcloudpickle\b|yaml\.load\((?![^)]*Loader=_Loader\))|yaml\.unsafe_load|"
+                     r"yaml\.Loader|allow_pickle\s*=\s*True|\beval\(|\bexec\(|torch\.load")
     hits = [f"{p.relative_to(REPO)}:{i}: {line.strip()}"
             for p in [*(REPO / "mtpjax").rglob("*.py"), REPO / "train.py", REPO / "decode.py"]
             for i, line in enumerate(p.read_text().splitlines(), 1) if bad.search(line)]

@@ -14,18 +14,12 @@ from jax.sharding import PartitionSpec as P
 from train_helpers import step_losses, synthetic_batches, tiny_cfg, write_corpus
 
 from mtpjax.checkpoint import Checkpointer, load_model
-from mtpjax.config import MeshConfig, replace
-from mtpjax.sharding import LOGICAL_RULES, MeshError, batch_sharding, logical_to_spec, make_mesh
+from mtpjax.config import MeshConfig
+from mtpjax.sharding import MeshError, batch_sharding, logical_to_spec, make_mesh
 from mtpjax.train_loop import train
-from mtpjax.train_step import abstract_state
+from mtpjax.train_step import make_programs
 
 FAKE = SimpleNamespace(shape={"data": 2, "fsdp": 4, "tensor": 2})
-
-
-def test_rules_table_maps_every_logical_axis():
-    assert LOGICAL_RULES["vocab"] == LOGICAL_RULES["heads"] == LOGICAL_RULES["kv_heads"] == "tensor"
-    assert LOGICAL_RULES["mlp"] == "tensor" and LOGICAL_RULES["embed"] == "fsdp"
-    assert LOGICAL_RULES["layers"] is None and LOGICAL_RULES["head_dim"] is None
 
 
 def test_spec_from_logical_axes_with_divisibility_fallback():
@@ -125,7 +119,7 @@ def test_checkpoint_restores_exactly_onto_other_meshes(eight):
     tmp, corpus, out = eight
     assert out["restored_on_142"] is True
     cfg = tiny_cfg(tmp, corpus=corpus, run="unused")
-    _, target, _ = abstract_state(cfg, make_mesh(cfg.mesh))
+    target = make_programs(cfg, make_mesh(cfg.mesh)).target
     restored, _, meta = Checkpointer(tmp / "ck222", cfg.checkpoint).restore(1, target)
     saved = np.load(tmp / "ck222.npz")
     leaves = jax.tree.leaves(restored)

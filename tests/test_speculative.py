@@ -384,7 +384,8 @@ def test_saved_calibration_is_reused_and_kept_per_machine_and_model(half_trained
     def fake_calibrate(model, prompts, specs, seed=0, **kw):
         probes.append(sorted(specs))
         return autodraft.Calibration(num_draft=len(probes) % 3, round_cost={g: 1.0 + g for g in specs},
-                                     alpha_by_position=[0.5, 0.25], expected_tokens={g: 1.0 for g in specs}, seconds=1.5)
+                                     alpha_by_position=[0.5, 0.25], expected_tokens={g: 1.0 for g in specs},
+                                     seconds=1.5)
 
     monkeypatch.setattr(autodraft, "calibrate", fake_calibrate)
 

@@ -1,6 +1,8 @@
-"""The train loop and train.py: resume, TensorBoard tags, preemption, NaN policy, and every bad-input path."""
+"""The train loop and train.py: resume, TensorBoard tags, banner and summary, preemption, NaN policy, bad input."""
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,18 +60,19 @@ def test_tensorboard_has_every_tag(tmp_path):
     assert all(0 < v < 1 for v in mfu) and out["eval/loss/main"] > 0
 
 
-def test_fresh_moves_the_old_run_aside(tmp_path):
-    cfg = tiny_cfg(tmp_path, "train.steps=2", "train.eval_every=100")
-    train(cfg)
-    other = replace(cfg, ["model.d_model=64"])
+def test_fresh_moves_the_old_run_aside(tiny_run, tmp_path):
+    cfg, run = _copy_run(tiny_run, tmp_path)
+    other = replace(cfg, ["data.val_fraction=0.2", "train.steps=2"])  # another run: the same model, other data
     out = train(other, fresh=True)
-    assert out["step"] == 2
+    assert out["step"] == 2 and out["history"][0][0] == 1
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
-    assert len(aside) == 1 and (aside[0] / "checkpoints").is_dir()
-    assert "d_model: 32" in (aside[0] / "config.yaml").read_text()
+    assert len(aside) == 1 and (aside[0] / "checkpoints" / "7").is_dir()
+    assert "val_fraction: 0.1" in (aside[0] / "config.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_nan_policy_stop_and_skip(tmp_path):
+    """A real divergence (no injected NaN): stopped at once, or after max_skipped_steps skipped updates."""
     corpus = write_corpus(tmp_path)
     blowup = ["optim.lr=1e12", "optim.grad_clip=0", "optim.warmup_steps=0", "train.eval_every=100"]
     with pytest.raises(NonFiniteError, match="nan_policy=stop"):
@@ -77,6 +80,44 @@ def test_nan_policy_stop_and_skip(tmp_path):
     with pytest.raises(NonFiniteError, match="max_skipped_steps=2"):
         train(tiny_cfg(tmp_path, *blowup, "train.nan_policy=skip", "train.max_skipped_steps=2",
                        corpus=corpus, run="skip"))
+
+
+def _copy_run(tiny_run, tmp: Path):
+    cfg, run = tiny_run
+    shutil.copytree(run, tmp / "run")
+    return replace(cfg, [f"train.run_dir={tmp / 'run'}"]), tmp / "run"
+
+
+def test_banner_and_summary(tiny_run, tmp_path, capsys):
+    """train.py opens with what it is about to do and ends with losses, the checkpoint and the next command."""
+    cfg, run = _copy_run(tiny_run, tmp_path)
+    capsys.readouterr()
+    assert main(cli_args(cfg, "train.steps=8", "train.eval_batches=1")) == 0
+    err = capsys.readouterr().err.splitlines()
+    head = err[err.index(next(ln for ln in err if ln.startswith("mtpjax train: "))):][:5]
+    assert head[0].startswith("mtpjax train: 49,632 parameters (trunk 18,592, embedding/head 8,192, 2 MTP modules")
+    assert head[1] == "  devices: 1 x cpu on 1 process(es); mesh data=1 fsdp=1 tensor=1", head
+    assert head[2] == f"  run dir: {run} (resuming from step 7)"
+    assert re.fullmatch(r"  data: text \(1 file\), [\d,]+ train / [\d,]+ val tokens, byte tokenizer \(vocab 256\), "
+                        r"content [0-9a-f]{12}", head[3]), head[3]
+    assert head[4].startswith("  steps 7 -> 8: batch 8 x 32 tokens")
+    tail = err[-5:]
+    assert tail[0].startswith("done: 8 steps of 8 in ")
+    assert tail[1].startswith("  train loss: main ") and ", mtp_2 " in tail[1]
+    assert tail[2].startswith("  eval loss: main ") and ", mtp_2 " in tail[2]
+    assert tail[3] == f"  checkpoint: {run / 'checkpoints' / '8'}"
+    assert tail[4] == f"  next: python decode.py --run-dir {run} --prompt 'def fibonacci(n):' --stats"
+    # (tests/test_main_job.py runs that command as printed, on the README's main job)
+
+
+def test_summary_of_a_fresh_stopped_run_says_how_to_resume(tiny_run, tmp_path, capsys):
+    cfg = replace(tiny_run[0], [f"train.run_dir={tmp_path / 'run'}"])
+    capsys.readouterr()
+    train(cfg, max_steps=1)
+    err = capsys.readouterr().err
+    assert "  run dir: " + str(tmp_path / "run") + " (fresh start)" in err
+    assert "stopped at step 1 of 7 in " in err and "  resume: run the same command again" in err
+    assert f"  checkpoint: {tmp_path / 'run' / 'checkpoints' / '1'}" in err
 
 
 # ----------------------------------------------------------------------------- bad input: one line, exit 2
@@ -114,14 +155,13 @@ def test_unwritable_run_dir(tmp_path, capsys):
     assert "not writable" in _error(capsys, cli_args(cfg))
 
 
-def test_config_mismatch_with_existing_run(tmp_path, capsys):
-    cfg = tiny_cfg(tmp_path, "train.steps=1", "train.eval_every=100")
-    train(cfg)
-    before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
+def test_config_mismatch_with_existing_run(tiny_run, tmp_path, capsys):
+    cfg, run = _copy_run(tiny_run, tmp_path)
+    before = sorted(p.name for p in run.rglob("*"))
     err = _error(capsys, cli_args(cfg, "model.d_model=64"))
     assert "model.d_model: 32 -> 64" in err and "--fresh" in err
-    assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before  # nothing clobbered
-    assert main(cli_args(cfg, "train.steps=2")) == 0  # train.* may change on resume
+    assert sorted(p.name for p in run.rglob("*")) == before  # nothing clobbered
+    assert main(cli_args(cfg, "train.steps=8")) == 0  # train.* may change on resume
 
 
 def _run_cli(args, **kw):

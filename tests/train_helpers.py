@@ -59,17 +59,14 @@ def synthetic_batches(n: int, batch: int, seq_len: int, seed: int = 0, vocab: in
 def step_losses(cfg: Config, batches, devices=None) -> tuple[list[float], object]:
     """loss/total of consecutive train steps on a mesh from cfg.mesh over `devices`; also the final state."""
     import jax
-    import numpy as np
 
     from mtpjax.sharding import make_mesh
-    from mtpjax.train_step import abstract_state, init_state, make_programs
+    from mtpjax.train_step import make_programs
 
-    mesh = make_mesh(cfg.mesh, devices)
-    graphdef, _, shardings = abstract_state(cfg, mesh)
-    progs = make_programs(cfg, mesh, graphdef, shardings)
-    state, losses = init_state(cfg, mesh, shardings), []
-    for i, (tok, seg) in enumerate(batches):
+    progs = make_programs(cfg, make_mesh(cfg.mesh, devices))
+    state, losses = progs.init(), []
+    for tok, seg in batches:
         put = lambda x: jax.device_put(x, progs.batch_sharding)
-        state, met = progs.train_step(state, put(tok), put(seg), np.int32(i))
+        state, met = progs.train_step(state, put(tok), put(seg))
         losses.append(float(met["loss/total"]))
     return losses, state

@@ -50,7 +50,8 @@ class RunCheckpoint:
 
         run = Path(run_dir)
         if not ckpt_dir(run).is_dir():
-            raise ConvertError(f"'{run}' is not a run directory with checkpoints; pass the train.run_dir of a trained run")
+            raise ConvertError(f"'{run}' is not a run directory with checkpoints; pass the train.run_dir of a "
+                               "trained run")
         self.mngr = ocp.CheckpointManager(ckpt_dir(run), options=ocp.CheckpointManagerOptions(
             read_only=True, create=False, save_interval_steps=0))
         steps = sorted(self.mngr.all_steps())

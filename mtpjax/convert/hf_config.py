@@ -15,7 +15,8 @@ from mtpjax.convert.errors import ConvertError
 
 _DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32", "float64": "float32"}
 _KNOWN = {  # model types people bring, and why they do not fit
-    "qwen3": "per-head q/k RMSNorms", "qwen3_moe": "mixture of experts and q/k norms", "qwen2_moe": "mixture of experts",
+    "qwen3": "per-head q/k RMSNorms", "qwen3_moe": "mixture of experts and q/k norms",
+    "qwen2_moe": "mixture of experts",
     "mixtral": "mixture of experts", "deepseek_v3": "MLA attention and mixture of experts", "gemma": "GeGLU and "
     "offset norms", "gemma2": "soft-capping and sliding windows", "mistral": "sliding-window attention",
     "phi3": "fused projections", "mimo": "custom code",
@@ -97,7 +98,8 @@ def _refuse(hf: dict, fmt: str) -> None:
     if hf.get("hidden_act", "silu") != "silu":
         raise ConvertError(f"the config uses hidden_act={hf['hidden_act']!r}; mtpjax's MLP is SwiGLU (silu)")
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ConvertError("the config rotates part of each head (partial_rotary_factor), which mtpjax cannot represent")
+        raise ConvertError("the config rotates part of each head (partial_rotary_factor), which mtpjax cannot "
+                           "represent")
 
 
 def _rope(hf: dict) -> list[str]:

@@ -87,7 +87,8 @@ def _is_zero(reader: Reader, names: list[str]) -> bool:
 
 
 def _has_qkv_bias(reader: Reader) -> bool:
-    """Whether the checkpoint has nonzero q/k/v biases (all-zero ones compute nothing); nonzero o_proj ones are refused."""
+    """Whether the checkpoint has nonzero q/k/v biases (all-zero ones compute nothing); nonzero o_proj ones are
+    refused."""
     o = [n for n in reader.entries if _O_BIAS.search(n)]
     if not _is_zero(reader, o):
         raise ConvertError("the checkpoint has attention output (o_proj) biases, which mtpjax cannot represent")
@@ -102,7 +103,8 @@ def _leaf(reader: Reader, t: layout.Tensor, dtype: np.dtype) -> Lazy:
     if e.dtype not in FLOATS:
         raise ConvertError(f"tensor {t.hf} is {e.dtype}; import takes float checkpoints (not quantized ones)")
     shape = t.shape[::-1] if t.kind in ("t", "eh") else t.shape
-    return Lazy(shape, dtype, lambda: layout.from_hf(t, reader.array(t.hf)))  # a view: cast and copied once, when written
+    # a view: cast and copied once, when written
+    return Lazy(shape, dtype, lambda: layout.from_hf(t, reader.array(t.hf)))
 
 
 def _set(tree: dict, path: tuple, value) -> None:

@@ -1,4 +1,4 @@
-"""`python -m mtpjax.data prepare|inspect --config X [section.key=value ...]`: build the cached corpus; show what it feeds.
+"""`python -m mtpjax.data prepare|inspect --config X [section.key=value ...]`: build the cached corpus; show its use.
 
 prepare: tokenize and cache the corpus (every source of a mixture) and summarise it.
 inspect: per source, documents and tokens, the first documents and sample training windows with their

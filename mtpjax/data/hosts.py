@@ -65,7 +65,8 @@ def _probe_visible(path: str) -> bool:
 
 def prepare_on_hosts(data_cfg, *, progress: bool, index: int | None = None, count: int | None = None, client=None,
                      namespace: str | None = None):
-    """prepare(data_cfg) on every process, building it once when data.cache_dir is shared; DataError everywhere on failure.
+    """prepare(data_cfg) on every process, building it once when data.cache_dir is shared; DataError everywhere on
+    failure.
 
     index/count/client/namespace default to this JAX process's (tests pass their own).
     """

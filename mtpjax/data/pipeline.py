@@ -158,7 +158,8 @@ class BatchIterator:
 
 def _check_rows(rows, batch_size: int) -> np.ndarray:
     rows = np.arange(batch_size) if rows is None else np.asarray(rows, np.int64)
-    if rows.ndim != 1 or not len(rows) or rows.min() < 0 or rows.max() >= batch_size or len(set(rows.tolist())) != len(rows):
+    if (rows.ndim != 1 or not len(rows) or rows.min() < 0 or rows.max() >= batch_size
+            or len(set(rows.tolist())) != len(rows)):
         raise DataError(f"rows {rows.tolist()} are not distinct rows of a batch of {batch_size}")
     return rows
 

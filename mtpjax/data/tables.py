@@ -64,7 +64,8 @@ def _ipc_reader(f: Path, src, field: str):
 
 
 def parts(f: Path, kind: str, field: str) -> list[tuple[int, int, int]]:
-    """(part index, first row, bytes) of each part of a file, after checking its text column; DataError if unreadable."""
+    """(part index, first row, bytes) of each part of a file, after checking its text column; DataError if
+    unreadable."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

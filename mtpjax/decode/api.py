@@ -18,7 +18,8 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
     """Generate up to max_new_tokens per prompt (lists of token ids of any lengths), speculatively if num_draft>0.
 
     proposer: "mtp" (the model's MTP modules, module k drafting token k), "mtp1" (module 1 drafting every
-    token), "ngram" (prompt lookup) or "model" (`draft`, an independent model with the same vocabulary). num_draft="auto" measures every candidate γ on these prompts and uses
+    token), "ngram" (prompt lookup) or "model" (`draft`, an independent model with the same vocabulary).
+    num_draft="auto" measures every candidate γ on these prompts and uses
     the fastest by the cost model (mtpjax.decode.autodraft); stats["num_draft"] says which,
     stats["calibration"] why. With `calibrations`, a measurement saved there for this machine and request
     shape is reused, and a new one is saved. `on_commit(tokens_BY, counts_B)` receives every round's

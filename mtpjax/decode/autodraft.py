@@ -44,7 +44,7 @@ class Calibration:
                 "expected_tokens": self.expected_tokens, "seconds": self.seconds, "source": self.source}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Calibration":
+    def from_dict(cls, d: dict) -> Calibration:
         """Inverse of as_dict (JSON turns the γ keys into strings)."""
         return cls(num_draft=int(d["num_draft"]), round_cost={int(k): float(v) for k, v in d["round_cost"].items()},
                    alpha_by_position=[float(a) for a in d["alpha_by_position"]],
@@ -79,7 +79,7 @@ def calibrate(model, prompts, loops: dict, seed: int = 0, probe: int = 32, repea
 
     times: dict = {g: ([], []) for g in loops}
     rounds, last = {}, {}
-    for g, loop in loops.items():  # compile and warm
+    for loop in loops.values():  # compile and warm
         timed(loop, short)
     done, spent = 0, 0.0
     while done < repeats or (spent < min_seconds and done < max_repeats):

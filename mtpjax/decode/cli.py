@@ -132,7 +132,8 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: give at least one character of text")
     max_new = args.max_new_tokens or d.max_new_tokens
-    most = max(autodraft.candidates(model, proposer)) if num_draft == "auto" else num_draft  # the largest γ that may run
+    # the largest γ that may run
+    most = max(autodraft.candidates(model, proposer)) if num_draft == "auto" else num_draft
     _check_size(cfg.model, prompts, max_new, most, args.max_len or d.max_len)
     if args.temperature is not None and not math.isfinite(args.temperature):
         raise ValueError(f"--temperature {args.temperature} must be a finite number >= 0 (0 = greedy)")
@@ -170,7 +171,8 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
             c = s["calibration"]
             how = (f"saved in {saved.path}; --recalibrate measures again" if c["source"] == "saved"
                    else f"probe took {c['seconds']:.1f}s")
-            print(f"[auto] round cost vs plain {_fmt(c['round_cost'])}, expected tokens/round {_fmt(c['expected_tokens'])} "
+            print(f"[auto] round cost vs plain {_fmt(c['round_cost'])}, "
+                  f"expected tokens/round {_fmt(c['expected_tokens'])} "
                   f"-> num_draft={c['num_draft']} ({how})", file=sys.stderr)
     return 0
 

@@ -15,6 +15,8 @@ from mtpjax.decode.proposers import PROPOSERS, make_proposer
 from mtpjax.decode.sampling import Sampler
 from mtpjax.model import MTPTransformer
 
+GREEDY = Sampler()  # the default sampler (a frozen dataclass, shared safely)
+
 
 class DecodeError(ValueError):
     """Bad generation request (one line naming the problem and the fix)."""
@@ -43,7 +45,7 @@ def check_proposer(model: MTPTransformer, proposer: str, num_draft: int, draft: 
 
 
 def make_loop(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: int, proposer: str = "mtp",
-              sampler: Sampler = Sampler(), eos_id=None, max_len=None, draft: MTPTransformer | None = None,
+              sampler: Sampler = GREEDY, eos_id=None, max_len=None, draft: MTPTransformer | None = None,
               stream: bool = False) -> Loop:
     """Validate a request and fix the static shapes of its compiled loop."""
     cfg = model.cfg

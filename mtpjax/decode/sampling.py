@@ -65,7 +65,8 @@ def row_keys(key, tag: int, it, B: int):
 
 def draw(keys_B, p_BV):
     """One token per row from the distributions p (rows of probabilities)."""
-    return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(jnp.maximum(p, 1e-30))))(keys_B, p_BV).astype(jnp.int32)
+    one = lambda k, p: jax.random.categorical(k, jnp.log(jnp.maximum(p, 1e-30)))  # noqa: E731
+    return jax.vmap(one)(keys_B, p_BV).astype(jnp.int32)
 
 
 def choose(sampler: Sampler, logits_BV, keys_B):

@@ -1,0 +1,72 @@
+"""A run directory's lifecycle: the identity check before resuming, --fresh, the writable probe, and setup.
+
+Checked and probed before anything is written; set up (config.yaml, tokenizer/) only once the data is ready.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+from mtpjax import distributed
+from mtpjax.checkpoint import read_run_config
+from mtpjax.config import Config, identity
+
+IDENTITY_SECTIONS = ("model", "data")  # what makes a run dir "the same run"; other sections may change on resume
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot be used; the message is one line naming the problem and the fix."""
+
+
+def _diff(a, b, prefix: str) -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{prefix}.{k}")]
+    return [] if a == b else [f"{prefix.lstrip('.')}: {a!r} -> {b!r}"]
+
+
+def check_identity(cfg: Config) -> bool:
+    """Refuse a run dir whose saved model/data config differs; True if it holds a previous run."""
+    run = Path(cfg.train.run_dir)
+    old = read_run_config(run)
+    if old is None:
+        return run.exists() and any(run.iterdir())
+    diffs = [d for s in IDENTITY_SECTIONS for d in _diff(identity(old, s), identity(cfg, s), s)]
+    if diffs:
+        shown = "; ".join(diffs[:3]) + (f"; +{len(diffs) - 3} more" if len(diffs) > 3 else "")
+        raise RunDirError(f"run dir '{run}' holds a run with a different model/data config ({shown}); pass --fresh "
+                          "to move it aside, or set another train.run_dir")
+    return True
+
+
+def probe_writable(run: Path) -> None:
+    """Create the run dir (if missing) and write a probe file; RunDirError if impossible."""
+    try:
+        run.mkdir(parents=True, exist_ok=True)
+        probe = run / f".write-probe-{time.time_ns()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise RunDirError(f"train.run_dir '{run}' is not writable ({e.strerror or e}); choose a writable "
+                          "train.run_dir") from None
+
+
+def setup(cfg: Config, tokenizer, fresh: bool) -> Path:
+    """--fresh moves an old run to <run_dir>.old-<timestamp> (never deletes); writes config.yaml and tokenizer/."""
+    run = Path(cfg.train.run_dir)
+    if fresh and jax.process_index() == 0 and run.exists() and any(run.iterdir()):
+        aside = run.with_name(f"{run.name}.old-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6:06d}")
+        run.rename(aside)
+        print(f"moved the previous run aside to {aside}", file=sys.stderr)
+    if jax.process_index() == 0:
+        run.mkdir(parents=True, exist_ok=True)
+        # Written aside and renamed: a kill mid-write must not leave a truncated config that blocks resuming.
+        tmp = run / f".config.yaml.tmp-{time.time_ns()}"
+        tmp.write_text(cfg.to_yaml())
+        tmp.replace(run / "config.yaml")
+        tokenizer.save(run / "tokenizer")
+    distributed.barrier("mtpjax-run-dir")  # no process may look for checkpoints before the run dir is set up
+    return run

@@ -1,0 +1,63 @@
+"""What the train loop runs at each eval step: validation metrics and generated samples, written to TensorBoard.
+
+`run_eval` is the one hook the loop calls; a new eval scalar (say `eval/bits_per_byte`) is one more function
+whose dict joins `scalars` there.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from mtpjax import distributed
+from mtpjax.data import eval_by_source
+from mtpjax.metrics import Writer
+from mtpjax.decode import generate  # the decoder's cached generation: the one import of the decoder here
+
+SAMPLE_PROMPT = 32  # tokens of a validation row that prompt each sample
+SAMPLE_TOKENS = 64  # greedy tokens generated per sample
+
+
+def validation(progs, state, val: list, to_global) -> dict:
+    """Mean eval metrics (loss, accuracy, agreement per depth) over the fixed validation batches."""
+    mets = jax.device_get([progs.eval_step(state, *to_global(b)) for b in val])
+    keep = [k for k in mets[0] if k.startswith(("loss/", "agreement/", "accuracy/"))]
+    return {k: float(np.mean([m[k] for m in mets])) for k in keep}
+
+
+def _host_model(progs, state):
+    """The model on this process's first device; with several processes every one must call this (all-gather)."""
+    if jax.process_count() == 1:
+        return nnx.merge(progs.graphdef, state.params)
+    from jax.experimental import multihost_utils
+
+    params = multihost_utils.process_allgather(state.params, tiled=True)  # numpy: sharded over processes before
+    return nnx.merge(progs.graphdef, jax.device_put(params, jax.local_devices()[0]))
+
+
+def samples(progs, state, val: list, tokenizer, n: int) -> list[str]:
+    """Greedy continuations of the first validation rows' opening tokens, as 'prompt ⟶ continuation' text."""
+    if n == 0:
+        return []
+    prompt_BP = np.asarray(val[0]["tokens"])[:n, :SAMPLE_PROMPT]
+    model = _host_model(progs, state)
+    if not distributed.is_primary():  # only process 0 writes them; its rows are the ones shown
+        return []
+    out = generate(model, prompt_BP.tolist(), max_new_tokens=SAMPLE_TOKENS, num_draft=0).tokens
+    return [tokenizer.decode(p.tolist()) + " ⟶ " + tokenizer.decode(o) for p, o in zip(prompt_BP, out)]
+
+
+def run_eval(progs, state, val: list, val_sources: dict, to_global, tokenizer, writer: Writer, step: int,
+             num_samples: int) -> dict:
+    """Validation scalars (returned as `eval/...`; a mixture's also per source) and samples, written at `step`."""
+    if not val:
+        return {}
+    met = validation(progs, state, val, to_global)
+    met |= eval_by_source(val_sources, lambda batches: validation(progs, state, batches, to_global), list(met))
+    scalars = {f"eval/{k}": v for k, v in met.items()}
+    writer.scalars(step, scalars)
+    for i, text in enumerate(samples(progs, state, val, tokenizer, num_samples)):
+        writer.text(step, f"samples/{i}", text)
+    writer.flush()
+    return scalars

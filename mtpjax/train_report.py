@@ -1,0 +1,101 @@
+"""What a run tells its user: the opening banner, per-step metrics (TensorBoard, progress bar), the summary."""
+
+from __future__ import annotations
+
+import shlex
+import time
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from mtpjax.config import Config
+from mtpjax.flops import train_flops_per_token
+from mtpjax.metrics import Writer, mfu
+from mtpjax.model import build_model, param_counts
+
+NEXT_PROMPT = "def fibonacci(n):"  # the prompt of the decode command the summary suggests
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n:,}"
+
+
+def _count(n, what: str) -> str:
+    return f"? {what}s" if n is None else f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def banner(cfg: Config, mesh, run: Path, start: int, prepared) -> str:
+    """Parameters, devices and mesh, run dir (resumed or fresh), data, and the plan of steps: several lines."""
+    pc = param_counts(nnx.eval_shape(lambda: build_model(cfg)))
+    mtp = f", {len(pc['mtp'])} MTP modules x {_millions(pc['mtp'][0])}" if pc["mtp"] else ", no MTP modules"
+    dev = jax.devices()
+    t, d = cfg.train, cfg.data
+    parts = [p for _, _, p in prepared.sources()]  # one for a corpus, several for a data.mixture
+    what = d.source if len(parts) == 1 else f"mixture of {len(parts)} sources"
+    files = None if any(p.meta.get("files") is None for p in parts) else sum(p.meta["files"] for p in parts)
+    return "\n".join([
+        f"mtpjax train: {_millions(pc['total'])} parameters (trunk {_millions(pc['trunk'])}, embedding/head "
+        f"{_millions(pc['shared_embed_head'])}{mtp})",
+        f"  devices: {len(dev)} x {dev[0].device_kind} on {jax.process_count()} process(es); mesh "
+        + " ".join(f"{k}={v}" for k, v in mesh.shape.items()),
+        f"  run dir: {run} ({f'resuming from step {start}' if start else 'fresh start'})",
+        f"  data: {what} ({_count(files, 'file')}), {sum(len(p.train_tokens) for p in parts):,} train / "
+        f"{sum(len(p.val_tokens) for p in parts):,} val tokens, {d.tokenizer} tokenizer "
+        f"(vocab {prepared.tokenizer.vocab_size}), content {str(prepared.content_hash)[:12]}",
+        f"  steps {start} -> {t.steps}: batch {t.batch_size} x {d.seq_len} tokens, eval every {t.eval_every}, "
+        f"checkpoint every {cfg.checkpoint.every}",
+    ])
+
+
+def decode_command(run: Path) -> str:
+    """The command that decodes from this run (what the summary suggests next)."""
+    return f"python decode.py --run-dir {shlex.quote(str(run))} --prompt {shlex.quote(NEXT_PROMPT)} --stats"
+
+
+def summary(cfg: Config, run: Path, out: dict, checkpoint: Path | None) -> str:
+    """Final losses, where the last checkpoint is, and the next command: several lines."""
+    depth = cfg.model.mtp_depth
+    done = f"preempted at step {out['step']}" if out["preempted"] else f"stopped at step {out['step']}"
+    if out["step"] >= cfg.train.steps:
+        done = f"done: {out['step']} steps"
+    lines = [f"{done} of {cfg.train.steps} in {out['seconds']:.0f} s"
+             + (f", {out['skipped_steps']} non-finite updates skipped" if out["skipped_steps"] else "")]
+    for prefix, name in (("", "train"), ("eval/", "eval")):
+        losses = [(k, out.get(f"{prefix}loss/{k}")) for k in ["main"] + [f"mtp_{i}" for i in range(1, depth + 1)]]
+        if losses[0][1] is not None:
+            lines.append(f"  {name} loss: " + ", ".join(f"{k} {v:.4f}" for k, v in losses if v is not None))
+    lines.append(f"  checkpoint: {checkpoint}" if checkpoint else "  checkpoint: none")
+    if out["step"] < cfg.train.steps:
+        lines.append("  resume: run the same command again")
+    lines.append(f"  next: {decode_command(run)}")
+    return "\n".join(lines)
+
+
+class Logger:
+    """Consumes each step's fetched metrics: history, TensorBoard every log_every steps, progress bar, tokens/s."""
+
+    def __init__(self, cfg: Config, writer: Writer, bar, n_devices: int, peak: float):
+        self.cfg, self.writer, self.bar = cfg, writer, bar
+        self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+        self.flops = train_flops_per_token(cfg.model, cfg.data.seq_len)
+        self.n_devices, self.peak = n_devices, peak
+        self.history, self.last = [], {}
+        self.t0, self.s0 = None, None
+
+    def restart_clock(self, step: int) -> None:
+        """Exclude compilation, eval and checkpoint time from tokens/s."""
+        self.t0, self.s0 = time.perf_counter(), step
+
+    def record(self, step: int, met: dict) -> None:
+        """One applied step's metrics (host floats)."""
+        self.last = met
+        self.history.append((step, met["loss/total"]))
+        if self.t0 is None:
+            self.restart_clock(step)  # the first fetched step included compilation
+        elif step % self.cfg.train.log_every == 0 and step > self.s0:
+            tps = (step - self.s0) * self.tokens_per_step / (time.perf_counter() - self.t0)
+            extra = {"tokens_per_sec": tps, "mfu": mfu(tps, self.flops, self.peak, self.n_devices)}
+            self.writer.scalars(step, {k: v for k, v in met.items() if k not in ("loss/total", "skipped")} | extra)
+            self.bar.set_postfix(loss=f"{met['loss/main']:.3f}", tok_s=f"{tps:,.0f}")
+            self.restart_clock(step)
