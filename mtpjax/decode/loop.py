@@ -124,7 +124,7 @@ class Loop:
         start = st.n_B - 1
         vt = jnp.concatenate([take_rows(st.seq_BS, start)[:, None], st.drafts_BG], axis=1)
         with jax.named_scope("verify"):
-            h, trunk = m.trunk(vt, start[:, None] + jnp.arange(vt.shape[1], dtype=jnp.int32), cache=st.trunk)
+            h, trunk = m.trunk(vt, start[:, None] + jnp.arange(vt.shape[1], dtype=jnp.int32)[None, :], cache=st.trunk)
         st = st.replace(trunk=trunk)
         with jax.named_scope("accept"):
             a, toks = self.accept(m.logits(m.final_norm(h)), st, it)

@@ -118,7 +118,7 @@ def lookup(seq_BS, n_B, G: int, max_n: int):
         eq &= (n_B >= m + 1)[:, None]
         j = jnp.max(jnp.where(eq, pos[None, :], -1), axis=1).astype(jnp.int32)
         best = jnp.where(best < 0, j, best)
-    idx = jnp.minimum(best[:, None] + 1 + jnp.arange(G), n_B[:, None] - 1)
+    idx = jnp.minimum(best[:, None] + 1 + jnp.arange(G)[None, :], n_B[:, None] - 1)
     last = take_rows(seq_BS, n_B - 1)[:, None]
     drafts = jnp.where(best[:, None] >= 0, jnp.take_along_axis(seq_BS, idx, axis=1), last)
     return drafts.astype(jnp.int32)
@@ -184,7 +184,7 @@ class MTPProposer:
     def _draft(self, m: MTPTransformer, st: MTPState, ctx: Context, start_B, W: int):
         """Module k over the window [start, start+W) (its last row at n-2 drafts token k); then the reuse steps."""
         G, B, U = self.num_draft, ctx.n_B.shape[0], self.used(m.cfg.mtp_depth)
-        pos_BW = start_B[:, None] + jnp.arange(W, dtype=jnp.int32)
+        pos_BW = start_B[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :]
         out_idx = ctx.n_B - 2 - start_B
         h0_BWD = read_rows(st.h0_BSD, start_B, W)
         h_prev, seq, caches = h0_BWD, ctx.seq_BS, st.caches
@@ -254,7 +254,7 @@ class DraftModelProposer:
     def step(self, models: Models, cache, ctx: Context):
         dm, G, B, R = models.draft, self.num_draft, ctx.n_B.shape[0], self.catch_up()
         start = ctx.n_B - R
-        pos = start[:, None] + jnp.arange(R, dtype=jnp.int32)
+        pos = start[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
         h, cache = dm.trunk(read_rows(ctx.seq_BS, start, R), pos, cache=cache)
         h_at = h[:, R - 1]
         drafts, qs = [], []
