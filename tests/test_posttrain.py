@@ -261,3 +261,24 @@ def test_an_imported_model_post_trains_and_decodes(tmp_path):
         assert p.returncode == 0, p.stderr
         outs.append(p.stdout)
     assert outs[0] == outs[1] and len(outs[0].strip()) > 0
+
+
+@pytest.mark.slow
+def test_drafters_bench_smoke(tmp_path, capsys, monkeypatch):
+    """bench/drafters.py end to end at toy size: every drafter gets a row; MTP drafts decode as plain decoding does."""
+    import json
+
+    from bench import drafters
+
+    monkeypatch.setattr(drafters, "BASE", [*drafters.BASE, "data.source=text",
+                                           f"data.paths={write_corpus(tmp_path)}", f"data.cache_dir={tmp_path / 'c'}"])
+    out = tmp_path / "res.json"
+    assert drafters.main(["--work", str(tmp_path / "w"), "--trunk-steps", "3", "--post-steps", "2", "--draft-steps",
+                          "2", "--rounds", "1", "--forced-seqs", "2", "--prompt-len", "16", "--max-new", "6",
+                          "--batches", "1,2", "--json", str(out), "model.d_model=32", "model.n_layers=1",
+                          "data.seq_len=32", "train.batch_size=4", "train.eval_batches=1"]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["forced"]) == {"joint", "frozen_data", "frozen_self", "ngram", "draft_model"}
+    assert all(r["identical_to_plain"] for b in res["decode"].values() for r in b.values())
+    assert 0 < res["step_cost"]["flop_ratio_frozen_over_joint"] < 1
+    assert capsys.readouterr().out.count("\n| ") >= 6
