@@ -166,7 +166,8 @@ def table(res: dict) -> str:
     fmt = lambda xs: " / ".join(f"{x:.2f}" for x in xs)
     batches = list(res.get("decode", {}))
     rows = ["| drafter | training steps | eval α greedy / sampled (depth 1) | teacher-forced α by position | "
-            "tokens per round (batch 1) | " + " | ".join(f"speedup b{b}" for b in batches) + " | ceiling (b1) |",
+            "tokens per round (batch 1) | " + " | ".join(f"speedup b{b} wall (CPU)" for b in batches)
+            + " | ceiling (b1) |",
             "|---|---|---|---|---|" + "---|" * len(batches) + "---|"]
     for key, label in labels.items():
         if key not in res.get("forced", {}):
@@ -176,7 +177,8 @@ def table(res: dict) -> str:
         ev = f"{acc['agreement'][0]:.3f} / {acc['accept_prob'][0]:.3f}" if acc else "-"
         dec = [res["decode"][b][key] for b in batches]
         rows.append(f"| {label} | {steps} | {ev} | {fmt(res['forced'][key])} | {dec[0]['tokens_per_round']:.2f} | "
-                    + " | ".join(f"{d['vs_plain']:.2f}x" for d in dec) + f" | {dec[0]['ceiling']:.2f}x |")
+                    + " | ".join(f"{d['vs_plain']:.2f}x ({d['vs_plain_cpu']:.2f}x)" for d in dec)
+                    + f" | {dec[0]['ceiling']:.2f}x |")
     return "\n".join(rows)
 
 
