@@ -57,6 +57,17 @@ def test_frozen_trunk_stays_bitwise_and_only_mtp_has_optimizer_state(tiny_run, t
     assert any(not np.array_equal(before[k], moved[k]) for k in trunk)
 
 
+def test_parallel_modules_of_another_depth_post_train_on_a_sequential_trunk(tiny_run, tmp_path):
+    """model.mtp_kind and model.mtp_depth may differ from the source's: fresh parallel modules, the trunk kept."""
+    cfg = tiny_cfg(tmp_path, f"train.init_from={tiny_run[1]}", *POST, "train.steps=2", "train.eval_every=2",
+                   "model.mtp_kind=parallel", "model.mtp_depth=3", "loss.mtp_target=self", run="par")
+    out = train(cfg)
+    assert out["step"] == 2 and "eval/accept_prob/mtp_3" in out
+    before, after = _flat(load_model(tiny_run[1])[1]), _flat(load_model(tmp_path / "par")[1])
+    assert all(np.array_equal(before[k], after[k]) for k in before if k[0] != "mtp")
+    assert {k[1] for k in after if k[0] == "mtp"} == {0, 1, 2}
+
+
 def test_killed_and_resumed_post_training_equals_a_straight_run(tiny_run, tmp_path):
     """4 steps, stop, (the source gone), 4 more == 8 straight: init_from is read only before the first checkpoint."""
     src = _source(tiny_run, tmp_path)
