@@ -209,6 +209,17 @@ def test_bad_input_is_one_line_exit_2_and_modifies_nothing(tiny_run, tmp_path, c
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "config.yaml").exists()
 
 
+def test_resuming_a_post_training_run_unfrozen_is_refused_by_name(tiny_run, tmp_path, capsys):
+    """The optimizer state of a frozen run covers the MTP modules only: another train.freeze is another run."""
+    cfg = tiny_cfg(tmp_path, f"train.init_from={tiny_run[1]}", *POST, "train.steps=2", run="post")
+    train(cfg)
+    before = _snapshot(tmp_path / "post")
+    err = _error(capsys, cli_args(cfg, "train.freeze=none", "train.init_from=", "train.steps=3"))
+    assert "train.freeze: 'trunk' -> 'none'" in err and "--fresh" in err
+    assert _snapshot(tmp_path / "post") == before
+    # Companion: the same resume with the same freeze goes on.
+    assert train(replace(cfg, ["train.steps=3"]))["step"] == 3
+
 def test_config_checks_of_the_new_keys():
     ok = ["train.init_from=somewhere"]
     assert load_config(None, [*ok, "train.freeze=trunk", "loss.mtp_target=mix:0.5"]).loss.mtp_target == "mix:0.5"
