@@ -39,7 +39,9 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> dict:
         "block_matmul": blk["matmul"],
         "block_attention": blk["attention"],
         "trunk": trunk,
+        "trunk_matmul": m.n_layers * blk["matmul"],  # 2 x the weights a row reads (the head apart)
         "mtp_module": float(module),
+        "mtp_module_matmul": float(eh_proj + blk["matmul"]),
         "mtp": [float(module)] * D,
         "head": head,
         "head_applications": D + 1,
@@ -49,16 +51,15 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> dict:
     }
 
 
-def train_flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
-    """Training (forward + backward) FLOPs per token, MTP modules and every head application included."""
-    return flops_per_token(model_cfg, seq_len)["train"]
+def train_flops_per_token(model_cfg: ModelConfig, seq_len: int, frozen_trunk: bool = False) -> float:
+    """Training (forward + backward) FLOPs per token, MTP modules and every head application included.
 
-
-def draft_work_ratio(model_cfg: ModelConfig, context: int) -> float:
-    """r: one MTP draft (module + head) over one plain decode step (trunk + head), in FLOPs at this context length.
-
-    FLOPs equal weight bytes read up to a constant here, so r bounds a draft's cost from below whether a
-    decode step is compute- or memory-bound: c >= r, and verifying γ+1 tokens costs v >= 1 plain step.
+    With a frozen trunk (train.freeze=trunk) the trunk and the main head run forward only, the MTP modules forward
+    and backward, and their head applications forward plus the input gradient (the head's weights are frozen).
     """
-    f = flops_per_token(model_cfg, context)
-    return (f["mtp_module"] + f["head"]) / (f["trunk"] + f["head"])
+    f = flops_per_token(model_cfg, seq_len)
+    if not frozen_trunk:
+        return f["train"]
+    D = model_cfg.mtp_depth
+    return f["trunk"] + f["head"] + D * (3 * f["mtp_module"] + 2 * f["head"])
+
