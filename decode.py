@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from mtpjax.decode_cli import main
+from mtpjax.decode.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

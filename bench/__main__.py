@@ -26,12 +26,13 @@ def _child(module: str, args: list[str], tmp: Path, name: str) -> dict:
     return json.loads(out.read_text())
 
 
-def run_suite(smoke: bool, rounds: int, run_dir: str, no_peer: bool, tmp: Path,
-              large_run_dir: str | None = None) -> dict:
+def run_suite(smoke: bool, rounds: int, run_dir: str, no_peer: bool, tmp: Path, large_run_dir: str | None = None,
+              draft_run_dir: str = "runs/draft_tiny") -> dict:
     """Training throughput per config, then decoding (ours vs the PyTorch peer); the raw results dict.
 
     `large_run_dir`: a checkpoint whose weights do not fit the last-level cache, decoded at batch 1 too:
-    there a decode step is bound by reading weights, the regime speculation is for.
+    there a decode step is bound by reading weights, the regime speculation is for. `draft_run_dir`: the
+    draft model decoded beside MTP and n-gram (random in smoke mode; skipped, with a note, if absent).
     """
     train = {}
     for name, cfg, depths in [("tiny", "configs/tiny.yaml", "0,1,2,3"),
@@ -40,7 +41,7 @@ def run_suite(smoke: bool, rounds: int, run_dir: str, no_peer: bool, tmp: Path,
         args = ["--config", cfg, "--steps", str(rounds), "--depths", depths]
         args += ["--peak-n", "256", *SMOKE_TRAIN] if smoke else []
         train[name] = _child("bench.train_throughput", args, tmp, f"train_{name}")
-    dargs = ["--run-dir", run_dir, "--rounds", str(rounds)]
+    dargs = ["--run-dir", run_dir, "--draft-run-dir", draft_run_dir, "--rounds", str(rounds)]
     if smoke:
         dargs += ["--smoke", "--batches", "1,2", "--max-new", "8", "--prompts", "2", "--prompt-len", "16"]
     if no_peer:
@@ -100,8 +101,26 @@ def _add_ceiling(add, batch: dict, size: str) -> None:
     """The row saying whether 2x is reachable at all: the best E(γ)/(1+γr) with this model's measured α."""
     c = batch.get("ceiling")
     if c:
-        add(f"MTP ceiling E/(1+γr), r = {c['work_ratio_r']:.2f}, batch {batch['batch']}{size}", c["max"],
+        add(f"MTP ceiling E/(1+γr), r = {c['ceiling_r']:.2f}, batch {batch['batch']}{size}", c["max"],
             ">= 2 (2x reachable)", c["max"] >= 2)
+
+
+def proposer_rows(res: dict) -> list[dict]:
+    """Per proposer, side by side: the best speedup vs plain at each batch size, its acceptance, the ceiling."""
+    rows = []
+    for prefix, name, ceil in (("mtp", "MTP modules", "ceiling"), ("ngram", "n-gram", None),
+                               ("model", "draft model", "draft_ceiling")):
+        by_batch = {}
+        for b in res["decode"]["batches"]:
+            v = {k: x for k, x in b["variants"].items() if k.startswith(prefix) and k[len(prefix):].isdigit()}
+            if v:
+                best = max(v, key=lambda k: v[k]["vs_plain"])
+                by_batch[b["batch"]] = {"variant": best, "vs_plain": v[best]["vs_plain"],
+                                        "acceptance_by_position": v[best].get("acceptance_by_position", []),
+                                        "ceiling": b[ceil]["max"] if ceil and ceil in b else None}
+        if by_batch:
+            rows.append({"proposer": name, "by_batch": by_batch})
+    return rows
 
 
 def print_table(res: dict) -> None:
@@ -109,6 +128,15 @@ def print_table(res: dict) -> None:
     for r in res["targets"]:
         v = "n/a" if r["value"] is None else f"{r['value']:.3f}"
         print(f"{r['target']:58s} {v:>9s}  {r['goal']:>20s}  {r['met']}")
+    print("\nspeculative / plain greedy by proposer (best γ; acceptance by position; ceiling E/(1+γr)):")
+    for r in res.get("proposers", []):
+        cells = "  ".join(f"batch {b}: x{c['vs_plain']:.2f} "
+                          f"({c['variant']}, α {[round(a, 2) for a in c['acceptance_by_position']]}"
+                          + (f", ceiling x{c['ceiling']:.2f})" if c["ceiling"] is not None else ")")
+                          for b, c in r["by_batch"].items())
+        print(f"  {r['proposer']:12s} {cells}")
+    if res["decode"].get("draft_skipped"):
+        print(f"  draft model skipped: {res['decode']['draft_skipped']}")
     rows = res.get("cache_cliff", {}).get("rows", [])
     if rows:
         print("decode round cost per layer vs weights (plain, batch 1): " + ", ".join(
@@ -123,6 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("--run-dir", default="runs/tiny",
                     help="trained checkpoint for decoding (the README's main command)")
     ap.add_argument("--no-peer", action="store_true", help="skip the PyTorch peer")
+    ap.add_argument("--draft-run-dir", default="runs/draft_tiny",
+                    help="a draft-model run with the same tokenizer (python train.py --config configs/draft_tiny.yaml)")
     ap.add_argument("--large-run-dir", default=None,
                     help="also decode this checkpoint at batch 1: weights beyond the last-level cache "
                          "(README: runs/medium_mtp2)")
@@ -131,11 +161,13 @@ def main(argv=None) -> int:
     rounds = args.rounds or (1 if args.smoke else 5)
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            res = run_suite(args.smoke, rounds, args.run_dir, args.no_peer, Path(tmp), args.large_run_dir)
+            res = run_suite(args.smoke, rounds, args.run_dir, args.no_peer, Path(tmp), args.large_run_dir,
+                            args.draft_run_dir)
         except subprocess.CalledProcessError as e:
             print(f"error: benchmark step failed (exit {e.returncode}): {' '.join(e.cmd[1:3])}", file=sys.stderr)
             return 2
     res["targets"] = targets(res)
+    res["proposers"] = proposer_rows(res)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     res["plots"] = make_plots(res, out.parent)

@@ -56,9 +56,9 @@ TINY_ALPHA = "0.98,0.50"
 
 def _decoder():
     """The decoder's public API and the speed arithmetic, imported in this one place."""
-    from mtpjax.autodraft import expected_tokens, speedup_ceiling
+    from mtpjax.decode import generate
     from mtpjax.evaluate import timed_decode
-    from mtpjax.speculative import generate
+    from mtpjax.speed import expected_tokens, speedup_ceiling
 
     return generate, timed_decode, expected_tokens, speedup_ceiling
 
@@ -153,15 +153,16 @@ def train_section(base, backends, peak: float, steps: int, budget: Budget) -> li
 
 def decode_section(cfg, batches, alpha, prompt_len: int, max_new: int, repeats: int, budget: Budget) -> dict:
     """Plain vs MTP(1) tokens/s per batch, v and c, and what the passed-in α makes of them."""
-    from mtpjax.flops import draft_work_ratio
+    from mtpjax.decode import MTPProposer
     from mtpjax.model import build_model
+    from mtpjax.speed import floor_ratio
 
     _, timed_decode, expected_tokens, speedup_ceiling = _decoder()
     model = build_model(cfg, seed=0)
     weights = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(model))
     rng = np.random.default_rng(1)
     gamma, rows, last = 1, [], 0.0
-    r = draft_work_ratio(cfg.model, prompt_len + max_new // 2)
+    r = floor_ratio(MTPProposer(gamma), cfg.model, prompt_len + max_new // 2)
     E = expected_tokens(alpha, gamma)
     ceiling = speedup_ceiling(alpha, r, gamma)["by_gamma"][gamma]
     for b in batches:

@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-
 from flax import nnx  # noqa: E402
 
 from bench.common import log  # noqa: E402
@@ -32,15 +31,13 @@ from mtpjax.plan import tree_bytes  # noqa: E402
 
 def round_seconds(model, prompt, short: int, long_: int, repeats: int) -> float:
     """Seconds per plain decode round: the slope between a short and a long generation of one compiled loop."""
-    from mtpjax.sampling import make_sampler
-    from mtpjax.speculative import make_spec, run
+    from mtpjax.decode import make_loop, run
 
-    spec = make_spec(model, [prompt], max_new_tokens=long_, num_draft=0, proposer="mtp", sampler=make_sampler(),
-                     eos_id=None, max_len=None)
+    loop = make_loop(model, [prompt], max_new_tokens=long_, num_draft=0)
 
     def timed(budget):
         t = time.perf_counter()
-        jax.block_until_ready(run(model, [prompt], spec, budget=budget).n_B)
+        jax.block_until_ready(run(model, [prompt], loop, budget=budget).n_B)
         return time.perf_counter() - t
 
     timed(short)

@@ -22,17 +22,23 @@ def peak_rss_mb() -> float:
     return kb / (1 << 20) if sys.platform == "darwin" else kb / 1024
 
 
-def interleave(fns: dict, rounds: int, seed: int = 0) -> dict:
-    """Seconds per call of each fn, in `rounds` rounds that run every fn once in a shuffled order (A B A B ...)."""
+def interleave(fns: dict, rounds: int, seed: int = 0, cpu: dict | None = None) -> dict:
+    """Seconds per call of each fn, in `rounds` rounds that run every fn once in a shuffled order (A B A B ...).
+
+    `cpu`, if given, receives this process's CPU seconds per call too: on a host loaded by others every
+    wall time is contended, while CPU time counts the work done.
+    """
     rng = random.Random(seed)
     out = {k: [] for k in fns}
     names = list(fns)
     for _ in range(rounds):
         rng.shuffle(names)
         for k in names:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fns[k]()
             out[k].append(time.perf_counter() - t0)
+            if cpu is not None:
+                cpu.setdefault(k, []).append(time.process_time() - c0)
     return out
 
 

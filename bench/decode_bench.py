@@ -1,9 +1,10 @@
-"""Decoding side by side in one process: our plain greedy, MTP and n-gram speculation, and the PyTorch peer.
+"""Decoding side by side in one process: plain greedy, MTP, n-gram and draft-model speculation, the PyTorch peer.
 
 For each batch size every variant runs once per round, rounds interleaved; ratios are medians of
-per-round ratios. Round costs (relative to a plain round at the same batch size) feed the formula's
-prediction E/(v + γc) and `mtpjax.autodraft.choose_num_draft` ("cost_model"); the "auto" row is the
-variant the decoder's own `generate(num_draft="auto")` picks after timing its probes.
+per-round ratios. Round costs (relative to a plain round at the same batch size) feed the predicted
+speedup E(γ)/(v + γc) of mtpjax.speed and its choice of γ ("cost_model"); the "auto" row is the variant
+the decoder's own `generate(num_draft="auto")` picks after timing its probes. The draft model is a
+second trained run with the same tokenizer (`--draft-run-dir`, configs/draft_tiny.yaml).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -21,12 +23,20 @@ from flax import nnx  # noqa: E402
 
 from bench import peer as peer_mod  # noqa: E402
 from bench.common import interleave, load, log, median_ratio  # noqa: E402
-from mtpjax.autodraft import choose_num_draft, speedup_ceiling  # noqa: E402
-from mtpjax.evaluate import decode_context, ideal_tokens_per_round  # noqa: E402
-from mtpjax.flops import draft_work_ratio  # noqa: E402
+from mtpjax.decode import DraftModelProposer, MTPProposer, make_loop, run, summarize  # noqa: E402
+from mtpjax.evaluate import decode_context  # noqa: E402
 from mtpjax.plan import tree_bytes  # noqa: E402
-from mtpjax.sampling import make_sampler  # noqa: E402
-from mtpjax.speculative import make_spec, run, summarize  # noqa: E402
+from mtpjax.speed import (  # noqa: E402
+    choose_num_draft,
+    expected_tokens,
+    floor_ratio,
+    predicted_speedup,
+    speedup_ceiling,
+    weight_ratio,
+    work_ratio,
+)
+
+DRAFT_GAMMAS = (1, 2, 3)  # draft-model variants: its drafts cost a fraction of an MTP module's
 
 
 def load_subject(run_dir: str | None, smoke: bool, n_prompts: int, prompt_len: int):
@@ -53,27 +63,49 @@ def load_subject(run_dir: str | None, smoke: bool, n_prompts: int, prompt_len: i
     return model, rng.integers(0, 256, (n_prompts, prompt_len)).tolist(), "random smoke model"
 
 
-def _ours(model, groups, num_draft: int, proposer: str, max_new: int):
-    """A closure generating every group once; it records the last stats (tokens, rounds, loops, acceptance)."""
-    specs = [make_spec(model, g, max_new_tokens=max_new, num_draft=num_draft, proposer=proposer,
-                       sampler=make_sampler(), eos_id=None, max_len=None) for g in groups]
+def load_draft(draft_run_dir: str | None, smoke: bool, model):
+    """(draft model or None, what it is): a trained draft run, a random small model in smoke mode, or a reason."""
+    if draft_run_dir and Path(draft_run_dir, "checkpoints").exists():
+        from mtpjax.checkpoint import load_model
+
+        cfg, draft, _ = load_model(draft_run_dir)
+        if cfg.model.vocab_size != model.cfg.vocab_size:
+            raise SystemExit(f"error: the draft run {draft_run_dir!r} has another vocabulary than the target")
+        return draft, f"trained checkpoint {draft_run_dir}"
+    if smoke:
+        from mtpjax.config import ModelConfig
+        from mtpjax.model import build_model
+
+        cfg = ModelConfig(vocab_size=model.cfg.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, mtp_depth=0)
+        return build_model(cfg, seed=1), "random smoke draft model"
+    return None, (f"no checkpoint in {draft_run_dir!r}; train one with `python train.py --config "
+                  "configs/draft_tiny.yaml`")
+
+
+def _ours(model, groups, num_draft: int, proposer: str, max_new: int, draft=None, variant=None):
+    """A closure generating every group once; it records the last stats (tokens, rounds, loops, acceptance).
+
+    `variant`: a proposer object that replaces the named one (the same γ), for variants of a proposer."""
+    loops = [make_loop(model, g, max_new_tokens=max_new, num_draft=num_draft, proposer=proposer, draft=draft)
+             for g in groups]
+    loops = [lp if variant is None else replace(lp, proposer=variant) for lp in loops]
     box = {}
 
     def call():
-        toks, rounds, loops, acc, reach, gen, rows = [], 0, 0, np.zeros(num_draft), np.zeros(num_draft), 0, 0
-        for g, spec in zip(groups, specs):
-            st = run(model, g, spec)
+        toks, rounds, loops_, acc, reach, gen, rows = [], 0, 0, np.zeros(num_draft), np.zeros(num_draft), 0, 0
+        for g, loop in zip(groups, loops):
+            st = run(model, g, loop, draft=draft)
             jax.block_until_ready(st.n_B)
             res = summarize(st)
             toks += res.tokens
             rounds += res.stats["rounds"]
-            loops += int(np.asarray(st.rounds_B).max())
+            loops_ += int(np.asarray(st.rounds_B).max())
             if num_draft:
                 acc += res.stats["accepted"]
                 reach += res.stats["reached"]
             gen += res.stats["generated"]
             rows += len(g)
-        box.update(tokens=toks, rounds=rounds, loops=loops, accepted=acc, reached=reach, generated=gen, rows=rows)
+        box.update(tokens=toks, rounds=rounds, loops=loops_, accepted=acc, reached=reach, generated=gen, rows=rows)
 
     call()  # compile (one bucket per batch size) and warm up
     return call, box
@@ -89,7 +121,7 @@ def _peer(peer, groups, max_new: int, lookup: int):
     return call, box
 
 
-def bench_batch(model, prompts, batch: int, max_new: int, rounds: int, peer=None) -> dict:
+def bench_batch(model, prompts, batch: int, max_new: int, rounds: int, peer=None, draft=None) -> dict:
     """Every decoder at one batch size, interleaved; tokens/s, ratios, acceptance, costs, prediction, auto choice."""
     D = model.cfg.mtp_depth
     n = max(1, len(prompts) // batch) if batch == 1 else 1
@@ -99,17 +131,22 @@ def bench_batch(model, prompts, batch: int, max_new: int, rounds: int, peer=None
         gens[f"mtp{g}"] = _ours(model, groups, g, "mtp", max_new)
     gd = max(D, 2)
     gens[f"ngram{gd}"] = _ours(model, groups, gd, "ngram", max_new)
+    if draft is not None:
+        for g in DRAFT_GAMMAS:
+            gens[f"model{g}"] = _ours(model, groups, g, "model", max_new, draft)
     if peer is not None:
         gens["peer_greedy"] = _peer(peer, groups, max_new, 0)
         if batch == 1:  # transformers' assisted generation takes one sequence at a time
             gens[f"peer_lookup{gd}"] = _peer(peer, groups, max_new, gd)
-    times = interleave({k: v[0] for k, v in gens.items()}, rounds, seed=batch)
+    cpu: dict = {}
+    times = interleave({k: v[0] for k, v in gens.items()}, rounds, seed=batch, cpu=cpu)
     total = batch * n * max_new
     plain = gens["plain"][1]
     out = {"batch": batch, "max_new": max_new, "runs_per_call": n, "load": load(), "variants": {}}
     for k, (_, box) in gens.items():
         r = {"tokens_per_sec": float(np.median(total / np.asarray(times[k]))),
              "vs_plain": median_ratio(times["plain"], times[k]),
+             "vs_plain_cpu": median_ratio(cpu["plain"], cpu[k]),  # CPU time: what a loaded host does not inflate
              "identical_to_plain": box["tokens"] == plain["tokens"]}
         if "loops" in box:
             r["round_cost"] = float(np.median(times[k]) / box["loops"] / (np.median(times["plain"]) / plain["loops"]))
@@ -118,48 +155,58 @@ def bench_batch(model, prompts, batch: int, max_new: int, rounds: int, peer=None
                 r["acceptance_by_position"] = (box["accepted"] / np.maximum(box["reached"], 1)).tolist()
                 r["alpha"] = float(box["accepted"].sum() / max(box["reached"].sum(), 1))
         out["variants"][k] = r
-    _predict(out["variants"], gd)
+    for prefix in ("mtp", "model"):
+        _predict(out["variants"], gd, prefix)
+    context = decode_context(prompts, max_new)
     if D:
-        out["ceiling"] = _ceiling(out["variants"], model.cfg, decode_context(prompts, max_new))
+        out["ceiling"] = _ceiling(out["variants"], "mtp", D, lambda g: MTPProposer(g), model.cfg, context)
         _auto(model, groups, max_new, out["variants"])
+    if draft is not None:
+        out["draft_ceiling"] = _ceiling(out["variants"], "model", max(DRAFT_GAMMAS), lambda g: DraftModelProposer(g),
+                                        model.cfg, context, draft.cfg)
+    for c in (out.get("ceiling"), out.get("draft_ceiling")):
+        if c:
+            c["context"] = context
     return out
 
 
-def _predict(v: dict, gd: int) -> None:
-    """Formula E/(v + γc) from measured α, v (n-gram round cost) and c; the cost model's choice of γ."""
+def _predict(v: dict, gd: int, prefix: str) -> None:
+    """The predicted speedup E(γ)/(v + γc) of each `prefix` variant from its measured α and round cost (v: the
+    n-gram round at γ = gd, c: the rest per draft); the cost model's choice of γ among them."""
     vv = v[f"ngram{gd}"]["round_cost"]
     costs = {}
     for k, r in v.items():
-        if k.startswith("mtp"):
-            g = int(k[3:])
-            c = max(0.0, (r["round_cost"] - vv) / g) if g == gd else None
-            E = ideal_tokens_per_round(r["alpha"], g)
-            r["expected_tokens_per_round"] = E
-            r["predicted_speedup"] = E / r["round_cost"]  # from measured α and this γ's measured round cost
-            if c is not None:
-                r["verify_cost_v"], r["draft_cost_c"] = vv, c
-                r["predicted_speedup_vc"] = E / (vv + g * c)
+        if k.startswith(prefix) and k[len(prefix):].isdigit():
+            g = int(k[len(prefix):])
+            r["expected_tokens_per_round"] = expected_tokens(r["acceptance_by_position"], g)
+            r["predicted_speedup"] = predicted_speedup(r["acceptance_by_position"], g, r["round_cost"])
+            if g == gd:
+                r["verify_cost_v"], r["draft_cost_c"] = vv, (r["round_cost"] - vv) / g
             r["measured_over_predicted"] = r["vs_plain"] / r["predicted_speedup"]
             costs[g] = r["round_cost"]
     if costs:
-        alpha = v[f"mtp{max(costs)}"]["acceptance_by_position"]
-        v["cost_model"] = {"num_draft": choose_num_draft(alpha, costs), "round_cost": costs}
+        alpha = v[f"{prefix}{max(costs)}"]["acceptance_by_position"]
+        v[f"cost_model_{prefix}" if prefix != "mtp" else "cost_model"] = {
+            "num_draft": choose_num_draft(alpha, costs), "round_cost": costs}
 
 
-def _ceiling(v: dict, cfg, context: int) -> dict:
-    """The most any MTP round could gain with this model's measured α: E(γ)/(1 + γr), r = draft/plain-step FLOPs."""
-    D = cfg.mtp_depth
-    r = draft_work_ratio(cfg, context)
-    alpha = v[f"mtp{D}"]["acceptance_by_position"]
-    c = speedup_ceiling(alpha, r, D)
-    return {"work_ratio_r": r, "context": context, "alpha_by_position": alpha, "by_gamma": c["by_gamma"],
-            "max": c["max"],
-            "num_draft": c["num_draft"], "perfect_drafter": speedup_ceiling([1.0], r, D)["by_gamma"][D]}
+def _ceiling(v: dict, prefix: str, top: int, proposer, cfg, context: int, draft_cfg=None) -> dict:
+    """The most any round of this proposer could gain with its measured α: E(γ)/(1 + γr), r(γ) its floor ratio
+    (the smaller of the FLOPs it computes and the weights it reads, per draft, over a plain step's)."""
+    alpha = v[f"{prefix}{top}"]["acceptance_by_position"]
+    gammas = range(1, top + 1)
+    work = {g: work_ratio(proposer(g), cfg, context, draft_cfg) for g in gammas}
+    reads = {g: weight_ratio(proposer(g), cfg, context, draft_cfg) for g in gammas}
+    ratio = lambda g: floor_ratio(proposer(g), cfg, context, draft_cfg)  # noqa: E731
+    c = speedup_ceiling(alpha, ratio, top)
+    return {"ceiling_r": ratio(c["num_draft"] or top), "work_ratio_by_gamma": work, "weight_ratio_by_gamma": reads,
+            "alpha_by_position": alpha, "by_gamma": c["by_gamma"], "max": c["max"], "num_draft": c["num_draft"],
+            "perfect_drafter": speedup_ceiling([1.0], ratio, top)["by_gamma"][top]}
 
 
 def _auto(model, groups, max_new: int, v: dict) -> None:
     """The decoder's own choice (generate(num_draft="auto") times its probes) and how the chosen variant did here."""
-    from mtpjax.speculative import generate
+    from mtpjax.decode import generate
 
     stats = generate(model, groups[0], max_new_tokens=max_new, num_draft="auto").stats
     g = stats["num_draft"]
@@ -170,6 +217,9 @@ def _auto(model, groups, max_new: int, v: dict) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", default="runs/tiny")
+    ap.add_argument("--draft-run-dir", default="runs/draft_tiny",
+                    help="a run with the same tokenizer whose model drafts "
+                         "(python train.py --config configs/draft_tiny.yaml)")
     ap.add_argument("--smoke", action="store_true", help="random tiny model, short generations")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--max-new", type=int, default=128)
@@ -182,6 +232,12 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     model, prompts, source = load_subject(args.run_dir, args.smoke, max(batches + [args.prompts]), args.prompt_len)
     res = {"source": source, "weights_mb": tree_bytes(nnx.state(model, nnx.Param)) / 1e6, "batches": [], "peer": None}
+    draft, what = load_draft(args.draft_run_dir, args.smoke, model)
+    if draft is None:
+        print(f"draft model skipped: {what}")
+        res["draft_skipped"] = what
+    else:
+        res["draft"] = {"source": what, "weights_mb": tree_bytes(nnx.state(draft, nnx.Param)) / 1e6}
     skip = "--no-peer given" if args.no_peer else peer_mod.available()
     peer = None
     if skip:
@@ -198,7 +254,8 @@ def main(argv=None) -> int:
         print(f"peer: transformers {transformers.__version__} / torch {torch.__version__}, "
               f"max |logit diff| vs ours {res['peer']['max_logit_diff']:.2e}")
     for b in batches:
-        r = bench_batch(model, prompts[:max(b, args.prompts if b == 1 else b)], b, args.max_new, args.rounds, peer)
+        group = prompts[:max(b, args.prompts if b == 1 else b)]
+        r = bench_batch(model, group, b, args.max_new, args.rounds, peer, draft)
         res["batches"].append(r)
         for k, v in r["variants"].items():
             if "tokens_per_sec" not in v:
@@ -208,11 +265,16 @@ def main(argv=None) -> int:
             if k == "auto":
                 extra = f"  {v['num_draft']} drafts; probe costs " + ", ".join(
                     f"{g}: {c:.2f}" for g, c in v["calibration"]["round_cost"].items())
-            print(f"  batch {b:3d} {k:12s} {v['tokens_per_sec']:9.1f} tok/s  x{v['vs_plain']:.2f} vs plain{extra}")
-        if "ceiling" in r:
-            c = r["ceiling"]
-            print(f"  batch {b:3d} MTP ceiling   x{c['max']:.2f} (E/(1+γr), r = {c['work_ratio_r']:.3f}, "
-                  f"α {[round(a, 3) for a in c['alpha_by_position']]}; α = 1: x{c['perfect_drafter']:.2f})")
+            cpu = f" (CPU time x{v['vs_plain_cpu']:.2f})" if "vs_plain_cpu" in v else ""
+            print(f"  batch {b:3d} {k:12s} {v['tokens_per_sec']:9.1f} tok/s  x{v['vs_plain']:.2f}{cpu} vs plain{extra}")
+        for key, name in (("ceiling", "MTP"), ("draft_ceiling", "draft model")):
+            if key in r:
+                c = r[key]
+                rs = ", ".join(f"{x:.3f}/{y:.3f}" for x, y in zip(c["work_ratio_by_gamma"].values(),
+                                                                 c["weight_ratio_by_gamma"].values()))
+                print(f"  batch {b:3d} {name} ceiling x{c['max']:.2f} at {c['num_draft']} drafts (E/(1+γr), r = FLOPs/"
+                      f"weights per γ: {rs}, "
+                      f"α {[round(a, 3) for a in c['alpha_by_position']]}; α = 1: x{c['perfect_drafter']:.2f})")
         log(f"  batch {b} done")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))

@@ -1,27 +1,29 @@
 """Checkpoint evaluation: validation loss/agreement per depth, then measured vs predicted speculative speedup.
 
 Costs come from whole-loop timings in one process, never from isolated dispatches: t = seconds per
-round of plain decoding; v = seconds per round of n-gram speculation (drafting is nearly free, so a
-round is one verification of γ+1 tokens) over t; c = the remaining MTP round time per draft over t.
+round of plain decoding; a proposer's round cost = its seconds per round over t = v + γc, where v = the
+n-gram round's cost (drafting is nearly free, so a round is one verification of γ+1 tokens) and c the
+rest per draft. The predicted speedup is mtpjax.speed's E(γ)/(v + γc) from the measured α by position.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
-from mtpjax.autodraft import speedup_ceiling
 from mtpjax.config import Config
-from mtpjax.flops import draft_work_ratio
+from mtpjax.decode.cache import read_rows
+from mtpjax.decode.host import execute_request, make_loop, request, run, summarize
+from mtpjax.decode.loop import DecodeState, Loop, Request
+from mtpjax.decode.proposers import DraftModelProposer, MTPProposer
 from mtpjax.loss import mtp_loss
 from mtpjax.model import MTPTransformer
-from mtpjax.sampling import make_sampler
-from mtpjax.speculative import make_spec, run, summarize
+from mtpjax.speed import ceiling, expected_tokens, floor_ratio, predicted_speedup, weight_ratio, work_ratio
 
 
 def validation_metrics(cfg: Config, model: MTPTransformer, batches) -> dict:
@@ -53,23 +55,22 @@ def heldout_prompts(val_tokens, n: int, length: int, eos_id: int) -> list[list[i
 
 
 def timed_decode(model, prompts, *, num_draft: int, proposer: str, max_new: int, batch: int = 1,
-                 repeats: int = 1) -> dict:
+                 repeats: int = 1, draft=None) -> dict:
     """Greedy-decode prompts in groups of `batch` after a compile warmup; seconds, tokens, rounds, acceptance."""
     groups = [prompts[i: i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
 
-    def spec_of(group):
+    def loop_of(group):
         # all prompts are padded to one bucket, so a single compilation serves every group
-        return make_spec(model, group, max_new_tokens=max_new, num_draft=num_draft, proposer=proposer,
-                         sampler=make_sampler(), eos_id=None, max_len=None)
+        return make_loop(model, group, max_new_tokens=max_new, num_draft=num_draft, proposer=proposer, draft=draft)
 
-    jax.block_until_ready(run(model, groups[0], spec_of(groups[0])).n_B)  # compile
+    jax.block_until_ready(run(model, groups[0], loop_of(groups[0]), draft=draft).n_B)  # compile
     secs, tokens, rounds, loops = 0.0, 0, 0, 0
     acc, reach, outs = np.zeros(num_draft), np.zeros(num_draft), []
     for group in groups:
-        spec = spec_of(group)
+        loop = loop_of(group)
         for _ in range(repeats):
             t0 = time.perf_counter()
-            st = run(model, group, spec)
+            st = run(model, group, loop, draft=draft)
             jax.block_until_ready(st.n_B)
             secs += time.perf_counter() - t0
         res = summarize(st)
@@ -105,6 +106,41 @@ def argmax_by_depth(model, toks):
     return jnp.argmax(model.logits(model(toks).hidden), axis=-1)
 
 
+@struct.dataclass
+class ForcedRequest(Request):
+    ref_BS: jax.Array  # the reference sequence to commit, at absolute positions
+
+
+@struct.dataclass
+class ForcedState(DecodeState):
+    ref_BS: jax.Array
+
+
+@dataclass(frozen=True)
+class TeacherForced(Loop):
+    """Measures the drafts against the target but walks the reference text, one token a round."""
+
+    def new_state(self, req: ForcedRequest, **fields) -> ForcedState:
+        return ForcedState(ref_BS=req.ref_BS, **fields)
+
+    def chosen(self, src, toks_BY, c_B, n_B):
+        return read_rows(src.ref_BS, n_B, toks_BY.shape[1]), jnp.minimum(c_B, 1)
+
+
+def run_forced(model, prompts, loop: Loop, reference) -> DecodeState:
+    """`loop` teacher-forced: row i commits reference[i] (at least loop.max_new tokens) after its prompt."""
+    if len(reference) != len(prompts):
+        raise ValueError("forced decoding needs one reference continuation per prompt")
+    ref = np.zeros((len(prompts), loop.capacity), np.int32)
+    for i, (p, r) in enumerate(zip(prompts, reference)):
+        if len(r) < loop.max_new:
+            raise ValueError(f"reference {i} has {len(r)} tokens, fewer than the {loop.max_new} to decode")
+        ref[i, len(p): len(p) + loop.max_new] = r[: loop.max_new]
+    forced = TeacherForced(**{f: getattr(loop, f) for f in loop.__dataclass_fields__})
+    req = request(forced, prompts)
+    return execute_request(forced, model, ForcedRequest(**vars(req), ref_BS=jnp.asarray(ref)))
+
+
 def forced_acceptance(model, sequences, prompt_len: int, num_draft: int) -> list[float]:
     """Acceptance by draft position while decoding walks the reference continuation of each sequence
     (teacher forcing, one token per round). Depth 1 measures what agreement/mtp_1 measures in training,
@@ -112,24 +148,18 @@ def forced_acceptance(model, sequences, prompt_len: int, num_draft: int) -> list
     prompts = [s[:prompt_len] for s in sequences]
     refs = [s[prompt_len:] for s in sequences]
     n = min(len(r) for r in refs)
-    spec = make_spec(model, prompts, max_new_tokens=n, num_draft=num_draft, proposer="mtp", sampler=make_sampler(),
-                     eos_id=None, max_len=None)
-    return summarize(run(model, prompts, dataclasses.replace(spec, forced=True), reference=refs)).stats[
-        "acceptance_by_position"]
-
-
-def ideal_tokens_per_round(alpha: float, gamma: int) -> float:
-    """E = (1 - α^(γ+1)) / (1 - α): expected tokens per round with i.i.d. acceptance α."""
-    return gamma + 1.0 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    loop = make_loop(model, prompts, max_new_tokens=n, num_draft=num_draft, proposer="mtp")
+    return summarize(run_forced(model, prompts, loop, refs)).stats["acceptance_by_position"]
 
 
 def decode_context(prompts, max_new: int) -> int:
-    """Mean context length while decoding these prompts max_new tokens further (for flops.draft_work_ratio)."""
+    """Mean context length while decoding these prompts max_new tokens further (for speed.work_ratio)."""
     return int(np.mean([len(p) for p in prompts])) + max_new // 2
 
 
-def speed_report(model, prompts, *, num_draft: int, max_new: int, batch: int = 1, repeats: int = 1) -> dict:
-    """Plain vs n-gram vs MTP greedy decoding: throughput, acceptance, costs (c, v), predicted speedup."""
+def speed_report(model, prompts, *, num_draft: int, max_new: int, batch: int = 1, repeats: int = 1,
+                 draft=None) -> dict:
+    """Plain vs n-gram vs MTP (vs a draft model) greedy decoding: throughput, acceptance, costs, predictions."""
     kw = dict(max_new=max_new, batch=batch, repeats=repeats)
     plain = timed_decode(model, prompts, num_draft=0, proposer="mtp", **kw)
     ngram = timed_decode(model, prompts, num_draft=num_draft, proposer="ngram", **kw)
@@ -141,23 +171,33 @@ def speed_report(model, prompts, *, num_draft: int, max_new: int, batch: int = 1
     v = ngram["sec_per_round"] / t
     rep["verify_cost_v"] = v
     exact = ngram["outputs"] == plain["outputs"]
+    context = decode_context(prompts, max_new)
+    proposers = [("", "mtp", MTPProposer(num_draft), None)] if model.cfg.mtp_depth else []
+    if draft is not None:
+        proposers.append(("model_", "model", DraftModelProposer(num_draft), draft))
+    for prefix, name, proposer, dm in proposers:
+        r = timed_decode(model, prompts, num_draft=num_draft, proposer=name, draft=dm, **kw)
+        exact &= r["outputs"] == plain["outputs"]
+        alpha_pos = (r["accepted"] / np.maximum(r["reached"], 1)).tolist()
+        cost = r["sec_per_round"] / t
+        dcfg = None if dm is None else dm.cfg
+        rep[f"{name}_tokens_per_sec"] = r["tokens_per_sec"]
+        rep.update({f"{prefix}{k}": x for k, x in {
+            "speedup": r["tokens_per_sec"] / plain["tokens_per_sec"],
+            "acceptance_by_position": alpha_pos, "alpha": float(r["accepted"].sum() / max(r["reached"].sum(), 1)),
+            "tokens_per_round": _per_round(r), "expected_tokens_per_round": expected_tokens(alpha_pos, num_draft),
+            "round_cost": cost, "draft_cost_c": max(0.0, (cost - v) / num_draft),
+            "predicted_speedup": predicted_speedup(alpha_pos, num_draft, cost),
+            "draft_time_fraction": max(0.0, cost - v) / cost,
+            # the most this γ could give with these α: verifying costs >= one plain step, a draft >= its floor r
+            "work_ratio_r": work_ratio(proposer, model.cfg, context, dcfg),
+            "weight_ratio_r": weight_ratio(proposer, model.cfg, context, dcfg),
+            "speedup_ceiling": ceiling(alpha_pos, num_draft, floor_ratio(proposer, model.cfg, context, dcfg)),
+        }.items()})
     if model.cfg.mtp_depth:
-        mtp = timed_decode(model, prompts, num_draft=num_draft, proposer="mtp", **kw)
-        exact &= mtp["outputs"] == plain["outputs"]
-        alpha_pos = (mtp["accepted"] / np.maximum(mtp["reached"], 1)).tolist()
-        alpha = float(mtp["accepted"].sum() / max(mtp["reached"].sum(), 1))
-        c = max(0.0, (mtp["sec_per_round"] / t - v) / num_draft)
-        E = ideal_tokens_per_round(alpha, num_draft)
-        rep.update({
-            "mtp_tokens_per_sec": mtp["tokens_per_sec"], "speedup": mtp["tokens_per_sec"] / plain["tokens_per_sec"],
-            "acceptance_by_position": alpha_pos, "alpha": alpha, "tokens_per_round": _per_round(mtp),
-            "expected_tokens_per_round": E, "draft_cost_c": c, "predicted_speedup": E / (v + num_draft * c),
-            "draft_time_fraction": num_draft * c / (v + num_draft * c),
-            # the most this γ could give with these α even if verifying cost one plain step and a draft its FLOPs
-            "speedup_ceiling": speedup_ceiling(alpha_pos, draft_work_ratio(model.cfg, decode_context(prompts, max_new)),
-                                               num_draft)["by_gamma"][num_draft],
-            "agreement_on_generated": agreement_on(model, prompts, mtp["outputs"], min(num_draft, model.cfg.mtp_depth)),
-        })
+        # greedy: the speculative outputs are the plain ones (outputs_identical)
+        depth = min(num_draft, model.cfg.mtp_depth)
+        rep["agreement_on_generated"] = agreement_on(model, prompts, plain["outputs"], depth)
     rep["outputs_identical"] = bool(exact)
     return rep
 

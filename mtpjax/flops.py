@@ -39,7 +39,9 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> dict:
         "block_matmul": blk["matmul"],
         "block_attention": blk["attention"],
         "trunk": trunk,
+        "trunk_matmul": m.n_layers * blk["matmul"],  # 2 x the weights a row reads (the head apart)
         "mtp_module": float(module),
+        "mtp_module_matmul": float(eh_proj + blk["matmul"]),
         "mtp": [float(module)] * D,
         "head": head,
         "head_applications": D + 1,
@@ -53,12 +55,3 @@ def train_flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     """Training (forward + backward) FLOPs per token, MTP modules and every head application included."""
     return flops_per_token(model_cfg, seq_len)["train"]
 
-
-def draft_work_ratio(model_cfg: ModelConfig, context: int) -> float:
-    """r: one MTP draft (module + head) over one plain decode step (trunk + head), in FLOPs at this context length.
-
-    FLOPs equal weight bytes read up to a constant here, so r bounds a draft's cost from below whether a
-    decode step is compute- or memory-bound: c >= r, and verifying γ+1 tokens costs v >= 1 plain step.
-    """
-    f = flops_per_token(model_cfg, context)
-    return (f["mtp_module"] + f["head"]) / (f["trunk"] + f["head"])

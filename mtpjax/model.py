@@ -7,8 +7,6 @@ methods below, so the convention cannot drift between them.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -20,13 +18,6 @@ from mtpjax.layers import KV, Block, Dense, RMSNorm, dtype_of, param
 @struct.dataclass
 class MTPOutput:
     hidden: jax.Array  # hidden_MBTD: index 0 the trunk, k the MTP depth k, each normed for the head
-
-
-class DecodeCache(NamedTuple):
-    """KV caches of the trunk (a KV per layer, or one stacked KV when layers are scanned) and of each MTP module."""
-
-    trunk: tuple | KV
-    mtp: tuple
 
 
 _REMAT = {
@@ -127,6 +118,10 @@ class MTPTransformer(nnx.Module):
             news.append(nkv)
         return x, None if cache is None else tuple(news)
 
+    def mtp_input(self, h_prev, h0):
+        """What MTP module k reads: the raw h_{k-1} (sequential: the chain) or the trunk's h0 (parallel heads)."""
+        return h_prev if self.cfg.mtp_kind == "sequential" else h0
+
     def mtp_forward(self, k: int, h_prev_BTD, next_tokens_BT, pos_BT=None, seg_BT=None, cache: KV | None = None):
         """MTP depth k (1-based): raw h_{k-1}[i] and token x[i+k] -> raw h_k[i], updated cache."""
         pos_BT = _positions(next_tokens_BT) if pos_BT is None else pos_BT
@@ -145,8 +140,7 @@ class MTPTransformer(nnx.Module):
             # Positions past the end read token 0; their targets are masked in the loss and causal
             # attention keeps them from touching earlier positions.
             nxt = shift_left(tokens_BT, k)
-            prev = h if self.cfg.mtp_kind == "sequential" else h0
-            h, _ = self.mtp_forward(k, prev, nxt, seg_BT=segment_ids_BT)
+            h, _ = self.mtp_forward(k, self.mtp_input(h, h0), nxt, seg_BT=segment_ids_BT)
             hidden.append(self.mtp[k - 1].norm(h))
         return MTPOutput(hidden=jnp.stack(hidden))
 

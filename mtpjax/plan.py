@@ -14,8 +14,10 @@ import optax
 from flax import nnx
 
 from mtpjax.config import Config, ConfigError, load_config
+from mtpjax.decode.proposers import MTPProposer
 from mtpjax.flops import flops_per_token
 from mtpjax.model import build_model, param_counts
+from mtpjax.speed import ceiling, expected_tokens, floor_ratio, weight_ratio, work_ratio
 
 
 def tree_bytes(tree) -> int:
@@ -23,20 +25,11 @@ def tree_bytes(tree) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """Ideal tokens per round with gamma drafts each accepted with probability alpha: (1-α^(γ+1))/(1-α)."""
-    if alpha >= 1.0:
-        return float(gamma + 1)
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-def speedup(alpha: float, gamma: int, draft_cost: float) -> float:
-    """Ideal speculative speedup E / (1 + γ·c) over plain decoding (c = draft cost / target cost)."""
-    return expected_tokens(alpha, gamma) / (1.0 + gamma * draft_cost)
-
-
 def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None, max_gamma: int | None = None) -> dict:
-    """The plan as numbers: parameters, memory, FLOPs per token by depth, and speculative speedups."""
+    """The plan as numbers: parameters, memory, FLOPs per token by depth, and the speculation ceiling per γ.
+
+    r is mtpjax.speed's floor ratio of MTP drafting (the smaller of the FLOPs it computes, each module
+    recomputing its window, and the weights it reads), unless `draft_cost` fixes it for every γ."""
     model = nnx.eval_shape(lambda: build_model(cfg))
     counts = param_counts(model)
     params = jax.tree.leaves(nnx.state(model, nnx.Param))
@@ -45,13 +38,19 @@ def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None,
     opt_state = jax.eval_shape(tx.init, params)
     fl = flops_per_token(cfg.model, cfg.data.seq_len)
     D = cfg.model.mtp_depth
-    if draft_cost is None and D:
-        # Drafting one token = one MTP module + one head; scoring one token = trunk + head.
-        draft_cost = (fl["mtp_module"] + fl["head"]) / (fl["trunk"] + fl["head"])
     max_gamma = D + 2 if max_gamma is None else max_gamma
-    spec = [] if draft_cost is None else [
-        {"gamma": g, "tokens_per_round": expected_tokens(alpha, g), "speedup": speedup(alpha, g, draft_cost)}
-        for g in range(1, max_gamma + 1)]
+
+    def ratios(g: int) -> dict:
+        if draft_cost is not None:
+            return {"work_ratio": draft_cost, "weight_ratio": draft_cost, "floor_ratio": draft_cost}
+        args = (MTPProposer(g), cfg.model, cfg.data.seq_len)
+        return {"work_ratio": work_ratio(*args), "weight_ratio": weight_ratio(*args), "floor_ratio": floor_ratio(*args)}
+
+    spec = []
+    for g in range(1, max_gamma + 1) if draft_cost is not None or D else ():
+        r = ratios(g)
+        spec.append({"gamma": g, "tokens_per_round": expected_tokens([alpha], g), **r,
+                     "speedup": ceiling([alpha], g, r["floor_ratio"])})
     return {"params": counts, "param_bytes": tree_bytes(params), "optimizer_bytes": tree_bytes(opt_state),
             "param_dtype": cfg.model.param_dtype, "flops": fl, "alpha": alpha, "draft_cost": draft_cost,
             "speculation": spec}
@@ -90,14 +89,17 @@ def format_plan(plan: dict, cfg: Config) -> str:
         inc = "" if prev is None else f"+{_h(3 * (f - prev))} ({(f - prev) / prev:+.2%})"
         lines.append(f"  {k:<5d}   {_h(f):<12} {_h(3 * f):<12} {inc}")
         prev = f
-    if plan["draft_cost"] is None:
+    if not plan["speculation"]:
         lines.append("speculation: mtp_depth=0, no MTP drafter (pass --draft-cost to plan another drafter)")
     else:
-        lines += [f"speculation (alpha={plan['alpha']}, draft cost c={plan['draft_cost']:.4f} of a target forward"
-                  f"; gamma > {m.mtp_depth} reuses the last module):",
-                  "  gamma   E=(1-a^(g+1))/(1-a)   speedup E/(1+g*c)"]
+        cost = (f"draft cost c={plan['draft_cost']:.4f} of a target forward" if plan["draft_cost"] is not None else
+                f"per draft over a plain step: FLOPs computed (module k recomputes gamma+1 rows) and weights read; "
+                f"r = the smaller; gamma > {m.mtp_depth} reuses the last module")
+        lines += [f"speculation (alpha={plan['alpha']}, {cost}):",
+                  "  gamma   E=(1-a^(g+1))/(1-a)   FLOPs    weights  speedup ceiling E/(1+g*r)"]
         for s in plan["speculation"]:
-            lines.append(f"  {s['gamma']:<5d}   {s['tokens_per_round']:<21.4f} {s['speedup']:.4f}")
+            lines.append(f"  {s['gamma']:<5d}   {s['tokens_per_round']:<21.4f} {s['work_ratio']:<8.4f} "
+                         f"{s['weight_ratio']:<8.4f} {s['speedup']:.4f}")
     return "\n".join(lines)
 
 
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny.yaml")
     ap.add_argument("--alpha", type=float, default=0.8, help="per-draft acceptance rate in [0, 1]")
     ap.add_argument("--draft-cost", type=float, default=None,
-                    help="draft/target forward cost ratio c (default: FLOP ratio of MTP module+head to trunk+head)")
+                    help="draft/target forward cost ratio c for every gamma (default: the FLOPs MTP drafting computes)")
     ap.add_argument("--max-gamma", type=int, default=None, help="largest number of drafts to tabulate (default D+2)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides such as model.mtp_depth=3")
     try:

@@ -13,7 +13,7 @@ from flax import nnx
 from mtpjax import distributed
 from mtpjax.data import eval_by_source
 from mtpjax.metrics import Writer
-from mtpjax.speculative import generate  # the decoder's cached generation: the one import of the decoder here
+from mtpjax.decode import generate  # the decoder's cached generation: the one import of the decoder here
 
 SAMPLE_PROMPT = 32  # tokens of a validation row that prompt each sample
 SAMPLE_TOKENS = 64  # greedy tokens generated per sample

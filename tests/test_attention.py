@@ -161,7 +161,7 @@ def test_a_run_resumes_and_decodes_on_another_backend(tmp_path, capfd):
 
     from mtpjax.checkpoint import load_model
     from mtpjax.config import replace
-    from mtpjax.speculative import generate
+    from mtpjax.decode import generate
     from mtpjax.rundir import RunDirError, check_identity
     from mtpjax.train_loop import train
 

@@ -9,7 +9,6 @@ import pytest
 
 from bench.__main__ import targets
 from bench.peer import available
-from mtpjax.autodraft import choose_num_draft, expected_tokens, speedup_ceiling
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,6 +37,12 @@ def test_suite_smoke_writes_every_key(tmp_path):
         assert all(v[k]["identical_to_plain"] for k in ("mtp1", "mtp2", "ngram2"))
         assert len(v["mtp2"]["acceptance_by_position"]) == 2
         assert v["mtp2"]["predicted_speedup"] > 0 and v["auto"]["num_draft"] in (0, 1, 2)
+        # the draft model (a random one in smoke mode) beside MTP and n-gram, with its acceptance and ceiling
+        assert all(v[f"model{g}"]["identical_to_plain"] for g in (1, 2, 3))
+        assert len(v["model3"]["acceptance_by_position"]) == 3 and v["model3"]["predicted_speedup"] > 0
+        assert 0 < b["draft_ceiling"]["ceiling_r"] < b["ceiling"]["ceiling_r"] and b["draft_ceiling"]["max"] >= 1
+    assert [r["proposer"] for r in res["proposers"]] == ["MTP modules", "n-gram", "draft model"]
+    assert set(res["proposers"][2]["by_batch"]) == {"1", "2"} and "draft model" in r.stdout  # JSON keys
     reason = available()
     if reason:  # the peer part is the only thing skipped without torch, and it says why
         assert res["decode"]["peer_skipped"] == reason and reason in r.stdout
@@ -49,42 +54,9 @@ def test_suite_smoke_writes_every_key(tmp_path):
     assert all(Path(p).stat().st_size > 1000 for p in res["plots"])
     assert len(res["targets"]) == 8
     ceil = res["decode"]["batches"][0]["ceiling"]
-    assert 0 < ceil["work_ratio_r"] < 1 and ceil["max"] >= 1 and ceil["perfect_drafter"] > 1
+    assert 0 < ceil["ceiling_r"] < 1 and ceil["max"] >= 1 and ceil["perfect_drafter"] > 1
     peer_row = [t for t in res["targets"] if "transformers" in t["target"]][0]
     assert (peer_row["value"] is None) == bool(reason)
-
-
-def test_expected_tokens():
-    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
-    assert expected_tokens([1.0, 0.0], 2) == pytest.approx(2.0)
-    assert expected_tokens([0.9], 3) == pytest.approx(1 + 0.9 + 0.81 + 0.729)  # last rate reused past the list
-    assert expected_tokens([], 2) == 1.0
-
-
-def test_choose_num_draft_prefers_fewer_drafts_when_rounds_get_expensive():
-    alpha = [0.9, 0.6]
-    # cheap drafting (batch 1): two drafts pay off
-    assert choose_num_draft(alpha, {1: 1.2, 2: 1.4}) == 2
-    # verification compute-bound (batch 32): a round costs more than the tokens it yields -> plain decoding
-    assert choose_num_draft(alpha, {1: 2.0, 2: 2.6}) == 0
-    # in between: one draft
-    assert choose_num_draft(alpha, {1: 1.3, 2: 2.5}) == 1
-    # a tie goes to fewer drafts
-    assert choose_num_draft([1.0], {1: 2.0}) == 0
-
-
-def test_speedup_ceiling_is_the_best_round_at_floor_costs():
-    c = speedup_ceiling([0.97, 0.62], 0.31, 2)
-    assert c["by_gamma"][0] == 1.0
-    assert c["by_gamma"][1] == pytest.approx(1.97 / 1.31)
-    assert c["by_gamma"][2] == pytest.approx((1 + 0.97 + 0.97 * 0.62) / 1.62)
-    assert c["num_draft"] == 2 and c["max"] == pytest.approx(1.587, abs=1e-3) and c["max"] < 2
-    # the cost model, handed the floor costs v = 1, c = r, picks the ceiling's γ
-    for alpha, r in (([0.97, 0.62], 0.31), ([0.5, 0.5], 0.3), ([0.9, 0.9, 0.9], 0.05)):
-        c = speedup_ceiling(alpha, r, len(alpha))
-        assert choose_num_draft(alpha, {g: 1 + g * r for g in range(1, len(alpha) + 1)}) == c["num_draft"]
-    # a perfect drafter with free drafts gains γ+1
-    assert speedup_ceiling([1.0], 0.0, 3)["max"] == 4.0
 
 
 def _res(mfu_tiny, mfu_med, peer_ratio):
@@ -105,7 +77,7 @@ def test_targets_table_reports_met_and_unmet():
     assert [r for r in t if "overhead" in r["target"]][0]["met"] is True
     assert not [r for r in t if "ceiling" in r["target"]]  # only when the decode bench measured one
     res = _res(0.45, 0.4, 0.25)
-    res["decode"]["batches"][0]["ceiling"] = {"work_ratio_r": 0.31, "max": 1.59}
+    res["decode"]["batches"][0]["ceiling"] = {"ceiling_r": 0.31, "max": 1.59}
     row = [r for r in targets(res) if "ceiling" in r["target"]][0]
     assert row["value"] == 1.59 and row["met"] is False and "r = 0.31, batch 1" in row["target"]
     res["decode"]["batches"][0]["ceiling"]["max"] = 2.3
@@ -124,7 +96,7 @@ def test_large_model_row_reports_batch_1_mtp_speed():
     res["decode_large"]["batches"][0]["variants"]["mtp2"]["vs_plain"] = 0.9
     res["decode_large"]["batches"][0]["variants"]["mtp1"]["vs_plain"] = 0.8
     assert [r for r in targets(res) if "MB model" in r["target"]][0]["met"] is False
-    res["decode_large"]["batches"][0]["ceiling"] = {"work_ratio_r": 0.2, "max": 1.74}
+    res["decode_large"]["batches"][0]["ceiling"] = {"ceiling_r": 0.2, "max": 1.74}
     row = [r for r in targets(res) if "ceiling" in r["target"]][0]
     assert "99 MB" in row["target"] and row["met"] is False
 
@@ -141,3 +113,17 @@ def test_suite_decodes_the_large_run_at_batch_1_only(monkeypatch, tmp_path):
     assert "decode_large" in res and name == "decode_large" and module == "bench.decode_bench"
     assert args[args.index("--run-dir") + 1] == "runs/big" and args[args.index("--batches") + 1] == "1"
     assert "--no-peer" in args and "--smoke" not in args
+
+
+def test_mtp_drafting_variants_decode_exactly():
+    """bench.mtp_drafting's bookkeeping: every variant (old window, γ+1 window, module 1 only) is exact."""
+    from bench.decode_bench import load_subject
+    from bench.mtp_drafting import bench_batch
+
+    model, prompts, _ = load_subject(None, True, 2, 16)
+    r = bench_batch(model, prompts, 1, max_new=8, rounds=1, gammas=[1, 2])
+    assert set(r["variants"]) == {"plain", "mtp1_old_window", "mtp1", "mtp2_old_window", "mtp2", "mtp2_module1"}
+    assert all(v["identical_to_plain"] for v in r["variants"].values())
+    mtp2 = r["variants"]["mtp2"]
+    assert mtp2["vs_old_window"] > 0 and mtp2["vs_old_window_cpu"] > 0
+    assert len(r["variants"]["mtp2_module1"]["acceptance_by_position"]) == 2

@@ -362,7 +362,7 @@ def _assert_same_params(a, b):
     (("model.scan_layers=true", "model.param_dtype=bfloat16"), ("model.scan_layers=true",)),
 ])
 def test_export_import_roundtrip_is_bitwise(tmp_path, overrides, back):
-    from mtpjax.speculative import generate
+    from mtpjax.decode import generate
 
     run = make_run(tmp_path, "run", *overrides)
     assert cli("export", "--run-dir", run, "--out", tmp_path / "hf", "--mtp-modules", "2") == 0

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mtpjax.config import load_config
-from mtpjax.decode_cli import main
+from mtpjax.decode.cli import main
 from mtpjax.train_loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def test_generate_streams_text(runs, capsys):
 def test_auto_calibration_is_saved_outside_the_run_and_reused(runs, capsys, monkeypatch, tmp_path):
     """A second decode of the same request shape reads the probe's result back instead of probing; the
     run directory stays as it was (decoding never changes a run)."""
-    from mtpjax import autodraft
+    from mtpjax.decode import autodraft
 
     run = runs["mtp"]
     monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path))
@@ -66,15 +66,15 @@ def test_auto_calibration_is_saved_outside_the_run_and_reused(runs, capsys, monk
 
 
 def test_recalibrate_and_calibration_file_flags_reach_generate(runs, capsys, monkeypatch, tmp_path):
-    import mtpjax.speculative as sp
+    from mtpjax.decode import GenerateResult, api
 
     seen = []
 
     def fake_generate(model, prompts, **kw):
         seen.append(kw["calibrations"])
-        return sp.GenerateResult(tokens=[[65]], stats={})
+        return GenerateResult(tokens=[[65]], stats={})
 
-    monkeypatch.setattr(sp, "generate", fake_generate)
+    monkeypatch.setattr(api, "generate", fake_generate)
     monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path / "env"))
     argv = ["--run-dir", str(runs["mtp"]), "--prompt", "x", "--max-new-tokens", "4"]
     assert main(argv) == 0 and main(argv + ["--recalibrate", "--calibration-file", str(tmp_path / "c.json")]) == 0
@@ -114,11 +114,11 @@ def test_eval_report_json_and_tensorboard(runs, tmp_path, capsys):
     for k in ("plain_tokens_per_sec", "mtp_tokens_per_sec", "ngram_tokens_per_sec", "speedup", "predicted_speedup",
               "verify_cost_v", "draft_cost_c", "tokens_per_round", "expected_tokens_per_round"):
         assert d[k] >= 0, k
-    from mtpjax.autodraft import expected_tokens
     from mtpjax.checkpoint import load_model
-    from mtpjax.flops import draft_work_ratio
+    from mtpjax.decode import MTPProposer
+    from mtpjax.speed import expected_tokens, floor_ratio
 
-    r = draft_work_ratio(load_model(str(runs["mtp"]))[0].model, 32 + 24 // 2)  # prompts of 32, 24 new tokens
+    r = floor_ratio(MTPProposer(2), load_model(str(runs["mtp"]))[0].model, 32 + 24 // 2)  # prompts of 32, 24 new
     assert d["speedup_ceiling"] == pytest.approx(expected_tokens(d["acceptance_by_position"], 2) / (1 + 2 * r))
     assert {"loss/main", "loss/mtp_1", "loss/mtp_2", "agreement/mtp_1"} <= set(rep["validation"])
     screen = capsys.readouterr().out
@@ -143,6 +143,10 @@ def test_eval_report_json_and_tensorboard(runs, tmp_path, capsys):
     ("bad step", ["--run-dir", "{mtp}", "--prompt", "x", "--step", "7"], "no checkpoint at step 7"),
     ("bad num-draft", ["--run-dir", "{mtp}", "--prompt", "x", "--num-draft", "many"], "auto or an integer"),
     ("auto without mtp", ["--run-dir", "{plain}", "--prompt", "x", "--proposer", "mtp"], "no MTP modules"),
+    ("model without draft", ["--run-dir", "{mtp}", "--prompt", "x", "--proposer", "model"], "needs --draft-run-dir"),
+    ("draft and ngram", ["--run-dir", "{mtp}", "--prompt", "x", "--draft-run-dir", "{plain}", "--proposer", "ngram"],
+     "drafts with --proposer model"),
+    ("missing draft run", ["--run-dir", "{mtp}", "--prompt", "x", "--draft-run-dir", "{tmp}/nope"], "does not exist"),
 ])
 def test_bad_input_is_one_line_exit_2(runs, tmp_path, capsys, case, argv, text):
     argv = [a.format(tmp=tmp_path, mtp=runs["mtp"], plain=runs["plain"]) for a in argv]
@@ -154,6 +158,41 @@ def test_bad_input_is_one_line_exit_2(runs, tmp_path, capsys, case, argv, text):
     assert code == 2, case
     assert len(err) >= 1 and text in err[-1], (case, err)
     assert all(line.startswith(("error:", "WARNING:absl")) for line in err), err
+
+
+def test_draft_run_drafts_and_keeps_the_greedy_text(runs, capsys):
+    """--draft-run-dir: another run with the same tokenizer drafts; the text is the plain greedy text."""
+    argv = ["--run-dir", str(runs["mtp"]), "--prompt", "def f(x):", "--max-new-tokens", "24", "--stats"]
+    assert main(argv + ["--num-draft", "0"]) == 0
+    plain = capsys.readouterr().out
+    assert main(argv + ["--draft-run-dir", str(runs["plain"]), "--num-draft", "2"]) == 0
+    out = capsys.readouterr()
+    assert out.out == plain and "[model num_draft=2]" in out.err
+
+
+def test_eval_reports_the_draft_model_beside_mtp_and_ngram(runs, tmp_path):
+    out = tmp_path / "eval.json"
+    argv = ["--run-dir", str(runs["mtp"]), "--eval", "--eval-batches", "1", "--eval-prompts", "1", "--prompt-len", "16",
+            "--max-new-tokens", "8", "--draft-run-dir", str(runs["plain"]), "--json", str(out)]
+    assert main(argv) == 0
+    d = json.loads(out.read_text())["decode"]
+    assert d["outputs_identical"] is True and len(d["model_acceptance_by_position"]) == 2
+    assert d["model_tokens_per_sec"] > 0 and d["model_predicted_speedup"] > 0
+    assert d["model_work_ratio_r"] > 0 and d["model_speedup_ceiling"] > 0
+
+
+def test_draft_run_with_another_tokenizer_is_one_line_exit_2(runs, tmp_path, capsys):
+    import shutil
+
+    from mtpjax.data import train_bpe
+
+    other = tmp_path / "bpe_draft"
+    shutil.copytree(runs["plain"], other)
+    shutil.rmtree(other / "tokenizer")
+    train_bpe(iter(["def f(x):\n    return x\n"] * 50), vocab_size=300).save(other / "tokenizer")
+    code = main(["--run-dir", str(runs["mtp"]), "--prompt", "x", "--draft-run-dir", str(other)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "uses another tokenizer" in err[0] and "same data.tokenizer" in err[0]
 
 
 def test_eval_is_labelled_with_the_step_actually_loaded(runs, tmp_path, capsys):

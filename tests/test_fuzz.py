@@ -18,7 +18,8 @@ import yaml
 from test_reliability import tree_hash
 from train_helpers import cli_args, tiny_cfg
 
-from mtpjax import decode_cli, train_loop
+from mtpjax import train_loop
+from mtpjax.decode import cli as decode_cli
 from mtpjax.config import Config, ConfigError, field_doc, load_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,7 +51,7 @@ def _mutations(rng: random.Random, n: int):
             r = rng.random()
             key = rng.choice(keys)
             sec, name = key.split(".")
-            if r < 0.1 and isinstance(raw.get(sec, {}), dict):  # (a section set to a scalar below stays one)
+            if r < 0.1 and isinstance(raw.get(sec, {}), dict):  # (a section already made a scalar stays one)
                 raw.setdefault(sec, {})[name + rng.choice(["_", "s", "x"])] = 1
             elif r < 0.15:
                 raw[sec + "z"] = {name: 1}

@@ -10,9 +10,11 @@ import pytest
 from flax import nnx
 
 from mtpjax.config import load_config
+from mtpjax.decode import MTPProposer
 from mtpjax.flops import flops_per_token
 from mtpjax.model import build_model, param_counts
-from mtpjax.plan import build_plan, expected_tokens, main, speedup
+from mtpjax.plan import build_plan, main
+from mtpjax.speed import ceiling, expected_tokens, floor_ratio, weight_ratio, work_ratio
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -37,25 +39,32 @@ def test_plan_matches_real_model(dtype, itemsize):
 
 
 def test_speculation_formulas():
-    assert expected_tokens(0.8, 1) == pytest.approx(1.8)
-    assert expected_tokens(0.8, 2) == pytest.approx(1 + 0.8 + 0.64)
-    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert expected_tokens(1.0, 4) == 5.0 and expected_tokens(0.0, 4) == 1.0
-    assert speedup(0.8, 2, 0.1) == pytest.approx(2.44 / 1.2)
-    assert speedup(0.8, 3, 0.0) == pytest.approx(expected_tokens(0.8, 3))
+    assert expected_tokens([0.8], 1) == pytest.approx(1.8)
+    assert expected_tokens([0.8], 2) == pytest.approx(1 + 0.8 + 0.64)
+    assert expected_tokens([0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens([1.0], 4) == 5.0 and expected_tokens([0.0], 4) == 1.0
+    assert ceiling([0.8], 2, 0.1) == pytest.approx(2.44 / 1.2)
+    assert ceiling([0.8], 3, 0.0) == pytest.approx(expected_tokens([0.8], 3))
 
 
-def test_default_draft_cost_is_module_over_trunk():
+def test_default_draft_cost_counts_the_rows_mtp_drafting_computes():
     cfg = load_config(TINY, SMALL_OVERRIDES)
     plan = build_plan(cfg, alpha=0.7)
     f = plan["flops"]
-    c = (f["mtp_module"] + f["head"]) / (f["trunk"] + f["head"])
-    assert plan["draft_cost"] == pytest.approx(c) and 0 < c < 1
+    assert plan["draft_cost"] is None
     assert [s["gamma"] for s in plan["speculation"]] == [1, 2, 3, 4]  # D=2, and a bit beyond
+    # one draft recomputes module 1's window of 2 rows and applies the head once; it reads the module once
+    one = plan["speculation"][0]
+    assert one["work_ratio"] == pytest.approx((2 * f["mtp_module"] + f["head"]) / (f["trunk"] + f["head"]))
+    assert one["weight_ratio"] == pytest.approx((f["mtp_module_matmul"] + f["head"]) / (f["trunk_matmul"] + f["head"]))
     for s in plan["speculation"]:
-        assert s["speedup"] == pytest.approx(expected_tokens(0.7, s["gamma"]) / (1 + s["gamma"] * c))
+        args = (MTPProposer(s["gamma"]), cfg.model, cfg.data.seq_len)
+        assert (s["work_ratio"], s["weight_ratio"]) == pytest.approx((work_ratio(*args), weight_ratio(*args)))
+        c = floor_ratio(*args)
+        assert c == min(s["work_ratio"], s["weight_ratio"])
+        assert s["speedup"] == pytest.approx(expected_tokens([0.7], s["gamma"]) / (1 + s["gamma"] * c))
     assert build_plan(cfg, draft_cost=0.5, max_gamma=6)["speculation"][-1]["speedup"] == \
-        pytest.approx(expected_tokens(0.8, 6) / 4.0)
+        pytest.approx(expected_tokens([0.8], 6) / 4.0)
     assert build_plan(load_config(TINY, ["model.mtp_depth=0"]))["speculation"] == []
 
 
@@ -65,7 +74,7 @@ def test_cli_prints_plan(capsys):
     counts = build_plan(load_config(TINY, SMALL_OVERRIDES))["params"]
     assert f"{counts['trunk']:,d}" in out and f"{counts['mtp'][1]:,d}" in out
     assert "mtp module 2" in out and "alpha=0.5" in out and "c=0.2500" in out
-    assert f"{expected_tokens(0.5, 3):.4f}" in out and f"{speedup(0.5, 3, 0.25):.4f}" in out
+    assert f"{expected_tokens([0.5], 3):.4f}" in out and f"{ceiling([0.5], 3, 0.25):.4f}" in out
     assert "optimizer" in out and "GiB" in out
 
 

@@ -23,7 +23,7 @@ COUNTING = ("import atexit, collections, json, runpy, sys; import jax.monitoring
 
 
 def test_cache_root_is_one_place(monkeypatch, tmp_path):
-    from mtpjax.autodraft import default_calibration_file
+    from mtpjax.decode.autodraft import default_calibration_file
 
     monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path))
     assert runtime.cache_root() == tmp_path and runtime.compilation_cache_dir() == tmp_path / "xla"

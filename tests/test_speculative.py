@@ -12,15 +12,15 @@ import optax
 import pytest
 from flax import nnx
 
-from mtpjax.cache import init_cache, layer, stacked
 from mtpjax.config import load_config
-from mtpjax.evaluate import argmax_by_depth
+from mtpjax.decode import DecodeError, MTPProposer, autodraft, generate, host, make_loop, run, summarize
+from mtpjax.decode.cache import layer, module_caches, stacked, trunk_cache
+from mtpjax.decode.loop import Loop, execute, run_loop
+from mtpjax.decode.sampling import make_sampler
+from mtpjax.evaluate import argmax_by_depth, run_forced
 from mtpjax.loss import mtp_loss
 from mtpjax.model import build_model
-from mtpjax.sampling import make_sampler
-from mtpjax import autodraft
-from mtpjax.autodraft import choose_num_draft
-from mtpjax.speculative import DecodeError, generate, make_spec, run, summarize
+from mtpjax.speed import choose_num_draft
 
 
 def _pattern_batch(rng, B, T, V):
@@ -78,11 +78,11 @@ def half_trained():
 PROMPTS = [[1, 4, 13, 8, 25], [7, 22, 3], [2, 7, 22, 3, 10, 31, 30, 27, 18, 23, 6], [5, 16]]
 
 
-def _check_greedy_equal(model, proposer, drafts, batches):
+def _check_greedy_equal(model, proposer, drafts, batches, draft=None):
     for prompts in batches:
         base = generate(model, prompts, max_new_tokens=24)
         for g in drafts:
-            out = generate(model, prompts, max_new_tokens=24, num_draft=g, proposer=proposer)
+            out = generate(model, prompts, max_new_tokens=24, num_draft=g, proposer=proposer, draft=draft)
             assert out.tokens == base.tokens, (proposer, g, len(prompts))
             assert all(len(t) == 24 for t in out.tokens)
             assert 0 < sum(out.stats["accepted"]) < sum(out.stats["reached"])  # both outcomes exercised
@@ -91,6 +91,12 @@ def _check_greedy_equal(model, proposer, drafts, batches):
 def test_greedy_speculative_equals_plain(half_trained):
     _check_greedy_equal(half_trained, "mtp", (1, 2, 3, 4), (PROMPTS,))
     _check_greedy_equal(half_trained, "ngram", (2,), (PROMPTS,))
+
+
+def test_module_1_drafting_every_token_equals_plain(half_trained):
+    """proposer="mtp1": module 1 drafts every token (as vLLM and SGLang do), beyond the model's depth too."""
+    assert autodraft.candidates(half_trained, "mtp1") == [0, 1, 2, 3]
+    _check_greedy_equal(half_trained, "mtp1", (2, 3), (PROMPTS,))
 
 
 @pytest.mark.slow
@@ -108,24 +114,26 @@ def test_mtp_drafts_are_accepted_on_a_trained_model(trained):
     assert abs(alpha[0] - metrics["agreement/mtp_1"]) < 0.2
 
 
-def test_companion_a_wrong_acceptance_rule_breaks_equality(half_trained, monkeypatch):
-    """The equality test can fail: accepting drafts without checking them changes the output."""
-    import mtpjax.speculative as sp
+class AcceptAll(Loop):
+    """A broken acceptance rule: every draft is accepted unchecked."""
 
+    def accept(self, logits, st, it):
+        a, toks = super().accept(logits, st, it)
+        G = st.drafts_BG.shape[1]
+        return jnp.full_like(a, G), jnp.concatenate([st.drafts_BG, toks[:, -1:]], axis=1)
+
+
+def as_loop(cls, loop):
+    """The same loop as an instance of the subclass cls (a subclass compiles its own loop)."""
+    return cls(**{f.name: getattr(loop, f.name) for f in dataclasses.fields(loop)})
+
+
+def test_companion_a_wrong_acceptance_rule_breaks_equality(half_trained):
+    """The equality test can fail: accepting drafts without checking them changes the output."""
     model = half_trained
     base = generate(model, PROMPTS, max_new_tokens=24)
-    orig = sp._accept
-
-    def greedy_accept_all(logits, st, spec, it):
-        a, toks = orig(logits, st, spec, it)
-        G = st.drafts_BG.shape[1]
-        toks = jnp.concatenate([st.drafts_BG, toks[:, -1:]], axis=1)
-        return jnp.full_like(a, G), toks
-
-    monkeypatch.setattr(sp, "_accept", greedy_accept_all)
-    out = sp.summarize(sp.run(model, PROMPTS, dataclasses.replace(
-        make_spec(model, PROMPTS, max_new_tokens=24, num_draft=2, proposer="ngram", sampler=make_sampler(),
-                  eos_id=None, max_len=None), window_size=3)))
+    loop = make_loop(model, PROMPTS, max_new_tokens=24, num_draft=2, proposer="ngram", sampler=make_sampler())
+    out = summarize(run(model, PROMPTS, as_loop(AcceptAll, loop)))
     assert out.tokens != base.tokens
 
 
@@ -155,23 +163,34 @@ def _fresh_module_caches(model, seq, n):
     cfg = model.cfg
     toks = seq[None, :n]
     pos = jnp.arange(n)[None]
-    cache = init_cache(cfg, 1, n + 8)
-    h, trunk = model.trunk(toks, pos, cache=cache.trunk)
+    caches = module_caches(cfg, 1, n + 8)
+    h, trunk = model.trunk(toks, pos, cache=trunk_cache(cfg, 1, n + 8))
     mods, hk = [], h
     for k in range(1, cfg.mtp_depth + 1):
         nxt = jnp.concatenate([seq[k:n], jnp.zeros(k, jnp.int32)])[None]
-        hk, kv = model.mtp_forward(k, hk, nxt, pos, cache=layer(cache.mtp, k - 1))
+        hk, kv = model.mtp_forward(k, hk, nxt, pos, cache=layer(caches, k - 1))
         mods.append(kv)
     return trunk, mods
 
 
-@pytest.mark.parametrize("window,expect_equal", [(-1, True), (1, False)])
-def test_module_caches_equal_fresh_prefill(half_trained, window, expect_equal):
-    """After rounds with rejections, committed entries equal a fresh prefill; a too-small window breaks it."""
+@dataclasses.dataclass(frozen=True)
+class NarrowMTP(MTPProposer):
+    """MTP drafting that recomputes a window of `rows` rows instead of the one exactness needs."""
+
+    rows: int = 1
+
+    def window(self) -> int:
+        return self.rows
+
+
+@pytest.mark.parametrize("proposer,expect_equal", [(MTPProposer(3), True), (NarrowMTP(3, rows=1), False),
+                                                   (NarrowMTP(3, rows=3), False), (MTPProposer(3, modules=1), True)])
+def test_module_caches_equal_fresh_prefill(half_trained, proposer, expect_equal):
+    """After rounds with rejections, committed entries equal a fresh prefill; a too-small window breaks it,
+    even one row short of the γ+1 the decoder recomputes (a round that accepts every draft needs them all)."""
     model = half_trained
-    spec = make_spec(model, PROMPTS, max_new_tokens=30, num_draft=3, proposer="mtp", sampler=make_sampler(),
-                     eos_id=None, max_len=None)
-    st = run(model, PROMPTS, dataclasses.replace(spec, window_size=window))
+    loop = make_loop(model, PROMPTS, max_new_tokens=30, num_draft=3, proposer="mtp", sampler=make_sampler())
+    st = run(model, PROMPTS, dataclasses.replace(loop, proposer=proposer))
     res = summarize(st)
     assert 0 < sum(res.stats["accepted"]) < sum(res.stats["reached"])  # accepted and rejected drafts
     seq, n_B = np.asarray(st.seq_BS), np.asarray(st.n_B)
@@ -179,9 +198,10 @@ def test_module_caches_equal_fresh_prefill(half_trained, window, expect_equal):
     for b in range(len(PROMPTS)):
         n = int(n_B[b])
         trunk, mods = _fresh_module_caches(model, jnp.asarray(seq[b]), n)
-        np.testing.assert_allclose(stacked(st.cache.trunk).k_BKSH[:, b, :, : n - 1],
+        np.testing.assert_allclose(stacked(st.trunk).k_BKSH[:, b, :, : n - 1],
                                    stacked(trunk).k_BKSH[:, 0, :, : n - 1], atol=2e-5)
-        mtp = stacked(st.cache.mtp)
+        mtp = stacked(st.proposer.caches)
+        mods = mods[: proposer.used(model.cfg.mtp_depth)]  # modules=1 drafts with module 1 alone
         for k, kv in enumerate(mods, start=1):
             valid = n - k
             for got, want in ((mtp.k_BKSH[k - 1, b, :, :valid], kv.k_BKSH[0, :, :valid]),
@@ -198,8 +218,7 @@ def test_cached_decoding_equals_full_forward(trained):
     np.testing.assert_allclose(cached0, full[0], atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(cached1, full[1], atol=2e-5, rtol=1e-5)
     # Companion: a cache that misses one chunk's entries no longer matches.
-    cache = init_cache(model.cfg, 2, 32)
-    _, trunk = model.trunk(toks[:, :7], jnp.broadcast_to(jnp.arange(7), (2, 7)), cache=cache.trunk)
+    _, trunk = model.trunk(toks[:, :7], jnp.broadcast_to(jnp.arange(7), (2, 7)), cache=trunk_cache(model.cfg, 2, 32))
     h, _ = model.trunk(toks[:, 8:12], jnp.broadcast_to(jnp.arange(8, 12), (2, 4)), cache=trunk)
     assert not np.allclose(model.logits(model.final_norm(h)), full[0][:, 8:12], atol=1e-3)
 
@@ -207,8 +226,7 @@ def test_cached_decoding_equals_full_forward(trained):
 @nnx.jit
 def _cached_vs_full(model, toks):
     full = model.logits(model(toks).hidden)  # [D+1, B, T, V]
-    cache = init_cache(model.cfg, 2, 32)
-    trunk, hs = cache.trunk, []
+    trunk, hs = trunk_cache(model.cfg, 2, 32), []
     for s, e in ((0, 7), (7, 8), (8, 12), (12, 20)):  # a prefill, a single step, then chunks
         pos = jnp.broadcast_to(jnp.arange(s, e), (2, e - s))
         h, trunk = model.trunk(toks[:, s:e], pos, cache=trunk)
@@ -216,7 +234,7 @@ def _cached_vs_full(model, toks):
     h0 = jnp.concatenate(hs, axis=1)
     # MTP depth 1 cached in two pieces == the training forward's depth 1.
     nxt = jnp.concatenate([toks[:, 1:], jnp.zeros((2, 1), jnp.int32)], axis=1)
-    kv, parts = layer(cache.mtp, 0), []
+    kv, parts = layer(module_caches(model.cfg, 2, 32), 0), []
     for s, e in ((0, 11), (11, 20)):
         pos = jnp.broadcast_to(jnp.arange(s, e), (2, e - s))
         h1, kv = model.mtp_forward(1, h0[:, s:e], nxt[:, s:e], pos, cache=kv)
@@ -227,7 +245,7 @@ def _cached_vs_full(model, toks):
 
 @nnx.jit(static_argnums=2)
 def _last_probs(model, batch, sampler):
-    from mtpjax.sampling import probs
+    from mtpjax.decode.sampling import probs
 
     return probs(sampler, model.logits(model(batch).hidden[0])[:, -1])
 
@@ -262,9 +280,9 @@ def test_stochastic_speculative_preserves_target_distribution(top_k):
     exact = _exact_joint(model, prompt, sampler, n_tok)
 
     def tv(num_draft, proposer="mtp", broken=False):
-        spec = make_spec(model, [prompt] * N, max_new_tokens=n_tok, num_draft=num_draft, proposer=proposer,
-                         sampler=sampler, eos_id=None, max_len=None)
-        res = summarize(run(model, [prompt] * N, spec, seed=7))
+        loop = make_loop(model, [prompt] * N, max_new_tokens=n_tok, num_draft=num_draft, proposer=proposer,
+                         sampler=sampler)
+        res = summarize(run(model, [prompt] * N, loop, seed=7))
         idx = np.array([np.ravel_multi_index(t, (6,) * n_tok) for t in res.tokens])
         emp = np.bincount(idx, minlength=6 ** n_tok) / N
         return 0.5 * np.abs(emp - exact).sum(), res
@@ -277,29 +295,20 @@ def test_stochastic_speculative_preserves_target_distribution(top_k):
     assert spec_tv < bound
     ngram_tv, _ = tv(2, "ngram")
     assert ngram_tv < bound
+    module1_tv, _ = tv(3, "mtp1")
+    assert module1_tv < bound
 
 
-def test_stochastic_companion_wrong_rule_is_detected(monkeypatch):
+def test_stochastic_companion_wrong_rule_is_detected():
     """Accepting every draft (no rejection test) visibly changes the output distribution."""
-    import mtpjax.speculative as sp
-
     cfg = _cfg(vocab_size=6, mtp_depth=2)
     model = build_model(cfg, seed=2)
     _sharpen(model)
     sampler = make_sampler(1.0, 0, None)
     prompt, N = [1, 2, 3], 6000
     exact = _exact_joint(model, prompt, sampler, 3)
-    orig = sp._accept
-
-    def accept_all(logits, st, spec, it):
-        a, toks = orig(logits, st, spec, it)
-        G = st.drafts_BG.shape[1]
-        return jnp.full_like(a, G), jnp.concatenate([st.drafts_BG, toks[:, -1:]], axis=1)
-
-    monkeypatch.setattr(sp, "_accept", accept_all)
-    spec = make_spec(model, [prompt] * N, max_new_tokens=3, num_draft=2, proposer="mtp", sampler=sampler,
-                     eos_id=None, max_len=None)
-    res = summarize(sp.run(model, [prompt] * N, dataclasses.replace(spec, window_size=5), seed=7))
+    loop = make_loop(model, [prompt] * N, max_new_tokens=3, num_draft=2, proposer="mtp", sampler=sampler)
+    res = summarize(run(model, [prompt] * N, as_loop(AcceptAll, loop), seed=7))
     idx = np.array([np.ravel_multi_index(t, (6,) * 3) for t in res.tokens])
     emp = np.bincount(idx, minlength=216) / N
     assert 0.5 * np.abs(emp - exact).sum() > 0.04
@@ -310,17 +319,13 @@ def _cache_copies_per_round(model, num_draft: int) -> list[str]:
     import functools
     import re
 
-    from mtpjax.speculative import _generate
-
-    spec = make_spec(model, PROMPTS[:1], max_new_tokens=8, num_draft=num_draft, proposer="mtp",
-                     sampler=make_sampler(), eos_id=None, max_len=None)
+    loop = make_loop(model, PROMPTS[:1], max_new_tokens=8, num_draft=num_draft, proposer="mtp", sampler=make_sampler())
     cfg = model.cfg
-    elems = spec.capacity * cfg.n_kv_heads * cfg.resolved_head_dim  # batch 1
-    toks = jnp.zeros((1, spec.prompt_pad), jnp.int32)
-    args = (*nnx.split(model), toks, jnp.array([5], jnp.int32), jnp.array([8], jnp.int32), jnp.zeros((1, 1), jnp.int32),
-            jax.random.key(0))
-    fresh = jax.jit(functools.partial(_generate), static_argnames=("gdef", "spec"))  # traced anew, not from a cache
-    hlo = fresh.lower(*args, spec).compile().as_text()
+    elems = loop.capacity * cfg.n_kv_heads * cfg.resolved_head_dim  # batch 1
+    gdef, params = nnx.split(model)
+    req = host.request(loop, PROMPTS[:1])
+    fresh = jax.jit(functools.partial(run_loop), static_argnames=("loop", "graphs"))  # traced anew, not from a cache
+    hlo = fresh.lower(loop, (gdef, None), (params, None), req).compile().as_text()
     body = re.search(r"while\(.*?body=%?([\w.-]+)", hlo).group(1)
     text = hlo[hlo.index(f"%{body} ("):]
     text = text[: text.index("\n}\n")]
@@ -361,9 +366,8 @@ def test_auto_num_draft_is_measured_and_keeps_greedy_output(half_trained):
 def test_auto_num_draft_runs_what_the_calibration_chose(half_trained, chosen):
     """The wiring, not the timing: a remembered choice is what generate runs (a wrong wiring fails one case)."""
     prompts = PROMPTS[:2]
-    spec = make_spec(half_trained, prompts, max_new_tokens=16, num_draft=0, proposer="mtp", sampler=make_sampler(),
-                     eos_id=None, max_len=None)
-    key = (2, spec.prompt_pad, 16, "mtp", spec.sampler, -1)
+    loop = make_loop(half_trained, prompts, max_new_tokens=16, num_draft=0, proposer="mtp", sampler=make_sampler())
+    key = (2, loop.prompt_pad, 16, "mtp", loop.sampler, -1)
     autodraft.memo(half_trained)[key] = autodraft.Calibration(num_draft=chosen)
     try:
         out = generate(half_trained, prompts, max_new_tokens=16, num_draft="auto")
@@ -419,8 +423,8 @@ class _FakeLoop:
     def __init__(self, slow_calls=()):
         self.now, self.calls, self.slow = 0.0, [], set(slow_calls)
 
-    def run(self, model, prompts, spec, seed=0, budget=None):
-        g = spec.num_draft
+    def run(self, model, prompts, loop, seed=0, budget=None, **kw):
+        g = loop.num_draft
         rounds = int(-(-(budget - 1) // self.per_round[g]))
         self.now += 10e-3 + rounds * self.cost[g] + (50e-3 if len(self.calls) in self.slow else 0.0)
         self.calls.append((g, budget))
@@ -429,23 +433,21 @@ class _FakeLoop:
 
 def test_calibration_costs_are_marginal_round_times_robust_to_interference(half_trained, monkeypatch):
     """Slopes from a prefill-only run to a long one (fixed costs cancel), each length at its fastest."""
-    import mtpjax.speculative as sp
-
-    specs = {g: SimpleNamespace(num_draft=g, max_new=64) for g in (0, 1, 2)}
+    loops = {g: SimpleNamespace(num_draft=g, max_new=64) for g in (0, 1, 2)}
     warm, per_pass = 3, 6  # compile runs, then (short, long) per candidate per pass
     # slow down the long probe of γ=1 in two of three passes and γ=0's short probe in one: medians would be fooled
     loop = _FakeLoop(slow_calls={warm + 3, warm + per_pass + 3, warm + 0})
-    monkeypatch.setattr(sp, "run", loop.run)
-    monkeypatch.setattr(sp, "summarize", lambda st: SimpleNamespace(stats={"acceptance_by_position": [0.9, 0.6]}))
+    monkeypatch.setattr(host, "run", loop.run)
+    monkeypatch.setattr(host, "summarize", lambda st: SimpleNamespace(stats={"acceptance_by_position": [0.9, 0.6]}))
     monkeypatch.setattr(autodraft.time, "perf_counter", lambda: loop.now)
-    cal = autodraft.calibrate(half_trained, PROMPTS, specs, probe=32, repeats=3, min_seconds=0.0)
+    cal = autodraft.calibrate(half_trained, PROMPTS, loops, probe=32, repeats=3, min_seconds=0.0)
     assert {b for _, b in loop.calls[warm:]} == {1, 64} and len(loop.calls) == warm + 3 * per_pass
     assert cal.round_cost == pytest.approx({0: 1.0, 1: 2.5, 2: 3.5})
     assert cal.num_draft == choose_num_draft([0.9, 0.6], {1: 2.5, 2: 3.5})
     # passes continue until min_seconds of probing (at most max_repeats)
     loop = _FakeLoop()
-    monkeypatch.setattr(sp, "run", loop.run)
-    autodraft.calibrate(half_trained, PROMPTS, specs, probe=32, repeats=1, min_seconds=1.0, max_repeats=50)
+    monkeypatch.setattr(host, "run", loop.run)
+    autodraft.calibrate(half_trained, PROMPTS, loops, probe=32, repeats=1, min_seconds=1.0, max_repeats=50)
     passes = (len(loop.calls) - warm) // per_pass
     one_pass = sum(2 * 10e-3 + r * loop.cost[g] for g, r in ((0, 63), (1, 32), (2, 26)))
     assert passes == int(-(-1.0 // one_pass))
@@ -459,19 +461,31 @@ def test_choose_num_draft_falls_back_to_plain_when_drafting_costs_more_than_it_s
 
 
 def test_budget_cuts_generation_without_recompiling(half_trained):
-    spec = make_spec(half_trained, PROMPTS, max_new_tokens=20, num_draft=2, proposer="mtp", sampler=make_sampler(),
-                     eos_id=None, max_len=None)
-    full = summarize(run(half_trained, PROMPTS, spec)).tokens
+    loop = make_loop(half_trained, PROMPTS, max_new_tokens=20, num_draft=2, proposer="mtp", sampler=make_sampler())
+    full = summarize(run(half_trained, PROMPTS, loop)).tokens
     size = jax_cache_size()
-    short = summarize(run(half_trained, PROMPTS, spec, budget=7)).tokens
+    short = summarize(run(half_trained, PROMPTS, loop, budget=7)).tokens
     assert jax_cache_size() == size
     assert short == [t[:7] for t in full]
 
 
-def jax_cache_size():
-    from mtpjax import speculative
+def test_streaming_callbacks_never_recompile(half_trained):
+    """Three calls with three different callbacks compile the loop once; each callback sees its own call's tokens."""
+    size = jax_cache_size()
+    for seed in range(3):
+        streamed = []
 
-    return speculative._generate_jit._cache_size()
+        def on_commit(toks, counts, streamed=streamed):
+            streamed.extend(toks[0, : int(counts[0])].tolist())
+
+        out = generate(half_trained, PROMPTS, max_new_tokens=13, num_draft=2, temperature=1.0, seed=seed,
+                       on_commit=on_commit)
+        assert streamed == out.tokens[0]
+    assert jax_cache_size() == size + 1
+
+
+def jax_cache_size():
+    return execute._cache_size()
 
 
 def _teacher_forced_depth1(model, prompts, refs, n):
@@ -495,9 +509,8 @@ def test_forced_decoding_acceptance_equals_teacher_forced_agreement(half_trained
     rng = np.random.default_rng(1)
     refs = [_pattern_batch(rng, 1, 20, 32)[0].tolist() for _ in PROMPTS]
     n = 16
-    spec = make_spec(half_trained, PROMPTS, max_new_tokens=n, num_draft=2, proposer="mtp", sampler=make_sampler(),
-                     eos_id=None, max_len=None)
-    st = run(half_trained, PROMPTS, dataclasses.replace(spec, forced=forced), reference=refs)
+    loop = make_loop(half_trained, PROMPTS, max_new_tokens=n, num_draft=2, proposer="mtp", sampler=make_sampler())
+    st = run_forced(half_trained, PROMPTS, loop, refs) if forced else run(half_trained, PROMPTS, loop)
     res = summarize(st)
     match, total = _teacher_forced_depth1(half_trained, PROMPTS, refs, n)
     assert 0 < match < total

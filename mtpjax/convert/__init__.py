@@ -5,9 +5,7 @@ in the MiMo layout that vLLM and SGLang draft with (or a plain Llama). import: a
 checkpoint as a model-only run directory that `load_model` and decode.py read. Both stream tensor by tensor.
 """
 
-
-class ConvertError(ValueError):
-    """Conversion is impossible as asked; the message is one line naming the problem and the fix."""
+from mtpjax.convert.errors import ConvertError  # noqa: F401  (its own module: submodules import it without a cycle)
 
 
 def export_run(*args, **kwargs):

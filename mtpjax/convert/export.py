@@ -17,7 +17,8 @@ from flax import nnx
 
 from mtpjax.checkpoint import ckpt_dir
 from mtpjax.config import Config, ConfigError, from_dict
-from mtpjax.convert import ConvertError, layout
+from mtpjax.convert import layout
+from mtpjax.convert.errors import ConvertError
 from mtpjax.convert.hf_config import export_config
 from mtpjax.convert.hf_tokenizer import export_tokenizer
 from mtpjax.convert.safetensors_io import Spec, write_checkpoint

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from mtpjax.config import ModelConfig
-from mtpjax.convert import ConvertError
+from mtpjax.convert.errors import ConvertError
 
 _DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32", "float64": "float32"}
 _KNOWN = {  # model types people bring, and why they do not fit

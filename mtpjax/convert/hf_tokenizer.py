@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mtpjax.convert import ConvertError
+from mtpjax.convert.errors import ConvertError
 from mtpjax.data.tokenizer import (
     EOS_TOKEN,
     HF_FILE,

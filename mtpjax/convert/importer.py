@@ -19,7 +19,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from mtpjax.config import ConfigError, load_config
-from mtpjax.convert import ConvertError, layout
+from mtpjax.convert import layout
+from mtpjax.convert.errors import ConvertError
 from mtpjax.convert.export import commit, fresh_dir, param_shapes, shape_tree
 from mtpjax.convert.hf_config import model_overrides, read_config
 from mtpjax.convert.safetensors_io import FLOATS, Reader

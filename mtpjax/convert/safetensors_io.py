@@ -18,7 +18,7 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
-from mtpjax.convert import ConvertError
+from mtpjax.convert.errors import ConvertError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

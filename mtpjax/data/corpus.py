@@ -133,7 +133,7 @@ def prepare(data_cfg, *, progress: bool = False):
     if getattr(data_cfg, "mixture", ()):
         from mtpjax.data.mixture import prepare_mixture
 
-        return prepare_mixture(data_cfg, progress=progress)
+        return prepare_mixture(data_cfg, prepare, progress=progress)
     kind = tokenizer_kind(data_cfg.tokenizer)
     files = _files(data_cfg)
     final = Path(data_cfg.cache_dir).expanduser() / f"{data_cfg.source}-{kind}-{_key(data_cfg, files, kind)}"
@@ -309,7 +309,7 @@ def summary(p) -> str:
     if not isinstance(p, PreparedData):
         from mtpjax.data.mixture import summary as mixture_summary
 
-        return mixture_summary(p)
+        return mixture_summary(p, summary)
     m = p.meta
     tr, va = m["train"], m["val"]
     docs = lambda s: f"{s['docs']} docs, " if s["docs"] is not None else ""

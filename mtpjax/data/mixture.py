@@ -11,9 +11,12 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from mtpjax.data.corpus import PreparedData
 from mtpjax.data.errors import DataError
+
+if TYPE_CHECKING:  # corpus dispatches to this module: importing it back would close an import cycle
+    from mtpjax.data.corpus import PreparedData
 
 
 @dataclass
@@ -57,10 +60,9 @@ def source_config(data_cfg, m):
     return dataclasses.replace(data_cfg, source=m.source, paths=tuple(m.paths), text_field=m.text_field, mixture=())
 
 
-def prepare_mixture(data_cfg, *, progress: bool = False) -> PreparedMixture:
-    """Prepare (or load from the cache) every source of data_cfg.mixture; errors name the source."""
-    from mtpjax.data.corpus import prepare
-
+def prepare_mixture(data_cfg, prepare, *, progress: bool = False) -> PreparedMixture:
+    """Prepare (or load from the cache) every source of data_cfg.mixture with `prepare` (corpus's); errors name
+    the source."""
     if data_cfg.tokenizer == "bpe":  # the config schema refuses this too; a BPE per source would differ
         raise DataError("data.mixture needs one fixed tokenizer; set data.tokenizer to byte or a tokenizer.json")
     parts = []
@@ -73,8 +75,6 @@ def prepare_mixture(data_cfg, *, progress: bool = False) -> PreparedMixture:
     return PreparedMixture([m.name for m in data_cfg.mixture], [m.weight / total for m in data_cfg.mixture], parts)
 
 
-def summary(p: PreparedMixture) -> str:
-    """The summary of every source, with its weight."""
-    from mtpjax.data.corpus import summary as one
-
+def summary(p: PreparedMixture, one) -> str:
+    """The summary of every source (`one`: corpus's summary of one), with its weight."""
     return "\n".join(f"mixture source '{n}' (weight {w:.3f}):\n" + one(part) for n, w, part in p.sources())

@@ -1,6 +1,7 @@
 """Samplers as small frozen dataclasses; one function turns logits into the distribution sampled from.
 
-The same `probs` serves the target (p) and the draft (q), so speculative sampling compares like with like.
+The same `probs` serves the target (p) and every proposer's draft (q), so speculative sampling compares
+like with like.
 """
 
 from __future__ import annotations
@@ -54,3 +55,23 @@ def probs(sampler: Sampler, logits_IV):
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
     return jax.nn.softmax(logits, axis=-1)
 
+
+
+def row_keys(key, tag: int, it, B: int):
+    """Independent keys per row, per loop iteration and per use (tag)."""
+    base = jax.random.fold_in(jax.random.fold_in(key, tag), it)
+    return jax.vmap(lambda b: jax.random.fold_in(base, b))(jnp.arange(B))
+
+
+def draw(keys_B, p_BV):
+    """One token per row from the distributions p (rows of probabilities)."""
+    one = lambda k, p: jax.random.categorical(k, jnp.log(jnp.maximum(p, 1e-30)))  # noqa: E731
+    return jax.vmap(one)(keys_B, p_BV).astype(jnp.int32)
+
+
+def choose(sampler: Sampler, logits_BV, keys_B):
+    """(token, q): q is the distribution the token was drawn from, None when greedy (the argmax; no q needed)."""
+    if sampler.greedy:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
+    q = probs(sampler, logits_BV)
+    return draw(keys_B, q), q

@@ -25,6 +25,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from mtpjax.decode import host
+from mtpjax.decode.proposers import PROPOSERS
+from mtpjax.speed import choose_num_draft, expected_tokens
+
 
 @dataclass
 class Calibration:
@@ -48,48 +52,14 @@ class Calibration:
                    seconds=float(d["seconds"]), source="saved")
 
 
-def expected_tokens(alpha_by_pos, gamma: int) -> float:
-    """Tokens per round with γ drafts when draft i is accepted (all before it accepted) with rate alpha_by_pos[i]."""
-    total, run_ = 1.0, 1.0
-    for i in range(gamma):
-        run_ *= alpha_by_pos[min(i, len(alpha_by_pos) - 1)] if alpha_by_pos else 0.0
-        total += run_
-    return total
-
-
-def speedup_ceiling(alpha_by_pos, work_ratio: float, max_gamma: int) -> dict:
-    """Best speedup any round with γ <= max_gamma drafts can reach: E(γ) / (1 + γ·r), since v >= 1 and c >= r.
-
-    Returns {"by_gamma": {γ: bound}, "max": the best bound, "num_draft": its γ}; γ = 0 (plain) bounds at 1.
-    """
-    by = {g: expected_tokens(alpha_by_pos, g) / (1.0 + g * work_ratio) for g in range(max_gamma + 1)}
-    best = max(by, key=lambda g: by[g])
-    return {"by_gamma": by, "max": by[best], "num_draft": best}
-
-
-def choose_num_draft(alpha_by_pos, round_cost: dict) -> int:
-    """The γ maximizing E(γ) / cost(γ), where cost(γ) is the measured time of a round with γ drafts relative
-    to a plain round at the same batch size (cost(0) = 1: plain decoding, always a candidate).
-
-    Batched verification is compute-bound sooner, so at large batch cost(γ) grows and this picks fewer
-    drafts, down to 0: speculation is then never slower than plain decoding (up to measurement noise).
-    """
-    rates = {0: 1.0}
-    for g, c in round_cost.items():
-        if g > 0 and c > 0:
-            rates[g] = expected_tokens(alpha_by_pos, g) / c
-    return max(sorted(rates), key=lambda g: rates[g])
-
-
 def candidates(model, proposer: str) -> list[int]:
-    """γ values worth probing: 0..mtp_depth for the MTP proposer (parallel heads cannot go further), 0..3 for n-gram."""
-    top = model.cfg.mtp_depth if proposer == "mtp" else 3
-    return list(range(0, max(top, 0) + 1))
+    """γ values worth probing: 0 (plain) up to what the proposer can draft usefully (MTP: its depth)."""
+    return list(range(0, max(PROPOSERS[proposer](1).most_drafts(model), 0) + 1))
 
 
-def calibrate(model, prompts, specs: dict, seed: int = 0, probe: int = 32, repeats: int = 3,
-              min_seconds: float = 1.0, max_repeats: int = 20) -> Calibration:
-    """Time every candidate's compiled loop on `prompts` (specs: γ -> DecodeSpec) and choose γ.
+def calibrate(model, prompts, loops: dict, seed: int = 0, probe: int = 32, repeats: int = 3,
+              min_seconds: float = 1.0, max_repeats: int = 20, draft=None) -> Calibration:
+    """Time every candidate's compiled loop on `prompts` (loops: γ -> Loop) and choose γ.
 
     A round's cost is the slope between a run that stops after the prefill (one new token) and one of
     2·`probe` new tokens, so prefill and dispatch (~10 ms on the tiny model) cancel. Candidates are timed
@@ -97,27 +67,25 @@ def calibrate(model, prompts, specs: dict, seed: int = 0, probe: int = 32, repea
     each run length keeps its fastest time: interference only ever adds time, and medians of 20 ms probes
     on a shared CPU chose wrong about one time in four.
     """
-    from mtpjax.speculative import run, summarize
-
     t0 = time.perf_counter()
-    max_new = min(s.max_new for s in specs.values())
+    max_new = min(lp.max_new for lp in loops.values())
     short, long_ = 1, max(2, min(2 * probe, max_new))
 
-    def timed(spec, budget):
+    def timed(loop, budget):
         t = time.perf_counter()
-        st = run(model, prompts, spec, seed, budget=budget)
+        st = host.run(model, prompts, loop, seed, budget=budget, draft=draft)  # no callback: the probe is silent
         jax.block_until_ready(st.n_B)
         return time.perf_counter() - t, int(np.asarray(st.rounds_B).max()), st
 
-    times: dict = {g: ([], []) for g in specs}
+    times: dict = {g: ([], []) for g in loops}
     rounds, last = {}, {}
-    for spec in specs.values():  # compile and warm
-        timed(spec, short)
+    for loop in loops.values():  # compile and warm
+        timed(loop, short)
     done, spent = 0, 0.0
     while done < repeats or (spent < min_seconds and done < max_repeats):
-        for g, spec in specs.items():
-            ts, rs, _ = timed(spec, short)
-            tl, rl, last[g] = timed(spec, long_)
+        for g, loop in loops.items():
+            ts, rs, _ = timed(loop, short)
+            tl, rl, last[g] = timed(loop, long_)
             times[g][0].append(ts)
             times[g][1].append(tl)
             rounds[g] = (rs, rl)
@@ -125,34 +93,26 @@ def calibrate(model, prompts, specs: dict, seed: int = 0, probe: int = 32, repea
         done += 1
     per_round = {g: (min(tl) - min(ts)) / (rounds[g][1] - rounds[g][0])
                  for g, (ts, tl) in times.items() if rounds[g][1] > rounds[g][0]}
-    if len(per_round) < len(specs) or min(per_round.values()) <= 0:
+    if len(per_round) < len(loops) or min(per_round.values()) <= 0:
         # Too few rounds for the slope to rise above timing noise: whole-run time per round instead.
         per_round = {g: min(tl) / max(rounds[g][1], 1) for g, (_, tl) in times.items()}
-    top = max(specs)
-    alpha = summarize(last[top]).stats["acceptance_by_position"] if top > 0 else []
+    top = max(loops)
+    alpha = host.summarize(last[top]).stats["acceptance_by_position"] if top > 0 else []
     cost = {g: t / per_round[0] for g, t in per_round.items()}
     choice = choose_num_draft(alpha, {g: c for g, c in cost.items() if g > 0})
     return Calibration(num_draft=choice, round_cost=cost, alpha_by_position=alpha,
-                       expected_tokens={g: expected_tokens(alpha, g) for g in specs}, seconds=time.perf_counter() - t0)
+                       expected_tokens={g: expected_tokens(alpha, g) for g in loops}, seconds=time.perf_counter() - t0)
 
 
 _MEMO = weakref.WeakKeyDictionary()  # model -> {request shape: Calibration}: one probe per request shape
+_DRAFT_MEMO = weakref.WeakKeyDictionary()  # draft model -> the same, per target model
 
 
-def memo(model) -> dict:
-    """This model's calibrations, keyed by request shape (dropped with the model)."""
-    return _MEMO.setdefault(model, {})
-
-
-class Relay:
-    """The streaming callback, muted while the auto-draft probe runs the same compiled loops."""
-
-    def __init__(self, fn):
-        self.fn, self.live = fn, True
-
-    def __call__(self, toks, counts):
-        if self.live:
-            self.fn(toks, counts)
+def memo(model, draft=None) -> dict:
+    """This model's (and draft model's) calibrations, keyed by request shape (dropped with either model)."""
+    if draft is None:
+        return _MEMO.setdefault(model, {})
+    return _DRAFT_MEMO.setdefault(draft, weakref.WeakKeyDictionary()).setdefault(model, {})
 
 
 @functools.cache  # fixed for the life of the process; read for every saved-calibration lookup
@@ -223,21 +183,17 @@ class SavedCalibrations:
             return False
 
 
-def resolve(model, prompts, spec_for, proposer: str, seed: int, relay, saved: SavedCalibrations | None = None):
+def resolve(model, prompts, loop_for, proposer: str, seed: int, saved: SavedCalibrations | None = None,
+            draft=None):
     """(γ, Calibration) for this request shape: measured once per model (or read from `saved`), then remembered."""
-    specs = {g: spec_for(g) for g in candidates(model, proposer)}
-    key = (len(prompts), specs[0].prompt_pad, specs[0].max_new, proposer, specs[0].sampler, specs[0].eos_id)
-    known = memo(model)
+    loops = {g: loop_for(g) for g in candidates(model, proposer)}
+    base = loops[0]
+    key = (len(prompts), base.prompt_pad, base.max_new, proposer, base.sampler, base.eos_id)
+    known = memo(model, draft)
     if key not in known:
         cal = saved.get(key) if saved is not None else None
         if cal is None:
-            if relay is not None:
-                relay.live = False
-            try:
-                cal = calibrate(model, prompts, specs, seed)
-            finally:
-                if relay is not None:
-                    relay.live = True
+            cal = calibrate(model, prompts, loops, seed, draft=draft)
             if saved is not None:
                 saved.put(key, cal)
         known[key] = cal

@@ -10,6 +10,10 @@ import re
 import sys
 from pathlib import Path
 
+from mtpjax.decode import api, autodraft
+from mtpjax.decode.host import DecodeError
+from mtpjax.decode.proposers import PROPOSERS
+
 MAX_DRAFT = 16  # more drafts per round than this is never accepted in practice; the round loop is unrolled
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 
@@ -29,9 +33,14 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts-file", help="a file with one prompt per line (\\n escapes allowed)")
     src.add_argument("--eval", action="store_true", help="validation metrics + speculative speed report")
     p.add_argument("--num-draft", type=_num_draft, default=None,
-                   help="drafts per round, or auto: measure 0..mtp_depth on the prompts and use the fastest "
-                        "(default: decode.num_draft)")
-    p.add_argument("--proposer", choices=("mtp", "ngram"), default=None)
+                   help="drafts per round, or auto: measure 0..mtp_depth (n-gram 0..3, draft model 0..4) on the "
+                        "prompts and use the fastest (default: decode.num_draft)")
+    p.add_argument("--proposer", choices=tuple(PROPOSERS), default=None,
+                   help="mtp: the run's MTP modules (module k drafts token k); mtp1: module 1 drafts every token; "
+                        "ngram: prompt lookup; model: the --draft-run-dir model (default: decode.proposer, or model "
+                        "with --draft-run-dir)")
+    p.add_argument("--draft-run-dir", default=None,
+                   help="a run trained with the same tokenizer (e.g. configs/draft_tiny.yaml) whose model drafts")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -71,35 +80,67 @@ def _prompts(args) -> list[str]:
     path = Path(args.prompts_file)
     if not path.is_file():
         raise FileNotFoundError(f"prompts file '{path}' does not exist")
-    unescape = lambda ln: re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m[1]], ln)  # only \n, \t and \\
-    lines = [unescape(ln) for ln in path.read_text(errors="replace").splitlines()]
+    lines = [re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m[1]], ln)  # only \n, \t and \\
+             for ln in path.read_text(errors="replace").splitlines()]
     if not lines:
         raise ValueError(f"prompts file '{path}' has no prompts; write one prompt per line")
     return lines
 
 
-def _generate(args, cfg, model, tok, run_dir: Path, step: int) -> int:
-    from mtpjax.autodraft import SavedCalibrations, candidates, default_calibration_file
-    from mtpjax.speculative import generate
+def _proposer(args, cfg) -> str:
+    """The proposer a request uses: --proposer, else the draft model if given, else the config's."""
+    if args.draft_run_dir is not None:
+        if args.proposer not in (None, "model"):
+            raise ValueError(f"--draft-run-dir drafts with --proposer model, not {args.proposer}; drop one of them")
+        return "model"
+    if args.proposer == "model":
+        raise ValueError("--proposer model needs --draft-run-dir RUN (a run trained with the same tokenizer, "
+                         "e.g. configs/draft_tiny.yaml)")
+    if args.proposer is None and cfg.model.mtp_depth == 0:
+        return "ngram"  # speculative by default only where the model has a proposer
+    return args.proposer or cfg.decode.proposer
 
+
+def _load_draft(args, tok, run_dir: Path):
+    """(draft model, tag) of --draft-run-dir, or (None, ""); ValueError if it tokenizes differently."""
+    from mtpjax.checkpoint import load_model_step
+
+    if args.draft_run_dir is None:
+        return None, ""
+    _, draft, dtok, dstep = load_model_step(args.draft_run_dir)
+    if _tokenizer_identity(Path(args.draft_run_dir), dtok) != _tokenizer_identity(run_dir, tok):
+        raise ValueError(f"the draft run '{args.draft_run_dir}' uses another tokenizer than '{run_dir}' ({dtok!r} vs "
+                         f"{tok!r}); train the draft with the same data.tokenizer")
+    return draft, f" draft {Path(args.draft_run_dir).resolve()} step {dstep}"
+
+
+def _tokenizer_identity(run_dir: Path, tok) -> tuple:
+    """What makes two runs' tokenizers the same: kind, ids, and the bytes of their model files."""
+    from mtpjax.data.tokenizer import META_FILE
+
+    d = run_dir / "tokenizer"
+    files = {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file() and p.name != META_FILE}
+    return tok.kind, tok.vocab_size, tok.eos_id, files
+
+
+def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft_tag: str = "") -> int:
     d = cfg.decode
     num_draft = args.num_draft if args.num_draft is not None else (d.num_draft if d.num_draft >= 0 else "auto")
-    proposer = args.proposer or d.proposer
-    if args.proposer is None and cfg.model.mtp_depth == 0:
-        proposer = "ngram"  # speculative by default only where the model has a proposer
+    proposer = _proposer(args, cfg)
     texts = _prompts(args)
     prompts = [tok.encode(t) for t in texts]
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: give at least one character of text")
     max_new = args.max_new_tokens or d.max_new_tokens
-    most = max(candidates(model, proposer)) if num_draft == "auto" else num_draft  # the largest γ that may run
+    # the largest γ that may run
+    most = max(autodraft.candidates(model, proposer)) if num_draft == "auto" else num_draft
     _check_size(cfg.model, prompts, max_new, most, args.max_len or d.max_len)
     if args.temperature is not None and not math.isfinite(args.temperature):
         raise ValueError(f"--temperature {args.temperature} must be a finite number >= 0 (0 = greedy)")
     stream = len(prompts) == 1  # one prompt streams as it decodes; several print when done
     # Kept outside the run directory: decoding never changes a run (it may be shared or read-only).
-    saved = SavedCalibrations(args.calibration_file or default_calibration_file(), f"{run_dir.resolve()} step {step}",
-                              refresh=args.recalibrate)
+    saved = autodraft.SavedCalibrations(args.calibration_file or autodraft.default_calibration_file(),
+                                        f"{run_dir.resolve()} step {step}{draft_tag}", refresh=args.recalibrate)
     shown: list[int] = []
     printed = [""]
 
@@ -111,12 +152,12 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int) -> int:
             sys.stdout.flush()
             printed[0] = text
 
-    res = generate(model, prompts, max_new_tokens=max_new, num_draft=num_draft,
+    res = api.generate(model, prompts, max_new_tokens=max_new, num_draft=num_draft,
                    proposer=proposer, temperature=d.temperature if args.temperature is None else args.temperature,
                    top_k=args.top_k if args.top_k is not None else d.top_k,
                    top_p=args.top_p if args.top_p is not None else d.top_p, seed=args.seed,
                    eos_id=tok.eos_id, max_len=args.max_len or d.max_len, on_commit=on_commit if stream else None,
-                   calibrations=saved)
+                   calibrations=saved, draft=draft)
     if stream:
         sys.stdout.write("\n")
     else:
@@ -163,7 +204,7 @@ def _check_size(mcfg, prompts, max_new: int, num_draft: int, max_len: int) -> No
                          f"the {have / 2**30:.1f} GiB memory; lower --max-new-tokens")
 
 
-def _eval(args, cfg, model, tok, run_dir: Path, step: int) -> int:
+def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
     from mtpjax.data import make_iterator, prepare
     from mtpjax.evaluate import agreement_on, forced_acceptance, heldout_prompts, speed_report, validation_metrics
 
@@ -177,7 +218,7 @@ def _eval(args, cfg, model, tok, run_dir: Path, step: int) -> int:
     num_draft = args.num_draft if isinstance(args.num_draft, int) else max(1, cfg.model.mtp_depth)
     prompts = heldout_prompts(prepared.val_tokens, args.eval_prompts, args.prompt_len, tok.eos_id)
     max_new = args.max_new_tokens or 128
-    speed = speed_report(model, prompts, num_draft=num_draft, max_new=max_new)
+    speed = speed_report(model, prompts, num_draft=num_draft, max_new=max_new, draft=draft)
     if cfg.model.mtp_depth:
         # The held-out text itself as the continuation: acceptance on the distribution training measured.
         texts = heldout_prompts(prepared.val_tokens, max(32, args.eval_prompts), args.prompt_len + max_new, tok.eos_id)
@@ -233,14 +274,15 @@ def main(argv: list[str] | None = None) -> int:
     from mtpjax import runtime
     from mtpjax.checkpoint import CheckpointError, load_model_step
     from mtpjax.data import DataError
-    from mtpjax.speculative import DecodeError
 
     try:
         cfg, model, tok, step = load_model_step(args.run_dir, args.step)
         runtime.enable_compilation_cache(cfg.train.compilation_cache)  # under $MTPJAX_CACHE_DIR, not the run
+        _proposer(args, cfg)  # flag conflicts before loading a draft
+        draft, draft_tag = _load_draft(args, tok, Path(args.run_dir))
         if args.eval:
-            return _eval(args, cfg, model, tok, Path(args.run_dir), step)
-        return _generate(args, cfg, model, tok, Path(args.run_dir), step)
+            return _eval(args, cfg, model, tok, Path(args.run_dir), step, draft)
+        return _generate(args, cfg, model, tok, Path(args.run_dir), step, draft, draft_tag)
     except (CheckpointError, DataError, DecodeError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,5 @@
+"""The conversion error, apart from the package's __init__ so that its submodules import it without a cycle."""
+
+
+class ConvertError(ValueError):
+    """Conversion is impossible as asked; the message is one line naming the problem and the fix."""

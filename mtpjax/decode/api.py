@@ -1,0 +1,47 @@
+"""`generate`: the one call that checks a request, picks γ (if asked to), streams, and returns tokens and stats."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mtpjax.decode import autodraft
+from mtpjax.decode.host import DecodeError, GenerateResult, check_proposer, make_loop, run, summarize
+from mtpjax.decode.sampling import make_sampler
+from mtpjax.model import MTPTransformer
+
+
+def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: int | str = 0, proposer: str = "mtp",
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             eos_id: int | None = None, max_len: int | None = None, on_commit=None,
+             calibrations: autodraft.SavedCalibrations | None = None,
+             draft: MTPTransformer | None = None) -> GenerateResult:
+    """Generate up to max_new_tokens per prompt (lists of token ids of any lengths), speculatively if num_draft>0.
+
+    proposer: "mtp" (the model's MTP modules, module k drafting token k), "mtp1" (module 1 drafting every
+    token), "ngram" (prompt lookup) or "model" (`draft`, an independent model with the same vocabulary).
+    num_draft="auto" measures every candidate γ on these prompts and uses
+    the fastest by the cost model (mtpjax.decode.autodraft); stats["num_draft"] says which,
+    stats["calibration"] why. With `calibrations`, a measurement saved there for this machine and request
+    shape is reused, and a new one is saved. `on_commit(tokens_BY, counts_B)` receives every round's
+    committed tokens on the host (streaming); it never causes a recompilation.
+    """
+    try:
+        sampler = make_sampler(temperature, top_k, top_p)
+    except ValueError as e:
+        raise DecodeError(str(e)) from None
+
+    def loop_for(g: int):
+        return make_loop(model, prompts, max_new_tokens=max_new_tokens, num_draft=g, proposer=proposer,
+                         sampler=sampler, eos_id=eos_id, max_len=max_len, draft=draft, stream=on_commit is not None)
+
+    cal = None
+    if num_draft == "auto":
+        check_proposer(model, proposer, 1, draft)
+        num_draft, cal = autodraft.resolve(model, prompts, loop_for, proposer, seed, calibrations, draft=draft)
+    elif isinstance(num_draft, bool) or not isinstance(num_draft, (int, np.integer)):
+        raise DecodeError(f"num_draft={num_draft!r} must be an integer >= 0 or 'auto'")
+    res = summarize(run(model, prompts, loop_for(int(num_draft)), seed, draft=draft, on_commit=on_commit))
+    res.stats["num_draft"] = int(num_draft)
+    if cal is not None:
+        res.stats["calibration"] = cal.as_dict()
+    return res

@@ -1,0 +1,121 @@
+"""Between the caller and the compiled loop: request checks, the loop's static shapes, inputs, results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mtpjax.decode import stream
+from mtpjax.decode.loop import DecodeState, Loop, Request, execute
+from mtpjax.decode.proposers import PROPOSERS, make_proposer
+from mtpjax.decode.sampling import Sampler
+from mtpjax.model import MTPTransformer
+
+GREEDY = Sampler()  # the default sampler (a frozen dataclass, shared safely)
+
+
+class DecodeError(ValueError):
+    """Bad generation request (one line naming the problem and the fix)."""
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[list[int]]
+    stats: dict = field(default_factory=dict)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def check_proposer(model: MTPTransformer, proposer: str, num_draft: int, draft: MTPTransformer | None) -> None:
+    """DecodeError if this proposer cannot draft num_draft tokens for this model (γ = 0 needs no proposer)."""
+    if proposer not in PROPOSERS:
+        raise DecodeError(f"proposer={proposer!r} is unknown; use one of {', '.join(map(repr, PROPOSERS))}")
+    if draft is not None and proposer != "model":
+        raise DecodeError(f"a draft model drafts only with proposer='model', not {proposer!r}")
+    if num_draft > 0 or proposer == "model":
+        problem = PROPOSERS[proposer](max(num_draft, 1)).problem(model, draft)
+        if problem:
+            raise DecodeError(problem)
+
+
+def make_loop(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: int, proposer: str = "mtp",
+              sampler: Sampler = GREEDY, eos_id=None, max_len=None, draft: MTPTransformer | None = None,
+              stream: bool = False) -> Loop:
+    """Validate a request and fix the static shapes of its compiled loop."""
+    cfg = model.cfg
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise DecodeError("empty prompt: every prompt needs at least one token")
+    if max_new_tokens < 1:
+        raise DecodeError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if num_draft < 0:
+        raise DecodeError(f"num_draft={num_draft} must be >= 0 (0 = plain decoding)")
+    check_proposer(model, proposer, num_draft, draft)
+    bad = [t for p in prompts for t in p if not 0 <= int(t) < cfg.vocab_size]
+    if bad:
+        raise DecodeError(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+    longest = max(len(p) for p in prompts)
+    if max_len is not None and longest + max_new_tokens > max_len:
+        raise DecodeError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the cache "
+                          f"capacity max_len={max_len}; shorten the prompt or raise decode.max_len")
+    P = _round_up(longest, 16)
+    # A round writes at most γ+1 positions past the committed length, and drafts γ further.
+    capacity = _round_up(P + max_new_tokens + 2 * num_draft + 2, 64)
+    return Loop(proposer=make_proposer(proposer, num_draft), sampler=sampler, max_new=max_new_tokens,
+                capacity=capacity, prompt_pad=P, eos_id=-1 if eos_id is None else int(eos_id), stream=stream)
+
+
+def request(loop: Loop, prompts, seed: int = 0, budget: int | None = None) -> Request:
+    """The traced inputs: padded prompts, lengths, per-row budget (<= loop.max_new, default max_new), key."""
+    B = len(prompts)
+    toks = np.zeros((B, loop.prompt_pad), np.int32)
+    for i, p in enumerate(prompts):
+        toks[i, : len(p)] = p
+    plen = np.array([len(p) for p in prompts], np.int32)
+    budget_B = np.full((B,), loop.max_new if budget is None else min(max(1, budget), loop.max_new), np.int32)
+    return Request(tokens_BP=jnp.asarray(toks), plen_B=jnp.asarray(plen), budget_B=jnp.asarray(budget_B),
+                   key=jax.random.key(seed), stream=jnp.int32(stream.NONE))
+
+
+def execute_request(loop: Loop, model: MTPTransformer, req: Request, draft: MTPTransformer | None = None,
+                    on_commit=None) -> DecodeState:
+    """Run the compiled loop (compiled once per Loop and model structure) on a request."""
+    gt, pt = nnx.split(model)
+    gd, pd = nnx.split(draft) if draft is not None else (None, None)
+    with stream.registered(on_commit) as sid:
+        st = execute(loop, (gt, gd), (pt, pd), req.replace(stream=jnp.int32(sid)))
+        if on_commit is not None:
+            jax.block_until_ready(st)
+    return st
+
+
+def run(model: MTPTransformer, prompts, loop: Loop, seed: int = 0, budget: int | None = None, *,
+        draft: MTPTransformer | None = None, on_commit=None) -> DecodeState:
+    """Compile (once per loop) and run the whole generation; returns the final DecodeState.
+
+    `budget` (<= loop.max_new) caps the new tokens per row without recompiling. `on_commit(tokens_BY,
+    counts_B)` receives each round's commits on the host (the loop must be built with stream=True); it is
+    looked up by id at run time, so a new callback never recompiles.
+    """
+    return execute_request(loop, model, request(loop, prompts, seed, budget), draft, on_commit)
+
+
+def summarize(st: DecodeState) -> GenerateResult:
+    """Tokens per row and acceptance statistics from a final state."""
+    seq, n, plen = np.asarray(st.seq_BS), np.asarray(st.n_B), np.asarray(st.prompt_len_B)
+    tokens = [seq[b, plen[b]: n[b]].tolist() for b in range(len(n))]
+    rounds = int(np.asarray(st.rounds_B).sum())
+    reached = np.asarray(st.reached_BG).sum(0)
+    accepted = np.asarray(st.accepted_BG).sum(0)
+    generated = int((n - plen).sum())
+    alpha = [float(a / r) if r else 0.0 for a, r in zip(accepted, reached)]
+    stats = {"rounds": rounds, "generated": generated,
+             # the first token comes from the prefill, not from a round
+             "tokens_per_round": (generated - len(n)) / rounds if rounds else 0.0,
+             "acceptance_by_position": alpha, "accepted": accepted.tolist(), "reached": reached.tolist()}
+    return GenerateResult(tokens=tokens, stats=stats)

@@ -1,0 +1,194 @@
+"""The jitted decode loop: one `lax.while_loop` of verify → accept → commit → propose rounds, and its state.
+
+One round verifies [last committed token, drafts] with one cached trunk forward, accepts a prefix (greedy
+match or rejection sampling), commits it plus one target token, then asks the proposer for the next
+drafts. The proposer owns whatever state it needs (module caches, a draft model's cache); the invariant
+(DESIGN §6) is that at every loop boundary each cache equals a fresh prefill of the committed sequence
+wherever its inputs are committed. Plain decoding is the same loop with γ = 0.
+
+`Loop` holds only static fields (gemma's sampler loop has the same shape): it is hashed by `jax.jit`, so
+everything that varies per call without changing shapes (prompts, budgets, the key, the streaming
+callback's id) is a traced input in `Request`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from mtpjax.decode import stream
+from mtpjax.decode.cache import take_rows, trunk_cache, write_rows
+from mtpjax.decode.proposers import Context, Models
+from mtpjax.decode.sampling import Sampler, choose, draw, probs, row_keys
+
+
+@struct.dataclass
+class Request:
+    """The traced inputs of one generation."""
+
+    tokens_BP: jax.Array  # prompts, right-padded to the loop's prompt_pad
+    plen_B: jax.Array
+    budget_B: jax.Array  # new tokens each row may commit (<= max_new; traced, so no recompile)
+    key: jax.Array
+    stream: jax.Array  # id of the host callback that receives each commit (stream.NONE: none)
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything carried through the generation loop, as one pytree."""
+
+    trunk: tuple  # the target's KV cache (a KV per layer, or one stacked KV when layers are scanned)
+    seq_BS: jax.Array  # committed tokens [0, n)
+    n_B: jax.Array  # committed length per row
+    prompt_len_B: jax.Array
+    budget_B: jax.Array
+    drafts_BG: jax.Array  # drafts proposed for the next round
+    q_BGV: jax.Array | None  # the distributions they were drawn from (None when greedy)
+    proposer: object  # the proposer's own state (its caches); the loop never looks inside
+    done_B: jax.Array
+    rounds_B: jax.Array
+    reached_BG: jax.Array  # rounds in which draft position i was evaluated (all before it accepted)
+    accepted_BG: jax.Array  # rounds in which draft position i was accepted
+    key: jax.Array
+    stream: jax.Array
+
+
+@dataclass(frozen=True)
+class Loop:
+    """One compiled generation: the proposer, the sampler and the shapes."""
+
+    proposer: object
+    sampler: Sampler
+    max_new: int
+    capacity: int
+    prompt_pad: int
+    eos_id: int  # -1: none
+    stream: bool = False  # emit every commit to the host (to the callback the request's stream id names)
+
+    @property
+    def num_draft(self) -> int:
+        return self.proposer.num_draft
+
+    def __call__(self, models: Models, req: Request) -> DecodeState:
+        st = self.prefill(models, req)
+
+        def body(carry):
+            it, st = carry
+            return it + 1, self.round(models, st, it + 1)
+
+        _, st = jax.lax.while_loop(lambda c: jnp.any(~c[1].done_B), body, (jnp.int32(0), st))
+        return st
+
+    # ------------------------------------------------------------------ hooks (teacher forcing overrides them)
+
+    def new_state(self, req: Request, **fields) -> DecodeState:
+        return DecodeState(**fields)
+
+    def chosen(self, src, toks_BY, c_B, n_B):
+        """The tokens a round commits at n and how many: the accepted ones (src: the request or the state)."""
+        return toks_BY, c_B
+
+    # ------------------------------------------------------------------ the loop
+
+    def emit(self, stream_id, toks_BY, c_B) -> None:
+        if self.stream:
+            jax.debug.callback(stream.emit, stream_id, toks_BY, c_B, ordered=True)
+
+    def prefill(self, models: Models, req: Request) -> DecodeState:
+        """Trunk over the prompts, the first token from the last prompt position, then the proposer's start."""
+        m, (B, P), S, G = models.target, req.tokens_BP.shape, self.capacity, self.num_draft
+        pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+        h, trunk = m.trunk(req.tokens_BP, pos, cache=trunk_cache(m.cfg, B, S))
+        logits = m.logits(m.final_norm(take_rows(h, req.plen_B - 1)))
+        first, _ = choose(self.sampler, logits, row_keys(req.key, 0, 0, B))
+        ones = jnp.ones_like(req.plen_B)
+        first = self.chosen(req, first[:, None], ones, req.plen_B)[0][:, 0]
+        seq = write_rows(jnp.zeros((B, S), jnp.int32).at[:, :P].set(req.tokens_BP), first[:, None], req.plen_B)
+        self.emit(req.stream, first[:, None], ones)
+        n = req.plen_B + 1
+        with jax.named_scope("propose"):
+            pstate, draft = self.proposer.start(models, Context(seq, n, h, jnp.zeros_like(n), self.sampler, req.key, 0))
+        zeros_BG = jnp.zeros((B, G), jnp.int32)
+        return self.new_state(
+            req, trunk=trunk, seq_BS=seq, n_B=n, prompt_len_B=req.plen_B, budget_B=req.budget_B,
+            drafts_BG=draft.tokens_BG, q_BGV=draft.q_BGV, proposer=pstate,
+            done_B=(first == self.eos_id) | (req.budget_B <= 1), rounds_B=jnp.zeros((B,), jnp.int32),
+            reached_BG=zeros_BG, accepted_BG=zeros_BG, key=req.key, stream=req.stream)
+
+    def round(self, models: Models, st: DecodeState, it) -> DecodeState:
+        """One verify → accept → commit → propose round."""
+        m = models.target
+        start = st.n_B - 1
+        vt = jnp.concatenate([take_rows(st.seq_BS, start)[:, None], st.drafts_BG], axis=1)
+        with jax.named_scope("verify"):
+            h, trunk = m.trunk(vt, start[:, None] + jnp.arange(vt.shape[1], dtype=jnp.int32)[None, :], cache=st.trunk)
+        st = st.replace(trunk=trunk)
+        with jax.named_scope("accept"):
+            a, toks = self.accept(m.logits(m.final_norm(h)), st, it)
+        with jax.named_scope("commit"):
+            st = self.commit(st, a, toks)
+        with jax.named_scope("propose"):
+            ctx = Context(st.seq_BS, st.n_B, h, start, self.sampler, st.key, it)
+            pstate, draft = self.proposer.step(models, st.proposer, ctx)
+        return st.replace(proposer=pstate, drafts_BG=draft.tokens_BG, q_BGV=draft.q_BGV)
+
+    def accept(self, logits_BYV, st: DecodeState, it):
+        """(number of accepted drafts a, the γ+1 tokens to commit: accepted drafts then one target token)."""
+        B, Y, V = logits_BYV.shape
+        G, d = Y - 1, st.drafts_BG
+        if self.sampler.greedy:
+            g = jnp.argmax(logits_BYV, axis=-1).astype(jnp.int32)
+            a = jnp.cumprod(d == g[:, :G], axis=1).sum(axis=1).astype(jnp.int32)
+            bonus = take_rows(g, a)
+        else:
+            q = st.q_BGV if G else jnp.zeros((B, 0, V), jnp.float32)
+            p = probs(self.sampler, logits_BYV.reshape(B * Y, V)).reshape(B, Y, V)
+            p_d = jnp.take_along_axis(p[:, :G], d[..., None], axis=-1)[..., 0]
+            q_d = jnp.take_along_axis(q, d[..., None], axis=-1)[..., 0]
+            u = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(row_keys(st.key, 1, it, B))
+            a = jnp.cumprod(u * q_d < p_d, axis=1).sum(axis=1).astype(jnp.int32)
+            p_a = take_rows(p, a)
+            q_a = take_rows(jnp.concatenate([q, jnp.zeros((B, 1, V))], 1), a)  # q = 0 past the drafts
+            resid = jnp.maximum(p_a - q_a, 0.0)
+            mass = resid.sum(-1, keepdims=True)
+            resid = jnp.where(mass > 0, resid / jnp.where(mass > 0, mass, 1.0), p_a)
+            bonus = draw(row_keys(st.key, 2, it, B), resid)
+        i = jnp.arange(Y)[None, :]
+        toks = jnp.where(i < a[:, None], jnp.pad(d, ((0, 0), (0, 1))), bonus[:, None].astype(jnp.int32))
+        return a, toks
+
+    def commit(self, st: DecodeState, a_B, toks_BY) -> DecodeState:
+        """Advance each active row by its accepted prefix + 1, cut at EOS and at the length budget."""
+        Y = toks_BY.shape[1]
+        i = jnp.arange(Y)[None, :]
+        c = jnp.minimum(a_B + 1, st.budget_B - (st.n_B - st.prompt_len_B))
+        toks_BY, c = self.chosen(st, toks_BY, c, st.n_B)
+        if self.eos_id >= 0:
+            is_eos = (toks_BY == self.eos_id) & (i < c[:, None])
+            hit = is_eos.any(axis=1)
+            c = jnp.where(hit, jnp.argmax(is_eos, axis=1) + 1, c)
+        else:
+            hit = jnp.zeros_like(st.done_B)
+        active = ~st.done_B
+        c = jnp.where(active, c, 0)
+        seq = write_rows(st.seq_BS, toks_BY, st.n_B)  # past n for inactive rows: scratch
+        self.emit(st.stream, toks_BY, c)
+        n = st.n_B + c
+        gi = jnp.arange(Y - 1)[None, :]
+        return st.replace(
+            seq_BS=seq, n_B=n, done_B=st.done_B | hit | (n - st.prompt_len_B >= st.budget_B),
+            rounds_B=st.rounds_B + active.astype(jnp.int32),
+            reached_BG=st.reached_BG + (active[:, None] & (gi <= a_B[:, None])).astype(jnp.int32),
+            accepted_BG=st.accepted_BG + (active[:, None] & (gi < a_B[:, None])).astype(jnp.int32))
+
+
+def run_loop(loop: Loop, graphs: tuple, params: tuple, req: Request) -> DecodeState:
+    """The whole generation, from the split target (and draft) models; `execute` is this function jitted."""
+    models = Models(*(None if g is None else nnx.merge(g, p) for g, p in zip(graphs, params)))
+    return loop(models, req)
+
+
+execute = jax.jit(run_loop, static_argnames=("loop", "graphs"))

@@ -1,0 +1,287 @@
+"""Proposers: small static objects with one interface that draft γ tokens a round, each owning its decode state.
+
+    start(models, ctx) -> (state, Draft)        once, after the prefill committed the first token
+    step(models, state, ctx) -> (state, Draft)  after every commit
+    problem(target, draft) -> str | None        what makes a request impossible, said before compiling
+    draft_flops(f_target, f_draft) -> float     FLOPs one round of drafting computes, rows counted (mtpjax.speed)
+    draft_reads(f_target, f_draft) -> float     the weights it reads, as matmul FLOPs of one row (mtpjax.speed)
+    most_drafts(target) -> int                  the largest γ `num_draft="auto"` probes
+
+A proposer holds only static fields (it is part of the compiled loop's hash); its arrays live in the state
+it returns, which the loop carries without looking inside. Draft.q_BGV is the exact distribution each
+draft was sampled from, None when greedy (only the tokens matter there).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from mtpjax.decode.cache import module_caches, read_rows, set_layer, take_rows, trunk_cache, write_rows
+from mtpjax.decode.sampling import Sampler, choose, row_keys
+from mtpjax.model import MTPTransformer
+
+
+class Models(NamedTuple):
+    """The target, and the independent draft model when one proposes."""
+
+    target: MTPTransformer
+    draft: MTPTransformer | None = None
+
+
+class Context(NamedTuple):
+    """What a proposer sees after a commit."""
+
+    seq_BS: jax.Array  # committed tokens [0, n); past n: scratch
+    n_B: jax.Array  # committed length per row
+    h_BTD: jax.Array  # the trunk's raw hidden states from its last call (the prompt, or the verified tokens)
+    h_start_B: jax.Array  # position of h_BTD's first row
+    sampler: Sampler
+    key: jax.Array
+    it: jax.Array | int  # loop iteration (0: the prefill), for independent random draws
+
+
+class Draft(NamedTuple):
+    tokens_BG: jax.Array
+    q_BGV: jax.Array | None  # the distributions the drafts were drawn from (None when greedy)
+
+
+def _stack(drafts: list, qs: list) -> Draft:
+    return Draft(jnp.stack(drafts, 1), None if qs[0] is None else jnp.stack(qs, 1))
+
+
+@dataclass(frozen=True)
+class Plain:
+    """No drafts: plain decoding is the same loop with γ = 0."""
+
+    num_draft: int = 0
+
+    def problem(self, target, draft) -> str | None:
+        return None
+
+    def start(self, models: Models, ctx: Context):
+        return self.step(models, None, ctx)
+
+    def step(self, models: Models, state, ctx: Context):
+        return None, Draft(jnp.zeros((ctx.n_B.shape[0], 0), jnp.int32), None)
+
+    def draft_flops(self, f_target: dict, f_draft: dict | None) -> float:
+        return 0.0
+
+    draft_reads = draft_flops
+
+
+@dataclass(frozen=True)
+class NgramProposer:
+    """Prompt lookup: continue the latest earlier occurrence of the longest matching suffix (<= max_n)."""
+
+    num_draft: int
+    max_n: int = 3
+
+    def problem(self, target, draft) -> str | None:
+        return None
+
+    def most_drafts(self, target) -> int:
+        return 3
+
+    def start(self, models: Models, ctx: Context):
+        return self.step(models, None, ctx)
+
+    def step(self, models: Models, state, ctx: Context):
+        drafts = lookup(ctx.seq_BS, ctx.n_B, self.num_draft, self.max_n)
+        q = None
+        if not ctx.sampler.greedy:  # a deterministic draft: q is one-hot
+            q = jax.nn.one_hot(drafts, models.target.cfg.vocab_size, dtype=jnp.float32)
+        return None, Draft(drafts, q)
+
+    def draft_flops(self, f_target: dict, f_draft: dict | None) -> float:
+        return 0.0
+
+    draft_reads = draft_flops
+
+
+def lookup(seq_BS, n_B, G: int, max_n: int):
+    """G tokens following the latest earlier match of the committed sequence's longest suffix (<= max_n)."""
+    S = seq_BS.shape[1]
+    pos = jnp.arange(S)
+    best = jnp.full(n_B.shape, -1, jnp.int32)
+    for m in range(max_n, 0, -1):
+        eq = (pos[None, :] < n_B[:, None] - 1) & (pos[None, :] >= m - 1)
+        for t in range(m):
+            tail = take_rows(seq_BS, jnp.maximum(n_B - 1 - t, 0))
+            eq &= jnp.roll(seq_BS, t, axis=1) == tail[:, None]
+        eq &= (n_B >= m + 1)[:, None]
+        j = jnp.max(jnp.where(eq, pos[None, :], -1), axis=1).astype(jnp.int32)
+        best = jnp.where(best < 0, j, best)
+    idx = jnp.minimum(best[:, None] + 1 + jnp.arange(G)[None, :], n_B[:, None] - 1)
+    last = take_rows(seq_BS, n_B - 1)[:, None]
+    drafts = jnp.where(best[:, None] >= 0, jnp.take_along_axis(seq_BS, idx, axis=1), last)
+    return drafts.astype(jnp.int32)
+
+
+@struct.dataclass
+class MTPState:
+    h0_BSD: jax.Array  # the trunk's raw hidden state at every committed position (what module 1 reads)
+    caches: tuple  # one KV per MTP module
+
+
+@dataclass(frozen=True)
+class MTPProposer:
+    """The target's own MTP modules: module k drafts token k of the round from depth k-1's state and draft k-1.
+
+    Past the modules in use the last one continues autoregressively from its own output. `modules=1` drafts
+    every token with module 1 (as vLLM and SGLang do); 0 uses all D modules.
+    """
+
+    num_draft: int
+    modules: int = 0
+
+    def problem(self, target, draft) -> str | None:
+        cfg = target.cfg
+        if cfg.mtp_depth == 0:
+            return "this model has no MTP modules (mtp_depth 0); use --proposer ngram or --num-draft 0"
+        if cfg.mtp_kind == "parallel" and self.num_draft > self.used(cfg.mtp_depth):
+            return (f"num_draft={self.num_draft} exceeds the {self.used(cfg.mtp_depth)} parallel MTP heads in use; "
+                    "lower --num-draft")
+        return None
+
+    def most_drafts(self, target) -> int:
+        D = target.cfg.mtp_depth
+        if target.cfg.mtp_kind == "parallel" or not self.modules:
+            return min(D, self.modules or D)
+        return max(D, 3)  # a reused module drafts any number of tokens
+
+    def used(self, depth: int) -> int:
+        """Modules that draft from a recomputed window (the rest of the γ drafts reuse the last of them)."""
+        return min(self.num_draft, depth, self.modules or depth)
+
+    def window(self) -> int:
+        """Rows each module recomputes a round, ending at the draft position n-2.
+
+        A round commits up to γ+1 tokens, whose entries every module must now compute; entries built from a
+        rejected draft (module k at i reads x[i+k]) lie inside those γ+1 rows too. Fewer rows leave entries
+        a later query reads stale.
+        """
+        return self.num_draft + 1
+
+    def start(self, models: Models, ctx: Context):
+        cfg = models.target.cfg
+        B, S = ctx.seq_BS.shape
+        h0 = write_rows(jnp.zeros((B, S, cfg.d_model), ctx.h_BTD.dtype), ctx.h_BTD, ctx.h_start_B)
+        state = MTPState(h0_BSD=h0, caches=module_caches(cfg, B, S))
+        return self._draft(models.target, state, ctx, jnp.zeros((B,), jnp.int32), ctx.h_BTD.shape[1])
+
+    def step(self, models: Models, state: MTPState, ctx: Context):
+        state = state.replace(h0_BSD=write_rows(state.h0_BSD, ctx.h_BTD, ctx.h_start_B))
+        W = self.window()
+        return self._draft(models.target, state, ctx, jnp.maximum(ctx.n_B - 1 - W, 0), W)
+
+    def _draft(self, m: MTPTransformer, st: MTPState, ctx: Context, start_B, W: int):
+        """Module k over the window [start, start+W) (its last row at n-2 drafts token k); then the reuse steps."""
+        G, B, U = self.num_draft, ctx.n_B.shape[0], self.used(m.cfg.mtp_depth)
+        pos_BW = start_B[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :]
+        out_idx = ctx.n_B - 2 - start_B
+        h0_BWD = read_rows(st.h0_BSD, start_B, W)
+        h_prev, seq, caches = h0_BWD, ctx.seq_BS, st.caches
+        drafts, qs = [], []
+        for k in range(1, G + 1):
+            with jax.named_scope(f"draft{k}"):  # profiles attribute time per depth
+                if k <= U:
+                    toks = read_rows(seq, start_B + k, W)
+                    h, kv = m.mtp_forward(k, m.mtp_input(h_prev, h0_BWD), toks, pos_BW, cache=caches[k - 1])
+                    caches, h_prev, h_at = set_layer(caches, k - 1, kv), h, take_rows(h, out_idx)
+                else:  # the last module in use continues from its own output
+                    pos = (ctx.n_B - 2 + (k - U))[:, None]
+                    h, kv = m.mtp_forward(U, h_at[:, None], drafts[-1][:, None], pos, cache=caches[U - 1])
+                    caches, h_at = set_layer(caches, U - 1, kv), h[:, 0]
+                logits = m.logits(m.head_norm(min(k, U), h_at))
+                d, q = choose(ctx.sampler, logits, row_keys(ctx.key, 10 + k, ctx.it, B))
+                seq = write_rows(seq, d[:, None], ctx.n_B + k - 1)  # module k+1 reads draft k
+                drafts.append(d)
+                qs.append(q)
+        return st.replace(caches=caches), _stack(drafts, qs)
+
+    def draft_flops(self, f_target: dict, f_draft: dict | None) -> float:
+        """Each module in use runs its block over the window; reuse steps one row; the head once per draft."""
+        G, D = self.num_draft, len(f_target["mtp"])
+        U = self.used(D)
+        return (U * self.window() + (G - U)) * f_target["mtp_module"] + G * f_target["head"]
+
+    def draft_reads(self, f_target: dict, f_draft: dict | None) -> float:
+        """Every module call reads its module once (whatever its rows), the head once per draft."""
+        return self.num_draft * (f_target["mtp_module_matmul"] + f_target["head"])
+
+
+@dataclass(frozen=True)
+class DraftModelProposer:
+    """An independent small model with the target's vocabulary, drafting γ tokens with its own KV cache.
+
+    Each round it first runs its trunk over the last committed tokens (`catch_up`), then drafts one token per
+    step. Entries past them, built from rejected drafts, are masked and overwritten: the rollback is the
+    committed length alone.
+    """
+
+    num_draft: int
+
+    def problem(self, target, draft) -> str | None:
+        if draft is None:
+            return "proposer 'model' needs a draft model: pass draft=... (decode.py --draft-run-dir RUN)"
+        tv, dv = target.cfg.vocab_size, draft.cfg.vocab_size
+        if tv != dv:
+            return (f"the draft model's vocabulary ({dv} ids) differs from the target's ({tv}); "
+                    "draft with a model trained on the same tokenizer")
+        return None
+
+    def most_drafts(self, target) -> int:
+        return 4
+
+    def start(self, models: Models, ctx: Context):
+        dm, (B, S), P = models.draft, ctx.seq_BS.shape, ctx.h_BTD.shape[1]
+        pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+        _, cache = dm.trunk(ctx.seq_BS[:, :P], pos, cache=trunk_cache(dm.cfg, B, S))
+        return self.step(models, cache, ctx)
+
+    def catch_up(self) -> int:
+        """Committed tokens the draft model runs each round before drafting: the newest, and the one before it
+        (missing when every draft was accepted). Fewer leave that entry stale."""
+        return 2
+
+    def step(self, models: Models, cache, ctx: Context):
+        dm, G, B, R = models.draft, self.num_draft, ctx.n_B.shape[0], self.catch_up()
+        start = ctx.n_B - R
+        pos = start[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
+        h, cache = dm.trunk(read_rows(ctx.seq_BS, start, R), pos, cache=cache)
+        h_at = h[:, R - 1]
+        drafts, qs = [], []
+        for k in range(1, G + 1):
+            with jax.named_scope(f"draft{k}"):
+                d, q = choose(ctx.sampler, dm.logits(dm.final_norm(h_at)), row_keys(ctx.key, 10 + k, ctx.it, B))
+                drafts.append(d)
+                qs.append(q)
+                if k < G:
+                    h, cache = dm.trunk(d[:, None], (ctx.n_B - 1 + k)[:, None], cache=cache)
+                    h_at = h[:, 0]
+        return cache, _stack(drafts, qs)
+
+    def draft_flops(self, f_target: dict, f_draft: dict | None) -> float:
+        """The catch-up rows, γ-1 single-row steps, and the draft model's head once per draft."""
+        G = self.num_draft
+        return (self.catch_up() + G - 1) * f_draft["trunk"] + G * f_draft["head"]
+
+    def draft_reads(self, f_target: dict, f_draft: dict | None) -> float:
+        """γ calls of the draft model (the catch-up and γ-1 steps), each reading its weights once."""
+        return self.num_draft * (f_draft["trunk_matmul"] + f_draft["head"])
+
+
+PROPOSERS = {"mtp": MTPProposer, "mtp1": functools.partial(MTPProposer, modules=1), "ngram": NgramProposer,
+             "model": DraftModelProposer}
+
+
+def make_proposer(name: str, num_draft: int):
+    """The proposer a request names; γ = 0 is plain decoding whatever the name."""
+    return Plain() if num_draft == 0 else PROPOSERS[name](num_draft)

@@ -1,0 +1,98 @@
+"""The speculation arithmetic, in one place: E(γ), the draft-work ratio r, the ceiling, the predicted speedup.
+
+A round with γ drafts verifies γ+1 tokens and commits E(γ) of them on average, where draft i is accepted
+(all before it accepted) with rate α_i:
+
+    E(γ) = 1 + Σ_{i=1..γ} Π_{j<=i} α_j                (constant α: (1 - α^(γ+1)) / (1 - α))
+
+Measured against a plain decode step, a round costs v + γc (v: verifying γ+1 tokens, c: one draft), so
+
+    predicted speedup = E(γ) / (v + γc)              (v + γc: the round's measured cost)
+    ceiling           = E(γ) / (1 + γr)              (v >= 1, c >= r)
+
+A draft's work is counted as a round really does it: `work_ratio` counts every row it computes (an MTP
+module recomputes a window of γ+1 rows, a draft model first catches up on the committed tokens), in FLOPs
+over a plain step's; `weight_ratio` counts the weights it reads (once per call, whatever the rows). Where
+a decode step is compute-bound the FLOPs set the cost, where it waits on memory the weights do, and the
+ceiling takes r as the smaller (`floor_ratio`), so it bounds the speedup in either regime. Everything here
+is plain arithmetic on numbers or traced scalars: the training metric `expected_accept_length` calls
+`expected_tokens` under jit.
+"""
+
+from __future__ import annotations
+
+from mtpjax.config import ModelConfig
+from mtpjax.flops import flops_per_token
+
+
+def expected_tokens(alpha_by_pos, gamma: int):
+    """E(γ): tokens per round with γ drafts when draft i is accepted (all before it accepted) with rate
+    alpha_by_pos[i]; past the list its last rate is reused ([α]: the constant-α case). Jittable."""
+    total, run = 1.0, 1.0
+    for i in range(gamma):
+        run = run * (alpha_by_pos[min(i, len(alpha_by_pos) - 1)] if len(alpha_by_pos) else 0.0)
+        total = total + run
+    return total
+
+
+def work_ratio(proposer, model_cfg: ModelConfig, context: int, draft_cfg: ModelConfig | None = None) -> float:
+    """The FLOPs one round's drafting computes per draft over a plain decode step's (trunk + head), every row
+    counted (an MTP module recomputes its window). A draft's cost where decoding is compute-bound."""
+    return _ratio(proposer, model_cfg, context, draft_cfg, "draft_flops", ("trunk", "head"))
+
+
+def weight_ratio(proposer, model_cfg: ModelConfig, context: int, draft_cfg: ModelConfig | None = None) -> float:
+    """The weights one round's drafting reads per draft over those a plain decode step reads (each call reads
+    its weights once, whatever its rows). A draft's cost where decoding is bound by reading weights."""
+    return _ratio(proposer, model_cfg, context, draft_cfg, "draft_reads", ("trunk_matmul", "head"))
+
+
+def floor_ratio(proposer, model_cfg: ModelConfig, context: int, draft_cfg: ModelConfig | None = None) -> float:
+    """r of the ceiling: a draft costs at least the smaller of its FLOP and weight shares of a plain step
+    (roofline: time >= max(FLOPs / peak, bytes / bandwidth) for the draft and the plain step alike)."""
+    args = (proposer, model_cfg, context, draft_cfg)
+    return min(work_ratio(*args), weight_ratio(*args))
+
+
+def _ratio(proposer, model_cfg, context, draft_cfg, count: str, plain: tuple) -> float:
+    G = proposer.num_draft
+    if G == 0:
+        return 0.0
+    f = flops_per_token(model_cfg, context)
+    fd = flops_per_token(draft_cfg, context) if draft_cfg is not None else None
+    return getattr(proposer, count)(f, fd) / (G * sum(f[k] for k in plain))
+
+
+def ceiling(alpha_by_pos, gamma: int, r: float) -> float:
+    """E(γ) / (1 + γr): the speedup with v = 1 and c = r."""
+    return expected_tokens(alpha_by_pos, gamma) / (1.0 + gamma * r)
+
+
+def speedup_ceiling(alpha_by_pos, work_ratio, max_gamma: int) -> dict:
+    """Best ceiling over γ <= max_gamma; `work_ratio` is r (a number) or a function γ -> r.
+
+    Returns {"by_gamma": {γ: bound}, "max": the best bound, "num_draft": its γ}; γ = 0 (plain) bounds at 1.
+    """
+    r = work_ratio if callable(work_ratio) else (lambda g: work_ratio)
+    by = {g: ceiling(alpha_by_pos, g, r(g) if g else 0.0) for g in range(max_gamma + 1)}
+    best = max(by, key=lambda g: by[g])
+    return {"by_gamma": by, "max": by[best], "num_draft": best}
+
+
+def predicted_speedup(alpha_by_pos, gamma: int, round_cost: float) -> float:
+    """E(γ) over the measured cost of a round with γ drafts relative to a plain round (round_cost = v + γc)."""
+    return expected_tokens(alpha_by_pos, gamma) / round_cost
+
+
+def choose_num_draft(alpha_by_pos, round_cost: dict) -> int:
+    """The γ maximizing the predicted speedup E(γ) / cost(γ), where cost(γ) is the measured time of a round with
+    γ drafts relative to a plain round at the same batch size (cost(0) = 1: plain decoding, always a candidate).
+
+    Batched verification is compute-bound sooner, so at large batch cost(γ) grows and this picks fewer
+    drafts, down to 0: speculation is then never slower than plain decoding (up to measurement noise).
+    """
+    rates = {0: 1.0}
+    for g, c in round_cost.items():
+        if g > 0 and c > 0:
+            rates[g] = predicted_speedup(alpha_by_pos, g, c)
+    return max(sorted(rates), key=lambda g: rates[g])

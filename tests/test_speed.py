@@ -1,0 +1,118 @@
+"""The speculation arithmetic (mtpjax.speed): E(γ), the ceiling, the draft-work ratio by counted rows, γ's choice."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from mtpjax.decode import DraftModelProposer, MTPProposer, NgramProposer
+from mtpjax.decode.proposers import Plain
+from mtpjax.loss import expected_accept_length
+from mtpjax.speed import (
+    ceiling,
+    choose_num_draft,
+    expected_tokens,
+    floor_ratio,
+    predicted_speedup,
+    speedup_ceiling,
+    weight_ratio,
+    work_ratio,
+)
+
+
+def test_expected_tokens():
+    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
+    assert expected_tokens([1.0, 0.0], 2) == pytest.approx(2.0)
+    assert expected_tokens([0.9], 3) == pytest.approx(1 + 0.9 + 0.81 + 0.729)  # last rate reused past the list
+    assert expected_tokens([], 2) == 1.0
+
+
+def test_choose_num_draft_prefers_fewer_drafts_when_rounds_get_expensive():
+    alpha = [0.9, 0.6]
+    # cheap drafting (batch 1): two drafts pay off
+    assert choose_num_draft(alpha, {1: 1.2, 2: 1.4}) == 2
+    # verification compute-bound (batch 32): a round costs more than the tokens it yields -> plain decoding
+    assert choose_num_draft(alpha, {1: 2.0, 2: 2.6}) == 0
+    # in between: one draft
+    assert choose_num_draft(alpha, {1: 1.3, 2: 2.5}) == 1
+    # a tie goes to fewer drafts
+    assert choose_num_draft([1.0], {1: 2.0}) == 0
+
+
+def test_speedup_ceiling_is_the_best_round_at_floor_costs():
+    c = speedup_ceiling([0.97, 0.62], 0.31, 2)
+    assert c["by_gamma"][0] == 1.0
+    assert c["by_gamma"][1] == pytest.approx(1.97 / 1.31)
+    assert c["by_gamma"][2] == pytest.approx((1 + 0.97 + 0.97 * 0.62) / 1.62)
+    assert c["num_draft"] == 2 and c["max"] == pytest.approx(1.587, abs=1e-3) and c["max"] < 2
+    # the cost model, handed the floor costs v = 1, c = r, picks the ceiling's γ
+    for alpha, r in (([0.97, 0.62], 0.31), ([0.5, 0.5], 0.3), ([0.9, 0.9, 0.9], 0.05)):
+        c = speedup_ceiling(alpha, r, len(alpha))
+        assert choose_num_draft(alpha, {g: 1 + g * r for g in range(1, len(alpha) + 1)}) == c["num_draft"]
+    # a perfect drafter with free drafts gains γ+1
+    assert speedup_ceiling([1.0], 0.0, 3)["max"] == 4.0
+
+
+def test_constant_alpha_is_the_closed_form():
+    for a in (0.0, 0.3, 0.8):
+        for g in range(5):
+            assert expected_tokens([a], g) == pytest.approx((1 - a ** (g + 1)) / (1 - a))
+    assert expected_tokens([1.0], 4) == 5.0
+
+
+def test_expected_tokens_is_jittable_and_is_the_training_metric():
+    e = jax.jit(lambda a: expected_tokens([a[0], a[1]], 2))(jnp.array([0.5, 0.5]))
+    assert float(e) == pytest.approx(1.75)
+    assert float(expected_accept_length([jnp.float32(0.9), jnp.float32(0.6)])) == pytest.approx(1 + 0.9 + 0.54)
+
+
+def test_predicted_speedup_is_expected_tokens_over_the_round_cost():
+    assert predicted_speedup([0.9, 0.6], 2, 1.6) == pytest.approx((1 + 0.9 + 0.54) / 1.6)
+    assert ceiling([0.9, 0.6], 2, 0.3) == pytest.approx(predicted_speedup([0.9, 0.6], 2, 1 + 2 * 0.3))
+    rc = {1: 1.3, 2: 1.6}
+    best = max([0, 1, 2], key=lambda g: 1.0 if g == 0 else predicted_speedup([0.9, 0.6], g, rc[g]))
+    assert choose_num_draft([0.9, 0.6], rc) == best
+
+
+# hand count (tests/conftest.py's SMALL config at T = 12): module 24064, head 2048, trunk 39936 FLOPs per row,
+# of which attention over the 12 keys is 1536 per block (module and trunk blocks alike): not weights
+MODULE, HEAD, TRUNK, ATTN = 24064, 2048, 39936, 1536
+
+
+@pytest.mark.parametrize("proposer,rows", [
+    (MTPProposer(1), (1 * 2, 0)),  # window γ+1 = 2 rows of module 1
+    (MTPProposer(2), (2 * 3, 0)),  # modules 1 and 2, 3 rows each
+    (MTPProposer(3), (2 * 4, 1)),  # modules 1 and 2 over 4 rows, then module 2 reused for one row
+    (MTPProposer(3, modules=1), (1 * 4, 2)),  # module 1 over 4 rows, then reused twice
+])
+def test_mtp_work_ratio_counts_the_window_rows(model_cfg, proposer, rows):
+    window_rows, reuse_rows = rows
+    G = proposer.num_draft
+    want = ((window_rows + reuse_rows) * MODULE + G * HEAD) / (G * (TRUNK + HEAD))
+    assert work_ratio(proposer, model_cfg(), 12) == pytest.approx(want)
+    # each call reads its module once, whatever its rows: one module and one head per draft
+    reads = (MODULE - ATTN + HEAD) / (TRUNK - 2 * ATTN + HEAD)
+    assert weight_ratio(proposer, model_cfg(), 12) == pytest.approx(reads)
+    assert floor_ratio(proposer, model_cfg(), 12) == pytest.approx(min(want, reads)) == pytest.approx(reads)
+
+
+def test_draft_model_work_ratio_counts_its_catch_up_and_steps(model_cfg):
+    draft = model_cfg(d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, mtp_depth=0)
+    d_trunk = 2 * 16 * 16 + 2 * 2 * 16 * 8 + 2 * 16 * 16 + 3 * 2 * 16 * 32 + 2 * 2 * 12 * 8 * 2  # one block, T = 12
+    d_head = 2 * 16 * 32
+    for G in (1, 3):
+        want = ((2 + G - 1) * d_trunk + G * d_head) / (G * (TRUNK + HEAD))
+        assert work_ratio(DraftModelProposer(G), model_cfg(), 12, draft) == pytest.approx(want)
+        reads = (d_trunk - 2 * 2 * 12 * 8 * 2 + d_head) / (TRUNK - 2 * ATTN + HEAD)  # γ calls, weights once each
+        assert weight_ratio(DraftModelProposer(G), model_cfg(), 12, draft) == pytest.approx(reads)
+    assert work_ratio(NgramProposer(2), model_cfg(), 12) == 0.0 and work_ratio(Plain(), model_cfg(), 12) == 0.0
+
+
+def test_a_deeper_trunk_makes_each_draft_relatively_cheaper(model_cfg):
+    # a module is one block: r ~ 1/L
+    r = [work_ratio(MTPProposer(1), model_cfg(n_layers=n), 12) for n in (2, 4, 8)]
+    assert r[0] > r[1] > r[2] > 2 / 8
+
+
+def test_ceiling_takes_a_ratio_per_gamma():
+    c = speedup_ceiling([0.9], lambda g: 0.1 * g, 3)
+    assert c["by_gamma"] == pytest.approx({g: expected_tokens([0.9], g) / (1 + g * 0.1 * g) for g in range(4)})
