@@ -2,10 +2,6 @@
 calibrates (and evaluates: test_decode), and a first `--num-draft auto` calibration compiles only the loops the
 run reuses."""
 
-from types import SimpleNamespace
-
-import numpy as np
-import pytest
 
 from mtpjax.decode import api, autodraft
 from mtpjax.decode.cli import label, main
@@ -49,56 +45,56 @@ def test_auto_choosing_no_drafts_is_labelled_plain(tiny_run, capsys, monkeypatch
     monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: autodraft.Calibration(
         num_draft=0, round_cost={0: 1.0, 1: 2.5, 2: 3.4}, alpha_by_position=[0.5, 0.2],
         expected_tokens={0: 1.0, 1: 1.5, 2: 1.6}, seconds=0.5))
-    assert main(_argv(run, "--stats")) == 0
+    assert main(_argv(run, "--stats", "--recalibrate")) == 0
     err = capsys.readouterr().err
     assert "[plain] rounds=" in err and "[mtp num_draft=0]" not in err
-    assert "-> plain (no draft count was predicted to beat plain decoding" in err
-    assert "measured now: the probe took 0.5s of the request's" in err
+    assert "-> next time plain (no draft count was predicted to beat plain decoding" in err
+    assert main(_argv(run, "--stats")) == 0  # the saved measurement: plain again, and the stats say so
+    err = capsys.readouterr().err
+    assert "[plain] rounds=" in err and "-> plain (no draft count" in err and "measurement saved in" in err
 
 
-def test_auto_calibrates_with_a_progress_line_and_says_what_it_cost(tiny_run, capsys, monkeypatch, tmp_path):
+def _fake_calibration(*a, progress=None, **k):
+    progress("auto: timing")
+    return autodraft.Calibration(num_draft=2, round_cost={0: 1.0, 1: 1.1, 2: 1.2}, alpha_by_position=[0.9, 0.9],
+                                 expected_tokens={0: 1.0, 1: 1.9, 2: 2.7}, seconds=0.5)
+
+
+def test_a_new_request_shape_decodes_plain_then_measures(tiny_run, capsys, monkeypatch, tmp_path):
+    """decode.py never waits on a probe before the output: plain first, measured after (with a progress line),
+    and the next request of that shape runs what was measured."""
     _, run = tiny_run
     monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autodraft, "calibrate", _fake_calibration)
     assert main(_argv(run, "--stats")) == 0
-    err = capsys.readouterr().err
-    progress = [ln for ln in err.splitlines() if ln.startswith("auto: timing")]
-    # the progress line comes before the result; 8 new tokens: a timed run decodes 8 (the floor of the probe)
-    assert len(progress) == 1 and "3 draft counts (0, 1, 2)" in progress[0] and "8 tokens a run" in progress[0]
-    assert err.index("auto: timing") < err.index("[auto] round cost")
-    assert "measured now: the probe took" in err
-
-
-def test_probe_is_a_fraction_of_the_request(monkeypatch):
-    """A timed run decodes 1/8 of the request's new tokens (8..64), not a fixed 64."""
-
-    class Stop(Exception):
-        pass
-
-    def fake_run(model, prompts, loop, seed, budget=None, draft=None):
-        if budget > 1:
-            raise Stop(budget)
-        return SimpleNamespace(n_B=np.zeros(1), rounds_B=np.zeros(1))
-
-    monkeypatch.setattr(autodraft.host, "run", fake_run)
-    for max_new, tokens in ((512, 64), (128, 16), (24, 8), (4096, 64)):
-        loop = SimpleNamespace(max_new=max_new)
-        with pytest.raises(Stop) as e:
-            autodraft.calibrate(None, [[1]], {0: loop, 1: loop})
-        assert e.value.args == (tokens,), max_new
+    first = capsys.readouterr()
+    assert first.out.startswith("def f(x):") and first.out.endswith("\n")
+    assert "[plain] rounds=" in first.err
+    assert "no measurement for this request shape yet, so it decoded plain" in first.err
+    assert first.err.index("auto: timing") < first.err.index("[plain]")
+    assert "-> next time 2 drafts per round" in first.err
+    assert main(_argv(run, "--stats")) == 0
+    again = capsys.readouterr()
+    assert again.out == first.out  # greedy: the same text whichever ran
+    assert "[mtp num_draft=2] rounds=" in again.err and "auto: timing" not in again.err
 
 
 def test_calibration_compiles_only_the_loops_the_run_reuses(tiny_run):
-    """`num_draft="auto"` compiles each candidate's loop once; the real run adds no compilation."""
+    """`num_draft="auto"` compiles each candidate's loop once; the real runs add no compilation."""
     from mtpjax.checkpoint import load_model
 
     _, run = tiny_run
     _, model, tok = load_model(run)
     prompts = [tok.encode("import os")]
     kw = dict(max_new_tokens=19, seed=3, eos_id=tok.eos_id)  # a request shape no other test compiles
+    # decode.py's order: plain first, then the probe, which reuses the plain loop and compiles the others once
     before = execute._cache_size()
-    res = api.generate(model, prompts, num_draft="auto", on_commit=lambda *_: None, **kw)
-    assert res.stats["calibration"]["source"] == "probe"
+    res = api.generate(model, prompts, num_draft="auto", plain_first=True, on_commit=lambda *_: None, **kw)
+    assert res.stats["num_draft"] == 0 and res.stats["calibration"]["source"] == "after"
     assert execute._cache_size() - before == len(autodraft.candidates(model, "mtp")) == 3
+    again = api.generate(model, prompts, num_draft="auto", plain_first=True, on_commit=lambda *_: None, **kw)
+    assert again.stats["num_draft"] == res.stats["calibration"]["num_draft"]  # remembered...
+    assert execute._cache_size() - before == 3  # ...and already compiled
     # the counter does count: a request of another shape compiles its loop
     mid = execute._cache_size()
     api.generate(model, prompts, num_draft=1, **{**kw, "max_new_tokens": 21})

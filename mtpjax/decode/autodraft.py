@@ -9,8 +9,8 @@ a short probe of every candidate γ on the very prompts it was given (the same c
 run then reuses), takes α by draft position from the longest candidate, and picks the γ that
 maximizes expected tokens per unit time. γ = 0 (plain decoding) is always a candidate, and a γ > 0 must
 beat it by MARGIN (more than the probe's timing noise), which is how speculation is never slower than plain.
-The probe is sized by the request (PROBE_SHARE of its new tokens per timed run), so a first calibration costs
-the compilations the real run reuses plus a fraction of the request.
+A first probe's cost is mostly compiling every candidate's loop (the real run reuses its own); decode.py
+therefore decodes a request of a new shape plain and measures after it (`resolve(..., measure=False)`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from mtpjax.speed import choose_num_draft, expected_tokens, predicted_speedup
 
 
 MARGIN = 1.05  # a γ > 0 must be predicted this much faster than plain: the probe's timing noise is a few percent
-PROBE_SHARE = 8  # a timed run decodes 1/PROBE_SHARE of the request's new tokens (at least 8, at most 64)
 
 
 @dataclass
@@ -63,25 +62,23 @@ def candidates(model, proposer: str) -> list[int]:
     return list(range(0, max(PROPOSERS[proposer](1).most_drafts(model), 0) + 1))
 
 
-def calibrate(model, prompts, loops: dict, seed: int = 0, probe: int | None = None, repeats: int = 3,
-              min_seconds: float = 0.25, max_repeats: int = 10, draft=None, progress=None) -> Calibration:
+def calibrate(model, prompts, loops: dict, seed: int = 0, probe: int = 32, repeats: int = 3,
+              min_seconds: float = 1.0, max_repeats: int = 20, draft=None, progress=None) -> Calibration:
     """Time every candidate's compiled loop on `prompts` (loops: γ -> Loop) and choose γ.
 
     A round's cost is the slope between a run that stops after the prefill (one new token) and one of
-    `probe` new tokens (default: the request's new tokens / PROBE_SHARE, 8 to 64), so prefill and dispatch
-    (~10 ms on the tiny model) cancel. Candidates are timed interleaved so drift hits them alike, at least
-    `repeats` times and until `min_seconds` were spent, and each run length keeps its fastest time:
-    interference only ever adds time, and medians of 20 ms probes on a shared CPU chose wrong about one time
-    in four. The loops are the request's own (compiled here, reused by the real run). `progress(text)`, if
-    given, hears what is being measured.
+    2·`probe` new tokens, so prefill and dispatch (~10 ms on the tiny model) cancel. Candidates are timed
+    interleaved so drift hits them alike, at least `repeats` times and until `min_seconds` were spent, and
+    each run length keeps its fastest time: interference only ever adds time, and medians of 20 ms probes
+    on a shared CPU chose wrong about one time in four. The loops are the request's own (compiled here,
+    reused by the real run). `progress(text)`, if given, hears what is being measured.
     """
     t0 = time.perf_counter()
     max_new = min(lp.max_new for lp in loops.values())
-    probe = min(64, max(8, max_new // PROBE_SHARE)) if probe is None else probe
-    short, long_ = 1, max(2, min(probe, max_new))
+    short, long_ = 1, max(2, min(2 * probe, max_new))
     if progress is not None:
-        progress(f"auto: timing {len(loops)} draft counts ({', '.join(map(str, loops))}) on this request, "
-                 f"{long_} tokens a run; the real run reuses their compiled loops")
+        progress(f"auto: compiling and timing {len(loops)} draft counts ({', '.join(map(str, loops))}) on this "
+                 f"request, {long_} tokens a run")
 
     def timed(loop, budget):
         t = time.perf_counter()
@@ -201,8 +198,11 @@ class SavedCalibrations:
 
 
 def resolve(model, prompts, loop_for, proposer: str, seed: int, saved: SavedCalibrations | None = None,
-            draft=None, progress=None):
-    """(γ, Calibration) for this request shape: measured once per model (or read from `saved`), then remembered."""
+            draft=None, progress=None, measure: bool = True):
+    """(γ, Calibration) for this request shape: measured once per model (or read from `saved`), then remembered.
+
+    measure=False: (0, None) when nothing is known yet for this shape (plain decoding until a measurement exists).
+    """
     loops = {g: loop_for(g) for g in candidates(model, proposer)}
     base = loops[0]
     key = (len(prompts), base.prompt_pad, base.max_new, proposer, base.sampler, base.eos_id)
@@ -210,6 +210,8 @@ def resolve(model, prompts, loop_for, proposer: str, seed: int, saved: SavedCali
     if key not in known:
         cal = saved.get(key) if saved is not None else None
         if cal is None:
+            if not measure:
+                return 0, None
             cal = calibrate(model, prompts, loops, seed, draft=draft, progress=progress)
             if saved is not None:
                 saved.put(key, cal)

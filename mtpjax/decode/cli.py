@@ -153,6 +153,15 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
             sys.stdout.flush()
             printed[0] = text
 
+    ended = [False]
+
+    def progress(text):  # a measurement after the streamed output starts on its own line
+        if stream and printed[0] and not ended[0]:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            ended[0] = True
+        _progress(text)
+
     if stream:
         sys.stdout.write(texts[0])  # the prompt, then its continuation as it is committed
         sys.stdout.flush()
@@ -162,10 +171,11 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
                    top_k=args.top_k if args.top_k is not None else d.top_k,
                    top_p=args.top_p if args.top_p is not None else d.top_p, seed=args.seed,
                    eos_id=tok.eos_id, max_len=args.max_len or d.max_len, on_commit=on_commit if stream else None,
-                   calibrations=saved, draft=draft, progress=_progress if stream or args.stats else None)
+                   calibrations=saved, draft=draft, progress=progress, plain_first=True)
     seconds = time.perf_counter() - t0
     if stream:
-        sys.stdout.write("\n")
+        if not ended[0]:
+            sys.stdout.write("\n")
     else:
         for text, out in zip(texts, res.tokens):
             print(f"### {text!r}\n{text}{tok.decode(out)}")
@@ -192,13 +202,18 @@ def _print_stats(s: dict, proposer: str, seconds: float, saved_path) -> None:
     print(line, file=sys.stderr)
     if "calibration" in s:
         c = s["calibration"]
-        how = (f"measurement saved in {saved_path}; --recalibrate measures again" if c["source"] == "saved"
-               else f"measured now: the probe took {c['seconds']:.1f}s of the request's {seconds:.1f}s, compiling "
-                    f"the loops the run then reused")
         chose = ("plain (no draft count was predicted to beat plain decoding by more than the probe's noise)"
                  if c["num_draft"] == 0 else f"{c['num_draft']} drafts per round")
-        print(f"[auto] round cost vs plain {_fmt(c['round_cost'])}, expected tokens/round {_fmt(c['expected_tokens'])}"
-              f" -> {chose} ({how})", file=sys.stderr)
+        measured = (f"round cost vs plain {_fmt(c['round_cost'])}, expected tokens/round "
+                    f"{_fmt(c['expected_tokens'])}")
+        if c["source"] == "after":
+            print(f"[auto] no measurement for this request shape yet, so it decoded plain; measured after it (the "
+                  f"probe took {c['seconds']:.1f}s, saved in {saved_path}): {measured} -> next time {chose}",
+                  file=sys.stderr)
+        else:
+            how = (f"measurement saved in {saved_path}; --recalibrate measures again" if c["source"] == "saved"
+                   else f"measured now: the probe took {c['seconds']:.1f}s of the request's {seconds:.1f}s")
+            print(f"[auto] {measured} -> {chose} ({how})", file=sys.stderr)
 
 
 def _memory_bytes() -> int:
@@ -245,7 +260,7 @@ def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
     prompts = heldout_prompts(prepared.val_tokens, args.eval_prompts, args.prompt_len, tok.eos_id)
     max_new = args.max_new_tokens or 128
     _progress(f"eval: decoding {len(prompts)} held-out prompts x {max_new} tokens: plain, n-gram and "
-              f"{'the draft model' if draft is not None else 'MTP'} with {num_draft} drafts (compiling, then timing)")
+              f"{'the draft model' if draft is not None else 'MTP'} at num_draft={num_draft} (compiling, then timing)")
     speed = speed_report(model, prompts, num_draft=num_draft, max_new=max_new, draft=draft)
     if cfg.model.mtp_depth:
         # The held-out text itself as the continuation: acceptance on the distribution training measured.
