@@ -37,12 +37,13 @@ def test_generate_streams_text(runs, capsys):
     out = capsys.readouterr()
     assert out.out.endswith("\n") and len(out.out) > 1
     assert "tokens/round=" in out.err and "[mtp num_draft=2]" in out.err
-    # The default picks the draft count by timing 0..mtp_depth on the prompt; the probe prints nothing.
+    # The default (auto) decodes a request shape it has no measurement for plain, then times 0..mtp_depth on
+    # the prompt; the probe writes only a progress line, to stderr.
     assert main(argv) == 0
     auto = capsys.readouterr()
     assert auto.out == out.out  # greedy: the same text whatever the choice, streamed once
-    assert "[auto] round cost vs plain {0: 1.00, 1: " in auto.err and "num_draft=" in auto.err
-    assert "probe took" in auto.err
+    assert "[plain] rounds=" in auto.err and "round cost vs plain {0: 1.00, 1: " in auto.err
+    assert "probe took" in auto.err and "auto: compiling and timing 3 draft counts" in auto.err
 
 
 def test_auto_calibration_is_saved_outside_the_run_and_reused(runs, capsys, monkeypatch, tmp_path):
@@ -94,8 +95,10 @@ def test_prompts_file_and_sampling_flags(runs, capsys, tmp_path):
 
 
 def test_plain_model_defaults_to_ngram_and_plain(runs, capsys):
-    assert main(["--run-dir", str(runs["plain"]), "--prompt", "abcabc", "--max-new-tokens", "4", "--stats"]) == 0
-    assert "[ngram" in capsys.readouterr().err
+    # a fixed draft count shows the proposer (auto decodes a new request shape plain first)
+    assert main(["--run-dir", str(runs["plain"]), "--prompt", "abcabc", "--max-new-tokens", "4", "--stats",
+                 "--num-draft", "2"]) == 0
+    assert "[ngram num_draft=2]" in capsys.readouterr().err
     assert main(["--run-dir", str(runs["plain"]), "--prompt", "abc", "--max-new-tokens", "4", "--num-draft", "0"]) == 0
 
 

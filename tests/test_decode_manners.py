@@ -72,7 +72,7 @@ def test_a_new_request_shape_decodes_plain_then_measures(tiny_run, capsys, monke
     assert "[plain] rounds=" in first.err
     assert "no measurement for this request shape yet, so it decoded plain" in first.err
     assert first.err.index("auto: timing") < first.err.index("[plain]")
-    assert "-> next time 2 drafts per round" in first.err
+    assert "-> next time mtp num_draft=2" in first.err
     assert main(_argv(run, "--stats")) == 0
     again = capsys.readouterr()
     assert again.out == first.out  # greedy: the same text whichever ran

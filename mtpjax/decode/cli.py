@@ -203,7 +203,7 @@ def _print_stats(s: dict, proposer: str, seconds: float, saved_path) -> None:
     if "calibration" in s:
         c = s["calibration"]
         chose = ("plain (no draft count was predicted to beat plain decoding by more than the probe's noise)"
-                 if c["num_draft"] == 0 else f"{c['num_draft']} drafts per round")
+                 if c["num_draft"] == 0 else f"{label(proposer, c['num_draft'])}")
         measured = (f"round cost vs plain {_fmt(c['round_cost'])}, expected tokens/round "
                     f"{_fmt(c['expected_tokens'])}")
         if c["source"] == "after":
