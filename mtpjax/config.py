@@ -68,6 +68,8 @@ class LossConfig:
     # constant:0.3 | piecewise:0.3@1000,0.1 | linear:0.3->0.1@1000 | cosine:0.3->0.1@1000 (steps)
     mtp_lambda: str = "constant:0.3"
     chunk_size: int = 0  # sequence positions per cross-entropy chunk; 0 = whole sequence at once
+    mtp_target: str = "data"  # data | self (the main head's distribution at i+k) | mix:<w> (w self + (1-w) data)
+    distill_temperature: float = 1.0  # temperature of both distributions in the self target's soft cross-entropy
 
 
 SOURCES = ("stdlib", "text", "array", "parquet", "arrow")
@@ -132,6 +134,9 @@ class TrainConfig:
     progress: bool = True
     profile: str = ""  # "start:stop": a jax.profiler trace of those steps in the run's TensorBoard dir
     compilation_cache: bool = True  # persistent XLA compilation cache under $MTPJAX_CACHE_DIR
+    init_from: str = ""  # a run dir (or an imported one) whose trunk starts this new run; read until it checkpoints
+    freeze: str = "none"  # none | trunk (only the MTP modules train: post-training drafts on a fixed trunk)
+    keep_mtp: bool = False  # with init_from: keep the source's MTP modules instead of fresh ones (model.mtp_init)
 
 
 @dataclass(frozen=True)
@@ -386,6 +391,19 @@ def parse_lambda(spec: str) -> tuple[str, dict]:
         raise bad from None
 
 
+MTP_TARGET_FORMS = "data | self | mix:<w> with 0 <= w <= 1 (w self + (1-w) data)"
+
+
+def parse_mtp_target(spec: str) -> float:
+    """loss.mtp_target -> the weight of the self target (data 0, self 1, mix:w w); ConfigError otherwise."""
+    if spec in ("data", "self"):
+        return float(spec == "self")
+    m = re.fullmatch(r"mix:\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)", spec.strip())
+    if not m or not 0 <= float(m[1]) <= 1:
+        raise _fail("loss.mtp_target", spec, f"expected {MTP_TARGET_FORMS}")
+    return float(m[1])
+
+
 def parse_profile(spec: str) -> tuple[int, int] | None:
     """train.profile "start:stop" -> (start, stop) with 0 <= start < stop; "" -> None; ConfigError otherwise."""
     if not spec:
@@ -434,6 +452,8 @@ def validate(cfg: Config) -> None:
     _choice("model.attention", m.attention, ATTENTION_BACKENDS)
 
     parse_lambda(cfg.loss.mtp_lambda)
+    parse_mtp_target(cfg.loss.mtp_target)
+    _check(cfg.loss.distill_temperature > 0, "loss.distill_temperature", cfg.loss.distill_temperature, "must be > 0")
     _check(cfg.loss.chunk_size >= 0, "loss.chunk_size", cfg.loss.chunk_size, "must be >= 0 (0 = no chunking)")
     _check(cfg.loss.chunk_size == 0 or cfg.data.seq_len % cfg.loss.chunk_size == 0, "loss.chunk_size",
            cfg.loss.chunk_size, f"must divide data.seq_len={cfg.data.seq_len} (or be 0)")
@@ -477,6 +497,13 @@ def validate(cfg: Config) -> None:
     _check(t.peak_flops >= 0, "train.peak_flops", t.peak_flops, "must be >= 0 (0 = measure)")
     _check(bool(t.run_dir), "train.run_dir", t.run_dir, "must be a directory path")
     parse_profile(t.profile)
+    _choice("train.freeze", t.freeze, ("none", "trunk"))
+    _check(t.freeze == "none" or m.mtp_depth > 0, "train.freeze", t.freeze,
+           "freezing the trunk leaves nothing to train with model.mtp_depth=0; set model.mtp_depth >= 1")
+    _check(t.freeze == "none" or bool(t.init_from), "train.freeze", t.freeze,
+           "needs train.init_from=RUN_DIR (the trained trunk to freeze)")
+    _check(not t.keep_mtp or bool(t.init_from), "train.keep_mtp", t.keep_mtp,
+           "needs train.init_from=RUN_DIR (the run whose MTP modules to keep)")
 
     for k in ("data", "fsdp", "tensor"):
         _check(getattr(cfg.mesh, k) > 0, f"mesh.{k}", getattr(cfg.mesh, k), "must be > 0")

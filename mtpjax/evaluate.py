@@ -127,7 +127,7 @@ class TeacherForced(Loop):
         return read_rows(src.ref_BS, n_B, toks_BY.shape[1]), jnp.minimum(c_B, 1)
 
 
-def run_forced(model, prompts, loop: Loop, reference) -> DecodeState:
+def run_forced(model, prompts, loop: Loop, reference, draft=None) -> DecodeState:
     """`loop` teacher-forced: row i commits reference[i] (at least loop.max_new tokens) after its prompt."""
     if len(reference) != len(prompts):
         raise ValueError("forced decoding needs one reference continuation per prompt")
@@ -138,18 +138,19 @@ def run_forced(model, prompts, loop: Loop, reference) -> DecodeState:
         ref[i, len(p): len(p) + loop.max_new] = r[: loop.max_new]
     forced = TeacherForced(**{f: getattr(loop, f) for f in loop.__dataclass_fields__})
     req = request(forced, prompts)
-    return execute_request(forced, model, ForcedRequest(**vars(req), ref_BS=jnp.asarray(ref)))
+    return execute_request(forced, model, ForcedRequest(**vars(req), ref_BS=jnp.asarray(ref)), draft=draft)
 
 
-def forced_acceptance(model, sequences, prompt_len: int, num_draft: int) -> list[float]:
+def forced_acceptance(model, sequences, prompt_len: int, num_draft: int, proposer: str = "mtp",
+                      draft=None) -> list[float]:
     """Acceptance by draft position while decoding walks the reference continuation of each sequence
     (teacher forcing, one token per round). Depth 1 measures what agreement/mtp_1 measures in training,
-    on the same kind of text, through the decoder's caches."""
+    on the same kind of text, through the decoder's caches; any proposer (a draft model: `draft`)."""
     prompts = [s[:prompt_len] for s in sequences]
     refs = [s[prompt_len:] for s in sequences]
     n = min(len(r) for r in refs)
-    loop = make_loop(model, prompts, max_new_tokens=n, num_draft=num_draft, proposer="mtp")
-    return summarize(run_forced(model, prompts, loop, refs)).stats["acceptance_by_position"]
+    loop = make_loop(model, prompts, max_new_tokens=n, num_draft=num_draft, proposer=proposer, draft=draft)
+    return summarize(run_forced(model, prompts, loop, refs, draft)).stats["acceptance_by_position"]
 
 
 def decode_context(prompts, max_new: int) -> int:

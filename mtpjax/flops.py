@@ -51,7 +51,15 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> dict:
     }
 
 
-def train_flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
-    """Training (forward + backward) FLOPs per token, MTP modules and every head application included."""
-    return flops_per_token(model_cfg, seq_len)["train"]
+def train_flops_per_token(model_cfg: ModelConfig, seq_len: int, frozen_trunk: bool = False) -> float:
+    """Training (forward + backward) FLOPs per token, MTP modules and every head application included.
+
+    With a frozen trunk (train.freeze=trunk) the trunk and the main head run forward only, the MTP modules forward
+    and backward, and their head applications forward plus the input gradient (the head's weights are frozen).
+    """
+    f = flops_per_token(model_cfg, seq_len)
+    if not frozen_trunk:
+        return f["train"]
+    D = model_cfg.mtp_depth
+    return f["trunk"] + f["head"] + D * (3 * f["mtp_module"] + 2 * f["head"])
 

@@ -149,7 +149,7 @@ def shift_left(x_BT, k: int, fill=0):
     """x[:, i+k] at position i; positions past the end get `fill` (shapes stay fixed)."""
     if k == 0:
         return x_BT
-    pad = jnp.full((x_BT.shape[0], k), fill, x_BT.dtype)
+    pad = jnp.full((x_BT.shape[0], k, *x_BT.shape[2:]), fill, x_BT.dtype)  # trailing axes (a [B,T,d] state) kept
     return jnp.concatenate([x_BT[:, k:], pad], axis=1)
 
 

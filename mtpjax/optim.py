@@ -13,11 +13,17 @@ import numpy as np
 import optax
 from flax import nnx
 
-from mtpjax.config import OptimConfig
+from mtpjax.config import OptimConfig, TrainConfig
 
-# What the optimizer updates. A later `train.freeze=trunk` narrows this filter to the MTP modules
-# (e.g. nnx.All(nnx.Param, nnx.PathContains("mtp"))); the step and the checkpoints follow it.
-TRAINABLE = nnx.Param
+MTP_ONLY = nnx.All(nnx.Param, nnx.PathContains("mtp"))
+
+
+def trainable(tcfg: TrainConfig):
+    """What the optimizer updates (an nnx filter): every parameter, or with train.freeze=trunk the MTP modules'.
+
+    The train step, the optimizer state and the checkpoints follow it; the rest is closed over, never differentiated.
+    """
+    return MTP_ONLY if tcfg.freeze == "trunk" else nnx.Param
 
 
 def lr_schedule(ocfg: OptimConfig, total_steps: int) -> optax.Schedule:

@@ -16,6 +16,8 @@ from mtpjax.checkpoint import read_run_config
 from mtpjax.config import Config, identity
 
 IDENTITY_SECTIONS = ("model", "data")  # what makes a run dir "the same run"; other sections may change on resume
+# ...and single keys elsewhere that fix a checkpoint's layout (the optimizer state covers only what trains)
+IDENTITY_KEYS = ("train.freeze",)
 
 
 class RunDirError(RuntimeError):
@@ -35,10 +37,14 @@ def check_identity(cfg: Config) -> bool:
     if old is None:
         return run.exists() and any(run.iterdir())
     diffs = [d for s in IDENTITY_SECTIONS for d in _diff(identity(old, s), identity(cfg, s), s)]
+    flat_old, flat_new = old.to_dict(), cfg.to_dict()
+    for key in IDENTITY_KEYS:
+        s, k = key.split(".")
+        diffs += _diff(flat_old[s].get(k), flat_new[s].get(k), key)
     if diffs:
         shown = "; ".join(diffs[:3]) + (f"; +{len(diffs) - 3} more" if len(diffs) > 3 else "")
-        raise RunDirError(f"run dir '{run}' holds a run with a different model/data config ({shown}); pass --fresh "
-                          "to move it aside, or set another train.run_dir")
+        raise RunDirError(f"run dir '{run}' holds a run with a different model/data/freeze config ({shown}); "
+                          "pass --fresh to move it aside, or set another train.run_dir")
     return True
 
 

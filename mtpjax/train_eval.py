@@ -12,6 +12,7 @@ from flax import nnx
 
 from mtpjax import distributed
 from mtpjax.data import eval_by_source
+from mtpjax.loss import add_expected_lengths
 from mtpjax.metrics import Writer
 from mtpjax.decode import generate  # the decoder's cached generation: the one import of the decoder here
 
@@ -20,10 +21,12 @@ SAMPLE_TOKENS = 64  # greedy tokens generated per sample
 
 
 def validation(progs, state, val: list, to_global) -> dict:
-    """Mean eval metrics (loss, accuracy, agreement per depth) over the fixed validation batches."""
+    """Mean eval metrics (loss, accuracy, agreement, accept_prob per depth; the expected tokens per round from
+    the means) over the fixed validation batches."""
     mets = jax.device_get([progs.eval_step(state, *to_global(b)) for b in val])
-    keep = [k for k in mets[0] if k.startswith(("loss/", "agreement/", "accuracy/"))]
-    return {k: float(np.mean([m[k] for m in mets])) for k in keep}
+    keep = [k for k in mets[0] if k.startswith(("loss/", "agreement/", "accuracy/", "accept_prob/"))]
+    means = {k: float(np.mean([m[k] for m in mets])) for k in keep}
+    return {k: float(v) for k, v in add_expected_lengths(means, sum(k.startswith("agreement/") for k in keep)).items()}
 
 
 def _host_model(progs, state):

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from mtpjax import data, distributed, rundir, runtime
+from mtpjax import data, distributed, posttrain, rundir, runtime
 from mtpjax.checkpoint import Checkpointer, CheckpointError
 from mtpjax.config import Config, ConfigError, load_config
 from mtpjax.metrics import Writer, measure_peak_flops
@@ -137,10 +137,12 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
     runtime.enable_compilation_cache(cfg.train.compilation_cache)
     mesh = make_mesh(cfg.mesh)
     check_parallelism(cfg, mesh)
+    source = posttrain.source_config(cfg, fresh)  # checked before anything is written
     if not fresh:
         rundir.check_identity(cfg)
     rundir.probe_writable(Path(cfg.train.run_dir))
     prepared, train_it, val, val_sources = open_data(cfg, mesh)
+    posttrain.check_tokenizer(cfg, source, prepared.tokenizer)
     run = rundir.setup(cfg, prepared.tokenizer, fresh)
 
     progs = make_programs(cfg, mesh)
@@ -150,8 +152,8 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
         start, state, data_state, _ = restored
         train_it.set_state(data_state)
         _say(f"resuming from checkpoint {start} in {ck.dir}")
-    else:
-        start, state = 0, progs.init()
+    else:  # a new run: from init_from's trunk when it is set (read only now, before the first checkpoint)
+        start, state = 0, progs.init() if source is None else posttrain.initial_state(cfg, source, progs)
     end = min(cfg.train.steps, cfg.train.steps if max_steps is None else max_steps)
     _say(banner(cfg, mesh, run, start, prepared))
 
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except (ConfigError, data.DataError, CheckpointError, MeshError, TrainError, rundir.RunDirError,
-            distributed.DistributedError) as e:
+            distributed.DistributedError, posttrain.InitFromError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if out["preempted"] and distributed.is_primary():

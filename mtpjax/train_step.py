@@ -18,9 +18,9 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from mtpjax.config import Config, LossConfig
-from mtpjax.loss import expected_accept_length, mtp_loss, token_counts
+from mtpjax.loss import add_expected_lengths, mtp_loss, token_counts
 from mtpjax.model import build_model
-from mtpjax.optim import TRAINABLE, decay_mask, global_norm, lr_schedule, make_tx, with_lr
+from mtpjax.optim import decay_mask, global_norm, lr_schedule, make_tx, trainable, with_lr
 from mtpjax.sharding import batch_sharding, replicated, state_shardings
 
 
@@ -29,19 +29,20 @@ class TrainState:
     """Everything a train step reads and writes, and what a checkpoint holds besides the data position."""
 
     params: nnx.State  # nnx.state(model): every variable of the model
-    opt: Any  # optax state of make_tx over the TRAINABLE part of params
+    opt: Any  # optax state of make_tx over the trainable part of params (optim.trainable: all, or the MTP modules)
     step: jax.Array  # int32[]: batches consumed, skipped ones included; λ(step) and lr(step) read it
     rng: jax.Array  # uint32[2]: key data of the run's key; step s would draw from fold_in(key, s)
 
 
-def split_trainable(params: nnx.State) -> tuple[nnx.State, nnx.State]:
-    """(the part the optimizer updates, the rest) of a model state."""
-    return nnx.split_state(params, TRAINABLE, ...)
+def split_trainable(params: nnx.State, what=nnx.Param) -> tuple[nnx.State, nnx.State]:
+    """(the part the optimizer updates, the rest) of a model state; `what` is optim.trainable's filter."""
+    return nnx.split_state(params, what, ...)
 
 
-def new_state(params: nnx.State, tx: optax.GradientTransformation, seed: int, step: int = 0) -> TrainState:
+def new_state(params: nnx.State, tx: optax.GradientTransformation, seed: int, step: int = 0,
+              what=nnx.Param) -> TrainState:
     """A TrainState around existing parameters: a fresh optimizer over their trainable part, counter at `step`."""
-    train, _ = split_trainable(params)
+    train, _ = split_trainable(params, what)
     return TrainState(params=params, opt=tx.init(train), step=jnp.asarray(step, jnp.int32),
                       rng=jax.random.key_data(jax.random.key(seed)))
 
@@ -50,9 +51,7 @@ def _sum_micro_metrics(metrics: dict, depth: int) -> dict:
     """Micro-batch metrics were normalized by whole-batch counts, so sums are exact except nonlinear ones."""
     out = {k: v.sum(0) for k, v in metrics.items()}
     out["lambda"] = metrics["lambda"][0]
-    if depth:
-        out["expected_accept_length"] = expected_accept_length([out[f"agreement/mtp_{k}"] for k in range(1, depth + 1)])
-    return out
+    return add_expected_lengths(out, depth)
 
 
 def loss_and_grads(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, graphdef, loss_cfg: LossConfig,
@@ -80,9 +79,10 @@ def loss_and_grads(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step,
 
 
 def train_step(state: TrainState, tokens_BT, seg_BT, *, graphdef, tx: optax.GradientTransformation,
-               lr: optax.Schedule, loss_cfg: LossConfig, micro_batches: int, batch_sharding=None):
+               lr: optax.Schedule, loss_cfg: LossConfig, micro_batches: int, batch_sharding=None, what=nnx.Param):
     """(next state, metrics) of one batch; a non-finite loss or gradient skips the update, not the counter."""
-    train, frozen = split_trainable(state.params)
+    # Frozen parameters are closed over, not differentiated: a frozen trunk's forward builds no backward.
+    train, frozen = split_trainable(state.params, what)
     grads, metrics = loss_and_grads(train, frozen, tokens_BT, seg_BT, state.step, graphdef=graphdef,
                                     loss_cfg=loss_cfg, micro_batches=micro_batches, batch_sharding=batch_sharding)
     lr_now = jnp.asarray(lr(state.step), jnp.float32)
@@ -103,7 +103,8 @@ def train_step(state: TrainState, tokens_BT, seg_BT, *, graphdef, tx: optax.Grad
 def eval_step(state: TrainState, tokens_BT, seg_BT, *, graphdef, loss_cfg: LossConfig) -> dict:
     """Metrics of one batch at the state's step, without gradients."""
     model = nnx.merge(graphdef, state.params)
-    return mtp_loss(model, model(tokens_BT, seg_BT), tokens_BT, seg_BT, step=state.step, cfg=loss_cfg)[1]
+    return mtp_loss(model, model(tokens_BT, seg_BT), tokens_BT, seg_BT, step=state.step, cfg=loss_cfg,
+                    with_accept_prob=True)[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,17 +124,18 @@ class Programs:
 def make_programs(cfg: Config, mesh: Mesh) -> Programs:
     """Trace the state abstractly (nothing allocated), then jit init, train and eval steps with their shardings."""
     graphdef, abs_params = nnx.split(nnx.eval_shape(lambda: build_model(cfg, seed=cfg.train.seed)))
-    tx = make_tx(cfg.optim, decay_mask(split_trainable(abs_params)[0]))
+    what = trainable(cfg.train)
+    tx = make_tx(cfg.optim, decay_mask(split_trainable(abs_params, what)[0]))
 
     def init() -> TrainState:
-        return new_state(nnx.state(build_model(cfg, seed=cfg.train.seed)), tx, cfg.train.seed)
+        return new_state(nnx.state(build_model(cfg, seed=cfg.train.seed)), tx, cfg.train.seed, what=what)
 
     shardings = state_shardings(jax.eval_shape(init), mesh)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.eval_shape(init),
                           shardings)
     bsh, rep = batch_sharding(mesh), replicated(mesh)
     step = functools.partial(train_step, graphdef=graphdef, tx=tx, lr=lr_schedule(cfg.optim, cfg.train.steps),
-                             loss_cfg=cfg.loss, micro_batches=cfg.train.micro_batches, batch_sharding=bsh)
+                             loss_cfg=cfg.loss, micro_batches=cfg.train.micro_batches, batch_sharding=bsh, what=what)
     evaluate = functools.partial(eval_step, graphdef=graphdef, loss_cfg=cfg.loss)
     return Programs(
         graphdef=graphdef, tx=tx, shardings=shardings, target=target, batch_sharding=bsh,

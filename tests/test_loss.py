@@ -7,22 +7,28 @@ import optax
 import pytest
 from flax import nnx
 
-from mtpjax.config import LossConfig
+from mtpjax.config import LossConfig, parse_mtp_target
 from mtpjax.loss import lambda_schedule, mtp_loss, token_counts
 from mtpjax.model import build_model
 
 T = 12
 
 
-def reference(logits, tokens, seg, lam):
-    """Loss and metrics of DESIGN §2 with explicit loops over depths, rows and positions (float64)."""
+def _softmax(row, t=1.0):
+    e = np.exp((row - row.max()) / t)
+    return e / e.sum()
+
+
+def reference(logits, tokens, seg, lam, w_self=0.0, temp=1.0, accept=False):
+    """Loss and metrics of DESIGN §2 with explicit loops over depths, rows and positions (float64); depth k's loss
+    is (1-w_self) data CE + w_self soft CE against the main head at i+k (temperature temp, times temp²)."""
     logits = np.asarray(logits, np.float64)
     K, B, _, _ = logits.shape
     D = K - 1
     am = logits.argmax(-1)
-    loss_k, acc_k, agree_k = [], [], []
+    loss_k, acc_k, agree_k, accept_k = [], [], [], []
     for k in range(K):
-        ce_sum = acc_sum = agree_sum = n = 0.0
+        ce_sum = acc_sum = agree_sum = soft_sum = accept_sum = n = 0.0
         for b in range(B):
             for i in range(T):
                 j = i + k + 1
@@ -33,19 +39,30 @@ def reference(logits, tokens, seg, lam):
                 ce_sum += lse - row[tokens[b, j]]
                 acc_sum += am[k, b, i] == tokens[b, j]
                 agree_sum += am[k, b, i] == am[0, b, i + k]
+                p, q = _softmax(logits[0, b, i + k], temp), _softmax(row, temp)
+                soft_sum += -(p * np.log(q)).sum() * temp**2
+                accept_sum += np.minimum(_softmax(logits[0, b, i + k]), _softmax(row)).sum()
                 n += 1
-        loss_k.append(ce_sum / max(1.0, n))
+        w = w_self if k else 0.0
+        loss_k.append(((1 - w) * ce_sum + w * soft_sum) / max(1.0, n))
         acc_k.append(acc_sum / max(1.0, n))
         agree_k.append(agree_sum / max(1.0, n))
+        accept_k.append(accept_sum / max(1.0, n))
     ref = {"loss/main": loss_k[0], "accuracy/main": acc_k[0], "lambda": lam,
            "loss/total": loss_k[0] + (lam / D * sum(loss_k[1:]) if D else 0.0)}
-    run, eal = 1.0, 1.0
+    run, eal, run_s, eal_s = 1.0, 1.0, 1.0, 1.0
     for k in range(1, K):
         ref[f"loss/mtp_{k}"], ref[f"accuracy/mtp_{k}"], ref[f"agreement/mtp_{k}"] = loss_k[k], acc_k[k], agree_k[k]
         run *= agree_k[k]
         eal += run
+        run_s *= accept_k[k]
+        eal_s += run_s
+        if accept:
+            ref[f"accept_prob/mtp_{k}"] = accept_k[k]
     if D:
         ref["expected_accept_length"] = eal
+        if accept:
+            ref["expected_accept_length_sampled"] = eal_s
     return ref
 
 
@@ -58,10 +75,13 @@ def packed_batch(V, seed=0):
     return toks, seg
 
 
-def check_against_reference(model, toks, seg, cfg, step, lam):
+def check_against_reference(model, toks, seg, cfg, step, lam, accept=False):
     out = model(jnp.asarray(toks), jnp.asarray(seg))
-    loss, metrics = mtp_loss(model, out, jnp.asarray(toks), jnp.asarray(seg), step=step, cfg=cfg)
-    ref = reference(model.logits(out.hidden), toks, seg, lam)
+    loss, metrics = mtp_loss(model, out, jnp.asarray(toks), jnp.asarray(seg), step=step, cfg=cfg,
+                             with_accept_prob=accept)
+    w_self = parse_mtp_target(cfg.mtp_target)
+    ref = reference(model.logits(out.hidden), toks, seg, lam, w_self, cfg.distill_temperature,
+                    accept=accept or w_self > 0)
     assert set(metrics) == set(ref)
     for name, want in ref.items():
         np.testing.assert_allclose(float(metrics[name]), want, rtol=2e-6, atol=1e-7, err_msg=name)
@@ -76,6 +96,42 @@ def test_loss_matches_loop_reference(model_cfg, kind, chunk):
     toks, seg = packed_batch(model.cfg.vocab_size)
     m = check_against_reference(model, toks, seg, LossConfig("piecewise:0.3@10,0.1", chunk), step=10, lam=0.1)
     assert 0 < float(m["agreement/mtp_1"]) < 1  # the agreement check is not vacuous here
+
+
+@pytest.mark.parametrize("kind, chunk, target, temp", [
+    ("sequential", 0, "self", 1.0), ("sequential", 4, "self", 2.0), ("parallel", 4, "mix:0.25", 0.5),
+    ("sequential", 3, "data", 1.0)])
+def test_self_targets_and_accept_prob_match_loop_reference(model_cfg, kind, chunk, target, temp):
+    """Depth k at i against the main head's softmax at i+k, chunked; accept_prob = Σ min(p, q) at temperature 1."""
+    model = build_model(model_cfg(mtp_depth=3, mtp_kind=kind, init_std=0.3), seed=2)
+    toks, seg = packed_batch(model.cfg.vocab_size, seed=5)
+    cfg = LossConfig("constant:0.3", chunk, mtp_target=target, distill_temperature=temp)
+    m = check_against_reference(model, toks, seg, cfg, step=0, lam=0.3, accept=True)
+    assert 0 < float(m["accept_prob/mtp_1"]) < 1 and float(m["expected_accept_length_sampled"]) > 1
+
+
+def test_mix_endpoints_are_data_and_self(model_cfg):
+    model = build_model(model_cfg(mtp_depth=2, init_std=0.3), seed=3)
+    toks, seg = map(jnp.asarray, packed_batch(32, seed=6))
+    out = model(toks, seg)
+    loss = lambda t: float(mtp_loss(model, out, toks, seg, step=0, cfg=LossConfig(mtp_target=t))[0])
+    assert loss("mix:0") == loss("data") and loss("mix:1") == loss("self") and loss("self") != loss("data")
+
+
+def test_self_target_sends_no_gradient_into_the_teacher(model_cfg, monkeypatch):
+    """The trunk's final norm feeds only the main head: its gradient is L_0's alone, whatever the MTP target."""
+    model = build_model(model_cfg(mtp_depth=2, init_std=0.3), seed=4)
+    toks, seg = map(jnp.asarray, packed_batch(32, seed=7))
+
+    def final_norm_grad(target):
+        f = lambda m: mtp_loss(m, m(toks, seg), toks, seg, step=0, cfg=LossConfig(mtp_target=target))[0]
+        return np.asarray(nnx.grad(f)(model)["final_norm"]["scale"][...])
+
+    data = final_norm_grad("data")
+    np.testing.assert_array_equal(final_norm_grad("self"), data)
+    # Companion: without the stop-gradient the distillation term pulls the teacher toward the drafts.
+    monkeypatch.setattr(jax.lax, "stop_gradient", lambda x: x)
+    assert np.abs(final_norm_grad("self") - data).max() > 1e-6
 
 
 def test_plain_lm_loss(model_cfg):

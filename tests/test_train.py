@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from train_helpers import cli_args, tiny_cfg, write_corpus
+from train_helpers import cli_args, one_line_error, tiny_cfg, write_corpus
 
 from mtpjax.checkpoint import Checkpointer, load_model
 from mtpjax.config import replace
@@ -124,11 +124,7 @@ def test_summary_of_a_fresh_stopped_run_says_how_to_resume(tiny_run, tmp_path, c
 
 
 def _error(capsys, argv) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
-    return err
+    return one_line_error(capsys, main, argv)
 
 
 @pytest.mark.parametrize("override, expected", [

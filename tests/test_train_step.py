@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from train_helpers import synthetic_batches, tiny_cfg
 
-from mtpjax.config import load_config
+from mtpjax.config import load_config, replace
 from mtpjax.optim import lr_schedule, with_lr
 from mtpjax.sharding import make_mesh
 from mtpjax.train_step import TrainState, loss_and_grads, make_programs, split_trainable
@@ -159,12 +159,9 @@ def test_non_finite_parameters_skip_the_update(tiny):
         np.testing.assert_array_equal(a, b)
 
 
-def test_the_optimizer_can_cover_a_parameter_subset(tiny, monkeypatch):
-    """Post-training narrows optim.TRAINABLE to the MTP modules: only they move, only they have moments."""
-    import mtpjax.train_step as ts
-
-    monkeypatch.setattr(ts, "TRAINABLE", nnx.All(nnx.Param, nnx.PathContains("mtp")))
-    cfg, _ = tiny
+def test_the_optimizer_can_cover_a_parameter_subset(tiny):
+    """train.freeze=trunk narrows optim.trainable to the MTP modules: only they move, only they have moments."""
+    cfg = replace(tiny[0], ["train.init_from=unused", "train.freeze=trunk"])  # make_programs does not read init_from
     progs = make_programs(cfg, make_mesh(cfg.mesh))
     state = progs.init()
     before = {k: np.asarray(v).copy() for k, v in nnx.to_flat_state(state.params)}

@@ -70,3 +70,12 @@ def step_losses(cfg: Config, batches, devices=None) -> tuple[list[float], object
         state, met = progs.train_step(state, put(tok), put(seg))
         losses.append(float(met["loss/total"]))
     return losses, state
+
+
+def one_line_error(capsys, main, argv) -> str:
+    """Run a CLI's main(argv): exit 2 and one `error: ...` line on stderr, no traceback; that line."""
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    return err
