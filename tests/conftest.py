@@ -54,3 +54,19 @@ def tiny_run(tmp_path_factory):
     cfg = tiny_cfg(tmp, *TINY_RUN)
     train(cfg)
     return cfg, tmp / "run"
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory):
+    """(run dir, train.py's stderr): configs/tiny.yaml trained by the README's own train command (slow tests only:
+    ~10 minutes on 2 cores), shared by test_main_job and test_quickstart so the slow tier trains it once."""
+    import subprocess
+    import sys
+
+    from readme_quickstart import ROOT, command
+
+    run = tmp_path_factory.mktemp("quickstart") / "tiny"
+    argv = [sys.executable, *command("train.py")[1:], f"train.run_dir={run}", "train.progress=false"]
+    res = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return run, res.stderr

@@ -244,7 +244,8 @@ def test_local_sh_stops_the_others_when_one_fails(tmp_path):
 SHRINK = ["model.d_model=32", "model.n_layers=2", "model.d_ff=64", "data.seq_len=64", "train.batch_size=8",
           "train.steps=4", "train.eval_every=4", "train.eval_batches=1", "train.log_every=1",
           "train.num_samples=1", "train.progress=false", "train.peak_flops=1e9", "checkpoint.every=2",
-          "optim.lr=1e-2", "optim.warmup_steps=1", "mesh.data=2", "mesh.fsdp=2", "data.source=text"]
+          "optim.lr=1e-2", "optim.warmup_steps=1", "mesh.data=2", "mesh.fsdp=2", "data.source=text",
+          "data.tokenizer=byte", "model.vocab_size=256", "model.mtp_depth=2"]  # byte-level, two modules
 
 
 def scalars(tb_dir: Path, tag: str) -> dict[int, float]:

@@ -14,7 +14,7 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              eos_id: int | None = None, max_len: int | None = None, on_commit=None,
              calibrations: autodraft.SavedCalibrations | None = None,
-             draft: MTPTransformer | None = None) -> GenerateResult:
+             draft: MTPTransformer | None = None, progress=None, plain_first: bool = False) -> GenerateResult:
     """Generate up to max_new_tokens per prompt (lists of token ids of any lengths), speculatively if num_draft>0.
 
     proposer: "mtp" (the model's MTP modules, module k drafting token k), "mtp1" (module 1 drafting every
@@ -22,7 +22,10 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
     num_draft="auto" measures every candidate γ on these prompts and uses
     the fastest by the cost model (mtpjax.decode.autodraft); stats["num_draft"] says which,
     stats["calibration"] why. With `calibrations`, a measurement saved there for this machine and request
-    shape is reused, and a new one is saved. `on_commit(tokens_BY, counts_B)` receives every round's
+    shape is reused, and a new one is saved; `progress(text)` hears what a calibration measures. plain_first:
+    a request shape with no measurement yet decodes plain and is measured after (stats["calibration"]["source"]
+    is "after"; the next request of that shape uses it), so a first request never waits on a probe.
+    `on_commit(tokens_BY, counts_B)` receives every round's
     committed tokens on the host (streaming); it never causes a recompilation.
     """
     try:
@@ -34,14 +37,19 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
         return make_loop(model, prompts, max_new_tokens=max_new_tokens, num_draft=g, proposer=proposer,
                          sampler=sampler, eos_id=eos_id, max_len=max_len, draft=draft, stream=on_commit is not None)
 
-    cal = None
+    cal, after = None, False
     if num_draft == "auto":
         check_proposer(model, proposer, 1, draft)
-        num_draft, cal = autodraft.resolve(model, prompts, loop_for, proposer, seed, calibrations, draft=draft)
+        num_draft, cal = autodraft.resolve(model, prompts, loop_for, proposer, seed, calibrations, draft=draft,
+                                            progress=progress, measure=not plain_first)
+        after = cal is None
     elif isinstance(num_draft, bool) or not isinstance(num_draft, (int, np.integer)):
         raise DecodeError(f"num_draft={num_draft!r} must be an integer >= 0 or 'auto'")
     res = summarize(run(model, prompts, loop_for(int(num_draft)), seed, draft=draft, on_commit=on_commit))
     res.stats["num_draft"] = int(num_draft)
+    if after:  # measured now that the output is out, for the next request of this shape
+        _, cal = autodraft.resolve(model, prompts, loop_for, proposer, seed, calibrations, draft=draft,
+                                   progress=progress)
     if cal is not None:
-        res.stats["calibration"] = cal.as_dict()
+        res.stats["calibration"] = {**cal.as_dict(), **({"source": "after"} if after else {})}
     return res

@@ -7,8 +7,10 @@ drafts win at batch 1 (README, Benchmarks). At batch 32 verification is compute-
 size. So `generate(num_draft="auto")` times
 a short probe of every candidate γ on the very prompts it was given (the same compiled loops the real
 run then reuses), takes α by draft position from the longest candidate, and picks the γ that
-maximizes expected tokens per unit time. γ = 0 (plain decoding) is always a candidate, which is how
-speculation is never slower than plain decoding, up to timing noise.
+maximizes expected tokens per unit time. γ = 0 (plain decoding) is always a candidate, and a γ > 0 must
+beat it by MARGIN (more than the probe's timing noise), which is how speculation is never slower than plain.
+A first probe's cost is mostly compiling every candidate's loop (the real run reuses its own); decode.py
+therefore decodes a request of a new shape plain and measures after it (`resolve(..., measure=False)`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ import numpy as np
 
 from mtpjax.decode import host
 from mtpjax.decode.proposers import PROPOSERS
-from mtpjax.speed import choose_num_draft, expected_tokens
+from mtpjax.speed import choose_num_draft, expected_tokens, predicted_speedup
+
+
+MARGIN = 1.05  # a γ > 0 must be predicted this much faster than plain: the probe's timing noise is a few percent
 
 
 @dataclass
@@ -58,18 +63,22 @@ def candidates(model, proposer: str) -> list[int]:
 
 
 def calibrate(model, prompts, loops: dict, seed: int = 0, probe: int = 32, repeats: int = 3,
-              min_seconds: float = 1.0, max_repeats: int = 20, draft=None) -> Calibration:
+              min_seconds: float = 1.0, max_repeats: int = 20, draft=None, progress=None) -> Calibration:
     """Time every candidate's compiled loop on `prompts` (loops: γ -> Loop) and choose γ.
 
     A round's cost is the slope between a run that stops after the prefill (one new token) and one of
     2·`probe` new tokens, so prefill and dispatch (~10 ms on the tiny model) cancel. Candidates are timed
     interleaved so drift hits them alike, at least `repeats` times and until `min_seconds` were spent, and
     each run length keeps its fastest time: interference only ever adds time, and medians of 20 ms probes
-    on a shared CPU chose wrong about one time in four.
+    on a shared CPU chose wrong about one time in four. The loops are the request's own (compiled here,
+    reused by the real run). `progress(text)`, if given, hears what is being measured.
     """
     t0 = time.perf_counter()
     max_new = min(lp.max_new for lp in loops.values())
     short, long_ = 1, max(2, min(2 * probe, max_new))
+    if progress is not None:
+        progress(f"auto: compiling and timing {len(loops)} draft counts ({', '.join(map(str, loops))}) on this "
+                 f"request, {long_} tokens a run")
 
     def timed(loop, budget):
         t = time.perf_counter()
@@ -99,9 +108,14 @@ def calibrate(model, prompts, loops: dict, seed: int = 0, probe: int = 32, repea
     top = max(loops)
     alpha = host.summarize(last[top]).stats["acceptance_by_position"] if top > 0 else []
     cost = {g: t / per_round[0] for g, t in per_round.items()}
-    choice = choose_num_draft(alpha, {g: c for g, c in cost.items() if g > 0})
-    return Calibration(num_draft=choice, round_cost=cost, alpha_by_position=alpha,
+    return Calibration(num_draft=choose(alpha, cost), round_cost=cost, alpha_by_position=alpha,
                        expected_tokens={g: expected_tokens(alpha, g) for g in loops}, seconds=time.perf_counter() - t0)
+
+
+def choose(alpha_by_pos, round_cost: dict) -> int:
+    """The γ of choose_num_draft, or 0 (plain) unless it is predicted MARGIN faster than plain decoding."""
+    g = choose_num_draft(alpha_by_pos, {k: c for k, c in round_cost.items() if k > 0})
+    return g if g == 0 or predicted_speedup(alpha_by_pos, g, round_cost[g]) >= MARGIN else 0
 
 
 _MEMO = weakref.WeakKeyDictionary()  # model -> {request shape: Calibration}: one probe per request shape
@@ -184,8 +198,11 @@ class SavedCalibrations:
 
 
 def resolve(model, prompts, loop_for, proposer: str, seed: int, saved: SavedCalibrations | None = None,
-            draft=None):
-    """(γ, Calibration) for this request shape: measured once per model (or read from `saved`), then remembered."""
+            draft=None, progress=None, measure: bool = True):
+    """(γ, Calibration) for this request shape: measured once per model (or read from `saved`), then remembered.
+
+    measure=False: (0, None) when nothing is known yet for this shape (plain decoding until a measurement exists).
+    """
     loops = {g: loop_for(g) for g in candidates(model, proposer)}
     base = loops[0]
     key = (len(prompts), base.prompt_pad, base.max_new, proposer, base.sampler, base.eos_id)
@@ -193,7 +210,9 @@ def resolve(model, prompts, loop_for, proposer: str, seed: int, saved: SavedCali
     if key not in known:
         cal = saved.get(key) if saved is not None else None
         if cal is None:
-            cal = calibrate(model, prompts, loops, seed, draft=draft)
+            if not measure:
+                return 0, None
+            cal = calibrate(model, prompts, loops, seed, draft=draft, progress=progress)
             if saved is not None:
                 saved.put(key, cal)
         known[key] = cal

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 from mtpjax.decode import api, autodraft
@@ -152,29 +153,67 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
             sys.stdout.flush()
             printed[0] = text
 
+    ended = [False]
+
+    def progress(text):  # a measurement after the streamed output starts on its own line
+        if stream and printed[0] and not ended[0]:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            ended[0] = True
+        _progress(text)
+
+    if stream:
+        sys.stdout.write(texts[0])  # the prompt, then its continuation as it is committed
+        sys.stdout.flush()
+    t0 = time.perf_counter()
     res = api.generate(model, prompts, max_new_tokens=max_new, num_draft=num_draft,
                    proposer=proposer, temperature=d.temperature if args.temperature is None else args.temperature,
                    top_k=args.top_k if args.top_k is not None else d.top_k,
                    top_p=args.top_p if args.top_p is not None else d.top_p, seed=args.seed,
                    eos_id=tok.eos_id, max_len=args.max_len or d.max_len, on_commit=on_commit if stream else None,
-                   calibrations=saved, draft=draft)
+                   calibrations=saved, draft=draft, progress=progress, plain_first=True)
+    seconds = time.perf_counter() - t0
     if stream:
-        sys.stdout.write("\n")
+        if not ended[0]:
+            sys.stdout.write("\n")
     else:
         for text, out in zip(texts, res.tokens):
-            print(f"### {text!r}\n{tok.decode(out)}")
+            print(f"### {text!r}\n{text}{tok.decode(out)}")
     if args.stats:
-        s = res.stats
-        print(f"[{proposer} num_draft={s['num_draft']}] rounds={s['rounds']} tokens/round={s['tokens_per_round']:.2f} "
-              f"acceptance={[round(a, 3) for a in s['acceptance_by_position']]}", file=sys.stderr)
-        if "calibration" in s:
-            c = s["calibration"]
-            how = (f"saved in {saved.path}; --recalibrate measures again" if c["source"] == "saved"
-                   else f"probe took {c['seconds']:.1f}s")
-            print(f"[auto] round cost vs plain {_fmt(c['round_cost'])}, "
-                  f"expected tokens/round {_fmt(c['expected_tokens'])} "
-                  f"-> num_draft={c['num_draft']} ({how})", file=sys.stderr)
+        _print_stats(res.stats, proposer, seconds, saved.path)
     return 0
+
+
+def _progress(text: str) -> None:
+    """A progress line on stderr (stdout carries only the generated text)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def label(proposer: str, num_draft: int) -> str:
+    """What ran: `plain` for 0 drafts, else the proposer and its drafts per round."""
+    return "plain" if num_draft == 0 else f"{proposer} num_draft={num_draft}"
+
+
+def _print_stats(s: dict, proposer: str, seconds: float, saved_path) -> None:
+    """--stats: what ran and its acceptance; with auto, what was measured, what it cost, and what was chosen."""
+    line = f"[{label(proposer, s['num_draft'])}] rounds={s['rounds']} tokens/round={s['tokens_per_round']:.2f}"
+    if s["num_draft"]:
+        line += f" acceptance={[round(a, 3) for a in s['acceptance_by_position']]}"
+    print(line, file=sys.stderr)
+    if "calibration" in s:
+        c = s["calibration"]
+        chose = ("plain (no draft count was predicted to beat plain decoding by more than the probe's noise)"
+                 if c["num_draft"] == 0 else f"{label(proposer, c['num_draft'])}")
+        measured = (f"round cost vs plain {_fmt(c['round_cost'])}, expected tokens/round "
+                    f"{_fmt(c['expected_tokens'])}")
+        if c["source"] == "after":
+            print(f"[auto] no measurement for this request shape yet, so it decoded plain; measured after it (the "
+                  f"probe took {c['seconds']:.1f}s, saved in {saved_path}): {measured} -> next time {chose}",
+                  file=sys.stderr)
+        else:
+            how = (f"measurement saved in {saved_path}; --recalibrate measures again" if c["source"] == "saved"
+                   else f"measured now: the probe took {c['seconds']:.1f}s of the request's {seconds:.1f}s")
+            print(f"[auto] {measured} -> {chose} ({how})", file=sys.stderr)
 
 
 def _memory_bytes() -> int:
@@ -208,20 +247,25 @@ def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
     from mtpjax.data import make_iterator, prepare
     from mtpjax.evaluate import agreement_on, forced_acceptance, heldout_prompts, speed_report, validation_metrics
 
+    _progress("eval: preparing the validation split")
     prepared = prepare(cfg.data)
     it = make_iterator(prepared, split="val", seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
                        seed=cfg.train.seed, shuffle=False, num_epochs=1)
     batches = [b for _, b in zip(range(args.eval_batches), it)]
     if not batches:
         raise ValueError("the validation split holds less than one batch; lower train.batch_size or data.seq_len")
+    _progress(f"eval: validation metrics on {len(batches)} batches")
     val = validation_metrics(cfg, model, batches)
     num_draft = args.num_draft if isinstance(args.num_draft, int) else max(1, cfg.model.mtp_depth)
     prompts = heldout_prompts(prepared.val_tokens, args.eval_prompts, args.prompt_len, tok.eos_id)
     max_new = args.max_new_tokens or 128
+    _progress(f"eval: decoding {len(prompts)} held-out prompts x {max_new} tokens: plain, n-gram and "
+              f"{'the draft model' if draft is not None else 'MTP'} at num_draft={num_draft} (compiling, then timing)")
     speed = speed_report(model, prompts, num_draft=num_draft, max_new=max_new, draft=draft)
     if cfg.model.mtp_depth:
         # The held-out text itself as the continuation: acceptance on the distribution training measured.
         texts = heldout_prompts(prepared.val_tokens, max(32, args.eval_prompts), args.prompt_len + max_new, tok.eos_id)
+        _progress(f"eval: teacher-forced acceptance on {len(texts)} held-out texts")
         speed["forced_acceptance_by_position"] = forced_acceptance(model, texts, args.prompt_len, num_draft)
         speed["agreement_on_heldout"] = agreement_on(model, [t[:args.prompt_len] for t in texts],
                                                      [t[args.prompt_len:] for t in texts], cfg.model.mtp_depth)

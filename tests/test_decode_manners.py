@@ -1,0 +1,113 @@
+"""decode.py's manners: it echoes the prompt, says what ran (`plain` for 0 drafts), shows progress while it
+calibrates (and evaluates: test_decode), and a first `--num-draft auto` calibration compiles only the loops the
+run reuses."""
+
+
+from mtpjax.decode import api, autodraft
+from mtpjax.decode.cli import label, main
+from mtpjax.decode.loop import execute
+
+
+def _argv(run, *extra):
+    return ["--run-dir", str(run), "--prompt", "def f(x):", "--max-new-tokens", "8", *extra]
+
+
+def test_the_prompt_is_echoed_before_the_continuation(tiny_run, capsys):
+    _, run = tiny_run
+    assert main(_argv(run, "--num-draft", "1")) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("def f(x):") and len(out) > len("def f(x):\n")
+
+
+def test_prompts_file_prints_each_prompt_with_its_continuation(tiny_run, capsys, tmp_path):
+    _, run = tiny_run
+    f = tmp_path / "p.txt"
+    f.write_text("import os\nclass A:\n")
+    assert main(["--run-dir", str(run), "--prompts-file", str(f), "--max-new-tokens", "4", "--num-draft", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "### 'import os'\nimport os" in out and "### 'class A:'\nclass A:" in out
+
+
+def test_the_label_says_what_ran(tiny_run, capsys):
+    assert label("mtp", 0) == "plain" and label("ngram", 0) == "plain" and label("mtp", 2) == "mtp num_draft=2"
+    _, run = tiny_run
+    assert main(_argv(run, "--num-draft", "0", "--stats")) == 0
+    err = capsys.readouterr().err
+    assert "[plain] rounds=" in err and "num_draft=0" not in err and "acceptance=" not in err
+    assert main(_argv(run, "--num-draft", "2", "--stats")) == 0
+    assert "[mtp num_draft=2] rounds=" in capsys.readouterr().err
+
+
+def test_auto_choosing_no_drafts_is_labelled_plain(tiny_run, capsys, monkeypatch, tmp_path):
+    """When the calibration picks 0 drafts, the stats say `plain` and why, not `[mtp num_draft=0]`."""
+    _, run = tiny_run
+    monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: autodraft.Calibration(
+        num_draft=0, round_cost={0: 1.0, 1: 2.5, 2: 3.4}, alpha_by_position=[0.5, 0.2],
+        expected_tokens={0: 1.0, 1: 1.5, 2: 1.6}, seconds=0.5))
+    assert main(_argv(run, "--stats", "--recalibrate")) == 0
+    err = capsys.readouterr().err
+    assert "[plain] rounds=" in err and "[mtp num_draft=0]" not in err
+    assert "-> next time plain (no draft count was predicted to beat plain decoding" in err
+    assert main(_argv(run, "--stats")) == 0  # the saved measurement: plain again, and the stats say so
+    err = capsys.readouterr().err
+    assert "[plain] rounds=" in err and "-> plain (no draft count" in err and "measurement saved in" in err
+
+
+def _fake_calibration(*a, progress=None, **k):
+    progress("auto: timing")
+    return autodraft.Calibration(num_draft=2, round_cost={0: 1.0, 1: 1.1, 2: 1.2}, alpha_by_position=[0.9, 0.9],
+                                 expected_tokens={0: 1.0, 1: 1.9, 2: 2.7}, seconds=0.5)
+
+
+def test_a_new_request_shape_decodes_plain_then_measures(tiny_run, capsys, monkeypatch, tmp_path):
+    """decode.py never waits on a probe before the output: plain first, measured after (with a progress line),
+    and the next request of that shape runs what was measured."""
+    _, run = tiny_run
+    monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autodraft, "calibrate", _fake_calibration)
+    assert main(_argv(run, "--stats")) == 0
+    first = capsys.readouterr()
+    assert first.out.startswith("def f(x):") and first.out.endswith("\n")
+    assert "[plain] rounds=" in first.err
+    assert "no measurement for this request shape yet, so it decoded plain" in first.err
+    assert first.err.index("auto: timing") < first.err.index("[plain]")
+    assert "-> next time mtp num_draft=2" in first.err
+    assert main(_argv(run, "--stats")) == 0
+    again = capsys.readouterr()
+    assert again.out == first.out  # greedy: the same text whichever ran
+    assert "[mtp num_draft=2] rounds=" in again.err and "auto: timing" not in again.err
+
+
+def test_calibration_compiles_only_the_loops_the_run_reuses(tiny_run):
+    """`num_draft="auto"` compiles each candidate's loop once; the real runs add no compilation."""
+    from mtpjax.checkpoint import load_model
+
+    _, run = tiny_run
+    _, model, tok = load_model(run)
+    prompts = [tok.encode("import os")]
+    kw = dict(max_new_tokens=19, seed=3, eos_id=tok.eos_id)  # a request shape no other test compiles
+    # decode.py's order: plain first, then the probe, which reuses the plain loop and compiles the others once
+    before = execute._cache_size()
+    res = api.generate(model, prompts, num_draft="auto", plain_first=True, on_commit=lambda *_: None, **kw)
+    assert res.stats["num_draft"] == 0 and res.stats["calibration"]["source"] == "after"
+    assert execute._cache_size() - before == len(autodraft.candidates(model, "mtp")) == 3
+    again = api.generate(model, prompts, num_draft="auto", plain_first=True, on_commit=lambda *_: None, **kw)
+    assert again.stats["num_draft"] == res.stats["calibration"]["num_draft"]  # remembered...
+    assert execute._cache_size() - before == 3  # ...and already compiled
+    # the counter does count: a request of another shape compiles its loop
+    mid = execute._cache_size()
+    api.generate(model, prompts, num_draft=1, **{**kw, "max_new_tokens": 21})
+    assert execute._cache_size() - mid == 1
+
+
+def test_auto_never_picks_drafts_within_the_noise_of_plain():
+    """A draft count predicted less than MARGIN faster than plain is not worth the risk: plain is chosen."""
+    from mtpjax.speed import choose_num_draft, predicted_speedup
+
+    alpha = [0.5]
+    assert 1.0 < predicted_speedup(alpha, 1, 1.45) < autodraft.MARGIN  # 1.5 / 1.45 = 1.03
+    assert choose_num_draft(alpha, {1: 1.45}) == 1  # the bare cost model would take the noise
+    assert autodraft.choose(alpha, {0: 1.0, 1: 1.45}) == 0
+    assert autodraft.choose(alpha, {0: 1.0, 1: 1.2}) == 1  # a clear win (1.25) is taken
+    assert autodraft.choose([], {0: 1.0}) == 0
