@@ -17,6 +17,7 @@ from mtpjax.config import Config, ConfigError, load_config
 from mtpjax.decode.proposers import MTPProposer
 from mtpjax.flops import flops_per_token
 from mtpjax.model import build_model, param_counts
+from mtpjax.mtp_evidence import evidence_lines
 from mtpjax.speed import ceiling, expected_tokens, floor_ratio, weight_ratio, work_ratio
 
 
@@ -136,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         return _fail(str(e))
-    print(format_plan(build_plan(cfg, args.alpha, args.draft_cost, args.max_gamma), cfg))
+    plan = build_plan(cfg, args.alpha, args.draft_cost, args.max_gamma)
+    print(format_plan(plan, cfg))
+    print("\n".join(evidence_lines(plan["params"]["trunk"])))
     return 0
 
 

@@ -1,7 +1,7 @@
 """What the train loop runs at each eval step: validation metrics and generated samples, written to TensorBoard.
 
-`run_eval` is the one hook the loop calls; a new eval scalar (say `eval/bits_per_byte`) is one more function
-whose dict joins `scalars` there.
+`run_eval` is the one hook the loop calls; a new eval scalar is one more function whose dict joins `scalars`
+there (as `eval/bits_per_byte` does). Every eval is also appended to `<run_dir>/eval.jsonl` (`eval_log`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import numpy as np
 from flax import nnx
 
 from mtpjax import distributed
+from mtpjax.bpb import eval_bits_per_byte
 from mtpjax.data import eval_by_source
+from mtpjax.eval_log import append_eval
 from mtpjax.loss import add_expected_lengths
 from mtpjax.metrics import Writer
 from mtpjax.decode import generate  # the decoder's cached generation: the one import of the decoder here
@@ -20,13 +22,14 @@ SAMPLE_PROMPT = 32  # tokens of a validation row that prompt each sample
 SAMPLE_TOKENS = 64  # greedy tokens generated per sample
 
 
-def validation(progs, state, val: list, to_global) -> dict:
+def validation(progs, state, val: list, to_global, tokenizer=None) -> dict:
     """Mean eval metrics (loss, accuracy, agreement, accept_prob per depth; the expected tokens per round from
-    the means) over the fixed validation batches."""
+    the means) over the fixed validation batches, and bits_per_byte given a tokenizer whose byte lengths are known."""
     mets = jax.device_get([progs.eval_step(state, *to_global(b)) for b in val])
     keep = [k for k in mets[0] if k.startswith(("loss/", "agreement/", "accuracy/", "accept_prob/"))]
     means = {k: float(np.mean([m[k] for m in mets])) for k in keep}
-    return {k: float(v) for k, v in add_expected_lengths(means, sum(k.startswith("agreement/") for k in keep)).items()}
+    out = {k: float(v) for k, v in add_expected_lengths(means, sum(k.startswith("agreement/") for k in keep)).items()}
+    return out | ({} if tokenizer is None else eval_bits_per_byte(val, [m["loss/main"] for m in mets], tokenizer))
 
 
 def _host_model(progs, state):
@@ -52,14 +55,18 @@ def samples(progs, state, val: list, tokenizer, n: int) -> list[str]:
 
 
 def run_eval(progs, state, val: list, val_sources: dict, to_global, tokenizer, writer: Writer, step: int,
-             num_samples: int) -> dict:
-    """Validation scalars (returned as `eval/...`; a mixture's also per source) and samples, written at `step`."""
+             num_samples: int, run_dir=None) -> dict:
+    """Validation scalars (returned as `eval/...`; a mixture's also per source) and samples, written at `step`
+    (and appended to `<run_dir>/eval.jsonl` given `run_dir`)."""
     if not val:
         return {}
-    met = validation(progs, state, val, to_global)
-    met |= eval_by_source(val_sources, lambda batches: validation(progs, state, batches, to_global), list(met))
+    met = validation(progs, state, val, to_global, tokenizer)
+    met |= eval_by_source(val_sources, lambda batches: validation(progs, state, batches, to_global, tokenizer),
+                          list(met))
     scalars = {f"eval/{k}": v for k, v in met.items()}
     writer.scalars(step, scalars)
+    if run_dir is not None and distributed.is_primary():
+        append_eval(run_dir, step, met)
     for i, text in enumerate(samples(progs, state, val, tokenizer, num_samples)):
         writer.text(step, f"samples/{i}", text)
     writer.flush()

@@ -187,7 +187,7 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
                 pending = None
             if step % cfg.train.eval_every == 0 or step == end:
                 ev = run_eval(progs, state, val, val_sources, lambda b: to_global(progs, b), prepared.tokenizer,
-                              writer, step, cfg.train.num_samples)
+                              writer, step, cfg.train.num_samples, run)
                 result.update(ev)
                 if ev:
                     _say(f"step {step}: eval loss/main {ev['eval/loss/main']:.4f}" + "".join(

@@ -1,0 +1,164 @@
+"""The ablation grid: variants (depth, kind, λ) × seeds, each an ordinary run directory, and the D=0 runs
+that give the equal-FLOPs comparison.
+
+Every variant of one seed shares `train.seed`, so the trunk, embedding and head start from the same
+parameters (the model creates them from `nnx.Rngs(params=seed)` before any MTP module) and the data
+iterator yields the same batches; `train.steps` is the same, so they see the same tokens.
+
+Equal FLOPs. Variant v costs F_v training FLOPs per token; D=0 reaches its FLOPs after
+N_v = round(steps · F_v / F_0) steps. Read off one longer D=0 run, that point is fair only if the
+learning rate at each step does not depend on the run's length:
+- `optim.schedule: constant` (warmup, then flat): one D=0 run trained to the largest N_v, evaluated
+  exactly at `steps` and at every N_v (it stops and resumes there); its first `steps` steps are the
+  equal-tokens D=0 run itself, step for step ("curve" mode).
+- a decaying schedule (cosine, linear) anneals to `train.steps`, so D=0 gets one run per distinct N_v,
+  each with its own full schedule ("separate" mode: costlier, and still fair).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from mtpjax.config import Config, ConfigError, replace
+from mtpjax.flops import train_flops_per_token
+
+KINDS = ("sequential", "parallel")
+SHORT = {"sequential": "seq", "parallel": "par"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One point of the grid (depth 0 has no kind or λ)."""
+
+    depth: int
+    kind: str = "sequential"
+    lam: str = ""
+
+    @property
+    def name(self) -> str:
+        if self.depth == 0:
+            return "d0"
+        return f"d{self.depth}-{SHORT[self.kind]}-{re.sub(r'[^A-Za-z0-9.@_-]', '_', self.lam.replace(':', '_'))}"
+
+    @property
+    def label(self) -> str:
+        return "D=0" if self.depth == 0 else f"D={self.depth} {self.kind} λ={self.lam}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One run directory: a variant trained to `steps`, evaluated on the way at each of `stops`."""
+
+    seed: int
+    variant: Variant
+    cfg: Config
+    stops: tuple[int, ...]  # train.py is called up to each (so each is an eval point); the last is cfg.train.steps
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.cfg.train.run_dir)
+
+    @property
+    def steps(self) -> int:
+        return self.cfg.train.steps
+
+
+def parse_depths(text: str) -> list[int]:
+    """'0,1,2' -> [0, 1, 2]; ConfigError on anything else."""
+    try:
+        depths = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ConfigError(f"--depths '{text}' must be comma-separated integers, e.g. 0,1,2") from None
+    if not depths or depths[0] < 0:
+        raise ConfigError(f"--depths '{text}' must list depths >= 0, e.g. 0,1,2")
+    return depths
+
+
+def parse_kinds(text: str, depths: list[int]) -> dict[str, list[int]]:
+    """'sequential,parallel@2' -> {kind: depths > 0 it applies to}; `kind@d+d` restricts a kind to those depths."""
+    out: dict[str, list[int]] = {}
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        kind, _, only = item.partition("@")
+        if kind not in KINDS:
+            raise ConfigError(f"--kinds: unknown kind '{kind}'; use {' or '.join(KINDS)}, optionally @depths "
+                              "(e.g. parallel@2)")
+        try:
+            ds = [int(d) for d in only.split("+")] if only else [d for d in depths if d > 0]
+        except ValueError:
+            raise ConfigError(f"--kinds '{item}': depths after @ must be integers joined by +, e.g. parallel@1+2") \
+                from None
+        missing = [d for d in ds if d not in depths or d == 0]
+        if missing:
+            raise ConfigError(f"--kinds '{item}': depth {missing[0]} is not one of the MTP depths in --depths")
+        out[kind] = ds
+    if not out:
+        raise ConfigError("--kinds is empty; use sequential, parallel or both")
+    return out
+
+
+def variants(depths: list[int], kinds: dict[str, list[int]], lambdas: list[str]) -> list[Variant]:
+    """D=0 first (if asked), then every (depth, kind, λ), depth-major."""
+    out = [Variant(0)] if 0 in depths else []
+    for d in (d for d in depths if d > 0):
+        out += [Variant(d, k, lam) for k, ds in kinds.items() if d in ds for lam in lambdas]
+    return out
+
+
+def variant_config(base: Config, v: Variant, seed: int, steps: int, run_dir: Path) -> Config:
+    """The base config with this variant's model/loss settings, seed, length and run directory."""
+    over = [f"model.mtp_depth={v.depth}", f"train.seed={seed}", f"train.steps={steps}", f"train.run_dir={run_dir}"]
+    if v.depth:
+        over += [f"model.mtp_kind={v.kind}", f"loss.mtp_lambda={v.lam}"]
+    return replace(base, over)
+
+
+def flops_per_token(cfg: Config) -> float:
+    """Training FLOPs per token of a run (trunk, MTP modules, every head application; 3 × forward)."""
+    return train_flops_per_token(cfg.model, cfg.data.seq_len)
+
+
+def mode(base: Config) -> str:
+    """'curve' (one D=0 run read at every FLOP point) when the lr does not depend on the run length."""
+    return "curve" if base.optim.schedule == "constant" else "separate"
+
+
+def equal_flops_steps(base: Config, vs: list[Variant], steps: int) -> dict[str, int]:
+    """Variant name -> steps of D=0 with the same training FLOPs as `steps` steps of that variant."""
+    f0 = flops_per_token(replace(base, ["model.mtp_depth=0"]))
+    out = {}
+    for v in vs:
+        if v.depth:
+            fv = flops_per_token(replace(base, [f"model.mtp_depth={v.depth}", f"model.mtp_kind={v.kind}"]))
+            out[v.name] = round(steps * fv / f0)
+    return out
+
+
+def plan_runs(base: Config, vs: list[Variant], seeds: list[int], steps: int, out: Path) -> list[Run]:
+    """Every run of the sweep, in the order it trains: per seed, D=0 (and its equal-FLOPs runs), then the rest."""
+    targets = sorted(set(equal_flops_steps(base, vs, steps).values()) - {steps})
+    runs = []
+    for s in seeds:
+        for v in vs:
+            if v.depth:
+                runs.append(Run(s, v, variant_config(base, v, s, steps, out / f"seed{s}" / v.name), (steps,)))
+                continue
+            if mode(base) == "curve":
+                last = max([steps, *targets])
+                cfg = variant_config(base, v, s, last, out / f"seed{s}" / v.name)
+                runs.append(Run(s, v, cfg, tuple(sorted({steps, *targets}))))
+            else:
+                runs.append(Run(s, v, variant_config(base, v, s, steps, out / f"seed{s}" / v.name), (steps,)))
+                for n in targets:
+                    cfg = variant_config(base, v, s, n, out / f"seed{s}" / f"d0-steps{n}")
+                    runs.append(Run(s, v, cfg, (n,)))
+    return runs
+
+
+def d0_run_at(runs: list[Run], seed: int, step: int) -> Run:
+    """The D=0 run of `seed` whose eval curve holds the properly scheduled point at `step`."""
+    for r in runs:
+        if r.seed == seed and r.variant.depth == 0 and step in r.stops:
+            return r
+    raise KeyError((seed, step))
