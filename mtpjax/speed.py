@@ -84,15 +84,14 @@ def predicted_speedup(alpha_by_pos, gamma: int, round_cost: float) -> float:
     return expected_tokens(alpha_by_pos, gamma) / round_cost
 
 
-def choose_num_draft(alpha_by_pos, round_cost: dict) -> int:
+def choose_num_draft(alpha_by_pos, round_cost: dict, margin: float = 1.0) -> int:
     """The γ maximizing the predicted speedup E(γ) / cost(γ), where cost(γ) is the measured time of a round with
     γ drafts relative to a plain round at the same batch size (cost(0) = 1: plain decoding, always a candidate).
 
     Batched verification is compute-bound sooner, so at large batch cost(γ) grows and this picks fewer
-    drafts, down to 0: speculation is then never slower than plain decoding (up to measurement noise).
+    drafts, down to 0: speculation is then never slower than plain decoding (up to measurement noise). A γ > 0
+    must beat plain and be predicted at least `margin` times as fast (decode.py asks for more than the noise).
     """
-    rates = {0: 1.0}
-    for g, c in round_cost.items():
-        if g > 0 and c > 0:
-            rates[g] = predicted_speedup(alpha_by_pos, g, c)
-    return max(sorted(rates), key=lambda g: rates[g])
+    rates = {g: predicted_speedup(alpha_by_pos, g, c) for g, c in round_cost.items() if g > 0 and c > 0}
+    best = max(sorted(rates), key=lambda g: rates[g], default=0)
+    return best if best and rates[best] > 1.0 and rates[best] >= margin else 0

@@ -29,7 +29,7 @@ import numpy as np
 
 from mtpjax.decode import host
 from mtpjax.decode.proposers import PROPOSERS
-from mtpjax.speed import choose_num_draft, expected_tokens, predicted_speedup
+from mtpjax.speed import choose_num_draft, expected_tokens
 
 
 MARGIN = 1.05  # a γ > 0 must be predicted this much faster than plain: the probe's timing noise is a few percent
@@ -114,8 +114,7 @@ def calibrate(model, prompts, loops: dict, seed: int = 0, probe: int = 32, repea
 
 def choose(alpha_by_pos, round_cost: dict) -> int:
     """The γ of choose_num_draft, or 0 (plain) unless it is predicted MARGIN faster than plain decoding."""
-    g = choose_num_draft(alpha_by_pos, {k: c for k, c in round_cost.items() if k > 0})
-    return g if g == 0 or predicted_speedup(alpha_by_pos, g, round_cost[g]) >= MARGIN else 0
+    return choose_num_draft(alpha_by_pos, round_cost, margin=MARGIN)
 
 
 _MEMO = weakref.WeakKeyDictionary()  # model -> {request shape: Calibration}: one probe per request shape
