@@ -48,8 +48,10 @@ def check_identity(cfg: Config) -> bool:
     return True
 
 
-def probe_writable(run: Path) -> None:
-    """Create the run dir (if missing) and write a probe file; RunDirError if impossible."""
+def probe_writable(run: Path) -> list[Path]:
+    """Create the run dir (if missing) and write a probe file; RunDirError if impossible. Returns the directories
+    it created, deepest first, for remove_created."""
+    created = [p for p in (run, *run.parents) if not p.exists()]
     try:
         run.mkdir(parents=True, exist_ok=True)
         probe = run / f".write-probe-{time.time_ns()}"
@@ -58,6 +60,16 @@ def probe_writable(run: Path) -> None:
     except OSError as e:
         raise RunDirError(f"train.run_dir '{run}' is not writable ({e.strerror or e}); choose a writable "
                           "train.run_dir") from None
+    return created
+
+
+def remove_created(created: list[Path]) -> None:
+    """Remove the directories probe_writable created while they are still empty: a refused run leaves none."""
+    for d in created:
+        try:
+            d.rmdir()
+        except OSError:  # not empty (another process's run, or written meanwhile): keep it and its parents
+            return
 
 
 def setup(cfg: Config, tokenizer, fresh: bool) -> Path:

@@ -140,9 +140,13 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
     source = posttrain.source_config(cfg, fresh)  # checked before anything is written
     if not fresh:
         rundir.check_identity(cfg)
-    rundir.probe_writable(Path(cfg.train.run_dir))
-    prepared, train_it, val, val_sources = open_data(cfg, mesh)
-    posttrain.check_tokenizer(cfg, source, prepared.tokenizer)
+    created = rundir.probe_writable(Path(cfg.train.run_dir))
+    try:
+        prepared, train_it, val, val_sources = open_data(cfg, mesh)
+        posttrain.check_tokenizer(cfg, source, prepared.tokenizer)
+    except BaseException:
+        rundir.remove_created(created)
+        raise
     run = rundir.setup(cfg, prepared.tokenizer, fresh)
 
     progs = make_programs(cfg, mesh)

@@ -7,6 +7,7 @@ is shared by the tests that only need a run directory.
 """
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -33,6 +34,35 @@ SMALL = dict(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_f
 # The shared run: 7 steps, checkpoints every 2 keeping 3, so [4, 6, 7] (7: a run always saves its last step).
 TINY_RUN = ["train.steps=7", "train.eval_batches=0", "train.eval_every=1000", "checkpoint.every=2",
             "checkpoint.keep=3", "checkpoint.async_save=false"]
+
+
+def pytest_configure(config):
+    """The default tier compiles hundreds of tiny programs, most of them once, where LLVM's optimizer costs more time
+    than it saves: that tier compiles them unoptimized (a third faster). A run that selects the slow tests (CI's
+    full suite) keeps XLA's production settings, so every equality is also checked as users compile it."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if config.getoption("markexpr") == "not slow" and "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()  # subprocesses inherit it
+
+
+def memory_maps() -> int:
+    """How many memory regions this process has mapped (Linux caps it at vm.max_map_count, 65530 by default)."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def release_compiled_programs() -> None:
+    """Drop every compiled program JAX holds; the persistent cache gives back any a later test needs."""
+    jax.clear_caches()
+    gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_module_of_programs_at_a_time():
+    """Free a module's compiled programs when it ends. XLA:CPU maps ~6 regions per executable and keeps them while a
+    jit cache holds it, so the whole suite in one process (CI) reached vm.max_map_count and segfaulted mid-compile."""
+    yield
+    release_compiled_programs()
 
 
 @pytest.fixture

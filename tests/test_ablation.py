@@ -47,6 +47,7 @@ def _shared(state_or_model) -> dict[str, bytes]:
 # ----------------------------------------------------------------------------- same initialization of the shared parts
 
 
+@pytest.mark.slow
 def test_shared_parameters_start_identical_in_every_variant(tmp_path):
     base = _base(tmp_path)
     vs = grid.variants([0, 1, 2], {"sequential": [1, 2], "parallel": [1, 2]}, ["constant:0.3"])

@@ -115,6 +115,7 @@ def test_suite_decodes_the_large_run_at_batch_1_only(monkeypatch, tmp_path):
     assert "--no-peer" in args and "--smoke" not in args
 
 
+@pytest.mark.slow
 def test_mtp_drafting_variants_decode_exactly():
     """bench.mtp_drafting's bookkeeping: every variant (old window, γ+1 window, module 1 only) is exact."""
     from bench.decode_bench import load_subject

@@ -176,6 +176,7 @@ def test_draft_run_drafts_and_keeps_the_greedy_text(runs, capsys):
     assert out.out == plain and "[model num_draft=2]" in out.err
 
 
+@pytest.mark.slow
 def test_eval_reports_the_draft_model_beside_mtp_and_ngram(runs, tmp_path):
     out = tmp_path / "eval.json"
     argv = ["--run-dir", str(runs["mtp"]), "--eval", "--eval-batches", "1", "--eval-prompts", "1", "--prompt-len", "16",
@@ -201,6 +202,7 @@ def test_draft_run_with_another_tokenizer_is_one_line_exit_2(runs, tmp_path, cap
     assert code == 2 and len(err) == 1 and "uses another tokenizer" in err[0] and "same data.tokenizer" in err[0]
 
 
+@pytest.mark.slow
 def test_eval_is_labelled_with_the_step_actually_loaded(runs, tmp_path, capsys):
     import shutil
 

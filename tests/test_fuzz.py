@@ -170,6 +170,15 @@ def test_bad_data_is_one_line_exit_2_and_leaves_the_run_dir_alone(tmp_path, caps
     assert tree_hash(run) == before
 
 
+def test_bad_data_leaves_no_new_run_dir_behind(tmp_path, capsys):
+    """A run refused for its data leaves neither its run dir nor the parents it created; an existing parent stays."""
+    run = tmp_path / "new" / "runs" / "r"
+    cfg = tiny_cfg(tmp_path, f"train.run_dir={run}")
+    err = _one_line_error(capsys, train_loop.main,
+                          cli_args(cfg, "data.source=array", f"data.paths={_write(tmp_path, 'odd.bin', b'abc')}"))
+    assert "odd" in err and not (tmp_path / "new").exists() and tmp_path.is_dir()
+
+
 def test_non_utf8_and_binary_text_is_read_with_replacement(tmp_path):
     from mtpjax.data import prepare
 
@@ -233,6 +242,7 @@ def test_decode_of_a_run_with_a_corrupt_tokenizer(trained, tmp_path, capsys):
     assert tree_hash(run) == before
 
 
+@pytest.mark.slow
 def test_non_utf8_argv_through_a_real_process(trained):
     p = subprocess.run([sys.executable, str(REPO / "decode.py"), "--run-dir", str(trained[1]), "--prompt",
                         b"\xff\xfe caf\xe9", "--max-new-tokens", "3"], capture_output=True, timeout=300,

@@ -125,7 +125,7 @@ def test_self_target_sends_no_gradient_into_the_teacher(model_cfg, monkeypatch):
 
     def final_norm_grad(target):
         f = lambda m: mtp_loss(m, m(toks, seg), toks, seg, step=0, cfg=LossConfig(mtp_target=target))[0]
-        return np.asarray(nnx.grad(f)(model)["final_norm"]["scale"][...])
+        return np.asarray(nnx.jit(nnx.grad(f))(model)["final_norm"]["scale"][...])
 
     data = final_norm_grad("data")
     np.testing.assert_array_equal(final_norm_grad("self"), data)
@@ -176,23 +176,23 @@ def test_empty_depth_gives_no_nan(model_cfg):
     def f(m):
         return mtp_loss(m, m(toks, seg), toks, seg, step=0)
 
-    (loss, metrics), g = nnx.value_and_grad(f, has_aux=True)(model)
+    (loss, metrics), g = nnx.jit(nnx.value_and_grad(f, has_aux=True))(model)  # one program, not one per op
     np.testing.assert_array_equal(token_counts(toks, seg, 2), [3, 0, 0])
     assert np.isfinite(float(loss)) and float(loss) > 0
     assert float(metrics["loss/mtp_2"]) == 0 and float(metrics["agreement/mtp_2"]) == 0
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g))
     # all padding: every depth is empty
-    loss, metrics = mtp_loss(model, model(toks), toks, jnp.zeros_like(seg), step=0)
+    loss, metrics = nnx.jit(lambda m: mtp_loss(m, m(toks), toks, jnp.zeros_like(seg), step=0))(model)
     assert float(loss) == 0 and all(np.isfinite(float(v)) for v in metrics.values())
 
 
 def test_counts_let_micro_batches_sum_to_full_batch(model_cfg):
     model = build_model(model_cfg(mtp_depth=2, init_std=0.3))
     toks, seg = map(jnp.asarray, packed_batch(32, seed=4))
-    full, _ = mtp_loss(model, model(toks, seg), toks, seg, step=0)
+    loss = nnx.jit(lambda m, t, s, c: mtp_loss(m, m(t, s), t, s, step=0, counts=c)[0])  # one program per shape
+    full = loss(model, toks, seg, None)
     counts = token_counts(toks, seg, 2)
-    parts = [mtp_loss(model, model(toks[s], seg[s]), toks[s], seg[s], step=0, counts=counts)[0]
-             for s in (slice(0, 1), slice(1, 3))]
+    parts = [loss(model, toks[s], seg[s], counts) for s in (slice(0, 1), slice(1, 3))]
     np.testing.assert_allclose(float(sum(parts)), float(full), rtol=1e-6)
 
 

@@ -68,6 +68,7 @@ def test_parallel_modules_of_another_depth_post_train_on_a_sequential_trunk(tiny
     assert {k[1] for k in after if k[0] == "mtp"} == {0, 1, 2}
 
 
+@pytest.mark.slow
 def test_killed_and_resumed_post_training_equals_a_straight_run(tiny_run, tmp_path):
     """4 steps, stop, (the source gone), 4 more == 8 straight: init_from is read only before the first checkpoint."""
     src = _source(tiny_run, tmp_path)
@@ -206,7 +207,7 @@ def test_bad_input_is_one_line_exit_2_and_modifies_nothing(tiny_run, tmp_path, c
     argv = cli_args(tiny_cfg(tmp_path), "train.freeze=trunk", *over)
     assert expected in _error(capsys, argv)
     assert _snapshot(src) == before  # the source is never written
-    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "config.yaml").exists()
+    assert not (tmp_path / "run").exists()  # not even an empty run dir
 
 
 def test_resuming_a_post_training_run_unfrozen_is_refused_by_name(tiny_run, tmp_path, capsys):

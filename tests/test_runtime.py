@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
+from conftest import memory_maps, release_compiled_programs
 from train_helpers import cli_args, tiny_cfg, write_corpus
 
 from mtpjax import runtime
@@ -31,6 +34,24 @@ def test_cache_root_is_one_place(monkeypatch, tmp_path):
     monkeypatch.delenv("MTPJAX_CACHE_DIR")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert runtime.cache_root() == tmp_path / "home" / ".cache" / "mtpjax"
+
+
+def test_releasing_compiled_programs_unmaps_them():
+    """Why the suite can run in one process: each compiled program holds memory maps until the jit caches let go,
+    and conftest lets go after every module. Companion: holding the programs keeps their maps."""
+    release_compiled_programs()
+    base = memory_maps()
+
+    @jax.jit
+    def f(x):
+        return jnp.sin(x).sum()
+
+    for n in range(1, 41):  # 40 shapes, 40 executables
+        f(jnp.ones((2, n))).block_until_ready()
+    held = memory_maps()
+    assert held > base + 120, (base, held)  # each executable maps several regions
+    release_compiled_programs()
+    assert memory_maps() - base < (held - base) / 4, (base, held, memory_maps())  # allocator arenas may stay
 
 
 def _events(run: str, tmp: Path, corpus: Path, *extra: str) -> dict:
