@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from mtpjax.decode.cli import main
+from mtpjax.cli.decode import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -2,7 +2,7 @@
 
 import sys
 
-from mtpjax.train_loop import main
+from mtpjax.cli.train import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

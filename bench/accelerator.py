@@ -58,8 +58,8 @@ TINY_ALPHA = "0.98,0.50"
 def _decoder():
     """The decoder's public API and the speed arithmetic, imported in this one place."""
     from mtpjax.decode import generate
-    from mtpjax.evaluate import timed_decode
-    from mtpjax.speed import expected_tokens, speedup_ceiling
+    from mtpjax.eval.evaluate import timed_decode
+    from mtpjax.nn.speed import expected_tokens, speedup_ceiling
 
     return generate, timed_decode, expected_tokens, speedup_ceiling
 
@@ -102,9 +102,9 @@ def packed_batch(B: int, T: int, vocab: int, seed: int = 0):
 
 def train_row(cfg, peak: float, steps: int) -> dict:
     """Compile one train step for cfg, run it `steps` times after a warm-up; tokens/s, MFU, memory."""
-    from mtpjax.flops import train_flops_per_token
-    from mtpjax.sharding import make_mesh
-    from mtpjax.train_step import make_programs
+    from mtpjax.nn.flops import train_flops_per_token
+    from mtpjax.parallel.sharding import make_mesh
+    from mtpjax.train.step import make_programs
 
     progs = make_programs(cfg, make_mesh(cfg.mesh))
     state = progs.init()
@@ -155,8 +155,8 @@ def train_section(base, backends, peak: float, steps: int, budget: Budget) -> li
 def decode_section(cfg, batches, alpha, prompt_len: int, max_new: int, repeats: int, budget: Budget) -> dict:
     """Plain vs MTP(1) tokens/s per batch, v and c, and what the passed-in α makes of them."""
     from mtpjax.decode import MTPProposer
-    from mtpjax.model import build_model
-    from mtpjax.speed import floor_ratio
+    from mtpjax.nn.model import build_model
+    from mtpjax.nn.speed import floor_ratio
 
     _, timed_decode, expected_tokens, speedup_ceiling = _decoder()
     model = build_model(cfg, seed=0)
@@ -197,7 +197,7 @@ def decode_section(cfg, batches, alpha, prompt_len: int, max_new: int, repeats: 
 def equality_section(smoke: bool) -> dict:
     """Greedy speculative == plain on a float32 model at matmul precision 'highest', batch 8, 1 and 2 drafts."""
     from mtpjax.config import ModelConfig
-    from mtpjax.model import build_model
+    from mtpjax.nn.model import build_model
 
     generate = _decoder()[0]
 
@@ -282,7 +282,7 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     peak, source = published_peak(dev.device_kind), "published dense bf16"
     if peak is None:
-        from mtpjax.metrics import measure_peak_flops
+        from mtpjax.train.metrics import measure_peak_flops
 
         peak = measure_peak_flops(256 if args.smoke else 2048, 0.2)
         source = "measured float32 matmul: no published peak"
@@ -327,7 +327,7 @@ def main(argv=None) -> int:
 def _param_count(cfg) -> int:
     from flax import nnx
 
-    from mtpjax.model import build_model, param_counts
+    from mtpjax.nn.model import build_model, param_counts
 
     return param_counts(nnx.eval_shape(lambda: build_model(cfg)))["total"]
 

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench.common import log  # noqa: E402
-from mtpjax.plan import tree_bytes  # noqa: E402
+from mtpjax.eval.plan import tree_bytes  # noqa: E402
 
 
 def round_seconds(model, prompt, short: int, long_: int, repeats: int) -> float:
@@ -48,7 +48,7 @@ def round_seconds(model, prompt, short: int, long_: int, repeats: int) -> float:
 def measure(layers, d_model: int, short: int = 32, long_: int = 160, repeats: int = 5) -> list[dict]:
     """One row per depth: weight megabytes and microseconds per layer per round."""
     from mtpjax.config import ModelConfig
-    from mtpjax.model import build_model
+    from mtpjax.nn.model import build_model
 
     rows = []
     prompt = list(range(1, 33))

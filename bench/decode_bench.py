@@ -2,7 +2,7 @@
 
 For each batch size every variant runs once per round, rounds interleaved; ratios are medians of
 per-round ratios. Round costs (relative to a plain round at the same batch size) feed the predicted
-speedup E(γ)/(v + γc) of mtpjax.speed and its choice of γ ("cost_model"); the "auto" row is the variant
+speedup E(γ)/(v + γc) of mtpjax.nn.speed and its choice of γ ("cost_model"); the "auto" row is the variant
 the decoder's own `generate(num_draft="auto")` picks after timing its probes. The draft model is a
 second trained run with the same tokenizer (`--draft-run-dir`, configs/draft_tiny.yaml).
 """
@@ -24,9 +24,9 @@ from flax import nnx  # noqa: E402
 from bench import peer as peer_mod  # noqa: E402
 from bench.common import interleave, load, log, median_ratio  # noqa: E402
 from mtpjax.decode import DraftModelProposer, MTPProposer, make_loop, run, summarize  # noqa: E402
-from mtpjax.evaluate import decode_context  # noqa: E402
-from mtpjax.plan import tree_bytes  # noqa: E402
-from mtpjax.speed import (  # noqa: E402
+from mtpjax.eval.evaluate import decode_context  # noqa: E402
+from mtpjax.eval.plan import tree_bytes  # noqa: E402
+from mtpjax.nn.speed import (  # noqa: E402
     choose_num_draft,
     expected_tokens,
     floor_ratio,
@@ -45,9 +45,9 @@ def load_subject(run_dir: str | None, smoke: bool, n_prompts: int, prompt_len: i
         import absl.logging
 
         absl.logging.set_verbosity(absl.logging.ERROR)
-        from mtpjax.checkpoint import load_model
+        from mtpjax.train.checkpoint import load_model
         from mtpjax.data import prepare
-        from mtpjax.evaluate import heldout_prompts
+        from mtpjax.eval.evaluate import heldout_prompts
 
         cfg, model, tok = load_model(run_dir)
         prompts = heldout_prompts(prepare(cfg.data).val_tokens, n_prompts, prompt_len, tok.eos_id)
@@ -56,7 +56,7 @@ def load_subject(run_dir: str | None, smoke: bool, n_prompts: int, prompt_len: i
         raise SystemExit(f"error: no checkpoint in {run_dir!r}; train one with `python train.py --config "
                          "configs/tiny.yaml train.run_dir=runs/tiny` or pass --smoke")
     from mtpjax.config import ModelConfig
-    from mtpjax.model import build_model
+    from mtpjax.nn.model import build_model
 
     model = build_model(ModelConfig(d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, mtp_depth=2), seed=0)
     rng = np.random.default_rng(0)
@@ -66,7 +66,7 @@ def load_subject(run_dir: str | None, smoke: bool, n_prompts: int, prompt_len: i
 def load_draft(draft_run_dir: str | None, smoke: bool, model):
     """(draft model or None, what it is): a trained draft run, a random small model in smoke mode, or a reason."""
     if draft_run_dir and Path(draft_run_dir, "checkpoints").exists():
-        from mtpjax.checkpoint import load_model
+        from mtpjax.train.checkpoint import load_model
 
         cfg, draft, _ = load_model(draft_run_dir)
         if cfg.model.vocab_size != model.cfg.vocab_size:
@@ -74,7 +74,7 @@ def load_draft(draft_run_dir: str | None, smoke: bool, model):
         return draft, f"trained checkpoint {draft_run_dir}"
     if smoke:
         from mtpjax.config import ModelConfig
-        from mtpjax.model import build_model
+        from mtpjax.nn.model import build_model
 
         cfg = ModelConfig(vocab_size=model.cfg.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, mtp_depth=0)
         return build_model(cfg, seed=1), "random smoke draft model"

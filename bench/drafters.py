@@ -23,9 +23,9 @@ import numpy as np  # noqa: E402
 
 from bench.common import interleave, load, log, median_ratio  # noqa: E402
 from mtpjax.config import load_config, replace  # noqa: E402
-from mtpjax.sharding import make_mesh  # noqa: E402
-from mtpjax.train_loop import train  # noqa: E402
-from mtpjax.train_step import make_programs  # noqa: E402
+from mtpjax.parallel.sharding import make_mesh  # noqa: E402
+from mtpjax.train.loop import train  # noqa: E402
+from mtpjax.train.step import make_programs  # noqa: E402
 
 # The trunk: a small byte-level model on the embedded corpus (stdlib sources), two sequential MTP modules.
 # The draft model: 2 narrow blocks, no MTP modules (its drafts cost a fraction of an MTP module's).
@@ -100,7 +100,7 @@ def subjects(work: Path, with_draft: bool):
     import absl.logging
 
     absl.logging.set_verbosity(absl.logging.ERROR)
-    from mtpjax.checkpoint import load_model
+    from mtpjax.train.checkpoint import load_model
     from mtpjax.data import prepare
 
     cfg, trunk, tok = load_model(work / "trunk")
@@ -115,7 +115,7 @@ def subjects(work: Path, with_draft: bool):
 
 def forced_by_position(drafters: dict, seqs, prompt_len: int, gamma: int) -> dict:
     """Teacher-forced acceptance by draft position on held-out text (the decoder walks the reference)."""
-    from mtpjax.evaluate import forced_acceptance
+    from mtpjax.eval.evaluate import forced_acceptance
 
     return {k: forced_acceptance(m, seqs, prompt_len, gamma, proposer, draft)
             for k, (m, proposer, draft) in drafters.items()}
@@ -126,8 +126,8 @@ def decode_speed(cfg, drafters: dict, prompts, gamma: int, batches, max_new: int
     median of per-round ratios, wall and CPU time), output identical to plain, and each drafter's ceiling."""
     from bench.decode_bench import _ours
     from mtpjax.decode import DraftModelProposer, MTPProposer, NgramProposer
-    from mtpjax.evaluate import decode_context
-    from mtpjax.speed import floor_ratio, speedup_ceiling
+    from mtpjax.eval.evaluate import decode_context
+    from mtpjax.nn.speed import floor_ratio, speedup_ceiling
 
     kinds = {"mtp": MTPProposer, "ngram": NgramProposer, "model": DraftModelProposer}
     out = {}
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     res["step_cost"] = step_cost(base, args.rounds)
     log(f"step cost: {res['step_cost']}")
     cfg, drafters, val, eos = subjects(work, (work / "draft" / "checkpoints").is_dir())
-    from mtpjax.evaluate import heldout_prompts
+    from mtpjax.eval.evaluate import heldout_prompts
 
     gamma = base.model.mtp_depth
     seqs = heldout_prompts(val, args.forced_seqs, 2 * args.prompt_len, eos)

@@ -19,10 +19,10 @@ import numpy as np  # noqa: E402
 
 from bench.common import load, log, median_ratio, peak_rss_mb  # noqa: E402
 from mtpjax.config import load_config, replace  # noqa: E402
-from mtpjax.flops import train_flops_per_token  # noqa: E402
-from mtpjax.metrics import measure_peak_flops  # noqa: E402
-from mtpjax.sharding import make_mesh  # noqa: E402
-from mtpjax.train_step import make_programs  # noqa: E402
+from mtpjax.nn.flops import train_flops_per_token  # noqa: E402
+from mtpjax.train.metrics import measure_peak_flops  # noqa: E402
+from mtpjax.parallel.sharding import make_mesh  # noqa: E402
+from mtpjax.train.step import make_programs  # noqa: E402
 
 
 def make_stepper(cfg):

@@ -15,7 +15,7 @@ import tempfile
 import jax
 import pytest
 
-from mtpjax import runtime
+from mtpjax.parallel import runtime
 from mtpjax.config import ModelConfig
 
 # A [B,T,D] array meeting a [D] one must say how it broadcasts: silent rank promotion hides shape bugs.
@@ -78,7 +78,7 @@ def tiny_run(tmp_path_factory):
     """(cfg, run dir) of a trained tiny run with checkpoints 4, 6, 7; read-only: copy it before changing it."""
     from train_helpers import tiny_cfg
 
-    from mtpjax.train_loop import train
+    from mtpjax.train.loop import train
 
     tmp = tmp_path_factory.mktemp("tiny_run")
     cfg = tiny_cfg(tmp, *TINY_RUN)

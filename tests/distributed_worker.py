@@ -22,9 +22,9 @@ import numpy as np  # noqa: E402
 
 from mtpjax import data  # noqa: E402
 from mtpjax.config import load_config, replace  # noqa: E402
-from mtpjax.sharding import make_mesh  # noqa: E402
-from mtpjax.train_loop import train  # noqa: E402
-from mtpjax.train_step import make_programs  # noqa: E402
+from mtpjax.parallel.sharding import make_mesh  # noqa: E402
+from mtpjax.train.loop import train  # noqa: E402
+from mtpjax.train.step import make_programs  # noqa: E402
 
 
 def scalars(tb_dir: Path, tag: str) -> dict[int, float]:

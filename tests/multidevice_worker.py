@@ -25,11 +25,12 @@ from train_helpers import cli_args, step_losses, synthetic_batches, tiny_cfg  # 
 
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from mtpjax.checkpoint import Checkpointer  # noqa: E402
+from mtpjax.train.checkpoint import Checkpointer  # noqa: E402
 from mtpjax.config import replace  # noqa: E402
-from mtpjax.sharding import make_mesh  # noqa: E402
-from mtpjax.train_step import make_programs  # noqa: E402
-from mtpjax.train_loop import main, train  # noqa: E402
+from mtpjax.parallel.sharding import make_mesh  # noqa: E402
+from mtpjax.train.step import make_programs  # noqa: E402
+from mtpjax.cli.train import main  # noqa: E402
+from mtpjax.train.loop import train  # noqa: E402
 
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 4, 2)]
 

@@ -17,12 +17,12 @@ from train_helpers import write_corpus
 
 from bench.ablation import grid, report, sweep
 from bench.ablation.__main__ import SMOKE, main
-from mtpjax import train_loop
+from mtpjax.train import loop as train_loop
 from mtpjax.config import load_config, replace
-from mtpjax.eval_log import append_eval, read_evals
-from mtpjax.model import MTPModule, MTPTransformer, build_model
-from mtpjax.sharding import make_mesh
-from mtpjax.train_step import make_programs
+from mtpjax.eval.log import append_eval, read_evals
+from mtpjax.nn.model import MTPModule, MTPTransformer, build_model
+from mtpjax.parallel.sharding import make_mesh
+from mtpjax.train.step import make_programs
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "configs" / "ablation.yaml")
@@ -285,7 +285,7 @@ def test_variants_see_the_same_batches_and_start_from_the_same_shared_parameters
         assert seen[n]["eval"][:3] == seen["d0"]["eval"][:3] and len(set(seen[n]["eval"])) == 1  # one held-out batch
     # bits per byte logged by training: Σ CE / (ln 2 · bytes) over the one eval batch (tests/test_bpb.py has EOS)
     res = json.loads((out / "results.json").read_text())
-    from mtpjax.bpb import target_counts, token_byte_lengths
+    from mtpjax.eval.bpb import target_counts, token_byte_lengths
     from mtpjax.data import ByteTokenizer, make_iterator, prepare
 
     base = _base(tmp_path)
@@ -301,7 +301,7 @@ def test_variants_see_the_same_batches_and_start_from_the_same_shared_parameters
 @pytest.mark.slow
 def test_d0_read_at_step_n_of_the_longer_run_equals_a_run_of_n_steps(tmp_path):
     """Curve mode's premise, with its companion: under a decaying lr the longer run is not the shorter one."""
-    from mtpjax.train_loop import train
+    from mtpjax.train.loop import train
 
     for schedule, equal in (("constant", True), ("cosine", False)):
         base = _base(tmp_path, f"optim.schedule={schedule}", "train.eval_every=4")

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtpjax import kernels
-from mtpjax.layers import INTERPRET_ENV, attention_backend, self_attention
+from mtpjax.nn import kernels
+from mtpjax.nn.layers import INTERPRET_ENV, attention_backend, self_attention
 
 B, K, R, H = 2, 2, 2, 16  # grouped-query: 4 query heads over 2 key/value heads
 
@@ -113,8 +113,8 @@ def _model_grads(name, monkeypatch, T=37):
     from train_helpers import TINY, synthetic_batches
 
     from mtpjax.config import load_config
-    from mtpjax.sharding import make_mesh
-    from mtpjax.train_step import loss_and_grads, make_programs, split_trainable
+    from mtpjax.parallel.sharding import make_mesh
+    from mtpjax.train.step import loss_and_grads, make_programs, split_trainable
 
     monkeypatch.setenv(INTERPRET_ENV, "1")
     cfg = load_config(None, TINY + [f"model.attention={name}", f"data.seq_len={T}", "train.batch_size=2",
@@ -140,7 +140,7 @@ def test_model_gradients_with_an_interpreted_kernel_equal_xla(name, monkeypatch)
 def test_attention_is_left_out_of_the_run_identity(tmp_path):
     """A run dir whose saved config differs only in model.attention is the same run; any other model key is not."""
     from mtpjax.config import identity, load_config
-    from mtpjax.rundir import RunDirError, check_identity
+    from mtpjax.train.rundir import RunDirError, check_identity
 
     run = tmp_path / "run"
     run.mkdir()
@@ -159,11 +159,11 @@ def test_a_run_resumes_and_decodes_on_another_backend(tmp_path, capfd):
     key is still refused), and a checkpoint saved with a kernel this machine lacks decodes here."""
     from train_helpers import tiny_cfg
 
-    from mtpjax.checkpoint import load_model
+    from mtpjax.train.checkpoint import load_model
     from mtpjax.config import replace
     from mtpjax.decode import generate
-    from mtpjax.rundir import RunDirError, check_identity
-    from mtpjax.train_loop import train
+    from mtpjax.train.rundir import RunDirError, check_identity
+    from mtpjax.train.loop import train
 
     cfg = tiny_cfg(tmp_path, "model.attention=splash", "train.steps=2", "train.eval_batches=0", "data.seq_len=16",
                    "checkpoint.every=2")

@@ -7,15 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtpjax.bpb import (
+from mtpjax.eval.bpb import (
     bits_per_byte,
     eval_bits_per_byte,
     target_counts,
     token_byte_lengths,
 )
 from mtpjax.data import ByteTokenizer, HFTokenizer, segment_ids, train_bpe
-from mtpjax.loss import mtp_loss
-from mtpjax.model import build_model
+from mtpjax.nn.loss import mtp_loss
+from mtpjax.nn.model import build_model
 
 WORDS = ["café", "naïve", "über", "für", "→", "déjà", "vu", "def", "return", "self", "x", "=", "1", "(", ")", ":",
          "\n", "    ", "import", "os", "print", "ŝ"]

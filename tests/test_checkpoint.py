@@ -9,10 +9,10 @@ import pytest
 from flax import nnx
 from train_helpers import tiny_cfg
 
-from mtpjax.checkpoint import CheckpointError, Checkpointer, ckpt_dir, load_model
-from mtpjax.model import MTPTransformer
-from mtpjax.sharding import make_mesh
-from mtpjax.train_step import make_programs
+from mtpjax.train.checkpoint import CheckpointError, Checkpointer, ckpt_dir, load_model
+from mtpjax.nn.model import MTPTransformer
+from mtpjax.parallel.sharding import make_mesh
+from mtpjax.train.step import make_programs
 
 
 def test_round_trip_of_state_data_state_and_meta(tmp_path):

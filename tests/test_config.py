@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from mtpjax.config import Config, ConfigError, field_doc, from_dict, load_config, parse_lambda, replace
-from mtpjax.model import build_model, param_counts
+from mtpjax.nn.model import build_model, param_counts
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 

@@ -30,14 +30,14 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from mtpjax.checkpoint import load_model
+from mtpjax.train.checkpoint import load_model
 from mtpjax.config import load_config
 from mtpjax.convert import layout
-from mtpjax.convert.__main__ import main
+from mtpjax.cli.convert import main
 from mtpjax.convert.hf_tokenizer import export_tokenizer
 from mtpjax.convert.importer import lazy_tree, save_model_checkpoint
 from mtpjax.data import ByteTokenizer, train_bpe
-from mtpjax.model import build_model, init_mtp_from_last_block, param_counts
+from mtpjax.nn.model import build_model, init_mtp_from_last_block, param_counts
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["model.vocab_size=256", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
@@ -208,7 +208,7 @@ def test_engine_forward_detects_unswapped_input_proj(tmp_path, monkeypatch):
 def test_engine_greedy_drafts_on_a_trained_model(tmp_path):
     """A trained tiny model (written by train.py's own checkpointer): the engine's greedy drafts equal module 1's
     under the engine's inputs at every position, and how often they equal our own drafts is measured."""
-    from mtpjax.train_loop import train
+    from mtpjax.train.loop import train
 
     cfg = tiny_cfg(tmp_path, "train.steps=60", "checkpoint.every=60", "train.eval_every=60",
                    "model.tie_embeddings=false")
@@ -333,7 +333,7 @@ def test_model_features_for_import(model_cfg):
     from jax.sharding import PartitionSpec as P
 
     from mtpjax.config import MeshConfig
-    from mtpjax.sharding import make_mesh, state_shardings
+    from mtpjax.parallel.sharding import make_mesh, state_shardings
 
     plain, bias = build_model(model_cfg()), build_model(model_cfg(qkv_bias=True, mtp_init="last_block"))
     c = model_cfg()

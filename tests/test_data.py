@@ -23,7 +23,7 @@ from mtpjax.data import (
     tokenizer_from_dir,
     train_bpe,
 )
-from mtpjax.data.__main__ import main as cli_main
+from mtpjax.cli.data import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
 

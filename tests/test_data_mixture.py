@@ -21,7 +21,7 @@ from mtpjax.data import (
     prepare,
     prepare_on_hosts,
 )
-from mtpjax.data.__main__ import main as cli_main
+from mtpjax.cli.data import main as cli_main
 
 SEQ = 4
 
@@ -199,7 +199,7 @@ def test_local_rows_follow_the_devices_blocks():
     import jax
 
     from mtpjax.config import MeshConfig
-    from mtpjax.sharding import batch_sharding, make_mesh
+    from mtpjax.parallel.sharding import batch_sharding, make_mesh
 
     n = jax.device_count()
     np.testing.assert_array_equal(local_rows(batch_sharding(make_mesh(MeshConfig(data=n))), 4 * n), np.arange(4 * n))
@@ -308,7 +308,7 @@ def test_different_files_on_two_hosts_are_an_error(tmp_path, monkeypatch):
 
 
 def test_runtime_data_keys_may_change_on_resume_and_others_may_not(tmp_path):
-    from mtpjax.rundir import RunDirError, check_identity
+    from mtpjax.train.rundir import RunDirError, check_identity
 
     base = ["data.source=text", "data.paths=[a.txt]", f"train.run_dir={tmp_path / 'run'}"]
     (tmp_path / "run").mkdir()
@@ -333,8 +333,8 @@ def test_mixture_run_resumes_bit_identical_and_logs_every_source(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
     from train_helpers import tiny_cfg
 
-    from mtpjax.checkpoint import load_model
-    from mtpjax.train_loop import train
+    from mtpjax.train.checkpoint import load_model
+    from mtpjax.train.loop import train
 
     mix = _write_sources(tmp_path)[2:]  # seq_len and val_fraction come from the tiny config
     straight = train(tiny_cfg(tmp_path, "data.paths=[]", *mix, run="a"))

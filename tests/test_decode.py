@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from mtpjax.config import load_config
-from mtpjax.decode.cli import main
-from mtpjax.train_loop import train
+from mtpjax.cli.decode import main
+from mtpjax.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "data.seq_len=64",
@@ -121,9 +121,9 @@ def test_eval_report_json_and_tensorboard(runs, tmp_path, capsys):
     for k in ("plain_tokens_per_sec", "mtp_tokens_per_sec", "ngram_tokens_per_sec", "speedup", "predicted_speedup",
               "verify_cost_v", "draft_cost_c", "tokens_per_round", "expected_tokens_per_round"):
         assert d[k] >= 0, k
-    from mtpjax.checkpoint import load_model
+    from mtpjax.train.checkpoint import load_model
     from mtpjax.decode import MTPProposer
-    from mtpjax.speed import expected_tokens, floor_ratio
+    from mtpjax.nn.speed import expected_tokens, floor_ratio
 
     r = floor_ratio(MTPProposer(2), load_model(str(runs["mtp"]))[0].model, 32 + 24 // 2)  # prompts of 32, 24 new
     assert d["speedup_ceiling"] == pytest.approx(expected_tokens(d["acceptance_by_position"], 2) / (1 + 2 * r))

@@ -4,7 +4,7 @@ run reuses."""
 
 
 from mtpjax.decode import api, autodraft
-from mtpjax.decode.cli import label, main
+from mtpjax.cli.decode import label, main
 from mtpjax.decode.loop import execute
 
 
@@ -81,7 +81,7 @@ def test_a_new_request_shape_decodes_plain_then_measures(tiny_run, capsys, monke
 
 def test_calibration_compiles_only_the_loops_the_run_reuses(tiny_run):
     """`num_draft="auto"` compiles each candidate's loop once; the real runs add no compilation."""
-    from mtpjax.checkpoint import load_model
+    from mtpjax.train.checkpoint import load_model
 
     _, run = tiny_run
     _, model, tok = load_model(run)
@@ -103,7 +103,7 @@ def test_calibration_compiles_only_the_loops_the_run_reuses(tiny_run):
 
 def test_auto_never_picks_drafts_within_the_noise_of_plain():
     """A draft count predicted less than MARGIN faster than plain is not worth the risk: plain is chosen."""
-    from mtpjax.speed import choose_num_draft, predicted_speedup
+    from mtpjax.nn.speed import choose_num_draft, predicted_speedup
 
     alpha = [0.5]
     assert 1.0 < predicted_speedup(alpha, 1, 1.45) < autodraft.MARGIN  # 1.5 / 1.45 = 1.03

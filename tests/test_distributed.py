@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mtpjax import distributed as dist
-from mtpjax.distributed import DistributedError, Launch, detect
+from mtpjax.parallel import distributed as dist
+from mtpjax.parallel.distributed import DistributedError, Launch, detect
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_helpers import write_corpus  # noqa: E402
@@ -156,7 +156,7 @@ def test_the_jax_internals_we_use_are_where_we_expect_them():
 def join(pid: int, n: int, port: int, timeout: int = 3, **kw) -> subprocess.Popen:
     env = sub_env(MTPJAX_COORDINATOR=f"127.0.0.1:{port}", MTPJAX_NUM_PROCESSES=n, MTPJAX_PROCESS_ID=pid,
                   MTPJAX_LOCAL_DEVICES=2, MTPJAX_INIT_TIMEOUT=timeout, **kw)
-    return subprocess.Popen([sys.executable, "-m", "mtpjax.distributed"], env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "mtpjax", "distributed"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 

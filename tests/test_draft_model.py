@@ -12,7 +12,7 @@ from test_speculative import PROMPTS, _cfg, _check_greedy_equal, _exact_joint, _
 from mtpjax.decode import DecodeError, DraftModelProposer, generate, make_loop, run, summarize
 from mtpjax.decode.cache import stacked, trunk_cache
 from mtpjax.decode.sampling import make_sampler
-from mtpjax.model import build_model
+from mtpjax.nn.model import build_model
 
 half_trained = test_speculative.half_trained  # the target: drafts accepted sometimes
 

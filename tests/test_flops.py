@@ -3,8 +3,8 @@
 import pytest
 from flax import nnx
 
-from mtpjax.flops import flops_per_token, train_flops_per_token
-from mtpjax.model import build_model
+from mtpjax.nn.flops import flops_per_token, train_flops_per_token
+from mtpjax.nn.model import build_model
 
 
 def test_hand_count(model_cfg):

@@ -18,8 +18,8 @@ import yaml
 from test_reliability import tree_hash
 from train_helpers import cli_args, tiny_cfg
 
-from mtpjax import train_loop
-from mtpjax.decode import cli as decode_cli
+from mtpjax.cli import train as train_cli
+from mtpjax.cli import decode as decode_cli
 from mtpjax.config import Config, ConfigError, field_doc, load_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -106,7 +106,7 @@ def test_bad_configs_on_an_existing_run_change_nothing(trained, tmp_path, capsys
             merged[s] = {**merged[s], **sec} if isinstance(sec, dict) and isinstance(merged.get(s), dict) else sec
         path = tmp_path / f"bad{tried}.yaml"
         path.write_text(yaml.safe_dump(merged, allow_unicode=True))
-        _one_line_error(capsys, train_loop.main, ["--config", str(path)])
+        _one_line_error(capsys, train_cli.main, ["--config", str(path)])
         tried += 1
         if tried == 12:
             break
@@ -165,7 +165,7 @@ def test_bad_data_is_one_line_exit_2_and_leaves_the_run_dir_alone(tmp_path, caps
     (run / "keep.txt").write_text("a user's file")
     before = tree_hash(run)
     cfg = tiny_cfg(tmp_path, f"train.run_dir={run}")
-    err = _one_line_error(capsys, train_loop.main, cli_args(cfg, *make(tmp_path)))
+    err = _one_line_error(capsys, train_cli.main, cli_args(cfg, *make(tmp_path)))
     assert words in err, err
     assert tree_hash(run) == before
 
@@ -174,7 +174,7 @@ def test_bad_data_leaves_no_new_run_dir_behind(tmp_path, capsys):
     """A run refused for its data leaves neither its run dir nor the parents it created; an existing parent stays."""
     run = tmp_path / "new" / "runs" / "r"
     cfg = tiny_cfg(tmp_path, f"train.run_dir={run}")
-    err = _one_line_error(capsys, train_loop.main,
+    err = _one_line_error(capsys, train_cli.main,
                           cli_args(cfg, "data.source=array", f"data.paths={_write(tmp_path, 'odd.bin', b'abc')}"))
     assert "odd" in err and not (tmp_path / "new").exists() and tmp_path.is_dir()
 

@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 from mtpjax.config import LossConfig, parse_mtp_target
-from mtpjax.loss import lambda_schedule, mtp_loss, token_counts
-from mtpjax.model import build_model
+from mtpjax.nn.loss import lambda_schedule, mtp_loss, token_counts
+from mtpjax.nn.model import build_model
 
 T = 12
 

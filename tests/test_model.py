@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 from mtpjax.config import LossConfig
-from mtpjax.loss import mtp_loss
-from mtpjax.model import build_model, param_counts
+from mtpjax.nn.loss import mtp_loss
+from mtpjax.nn.model import build_model, param_counts
 
 T = 12
 

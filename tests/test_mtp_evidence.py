@@ -3,9 +3,9 @@
 import json
 from pathlib import Path
 
-from mtpjax import mtp_evidence
-from mtpjax.mtp_evidence import PUBLISHED, evidence_lines
-from mtpjax.plan import main
+from mtpjax.eval import evidence as mtp_evidence
+from mtpjax.eval.evidence import PUBLISHED, evidence_lines
+from mtpjax.cli.plan import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 from mtpjax.config import OptimConfig
-from mtpjax.model import build_model
-from mtpjax.optim import decay_mask, lr_schedule, make_tx, with_lr
+from mtpjax.nn.model import build_model
+from mtpjax.train.optim import decay_mask, lr_schedule, make_tx, with_lr
 
 
 @pytest.mark.parametrize("kind", ["cosine", "linear", "constant"])

@@ -1,4 +1,4 @@
-"""`python -m mtpjax.plan`: numbers against the real built model, speculation formulas, CLI exit codes."""
+"""`python -m mtpjax plan`: numbers against the real built model, speculation formulas, CLI exit codes."""
 
 import subprocess
 import sys
@@ -11,10 +11,11 @@ from flax import nnx
 
 from mtpjax.config import load_config
 from mtpjax.decode import MTPProposer
-from mtpjax.flops import flops_per_token
-from mtpjax.model import build_model, param_counts
-from mtpjax.plan import build_plan, main
-from mtpjax.speed import ceiling, expected_tokens, floor_ratio, weight_ratio, work_ratio
+from mtpjax.nn.flops import flops_per_token
+from mtpjax.nn.model import build_model, param_counts
+from mtpjax.cli.plan import main
+from mtpjax.eval.plan import build_plan
+from mtpjax.nn.speed import ceiling, expected_tokens, floor_ratio, weight_ratio, work_ratio
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -102,13 +103,13 @@ def test_cli_help_exits_0(capsys):
 
 
 def test_module_runs_as_script(tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "mtpjax.plan", "--config", TINY, "model.mtp_depth=3"],
+    ok = subprocess.run([sys.executable, "-m", "mtpjax", "plan", "--config", TINY, "model.mtp_depth=3"],
                         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "mtp module 3" in ok.stdout and "speedup" in ok.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [1,\n")
-    err = subprocess.run([sys.executable, "-m", "mtpjax.plan", "--config", str(bad)],
+    err = subprocess.run([sys.executable, "-m", "mtpjax", "plan", "--config", str(bad)],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert err.returncode == 2 and "Traceback" not in err.stderr
     assert err.stderr.strip().splitlines() == [f"error: config file '{bad}' is not valid YAML (line 2); fix its syntax"]

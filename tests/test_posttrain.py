@@ -9,13 +9,14 @@ import pytest
 from flax import nnx
 from train_helpers import cli_args, one_line_error, synthetic_batches, tiny_cfg, write_corpus
 
-from mtpjax import posttrain
-from mtpjax.checkpoint import Checkpointer, load_model
+from mtpjax.train import posttrain
+from mtpjax.train.checkpoint import Checkpointer, load_model
 from mtpjax.config import ConfigError, load_config, replace
-from mtpjax.model import build_model
-from mtpjax.sharding import make_mesh
-from mtpjax.train_loop import main, train
-from mtpjax.train_step import make_programs
+from mtpjax.nn.model import build_model
+from mtpjax.parallel.sharding import make_mesh
+from mtpjax.cli.train import main
+from mtpjax.train.loop import train
+from mtpjax.train.step import make_programs
 
 POST = ["train.freeze=trunk", "train.steps=4", "train.eval_every=4", "checkpoint.every=2", "train.num_samples=0"]
 
@@ -142,8 +143,8 @@ def test_micro_batches_equal_the_full_batch_with_self_targets_on_a_frozen_trunk(
 
     import jax.numpy as jnp
 
-    from mtpjax.optim import trainable
-    from mtpjax.train_step import loss_and_grads, split_trainable
+    from mtpjax.train.optim import trainable
+    from mtpjax.train.step import loss_and_grads, split_trainable
 
     cfg = tiny_cfg(tmp_path, "train.init_from=unused", "train.freeze=trunk", "loss.mtp_target=mix:0.7")
     progs = _programs(cfg)
@@ -260,7 +261,7 @@ def test_an_imported_model_post_trains_and_decodes(tmp_path):
 
     from test_convert import ROOT, _hf_model, _tokenizer_json, cli
 
-    from mtpjax.checkpoint import read_run_config
+    from mtpjax.train.checkpoint import read_run_config
 
     hf_dir, imp = tmp_path / "qwen2", tmp_path / "imported"
     _hf_model("qwen2").save_pretrained(str(hf_dir))

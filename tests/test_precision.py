@@ -9,9 +9,9 @@ from flax import nnx
 from train_helpers import TINY, synthetic_batches
 
 from mtpjax.config import load_config
-from mtpjax.layers import attend
-from mtpjax.sharding import make_mesh
-from mtpjax.train_step import loss_and_grads, make_programs, split_trainable
+from mtpjax.nn.layers import attend
+from mtpjax.parallel.sharding import make_mesh
+from mtpjax.train.step import loss_and_grads, make_programs, split_trainable
 
 
 def _setup(*overrides):
@@ -56,7 +56,7 @@ def test_companion_bf16_params_are_seen():
 def test_gpu_1b_is_one_accelerator_1b_bf16_seq_4096_mtp_1():
     from pathlib import Path
 
-    from mtpjax.model import build_model, param_counts
+    from mtpjax.nn.model import build_model, param_counts
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "gpu_1b.yaml")
     m = cfg.model

@@ -22,10 +22,11 @@ import numpy as np
 import pytest
 from train_helpers import cli_args, tiny_cfg, write_corpus
 
-import mtpjax.train_step
-from mtpjax.checkpoint import CheckpointError, load_model
+import mtpjax.train.step
+from mtpjax.train.checkpoint import CheckpointError, load_model
 from mtpjax.config import ConfigError, load_config, replace
-from mtpjax.train_loop import NonFiniteError, main, train
+from mtpjax.cli.train import main
+from mtpjax.train.loop import NonFiniteError, train
 
 REPO = Path(__file__).resolve().parent.parent
 FAST = ["train.eval_batches=0", "train.eval_every=1000", "checkpoint.every=2", "checkpoint.keep=3"]
@@ -237,13 +238,13 @@ POISONED = (5, 6, 7)  # NaN gradients (finite loss) in the updates producing ste
 
 def _poison(monkeypatch):
     """NaN gradients at the POISONED step counters; one program for every NaN test (compiled once)."""
-    real = mtpjax.train_step.mtp_loss
+    real = mtpjax.train.step.mtp_loss
 
     def poisoned(*args, step, **kw):
         loss, met = real(*args, step=step, **kw)
         return _nan_grad(loss, jnp.isin(step, jnp.asarray(POISONED))), met
 
-    monkeypatch.setattr(mtpjax.train_step, "mtp_loss", poisoned)
+    monkeypatch.setattr(mtpjax.train.step, "mtp_loss", poisoned)
 
 
 @pytest.fixture
@@ -349,7 +350,7 @@ def test_yaml_with_a_python_tag_is_refused(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text(f"model: !!python/object/new:os.system ['touch {marker}']\n")
-    from mtpjax.checkpoint import read_run_config
+    from mtpjax.train.checkpoint import read_run_config
 
     with pytest.raises(CheckpointError, match="not a valid config"):
         read_run_config(run)

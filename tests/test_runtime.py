@@ -1,4 +1,4 @@
-"""mtpjax.runtime: the cache root, the persistent compilation cache across runs, train.profile traces."""
+"""mtpjax.parallel.runtime: the cache root, the persistent compilation cache across runs, train.profile traces."""
 
 import json
 import os
@@ -12,7 +12,7 @@ import pytest
 from conftest import memory_maps, release_compiled_programs
 from train_helpers import cli_args, tiny_cfg, write_corpus
 
-from mtpjax import runtime
+from mtpjax.parallel import runtime
 from mtpjax.config import ConfigError, load_config, parse_profile
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,7 +125,7 @@ def test_profiler_traces_the_window_only(monkeypatch, capsys):
 
 
 def test_train_profile_writes_a_trace_tensorboard_reads(tmp_path):
-    from mtpjax.train_loop import train
+    from mtpjax.train.loop import train
 
     cfg = tiny_cfg(tmp_path, *SHORT, "train.steps=3", "train.profile=1:2")
     train(cfg)

@@ -13,11 +13,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from train_helpers import step_losses, synthetic_batches, tiny_cfg, write_corpus
 
-from mtpjax.checkpoint import Checkpointer, load_model
+from mtpjax.train.checkpoint import Checkpointer, load_model
 from mtpjax.config import MeshConfig
-from mtpjax.sharding import MeshError, batch_sharding, logical_to_spec, make_mesh
-from mtpjax.train_loop import train
-from mtpjax.train_step import make_programs
+from mtpjax.parallel.sharding import MeshError, batch_sharding, logical_to_spec, make_mesh
+from mtpjax.train.loop import train
+from mtpjax.train.step import make_programs
 
 FAKE = SimpleNamespace(shape={"data": 2, "fsdp": 4, "tensor": 2})
 

@@ -17,10 +17,10 @@ from mtpjax.decode import DecodeError, MTPProposer, autodraft, generate, host, m
 from mtpjax.decode.cache import layer, module_caches, stacked, trunk_cache
 from mtpjax.decode.loop import Loop, execute, run_loop
 from mtpjax.decode.sampling import make_sampler
-from mtpjax.evaluate import argmax_by_depth, run_forced
-from mtpjax.loss import mtp_loss
-from mtpjax.model import build_model
-from mtpjax.speed import choose_num_draft
+from mtpjax.eval.evaluate import argmax_by_depth, run_forced
+from mtpjax.nn.loss import mtp_loss
+from mtpjax.nn.model import build_model
+from mtpjax.nn.speed import choose_num_draft
 
 
 def _pattern_batch(rng, B, T, V):
@@ -345,7 +345,7 @@ def test_decode_loop_updates_the_kv_caches_in_place(half_trained, num_draft, mon
     """Each round writes its new keys into the caches in place: no whole-buffer copy or transpose per step."""
     assert _cache_copies_per_round(half_trained, num_draft) == []
     # companion: the same write without its ordering after the reads makes XLA copy every cache buffer
-    import mtpjax.layers as layers
+    import mtpjax.nn.layers as layers
 
     monkeypatch.setattr(layers, "write_after", lambda cache, k, v, start, o: layers.write_kv(cache, k, v, start))
     assert len(_cache_copies_per_round(half_trained, num_draft)) >= 2 * half_trained.cfg.n_layers

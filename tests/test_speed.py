@@ -1,4 +1,4 @@
-"""The speculation arithmetic (mtpjax.speed): E(γ), the ceiling, the draft-work ratio by counted rows, γ's choice."""
+"""The speculation arithmetic (mtpjax.nn.speed): E(γ), the ceiling, the draft-work ratio by counted rows, γ's choice."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +6,8 @@ import pytest
 
 from mtpjax.decode import DraftModelProposer, MTPProposer, NgramProposer
 from mtpjax.decode.proposers import Plain
-from mtpjax.loss import expected_accept_length
-from mtpjax.speed import (
+from mtpjax.nn.loss import expected_accept_length
+from mtpjax.nn.speed import (
     ceiling,
     choose_num_draft,
     expected_tokens,

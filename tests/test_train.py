@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from train_helpers import cli_args, one_line_error, tiny_cfg, write_corpus
 
-from mtpjax.checkpoint import Checkpointer, load_model
+from mtpjax.train.checkpoint import Checkpointer, load_model
 from mtpjax.config import replace
-from mtpjax.train_loop import NonFiniteError, main, train
+from mtpjax.cli.train import main
+from mtpjax.train.loop import NonFiniteError, train
 
 REPO = Path(__file__).resolve().parent.parent
 

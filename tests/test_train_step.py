@@ -11,9 +11,9 @@ from flax import nnx
 from train_helpers import synthetic_batches, tiny_cfg
 
 from mtpjax.config import load_config, replace
-from mtpjax.optim import lr_schedule, with_lr
-from mtpjax.sharding import make_mesh
-from mtpjax.train_step import TrainState, loss_and_grads, make_programs, split_trainable
+from mtpjax.train.optim import lr_schedule, with_lr
+from mtpjax.parallel.sharding import make_mesh
+from mtpjax.train.step import TrainState, loss_and_grads, make_programs, split_trainable
 
 
 @pytest.fixture(scope="module")

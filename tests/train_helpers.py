@@ -60,8 +60,8 @@ def step_losses(cfg: Config, batches, devices=None) -> tuple[list[float], object
     """loss/total of consecutive train steps on a mesh from cfg.mesh over `devices`; also the final state."""
     import jax
 
-    from mtpjax.sharding import make_mesh
-    from mtpjax.train_step import make_programs
+    from mtpjax.parallel.sharding import make_mesh
+    from mtpjax.train.step import make_programs
 
     progs = make_programs(cfg, make_mesh(cfg.mesh, devices))
     state, losses = progs.init(), []

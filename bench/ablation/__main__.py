@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 from bench.ablation import grid, report, sweep, timing
-from mtpjax import data, distributed
-from mtpjax.checkpoint import CheckpointError
+from mtpjax import data
+from mtpjax.parallel import distributed
+from mtpjax.train.checkpoint import CheckpointError
 from mtpjax.config import ConfigError, load_config
-from mtpjax.train_loop import NonFiniteError, TrainError
+from mtpjax.train.loop import NonFiniteError, TrainError
 
 # --smoke: a few seconds of training per variant on a 2-layer, 32-wide model (what the tests run)
 SMOKE = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64",

@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 
 from mtpjax.config import Config, ConfigError, replace
-from mtpjax.flops import train_flops_per_token
+from mtpjax.nn.flops import train_flops_per_token
 
 KINDS = ("sequential", "parallel")
 SHORT = {"sequential": "seq", "parallel": "par"}

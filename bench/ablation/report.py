@@ -19,9 +19,9 @@ from bench.ablation.grid import (
     mode,
 )
 from mtpjax.config import Config, replace
-from mtpjax.eval_log import read_evals
-from mtpjax.loss import expected_accept_length
-from mtpjax.model import build_model, param_counts
+from mtpjax.eval.log import read_evals
+from mtpjax.nn.loss import expected_accept_length
+from mtpjax.nn.model import build_model, param_counts
 
 
 class ReportError(RuntimeError):
@@ -113,7 +113,7 @@ def collect(base: Config, runs: list[Run], vs: list[Variant], seeds: list[int], 
 
 
 def summary(res: dict) -> dict:
-    """The few numbers `python -m mtpjax.plan` states (see mtpjax.mtp_evidence)."""
+    """The few numbers `python -m mtpjax plan` states (see mtpjax.eval.evidence)."""
     rows = []
     for name, r in res["variants"].items():
         if r["depth"]:

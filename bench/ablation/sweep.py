@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 
 from bench.ablation.grid import Run, flops_per_token
-from mtpjax import train_loop
-from mtpjax.checkpoint import ckpt_dir, read_run_config
-from mtpjax.eval_log import read_evals
+from mtpjax.train import loop as train_loop
+from mtpjax.train.checkpoint import ckpt_dir, read_run_config
+from mtpjax.eval.log import read_evals
 
 IGNORED = {("train", "progress"), ("train", "peak_flops"), ("train", "run_dir")}  # may differ between invocations
 

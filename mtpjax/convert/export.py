@@ -15,14 +15,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from mtpjax.checkpoint import ckpt_dir
+from mtpjax.train.checkpoint import ckpt_dir
 from mtpjax.config import Config, ConfigError, from_dict
 from mtpjax.convert import layout
 from mtpjax.convert.errors import ConvertError
 from mtpjax.convert.hf_config import export_config
 from mtpjax.convert.hf_tokenizer import export_tokenizer
 from mtpjax.convert.safetensors_io import Spec, write_checkpoint
-from mtpjax.model import build_model
+from mtpjax.nn.model import build_model
 
 DEFAULT_SHARD_BYTES = 2e9
 

@@ -24,7 +24,7 @@ from mtpjax.convert.errors import ConvertError
 from mtpjax.convert.export import commit, fresh_dir, param_shapes, shape_tree
 from mtpjax.convert.hf_config import model_overrides, read_config
 from mtpjax.convert.safetensors_io import FLOATS, Reader
-from mtpjax.model import MTPModule, mtp_from_last_block
+from mtpjax.nn.model import MTPModule, mtp_from_last_block
 
 _MTP_PREFIX = re.compile(r"^model\.mtp_layers\.(\d+)\.")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")

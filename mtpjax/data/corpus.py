@@ -27,7 +27,6 @@ import socket
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,36 +34,12 @@ import numpy as np
 
 from mtpjax.data import encode, sources
 from mtpjax.data.errors import DataError
+from mtpjax.data.prepared import PreparedData
 from mtpjax.data.tokenizer import Tokenizer, load_spec, tokenizer_file, tokenizer_from_dir, tokenizer_kind, train_bpe
 
 FORMAT = 2  # 2: content hash over per-unit digests
 BPE_MAX_TRAIN_BYTES = 32 << 20  # BPE merges stabilise long before this; keeps training to seconds
 TEXT_SOURCES = ("text", "parquet", "arrow")  # the sources data.text_field applies to
-
-
-@dataclass
-class PreparedData:
-    """A prepared corpus: its cache dir, meta.json contents, tokenizer and (memory-mapped) token arrays."""
-
-    dir: Path
-    meta: dict
-    tokenizer: Tokenizer
-    train_tokens: np.ndarray
-    val_tokens: np.ndarray
-
-    def tokens(self, split: str) -> np.ndarray:
-        """The flat token array of 'train' or 'val'."""
-        if split not in ("train", "val"):
-            raise DataError(f"unknown split '{split}'; use 'train' or 'val'")
-        return self.train_tokens if split == "train" else self.val_tokens
-
-    @property
-    def content_hash(self) -> str:
-        return self.meta["content_hash"]
-
-    def sources(self) -> list[tuple[str, float, PreparedData]]:
-        """(name, weight, prepared) of each source: one unnamed source here (a mixture has several)."""
-        return [("", 1.0, self)]
 
 
 def _files(cfg) -> list[tuple[Path, str]]:

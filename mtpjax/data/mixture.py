@@ -11,12 +11,9 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from mtpjax.data.errors import DataError
-
-if TYPE_CHECKING:  # corpus dispatches to this module: importing it back would close an import cycle
-    from mtpjax.data.corpus import PreparedData
+from mtpjax.data.prepared import PreparedData
 
 
 @dataclass

@@ -7,7 +7,7 @@ import numpy as np
 from mtpjax.decode import autodraft
 from mtpjax.decode.host import DecodeError, GenerateResult, check_proposer, make_loop, run, summarize
 from mtpjax.decode.sampling import make_sampler
-from mtpjax.model import MTPTransformer
+from mtpjax.nn.model import MTPTransformer
 
 
 def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: int | str = 0, proposer: str = "mtp",

@@ -29,7 +29,7 @@ import numpy as np
 
 from mtpjax.decode import host
 from mtpjax.decode.proposers import PROPOSERS
-from mtpjax.speed import choose_num_draft, expected_tokens
+from mtpjax.nn.speed import choose_num_draft, expected_tokens
 
 
 MARGIN = 1.05  # a γ > 0 must be predicted this much faster than plain: the probe's timing noise is a few percent
@@ -143,7 +143,7 @@ def machine() -> str:
 
 def default_calibration_file() -> Path:
     """Where decode.py keeps calibrations: $MTPJAX_CACHE_DIR, else ~/.cache/mtpjax (never the run directory)."""
-    from mtpjax.runtime import cache_root
+    from mtpjax.parallel.runtime import cache_root
 
     return cache_root() / "decode_calibration.json"
 

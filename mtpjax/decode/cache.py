@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from mtpjax.config import ModelConfig
-from mtpjax.layers import KV, dtype_of
+from mtpjax.nn.layers import KV, dtype_of
 
 
 def _kv(cfg: ModelConfig, batch: int, capacity: int, lead=()) -> KV:

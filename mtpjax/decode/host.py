@@ -13,7 +13,7 @@ from mtpjax.decode import stream
 from mtpjax.decode.loop import DecodeState, Loop, Request, execute
 from mtpjax.decode.proposers import PROPOSERS, make_proposer
 from mtpjax.decode.sampling import Sampler
-from mtpjax.model import MTPTransformer
+from mtpjax.nn.model import MTPTransformer
 
 GREEDY = Sampler()  # the default sampler (a frozen dataclass, shared safely)
 

@@ -3,8 +3,8 @@
     start(models, ctx) -> (state, Draft)        once, after the prefill committed the first token
     step(models, state, ctx) -> (state, Draft)  after every commit
     problem(target, draft) -> str | None        what makes a request impossible, said before compiling
-    draft_flops(f_target, f_draft) -> float     FLOPs one round of drafting computes, rows counted (mtpjax.speed)
-    draft_reads(f_target, f_draft) -> float     the weights it reads, as matmul FLOPs of one row (mtpjax.speed)
+    draft_flops(f_target, f_draft) -> float     FLOPs one round of drafting computes, rows counted (mtpjax.nn.speed)
+    draft_reads(f_target, f_draft) -> float     the weights it reads, as matmul FLOPs of one row (mtpjax.nn.speed)
     most_drafts(target) -> int                  the largest γ `num_draft="auto"` probes
 
 A proposer holds only static fields (it is part of the compiled loop's hash); its arrays live in the state
@@ -24,7 +24,7 @@ from flax import struct
 
 from mtpjax.decode.cache import module_caches, read_rows, set_layer, take_rows, trunk_cache, write_rows
 from mtpjax.decode.sampling import Sampler, choose, row_keys
-from mtpjax.model import MTPTransformer
+from mtpjax.nn.model import MTPTransformer
 
 
 class Models(NamedTuple):

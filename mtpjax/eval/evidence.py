@@ -1,6 +1,6 @@
 """Does MTP help the main model at this scale? The project's own ablation next to the published results.
 
-`python -m mtpjax.plan` prints these lines. The measured part is read from the committed sweeps
+`python -m mtpjax plan` prints these lines. The measured part is read from the committed sweeps
 (`bench/ablation/results.json`, written by `python -m bench.ablation`, and the seed spread measured at a
 smaller size, `bench/ablation/seeds/results.json`); until they exist the plan says "not yet measured".
 """

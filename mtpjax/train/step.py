@@ -18,10 +18,10 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from mtpjax.config import Config, LossConfig
-from mtpjax.loss import add_expected_lengths, mtp_loss, token_counts
-from mtpjax.model import build_model
-from mtpjax.optim import decay_mask, global_norm, lr_schedule, make_tx, trainable, with_lr
-from mtpjax.sharding import batch_sharding, replicated, state_shardings
+from mtpjax.nn.loss import add_expected_lengths, mtp_loss, token_counts
+from mtpjax.nn.model import build_model
+from mtpjax.train.optim import decay_mask, global_norm, lr_schedule, make_tx, trainable, with_lr
+from mtpjax.parallel.sharding import batch_sharding, replicated, state_shardings
 
 
 @struct.dataclass

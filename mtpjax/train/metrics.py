@@ -1,4 +1,4 @@
-"""TensorBoard writing (process 0 only) and MFU: FLOPs/token from mtpjax.flops against a peak FLOP/s."""
+"""TensorBoard writing (process 0 only) and MFU: FLOPs/token from mtpjax.nn.flops against a peak FLOP/s."""
 
 from __future__ import annotations
 

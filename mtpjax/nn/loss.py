@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import optax
 
 from mtpjax.config import LossConfig, parse_lambda, parse_mtp_target
-from mtpjax.model import MTPOutput, MTPTransformer, shift_left
-from mtpjax.speed import expected_tokens
+from mtpjax.nn.model import MTPOutput, MTPTransformer, shift_left
+from mtpjax.nn.speed import expected_tokens
 
 
 def lambda_schedule(spec: str) -> optax.Schedule:
@@ -95,7 +95,7 @@ def per_position(model: MTPTransformer, hidden_MBTD, tgt_MBT, chunk_size: int = 
 
 
 def expected_accept_length(agreements) -> jax.Array:
-    """E(D) of mtpjax.speed from the teacher-forced agreements: tokens per step if draft k is accepted w.p. a_k."""
+    """E(D) of mtpjax.nn.speed from the teacher-forced agreements: tokens per step if draft k is accepted w.p. a_k."""
     return jnp.asarray(expected_tokens(list(agreements), len(agreements)), jnp.float32)
 
 

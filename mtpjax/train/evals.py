@@ -10,12 +10,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from mtpjax import distributed
-from mtpjax.bpb import eval_bits_per_byte
+from mtpjax.parallel import distributed
+from mtpjax.eval.bpb import eval_bits_per_byte
 from mtpjax.data import eval_by_source
-from mtpjax.eval_log import append_eval
-from mtpjax.loss import add_expected_lengths
-from mtpjax.metrics import Writer
+from mtpjax.eval.log import append_eval
+from mtpjax.nn.loss import add_expected_lengths
+from mtpjax.train.metrics import Writer
 from mtpjax.decode import generate  # the decoder's cached generation: the one import of the decoder here
 
 SAMPLE_PROMPT = 32  # tokens of a validation row that prompt each sample

@@ -6,7 +6,6 @@ Around the loop: `rundir` (the run directory's lifecycle), `train_step` (TrainSt
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 import threading
@@ -17,14 +16,16 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from mtpjax import data, distributed, posttrain, rundir, runtime
-from mtpjax.checkpoint import Checkpointer, CheckpointError
-from mtpjax.config import Config, ConfigError, load_config
-from mtpjax.metrics import Writer, measure_peak_flops
-from mtpjax.sharding import MeshError, batch_sharding, data_parallelism, make_mesh
-from mtpjax.train_eval import run_eval
-from mtpjax.train_report import Logger, banner, summary
-from mtpjax.train_step import Programs, make_programs
+from mtpjax import data
+from mtpjax.parallel import distributed, runtime
+from mtpjax.train import posttrain, rundir
+from mtpjax.train.checkpoint import Checkpointer
+from mtpjax.config import Config
+from mtpjax.train.metrics import Writer, measure_peak_flops
+from mtpjax.parallel.sharding import batch_sharding, data_parallelism, make_mesh
+from mtpjax.train.evals import run_eval
+from mtpjax.train.report import Logger, banner, summary
+from mtpjax.train.step import Programs, make_programs
 
 
 class TrainError(RuntimeError):
@@ -214,26 +215,3 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
     last = ck.dir / str(step)
     _say(summary(cfg, run, out, last if last.is_dir() else None))
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """CLI: train.py --config PATH [--fresh] [section.key=value ...]; exit 2 on bad input, 1 on divergence."""
-    ap = argparse.ArgumentParser(prog="train.py", description="Pretrain an MTP language model.")
-    ap.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny.yaml")
-    ap.add_argument("--fresh", action="store_true", help="move an existing run dir aside and start over")
-    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
-    args = ap.parse_intermixed_args(argv)
-    try:
-        distributed.initialize()  # before any other JAX use; a no-op on one process
-        cfg = load_config(args.config, args.overrides)
-        out = train(cfg, fresh=args.fresh)
-    except NonFiniteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except (ConfigError, data.DataError, CheckpointError, MeshError, TrainError, rundir.RunDirError,
-            distributed.DistributedError, posttrain.InitFromError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if out["preempted"] and distributed.is_primary():
-        print(f"preempted: checkpoint saved at step {out['step']}", file=sys.stderr)
-    return 0

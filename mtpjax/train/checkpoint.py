@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from mtpjax.config import CheckpointConfig, Config, ConfigError, from_dict
-from mtpjax.model import build_model
+from mtpjax.nn.model import build_model
 
 
 class CheckpointError(RuntimeError):
@@ -107,7 +107,7 @@ class Checkpointer:
         return None
 
     def _move_aside(self, step: int) -> None:
-        from mtpjax import distributed
+        from mtpjax.parallel import distributed
 
         if distributed.is_primary():
             bad = self.dir.parent / "checkpoints-corrupt"

@@ -104,7 +104,7 @@ def _proposer(args, cfg) -> str:
 
 def _load_draft(args, tok, run_dir: Path):
     """(draft model, tag) of --draft-run-dir, or (None, ""); ValueError if it tokenizes differently."""
-    from mtpjax.checkpoint import load_model_step
+    from mtpjax.train.checkpoint import load_model_step
 
     if args.draft_run_dir is None:
         return None, ""
@@ -245,7 +245,7 @@ def _check_size(mcfg, prompts, max_new: int, num_draft: int, max_len: int) -> No
 
 def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
     from mtpjax.data import make_iterator, prepare
-    from mtpjax.evaluate import agreement_on, forced_acceptance, heldout_prompts, speed_report, validation_metrics
+    from mtpjax.eval.evaluate import agreement_on, forced_acceptance, heldout_prompts, speed_report, validation_metrics
 
     _progress("eval: preparing the validation split")
     prepared = prepare(cfg.data)
@@ -315,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     import absl.logging
 
     absl.logging.set_verbosity(absl.logging.ERROR)  # orbax's read-only notice is not news to a reader
-    from mtpjax import runtime
-    from mtpjax.checkpoint import CheckpointError, load_model_step
+    from mtpjax.parallel import runtime
+    from mtpjax.train.checkpoint import CheckpointError, load_model_step
     from mtpjax.data import DataError
 
     try:

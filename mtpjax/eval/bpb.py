@@ -25,7 +25,7 @@ import re
 import jax
 import numpy as np
 
-from mtpjax.loss import targets, valid_masks
+from mtpjax.nn.loss import targets, valid_masks
 
 _BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 

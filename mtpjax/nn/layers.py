@@ -1,6 +1,6 @@
 """Transformer layers: RMSNorm, RoPE, GQA attention with an optional fixed-capacity KV cache, SwiGLU MLP.
 
-Parameters carry `logical_axes` metadata; `mtpjax.sharding` maps those names onto the mesh.
+Parameters carry `logical_axes` metadata; `mtpjax.parallel.sharding` maps those names onto the mesh.
 
 Shape alphabet, used in array names across the package (`x_BTD` is [batch, positions, width]); one
 letter, one meaning:
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtpjax import kernels
+from mtpjax.nn import kernels
 from mtpjax.config import ModelConfig
 
 

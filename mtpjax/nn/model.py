@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from mtpjax.config import Config, ModelConfig
-from mtpjax.layers import KV, Block, Dense, RMSNorm, dtype_of, param
+from mtpjax.nn.layers import KV, Block, Dense, RMSNorm, dtype_of, param
 
 
 @struct.dataclass

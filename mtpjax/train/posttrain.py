@@ -14,9 +14,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from mtpjax.checkpoint import ckpt_dir
+from mtpjax.train.checkpoint import ckpt_dir
 from mtpjax.config import Config, ConfigError, from_dict
-from mtpjax.model import build_model, mtp_from_last_block
+from mtpjax.nn.model import build_model, mtp_from_last_block
 
 # Model keys that decide the trunk's parameters and what they compute; the MTP keys, the layer layout (scanned or
 # not), dtypes, remat and the attention backend may differ between the source and the new run.

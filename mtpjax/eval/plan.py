@@ -1,24 +1,21 @@
-"""`python -m mtpjax.plan --config X [overrides...]`: the MTP plan of a run, printed before launch.
+"""`python -m mtpjax plan --config X [overrides...]`: the MTP plan of a run, printed before launch.
 
 Parameter counts and memory come from the model built abstractly (`nnx.eval_shape`: no memory
-allocated) and from AdamW's state built abstractly the same way; FLOPs come from `mtpjax.flops`.
+allocated) and from AdamW's state built abstractly the same way; FLOPs come from `mtpjax.nn.flops`.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 
 import jax
 import optax
 from flax import nnx
 
-from mtpjax.config import Config, ConfigError, load_config
+from mtpjax.config import Config
 from mtpjax.decode.proposers import MTPProposer
-from mtpjax.flops import flops_per_token
-from mtpjax.model import build_model, param_counts
-from mtpjax.mtp_evidence import evidence_lines
-from mtpjax.speed import ceiling, expected_tokens, floor_ratio, weight_ratio, work_ratio
+from mtpjax.nn.flops import flops_per_token
+from mtpjax.nn.model import build_model, param_counts
+from mtpjax.nn.speed import ceiling, expected_tokens, floor_ratio, weight_ratio, work_ratio
 
 
 def tree_bytes(tree) -> int:
@@ -29,7 +26,7 @@ def tree_bytes(tree) -> int:
 def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None, max_gamma: int | None = None) -> dict:
     """The plan as numbers: parameters, memory, FLOPs per token by depth, and the speculation ceiling per γ.
 
-    r is mtpjax.speed's floor ratio of MTP drafting (the smaller of the FLOPs it computes, each module
+    r is mtpjax.nn.speed's floor ratio of MTP drafting (the smaller of the FLOPs it computes, each module
     recomputing its window, and the weights it reads), unless `draft_cost` fixes it for every γ."""
     model = nnx.eval_shape(lambda: build_model(cfg))
     counts = param_counts(model)
@@ -102,46 +99,3 @@ def format_plan(plan: dict, cfg: Config) -> str:
             lines.append(f"  {s['gamma']:<5d}   {s['tokens_per_round']:<21.4f} {s['work_ratio']:<8.4f} "
                          f"{s['weight_ratio']:<8.4f} {s['speedup']:.4f}")
     return "\n".join(lines)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, no usage dump
-        raise SystemExit(_fail(f"{message}; see python -m mtpjax.plan --help"))
-
-
-def _fail(msg: str) -> int:
-    print(f"error: {msg}", file=sys.stderr)
-    return 2
-
-
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the exit status (2 on bad input, with a one-line error)."""
-    ap = _Parser(prog="python -m mtpjax.plan", description="Print the MTP plan of a run before launch.")
-    ap.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny.yaml")
-    ap.add_argument("--alpha", type=float, default=0.8, help="per-draft acceptance rate in [0, 1]")
-    ap.add_argument("--draft-cost", type=float, default=None,
-                    help="draft/target forward cost ratio c for every gamma (default: the FLOPs MTP drafting computes)")
-    ap.add_argument("--max-gamma", type=int, default=None, help="largest number of drafts to tabulate (default D+2)")
-    ap.add_argument("overrides", nargs="*", help="dotted overrides such as model.mtp_depth=3")
-    try:
-        args = ap.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
-    if not 0.0 <= args.alpha <= 1.0:
-        return _fail(f"--alpha {args.alpha} must be in [0, 1]")
-    if args.draft_cost is not None and args.draft_cost < 0:
-        return _fail(f"--draft-cost {args.draft_cost} must be >= 0")
-    if args.max_gamma is not None and args.max_gamma < 1:
-        return _fail(f"--max-gamma {args.max_gamma} must be >= 1")
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        return _fail(str(e))
-    plan = build_plan(cfg, args.alpha, args.draft_cost, args.max_gamma)
-    print(format_plan(plan, cfg))
-    print("\n".join(evidence_lines(plan["params"]["trunk"])))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

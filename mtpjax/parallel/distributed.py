@@ -213,7 +213,7 @@ def configure_local_devices() -> None:
     except RuntimeError:
         if jax.local_device_count() != n:
             raise DistributedError(f"{LOCAL_DEVICES}={n} was read after JAX started with "
-                                   f"{jax.local_device_count()} devices; call mtpjax.distributed.initialize() "
+                                   f"{jax.local_device_count()} devices; call mtpjax.parallel.distributed.initialize() "
                                    "before any other JAX use") from None
 
 
@@ -236,7 +236,7 @@ def initialize() -> Launch | None:
             jax.distributed.initialize(**kw)
         except (RuntimeError, ValueError) as e:  # JAX raises several types; the user needs one line
             if _backends_started(e):
-                raise DistributedError("JAX was used before mtpjax.distributed.initialize(); call it first, "
+                raise DistributedError("JAX was used before mtpjax.parallel.distributed.initialize(); call it first, "
                                        "before any other JAX use") from None
             raise DistributedError(f"jax.distributed.initialize failed ({str(e).splitlines()[0][:200]}); check "
                                    f"the {launch.method} launch settings") from None
@@ -261,24 +261,3 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m mtpjax.distributed`: join, all-reduce one number per device, print what each process sees."""
-    try:
-        launch = initialize()
-    except DistributedError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_STATUS
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    total = multihost_utils.process_allgather(np.float32(jax.process_index() + 1)).sum()
-    print(f"process {jax.process_index()} of {jax.process_count()} ({launch.method if launch else 'alone'}): "
-          f"{jax.local_device_count()} local / {jax.device_count()} global devices, all-reduce {total:g}",
-          flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -3,7 +3,7 @@
 Costs come from whole-loop timings in one process, never from isolated dispatches: t = seconds per
 round of plain decoding; a proposer's round cost = its seconds per round over t = v + γc, where v = the
 n-gram round's cost (drafting is nearly free, so a round is one verification of γ+1 tokens) and c the
-rest per draft. The predicted speedup is mtpjax.speed's E(γ)/(v + γc) from the measured α by position.
+rest per draft. The predicted speedup is mtpjax.nn.speed's E(γ)/(v + γc) from the measured α by position.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from mtpjax.decode.cache import read_rows
 from mtpjax.decode.host import execute_request, make_loop, request, run, summarize
 from mtpjax.decode.loop import DecodeState, Loop, Request
 from mtpjax.decode.proposers import DraftModelProposer, MTPProposer
-from mtpjax.loss import mtp_loss
-from mtpjax.model import MTPTransformer
-from mtpjax.speed import ceiling, expected_tokens, floor_ratio, predicted_speedup, weight_ratio, work_ratio
+from mtpjax.nn.loss import mtp_loss
+from mtpjax.nn.model import MTPTransformer
+from mtpjax.nn.speed import ceiling, expected_tokens, floor_ratio, predicted_speedup, weight_ratio, work_ratio
 
 
 def validation_metrics(cfg: Config, model: MTPTransformer, batches) -> dict:

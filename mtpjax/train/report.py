@@ -10,9 +10,9 @@ import jax
 from flax import nnx
 
 from mtpjax.config import Config
-from mtpjax.flops import train_flops_per_token
-from mtpjax.metrics import Writer, mfu
-from mtpjax.model import build_model, param_counts
+from mtpjax.nn.flops import train_flops_per_token
+from mtpjax.train.metrics import Writer, mfu
+from mtpjax.nn.model import build_model, param_counts
 
 NEXT_PROMPT = "def fibonacci(n):"  # the prompt of the decode command the summary suggests
 

@@ -22,7 +22,7 @@ is plain arithmetic on numbers or traced scalars: the training metric `expected_
 from __future__ import annotations
 
 from mtpjax.config import ModelConfig
-from mtpjax.flops import flops_per_token
+from mtpjax.nn.flops import flops_per_token
 
 
 def expected_tokens(alpha_by_pos, gamma: int):

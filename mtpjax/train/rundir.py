@@ -11,8 +11,8 @@ from pathlib import Path
 
 import jax
 
-from mtpjax import distributed
-from mtpjax.checkpoint import read_run_config
+from mtpjax.parallel import distributed
+from mtpjax.train.checkpoint import read_run_config
 from mtpjax.config import Config, identity
 
 IDENTITY_SECTIONS = ("model", "data")  # what makes a run dir "the same run"; other sections may change on resume

@@ -1,0 +1,68 @@
+"""`python -m mtpjax.convert export|import`: Hugging Face export of a run, import of a Llama / Qwen2 checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from mtpjax.convert import ConvertError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, like every other bad input
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m mtpjax.convert", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    e = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory")
+    e.add_argument("--run-dir", required=True, help="a run directory written by train.py")
+    e.add_argument("--out", required=True, help="the directory to create (must not exist)")
+    e.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    e.add_argument("--mtp-modules", type=int, default=None,
+                   help="MTP modules to write in the MiMo layout (default 1, or 0 for a run without any): "
+                        "vLLM and SGLang draft every step with module 1")
+    e.add_argument("--format", default="qwen2", choices=("qwen2", "llama"),
+                   help="qwen2: Qwen2 trunk (+ MiMo MTP modules); llama: a plain LlamaForCausalLM trunk")
+    e.add_argument("--shard-mb", type=float, default=2000.0,
+                   help="largest safetensors file in MB before the weights are split into shards (default 2000)")
+    i = sub.add_parser("import", help="turn a local Llama / Qwen2 safetensors checkpoint into a run directory")
+    i.add_argument("--hf", required=True, help="a Hugging Face model directory (config.json, safetensors, tokenizer)")
+    i.add_argument("--out", required=True, help="the run directory to create (must not exist)")
+    i.add_argument("overrides", nargs="*", help="config overrides, e.g. model.mtp_depth=2 model.mtp_init=last_block")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    import absl.logging
+
+    absl.logging.set_verbosity(absl.logging.ERROR)  # orbax's notices are not news to a reader
+    from mtpjax.convert import export_run, import_hf
+
+    start = time.perf_counter()
+    try:
+        if args.command == "export":
+            if not args.shard_mb > 0:
+                raise ConvertError(f"--shard-mb {args.shard_mb} must be > 0")
+            summary = export_run(args.run_dir, args.out, step=args.step, mtp_modules=args.mtp_modules,
+                                 fmt=args.format, max_shard_bytes=args.shard_mb * 1e6)
+        else:
+            summary = import_hf(args.hf, args.out, args.overrides)
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # disk full, permissions: the temporary directory is already removed
+        print(f"error: writing {args.out} failed ({e.strerror or e}); nothing was written", file=sys.stderr)
+        return 2
+    summary["seconds"] = round(time.perf_counter() - start, 2)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

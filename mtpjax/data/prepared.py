@@ -1,0 +1,36 @@
+"""A prepared corpus as the rest of the code sees it (its own module: corpus builds it, mixture holds several)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mtpjax.data.errors import DataError
+from mtpjax.data.tokenizer import Tokenizer
+
+
+@dataclass
+class PreparedData:
+    """A prepared corpus: its cache dir, meta.json contents, tokenizer and (memory-mapped) token arrays."""
+
+    dir: Path
+    meta: dict
+    tokenizer: Tokenizer
+    train_tokens: np.ndarray
+    val_tokens: np.ndarray
+
+    def tokens(self, split: str) -> np.ndarray:
+        """The flat token array of 'train' or 'val'."""
+        if split not in ("train", "val"):
+            raise DataError(f"unknown split '{split}'; use 'train' or 'val'")
+        return self.train_tokens if split == "train" else self.val_tokens
+
+    @property
+    def content_hash(self) -> str:
+        return self.meta["content_hash"]
+
+    def sources(self) -> list[tuple[str, float, PreparedData]]:
+        """(name, weight, prepared) of each source: one unnamed source here (a mixture has several)."""
+        return [("", 1.0, self)]

@@ -1,0 +1,1 @@
+"""Mesh and sharding rules, the multi-process runtime, the compilation cache and the profiler."""
