@@ -13,8 +13,10 @@ from typing import Any
 
 import yaml
 
+from mtpjax.errors import MtpjaxError
 
-class ConfigError(ValueError):
+
+class ConfigError(MtpjaxError, ValueError):
     """A config value is wrong; the message is one line naming the key, the value and what is allowed."""
 
 

@@ -22,6 +22,7 @@ from mtpjax.convert.errors import ConvertError
 from mtpjax.convert.hf_config import export_config
 from mtpjax.convert.hf_tokenizer import export_tokenizer
 from mtpjax.convert.safetensors_io import Spec, write_checkpoint
+from mtpjax.errors import first_line
 from mtpjax.nn.model import build_model
 
 DEFAULT_SHARD_BYTES = 2e9
@@ -36,10 +37,6 @@ def param_shapes(cfg: Config) -> dict:
 def shape_tree(shapes: dict) -> dict:
     """The same tree with each leaf's shape (a tuple)."""
     return jax.tree.map(lambda a: tuple(a.shape), shapes)
-
-
-def _first_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__
 
 
 class RunCheckpoint:
@@ -66,7 +63,8 @@ class RunCheckpoint:
         except ConfigError as e:
             raise ConvertError(f"checkpoint {self.step} of '{run}' has an invalid config ({e})") from None
         except Exception as e:  # noqa: BLE001 (orbax raises many types; the user needs one line)
-            raise ConvertError(f"checkpoint {self.step} of '{run}' is unreadable ({_first_line(e)})") from None
+            raise ConvertError(f"checkpoint {self.step} of '{run}' is unreadable "
+                               f"({first_line(e, typed=True)})") from None
         try:
             self.tokenizer = tokenizer_from_dir(run / "tokenizer")
         except DataError as e:
@@ -86,7 +84,7 @@ class RunCheckpoint:
                 item=item, restore_args=args, partial_restore=True)))["model"]
         except Exception as e:  # noqa: BLE001 (orbax raises many types)
             raise ConvertError(f"parameter {'.'.join(map(str, path))} of checkpoint {self.step} in '{self.run}' "
-                               f"is unreadable ({_first_line(e)})") from None
+                               f"is unreadable ({first_line(e, typed=True)})") from None
         for p in path:
             out = out[p] if p in out else out[str(p)]
         self._cached = (path, out)

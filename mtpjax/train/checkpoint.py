@@ -20,10 +20,11 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from mtpjax.config import CheckpointConfig, Config, ConfigError, from_dict
+from mtpjax.errors import MtpjaxError, first_line
 from mtpjax.nn.model import build_model
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(MtpjaxError, RuntimeError):
     """A run directory or checkpoint is missing or unreadable; the message is one line naming the fix."""
 
 
@@ -78,7 +79,8 @@ class Checkpointer:
         try:
             out = self.mngr.restore(step, args=args)
         except Exception as e:  # orbax raises many types; the user needs one line
-            raise CheckpointError(f"checkpoint {step} in {self.dir} could not be restored ({_first_line(e)})") from None
+            raise CheckpointError(f"checkpoint {step} in {self.dir} could not be restored "
+                                  f"({first_line(e, typed=True)})") from None
         train = out["train"]
         state = target.replace(params=_fill(target.params, out["model"]), opt=_fill_vars(target.opt, train["opt"]),
                                step=train["step"], rng=train["rng"])
@@ -119,7 +121,7 @@ class Checkpointer:
         self.mngr.reload()
 
     def _save_error(self, e: Exception) -> CheckpointError:
-        return CheckpointError(f"saving a checkpoint to {self.dir} failed ({_first_line(e)}); "
+        return CheckpointError(f"saving a checkpoint to {self.dir} failed ({first_line(e, typed=True)}); "
                                "free disk space or fix the directory's permissions, then re-run to resume from "
                                "the last complete checkpoint")
 
@@ -194,7 +196,7 @@ def _load_step(ck: Checkpointer, run: Path, step: int):
     except ConfigError as e:
         raise CheckpointError(f"checkpoint {step} of '{run}' has an invalid config ({e})") from None
     except Exception as e:  # orbax raises many types
-        raise CheckpointError(f"checkpoint {step} of '{run}' is unreadable ({_first_line(e)})") from None
+        raise CheckpointError(f"checkpoint {step} of '{run}' is unreadable ({first_line(e, typed=True)})") from None
     abstract = nnx.eval_shape(lambda: build_model(cfg))
     graphdef, abs_state = nnx.split(abstract)
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -203,12 +205,8 @@ def _load_step(ck: Checkpointer, run: Path, step: int):
     try:
         out = ck.mngr.restore(step, args=args)
     except Exception as e:
-        raise CheckpointError(f"checkpoint {step} of '{run}' is unreadable ({_first_line(e)})") from None
+        raise CheckpointError(f"checkpoint {step} of '{run}' is unreadable ({first_line(e, typed=True)})") from None
     return cfg, nnx.merge(graphdef, _fill(target, out["model"]))
-
-
-def _first_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__
 
 
 def _train_item(state) -> dict:

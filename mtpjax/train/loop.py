@@ -21,6 +21,7 @@ from mtpjax.parallel import distributed, runtime
 from mtpjax.train import posttrain, rundir
 from mtpjax.train.checkpoint import Checkpointer
 from mtpjax.config import Config
+from mtpjax.errors import MtpjaxError
 from mtpjax.train.metrics import Writer, measure_peak_flops
 from mtpjax.parallel.sharding import batch_sharding, data_parallelism, make_mesh
 from mtpjax.train.evals import run_eval
@@ -28,12 +29,14 @@ from mtpjax.train.report import Logger, banner, summary
 from mtpjax.train.step import Programs, make_programs
 
 
-class TrainError(RuntimeError):
+class TrainError(MtpjaxError, RuntimeError):
     """Bad training setup (batch vs mesh); the message is one line naming the problem and the fix."""
 
 
 class NonFiniteError(TrainError):
     """The loss or gradient became non-finite beyond what train.nan_policy allows."""
+
+    exit_status = 1  # a divergence, not bad input
 
 
 def check_parallelism(cfg: Config, mesh) -> None:

@@ -16,6 +16,7 @@ from flax import nnx
 
 from mtpjax.train.checkpoint import ckpt_dir
 from mtpjax.config import Config, ConfigError, from_dict
+from mtpjax.errors import MtpjaxError, first_line
 from mtpjax.nn.model import build_model, mtp_from_last_block
 
 # Model keys that decide the trunk's parameters and what they compute; the MTP keys, the layer layout (scanned or
@@ -27,7 +28,7 @@ _READ_ONLY = ocp.CheckpointManagerOptions(save_interval_steps=0, create=False, r
 PROBE_TEXT = "def f(x):\n    return {'é': x ** 2}  # 你好, tokenizers\n"
 
 
-class InitFromError(RuntimeError):
+class InitFromError(MtpjaxError, RuntimeError):
     """train.init_from cannot start this run; the message is one line naming the problem and the fix."""
 
 
@@ -108,8 +109,8 @@ def _source_params(src: Path, scfg: Config) -> dict:
         out = mngr.restore(_steps(src)[-1], args=ocp.args.Composite(
             model=ocp.args.PyTreeRestore(item=abstract, restore_args=args)))["model"]
     except Exception as e:
-        raise InitFromError(f"train.init_from '{src}': its parameters are unreadable ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:200] if str(e) else ''}); pass another run") from None
+        raise InitFromError(f"train.init_from '{src}': its parameters are unreadable ("
+                            f"{first_line(e, typed=True)}); pass another run") from None
     finally:
         mngr.close()
     return _int_keys(out)

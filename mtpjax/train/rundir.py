@@ -14,13 +14,14 @@ import jax
 from mtpjax.parallel import distributed
 from mtpjax.train.checkpoint import read_run_config
 from mtpjax.config import Config, identity
+from mtpjax.errors import MtpjaxError
 
 IDENTITY_SECTIONS = ("model", "data")  # what makes a run dir "the same run"; other sections may change on resume
 # ...and single keys elsewhere that fix a checkpoint's layout (the optimizer state covers only what trains)
 IDENTITY_KEYS = ("train.freeze",)
 
 
-class RunDirError(RuntimeError):
+class RunDirError(MtpjaxError, RuntimeError):
     """The run directory cannot be used; the message is one line naming the problem and the fix."""
 
 
