@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import jax
@@ -71,6 +73,17 @@ def remove_created(created: list[Path]) -> None:
             d.rmdir()
         except OSError:  # not empty (another process's run, or written meanwhile): keep it and its parents
             return
+
+
+@contextmanager
+def probed(run: Path) -> Iterator[None]:
+    """probe_writable for a block of checks: if one refuses the run, remove_created (a refused run leaves none)."""
+    created = probe_writable(run)
+    try:
+        yield
+    except BaseException:
+        remove_created(created)
+        raise
 
 
 def setup(cfg: Config, tokenizer, fresh: bool) -> Path:
