@@ -1,4 +1,4 @@
-"""The MTP objective (DESIGN §2): segment-aware shifted targets per depth, chunked CE through the shared head."""
+"""The MTP objective (docs/design.md §2): segment-aware shifted targets per depth, chunked CE via the shared head."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def add_expected_lengths(metrics: dict, depth: int) -> dict:
 
 def mtp_loss(model: MTPTransformer, out: MTPOutput, tokens_BT, segment_ids_BT=None, *, step,
              cfg: LossConfig = LossConfig(), counts=None, with_accept_prob: bool = False):
-    """(loss, metrics) of DESIGN §2 with lambda from cfg.mtp_lambda at `step` and depth targets from cfg.mtp_target.
+    """(loss, metrics) of docs/design.md §2 with λ from cfg.mtp_lambda at `step` and depth targets from cfg.mtp_target.
 
     `counts` (float[M]) overrides the per-depth normalizers, so that micro-batches of one batch can be
     normalized by the whole batch's token counts and sum to the full-batch loss exactly. `accept_prob/mtp_k`

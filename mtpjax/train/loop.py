@@ -1,4 +1,4 @@
-"""The training loop (DESIGN §5): build once, jit once, loop; eval, checkpoints, NaN guard and preemption hang off it.
+"""Training loop (docs/design.md §5): build once, jit once, loop; eval, checkpoints, NaN guard, preemption hang off it.
 
 Around the loop: `rundir` (the run directory's lifecycle), `train_step` (TrainState and the jitted step),
 `train_eval` (the eval hook), `train_report` (banner, metrics, summary), `checkpoint`.
