@@ -147,7 +147,7 @@ def test_report_pairs_by_seed_and_reads_d0_at_equal_flops(tmp_path):
     assert res["tokens"] == 8 * base.train.batch_size * base.data.seq_len
     text = report.table(res)
     assert "d2-par-constant_0.3" in text and "-0.2500 ± 0.0000" in text and f"({n})" in text
-    md = report.markdown(res).splitlines()  # the README's table: the same cells between pipes
+    md = report.markdown(res).splitlines()  # docs/ablation.md's table: the same cells between pipes
     assert md[2].count("|") == len(report.HEAD) + 1 and md[3].startswith("| ---")
     assert [line.split(" | ")[0] for line in md[4:]] == [f"| {v.name}" for v in vs]
     summ = report.summary(res)

@@ -20,7 +20,7 @@ def _softmax(row, t=1.0):
 
 
 def reference(logits, tokens, seg, lam, w_self=0.0, temp=1.0, accept=False):
-    """Loss and metrics of DESIGN §2 with explicit loops over depths, rows and positions (float64); depth k's loss
+    """Loss and metrics of docs/design.md §2 with loops over depths, rows and positions (float64); depth k's loss
     is (1-w_self) data CE + w_self soft CE against the main head at i+k (temperature temp, times temp²)."""
     logits = np.asarray(logits, np.float64)
     K, B, _, _ = logits.shape

@@ -1,5 +1,5 @@
-"""The training loop (DESIGN §5): set up in stages (train/setup.py), jit once, loop; eval, checkpoints, NaN guard
-and preemption hang off it.
+"""Training loop (docs/design.md §5): set up in stages (train/setup.py), jit once, loop; eval, checkpoints, NaN
+guard and preemption hang off it.
 
 Around the loop: `setup` (mesh, run directory and data, programs, first state), `step` (TrainState and the
 jitted step), `evals` (the eval hook), `report` (banner, metrics, summary), `checkpoint`.

@@ -31,10 +31,10 @@ class TrainError(MtpjaxError, RuntimeError):
 
 def check_parallelism(cfg: Config, mesh: Mesh) -> None:
     """The batch must split evenly over data parallelism, micro-batches and processes."""
-    dp, B, M = data_parallelism(mesh), cfg.train.batch_size, cfg.train.micro_batches
-    if B % (dp * M):
+    dp, B, A = data_parallelism(mesh), cfg.train.batch_size, cfg.train.micro_batches
+    if B % (dp * A):
         raise TrainError(f"train.batch_size={B} is not divisible by data parallelism mesh.data*mesh.fsdp={dp} "
-                         f"times train.micro_batches={M}; use a multiple of {dp * M}")
+                         f"times train.micro_batches={A}; use a multiple of {dp * A}")
     if B % jax.process_count():
         raise TrainError(f"train.batch_size={B} is not divisible by the {jax.process_count()} processes")
 
