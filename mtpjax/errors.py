@@ -10,9 +10,7 @@ class MtpjaxError(Exception):
 
 
 def first_line(e: BaseException, *, typed: bool = False) -> str:
-    """The first line of `e`'s message, after `Type: ` if typed (the type alone if it has none).
-
-    Another library's message is cut at 200 characters; an MtpjaxError's is ours, written to be read whole."""
+    """The first line of `e`'s message, after `Type: ` if typed; cut at 200 characters unless it is ours."""
     text = str(e).strip()
     if not text:
         return type(e).__name__

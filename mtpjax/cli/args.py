@@ -22,14 +22,13 @@ class Parser(argparse.ArgumentParser):
 
 
 def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
-    """A command's main(argv) returning its exit status: an MtpjaxError (a bad argument too) becomes one `error:`
-    line on stderr and its exit_status; --help returns 0. Any other exception is a bug and keeps its traceback."""
+    """main(argv) -> exit status: an MtpjaxError (a bad argument too) is one `error:` line and its exit_status."""
 
     @functools.wraps(main)
     def run(argv: list[str] | None = None) -> int:
         try:
             return main(argv)
-        except MtpjaxError as e:
+        except MtpjaxError as e:  # any other exception is a bug and keeps its traceback
             print(f"error: {first_line(e)}", file=sys.stderr, flush=True)
             return e.exit_status
         except SystemExit as e:  # argparse's --help (and --version) end by exiting

@@ -154,9 +154,7 @@ def complete_steps(run_dir: str | Path) -> list[int]:
 
 
 class SavedRun:
-    """A run directory opened read-only: its checkpoint steps, a checkpoint's config, its tokenizer and parameters.
-
-    Every error is a CheckpointError naming the run as `name` (e.g. "train.init_from '<dir>'")."""
+    """A run directory opened read-only (steps, a checkpoint's config, tokenizer, parameters); errors name it `name`."""
 
     def __init__(self, run_dir: str | Path, name: str | None = None):
         self.dir = Path(run_dir)
