@@ -385,6 +385,17 @@ def test_every_proposer_is_a_config_choice_and_back():
         assert load_config(None, [f"decode.proposer={name}"]).decode.proposer == name
 
 
+def test_the_configs_proposer_is_what_decode_py_drafts_with():
+    from mtpjax.cli.decode import _proposer, parser
+
+    args = parser().parse_args(["--run-dir", "r", "--prompt", "x"])
+    assert _proposer(args, load_config(None, ["decode.proposer=mtp1"])) == "mtp1"
+    with pytest.raises(ValueError, match="^decode.proposer=model needs --draft-run-dir RUN"):
+        _proposer(args, load_config(None, ["decode.proposer=model"]))
+    assert _proposer(parser().parse_args(["--run-dir", "r", "--draft-run-dir", "d"]),
+                     load_config(None, ["decode.proposer=model"])) == "model"
+
+
 # ----------------------------------------------------------------------------- documented once
 
 

@@ -94,8 +94,9 @@ def _proposer(args, cfg) -> str:
         if args.proposer not in (None, "model"):
             raise ValueError(f"--draft-run-dir drafts with --proposer model, not {args.proposer}; drop one of them")
         return "model"
-    if args.proposer == "model":
-        raise ValueError("--proposer model needs --draft-run-dir RUN (a run trained with the same tokenizer, "
+    if (args.proposer or cfg.decode.proposer) == "model":
+        said = "--proposer model" if args.proposer else "decode.proposer=model"
+        raise ValueError(f"{said} needs --draft-run-dir RUN (a run trained with the same tokenizer, "
                          "e.g. configs/draft_tiny.yaml)")
     if args.proposer is None and cfg.model.mtp_depth == 0:
         return "ngram"  # speculative by default only where the model has a proposer
