@@ -24,6 +24,7 @@ from mtpjax.config import (
     choices,
     field_doc,
     from_dict,
+    identity,
     load_config,
     replace,
 )
@@ -265,6 +266,13 @@ def test_lambda_is_parsed_once_into_its_typed_value_and_saved_as_a_string(spec, 
     sched = lambda_schedule(cfg.loss.mtp_lambda)
     for step, want in points.items():
         np.testing.assert_allclose(float(sched(step)), want, rtol=1e-6, atol=1e-7, err_msg=f"{spec} @ {step}")
+
+
+def test_a_saved_config_is_the_same_run_whatever_spelling_it_was_written_in():
+    """check_identity compares configs read back from their dicts: two spellings of one value are one run."""
+    old = from_dict({"loss": {"mtp_lambda": "0.3", "mtp_target": "mix:0"}, "data": {"seq_len": 256.0}})
+    assert identity(old, "loss") == identity(Config(), "loss") and old == Config()
+    assert identity(from_dict({"loss": {"mtp_lambda": "0.31"}}), "loss") != identity(Config(), "loss")
 
 
 def test_lambda_of_a_non_finite_value_is_refused():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import math
 import re
 import typing
@@ -11,15 +12,20 @@ from typing import ClassVar, Literal, Self
 from mtpjax.config.errors import fail
 
 
-class Spec:
+class Spec(abc.ABC):
     """A config value written as one string: `parse` reads it (ConfigError naming the key), `str` writes it back."""
 
     KEY: ClassVar[str]  # the config key it is read from (named in errors)
     FORMS: ClassVar[str]  # the accepted forms, for errors and the reference page
 
     @classmethod
+    @abc.abstractmethod
     def parse(cls, text: str, key: str | None = None) -> Self:
-        raise NotImplementedError
+        """The value `text` writes; ConfigError naming `key` (default KEY) unless it is one of FORMS."""
+
+    @abc.abstractmethod
+    def __str__(self) -> str:
+        """The canonical string: parse(str(x)) == x."""
 
 
 LambdaKind = Literal["constant", "piecewise", "linear", "cosine"]
@@ -111,9 +117,6 @@ class TargetMix(Spec):
             if self.weight(t) == 1:
                 return t
         return f"mix:{self.weight('self')!r}"
-
-
-SPECS = (LambdaSchedule, TargetMix)
 
 
 def parse_profile(spec: str) -> tuple[int, int] | None:
