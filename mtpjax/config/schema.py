@@ -156,7 +156,8 @@ def _spec_fields(cls: type) -> dict[str, type[Spec]]:
 class MixtureSource:
     """One source of a weighted data mixture (data.mixture); the rest of DataConfig is shared."""
 
-    name: str = key("", "TensorBoard tag part (eval/<name>/loss/main): letters, digits, _ . -, unique")
+    name: str = key("", "the source's TensorBoard tag part (`eval/<name>/loss/main`): letters, digits, `_` `.` `-`, "
+                    "unique")
     source: Source = key("text", "the source's kind (as `data.source`)")
     paths: tuple[str, ...] = key((), "its files or directories")
     weight: float = key(1.0, "share of training windows (weights are normalized)", gt=0)
