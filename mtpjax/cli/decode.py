@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 from mtpjax.cli.args import Parser, command
+from mtpjax.config import DecodeConfig, choices
 from mtpjax.decode import api, autodraft
 from mtpjax.decode.host import DecodeError
-from mtpjax.decode.proposers import PROPOSERS
 
 MAX_DRAFT = 16  # more drafts per round than this is never accepted in practice; the round loop is unrolled
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
@@ -31,7 +31,7 @@ def parser() -> Parser:
     p.add_argument("--num-draft", type=_num_draft, default=None,
                    help="drafts per round, or auto: measure 0..mtp_depth (n-gram 0..3, draft model 0..4) on the "
                         "prompts and use the fastest (default: decode.num_draft)")
-    p.add_argument("--proposer", choices=tuple(PROPOSERS), default=None,
+    p.add_argument("--proposer", choices=choices(DecodeConfig, "proposer"), default=None,
                    help="mtp: the run's MTP modules (module k drafts token k); mtp1: module 1 drafts every token; "
                         "ngram: prompt lookup; model: the --draft-run-dir model (default: decode.proposer, or model "
                         "with --draft-run-dir)")
@@ -89,9 +89,10 @@ def _proposer(args, cfg) -> str:
         if args.proposer not in (None, "model"):
             raise DecodeError(f"--draft-run-dir drafts with --proposer model, not {args.proposer}; drop one of them")
         return "model"
-    if args.proposer == "model":
-        raise DecodeError("--proposer model needs --draft-run-dir RUN (a run trained with the same tokenizer, "
-                         "e.g. configs/draft_tiny.yaml)")
+    if (args.proposer or cfg.decode.proposer) == "model":
+        said = "--proposer model" if args.proposer else "decode.proposer=model"
+        raise DecodeError(f"{said} needs --draft-run-dir RUN (a run trained with the same tokenizer, "
+                          "e.g. configs/draft_tiny.yaml)")
     if args.proposer is None and cfg.model.mtp_depth == 0:
         return "ngram"  # speculative by default only where the model has a proposer
     return args.proposer or cfg.decode.proposer
@@ -106,7 +107,7 @@ def _load_draft(args, tok, run_dir: Path):
     _, draft, dtok, dstep = load_model_step(args.draft_run_dir)
     if _tokenizer_identity(Path(args.draft_run_dir), dtok) != _tokenizer_identity(run_dir, tok):
         raise DecodeError(f"the draft run '{args.draft_run_dir}' uses another tokenizer than '{run_dir}' ({dtok!r} vs "
-                         f"{tok!r}); train the draft with the same data.tokenizer")
+                          f"{tok!r}); train the draft with the same data.tokenizer")
     return draft, f" draft {Path(args.draft_run_dir).resolve()} step {dstep}"
 
 
@@ -235,7 +236,7 @@ def _check_size(mcfg, prompts, max_new: int, num_draft: int, max_len: int) -> No
     have = _memory_bytes()
     if have and need > have // 2:
         raise DecodeError(f"--max-new-tokens {max_new} needs ~{need / 2**30:.1f} GiB of KV cache, more than half of "
-                         f"the {have / 2**30:.1f} GiB memory; lower --max-new-tokens")
+                          f"the {have / 2**30:.1f} GiB memory; lower --max-new-tokens")
 
 
 def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:

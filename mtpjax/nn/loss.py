@@ -6,23 +6,22 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mtpjax.config import LossConfig, parse_lambda, parse_mtp_target
+from mtpjax.config import LambdaSchedule, LossConfig
 from mtpjax.nn.model import MTPOutput, MTPTransformer, shift_left
 from mtpjax.nn.speed import expected_tokens
 
 
-def lambda_schedule(spec: str) -> optax.Schedule:
-    """The MTP weight lambda(step) as an optax schedule, from a `loss.mtp_lambda` string."""
-    kind, p = parse_lambda(spec)
-    if kind == "constant":
-        return optax.constant_schedule(p["value"])
-    if kind == "piecewise":
-        vals, bounds = p["values"], p["boundaries"]
+def lambda_schedule(lam: LambdaSchedule) -> optax.Schedule:
+    """The MTP weight lambda(step) as an optax schedule, from the parsed `loss.mtp_lambda`."""
+    if lam.kind == "constant":
+        return optax.constant_schedule(lam.values[0])
+    if lam.kind == "piecewise":
+        vals, bounds = lam.values, lam.steps
         return lambda step: jnp.asarray(vals, jnp.float32)[jnp.searchsorted(jnp.asarray(bounds), step, side="right")]
-    if kind == "linear":
-        return optax.linear_schedule(p["init"], p["end"], p["steps"])
+    (a, b), (n,) = lam.values, lam.steps
+    if lam.kind == "linear":
+        return optax.linear_schedule(a, b, n)
     # Written out rather than optax.cosine_decay_schedule, whose end value is init*alpha (wrong for init=0).
-    a, b, n = p["init"], p["end"], p["steps"]
     return lambda step: b + (a - b) * 0.5 * (1 + jnp.cos(jnp.pi * jnp.minimum(step, n) / n))
 
 
@@ -120,7 +119,7 @@ def mtp_loss(model: MTPTransformer, out: MTPOutput, tokens_BT, segment_ids_BT=No
     needs the main head on shifted states; it is computed when the self target needs them or when asked.
     """
     depth = out.hidden.shape[0] - 1
-    w_self = parse_mtp_target(cfg.mtp_target) if depth else 0.0
+    w_self = cfg.mtp_target.weight("self") if depth else 0.0
     valid_MBT = valid_masks(tokens_BT, segment_ids_BT, depth).astype(jnp.float32)
     tgt_MBT = targets(tokens_BT, depth)
     teach = depth > 0 and (w_self > 0 or with_accept_prob)
