@@ -12,8 +12,10 @@ from mtpjax.cli.train import main
 from mtpjax.config import ConfigError, DepthLambdas, LossConfig, TargetMix, load_config
 from mtpjax.nn.loss import depth_lambdas, forward, mtp_loss, tv_distance
 from mtpjax.nn.model import build_model, shift_left
+from mtpjax.parallel.sharding import make_mesh
 from mtpjax.train.loop import train
 from mtpjax.train.report import Logger
+from mtpjax.train.step import make_programs
 
 
 # ----------------------------------------------------------------------------- tv
@@ -249,3 +251,17 @@ def test_lambda_per_depth_continues_across_a_resume(tmp_path, monkeypatch):
     for step, *lams in straight:  # the step that logged `step` ran at counter step - 1
         np.testing.assert_allclose(lams, depth_lambdas(cfg_a.loss, 2, jnp.int32(step - 1)), rtol=1e-6)
     assert len({lam for _, lam, _ in straight}) == 4  # 0, then ramping in, then λ: the check is not vacuous
+
+
+def test_a_depth_whose_lambda_is_0_is_still_computed(tmp_path):
+    """The compiled train step costs the same with a forward curriculum (depth 2 at λ 0 for most steps) as with
+    constant λ: the equal-FLOPs accounting charges every depth at every step. Companion: one depth fewer is cheaper."""
+    def step_flops(*over):
+        cfg = tiny_cfg(tmp_path, *over)
+        progs = make_programs(cfg, make_mesh(cfg.mesh))
+        tok = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len), jnp.int32)
+        return progs.train_step.lower(progs.target, tok, tok).compile().cost_analysis()["flops"]
+
+    constant, curriculum = step_flops(), step_flops("loss.mtp_lambda_depths=forward:3")
+    assert abs(curriculum - constant) < 1e-3 * constant
+    assert step_flops("model.mtp_depth=1") < 0.95 * constant
