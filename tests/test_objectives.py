@@ -10,7 +10,7 @@ from train_helpers import cli_args, one_line_error, tiny_cfg
 
 from mtpjax.cli.train import main
 from mtpjax.config import ConfigError, DepthLambdas, LossConfig, TargetMix, load_config
-from mtpjax.nn.loss import depth_lambdas, forward, mtp_loss, tv_distance
+from mtpjax.nn.loss import depth_lambdas, forward, mtp_loss, token_counts, tv_distance
 from mtpjax.nn.model import build_model, shift_left
 from mtpjax.parallel.sharding import make_mesh
 from mtpjax.train.loop import train
@@ -140,6 +140,21 @@ def test_unroll_matches_a_hand_unrolled_loop_of_the_module(model_cfg, which, kin
     from_trunk = model.mtp[module - 1].norm(
         model.mtp_forward(module, h0, shift_left(jnp.asarray(toks), module + 1), seg_BT=jnp.asarray(seg))[0])
     assert np.abs(np.asarray(from_trunk) - np.asarray(want[0])).max() > 1e-3
+
+
+def test_micro_batch_counts_cover_the_unrolled_applications(model_cfg):
+    """Parts of a batch normalized by the whole batch's counts (unrolled applications included) sum to its loss."""
+    model = build_model(model_cfg(mtp_depth=2, init_std=0.3))
+    toks, seg = map(jnp.asarray, packed_batch(32, seed=4))
+    cfg = LossConfig(mtp_unroll=2, mtp_unroll_module="last", mtp_lambda_depths="forward:1")
+    loss = nnx.jit(lambda m, t, s, c: mtp_loss(m, forward(m, t, s, cfg), t, s, step=3, cfg=cfg, counts=c)[0])
+    full, counts = loss(model, toks, seg, None), token_counts(toks, seg, 2, cfg)
+    assert counts.shape == (5,) and float(counts[-1]) < float(counts[-2])  # depth 4 has fewer targets than 3
+    parts = lambda c: float(sum(loss(model, toks[s], seg[s], c) for s in (slice(0, 1), slice(1, 3))))
+    np.testing.assert_allclose(parts(counts), float(full), rtol=1e-6)
+    # Companion: counts of the depths alone (the unrolled ones' read past the end) do not sum to it.
+    short = jnp.concatenate([token_counts(toks, seg, 2), jnp.ones(2)])
+    assert abs(parts(short) - float(full)) > 1e-3 * float(full)
 
 
 def test_unroll_output_must_match_the_config(model_cfg):
