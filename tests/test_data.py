@@ -190,13 +190,14 @@ def stdlib_prepared(tmp_path_factory):
     return prepare(DataConfig(cache_dir=str(tmp_path_factory.mktemp("stdlib"))))
 
 
-def test_stdlib_excludes_dirs_and_hash_is_stable(stdlib_prepared, tmp_path):
+def test_stdlib_excludes_dirs_and_hash_is_stable(stdlib_prepared, tmp_path, corpus_builds):
     keys = [k for _, k in sources.stdlib_files()]
     assert "os.py" in keys and "json/__init__.py" in keys
     for k in keys:
         assert not sources.STDLIB_EXCLUDE & set(k.split("/")[:-1]), k
     assert not any(k.startswith("lib2to3/tests") for k in keys)
     again = prepare(DataConfig(cache_dir=str(tmp_path)))  # built afresh in another cache
+    assert len(corpus_builds) == 1  # (the build counter sees a build)
     assert again.content_hash == stdlib_prepared.content_hash and len(again.content_hash) == 64
     np.testing.assert_array_equal(again.val_tokens, stdlib_prepared.val_tokens)
     m = stdlib_prepared.meta
@@ -213,9 +214,10 @@ def test_stdlib_split_follows_key_hash(stdlib_prepared):
     assert _docs(stdlib_prepared, "val")[0] == first_val.read_text(encoding="utf-8").replace("\x00", "")
 
 
-def test_second_prepare_uses_the_cache(stdlib_prepared):
+def test_second_prepare_uses_the_cache(stdlib_prepared, corpus_builds):
     again = prepare(DataConfig(cache_dir=str(stdlib_prepared.dir.parent)))
     assert again.dir == stdlib_prepared.dir and again.meta == stdlib_prepared.meta
+    assert corpus_builds == []  # read from the cache, not tokenized again
 
 
 # ----------------------------------------------------------------------------- text sources and split
