@@ -6,13 +6,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from train_helpers import cli_args, one_line_error, tiny_cfg, write_corpus
+from train_helpers import HANG, cli_args, one_line_error, spawn, tiny_cfg, wait_for, write_corpus
 
 from mtpjax.train.checkpoint import Checkpointer, load_model
 from mtpjax.config import replace
@@ -177,13 +176,12 @@ def test_cli_error_has_no_traceback(tmp_path):
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path):
     cfg = tiny_cfg(tmp_path, "train.steps=100000", "checkpoint.every=5", "train.eval_every=100000")
-    proc = _run_cli(cli_args(cfg))
+    log = tmp_path / "train.log"
+    proc = spawn(cli_args(cfg), log)
     ck = tmp_path / "run" / "checkpoints"
-    deadline = time.time() + 120
-    while not (ck / "5" / "commit_success.txt").exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)
+    assert wait_for(lambda: (ck / "5" / "commit_success.txt").exists(), proc), log.read_text()[-2000:]
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-2000:]
+    assert proc.wait(timeout=HANG) == 0, log.read_text()[-2000:]
+    err = log.read_text()
     step = int(err.strip().splitlines()[-1].split("step ")[-1])
     assert step >= 5 and Checkpointer(tmp_path / "run", cfg.checkpoint).latest_step() == step
