@@ -113,3 +113,14 @@ def evaluated_at(run_dir: Path, step: int) -> bool:
     lines = path.read_text().split("\n")[:-1] if path.is_file() else []  # the last piece may be half-written
     return any(json.loads(ln)["step"] >= step for ln in lines)
 
+
+WORKER_LOG = "MTPJAX_TEST_WORKER_LOG"
+
+
+def started_worker(*args) -> None:
+    """Stands in for data.encode's worker initializer: notes the worker's process id as a file in the directory
+    $MTPJAX_TEST_WORKER_LOG, then runs the real one (a spawned worker imports this module by name)."""
+    from mtpjax.data import encode
+
+    (Path(os.environ[WORKER_LOG]) / str(os.getpid())).touch()
+    encode._init_worker(*args)
