@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from train_helpers import HANG, cli_args, one_line_error, spawn, tiny_cfg, wait_for, write_corpus
 
+from mtpjax.data.pipeline import BatchIterator
 from mtpjax.train.checkpoint import Checkpointer, load_model
 from mtpjax.config import replace
 from mtpjax.cli.train import main
@@ -21,12 +22,13 @@ from mtpjax.train.loop import NonFiniteError, train
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_resume_equals_straight_run(tmp_path):
+def test_resume_equals_straight_run(tmp_path, monkeypatch):
     """8 steps straight == 4 steps, stop, re-run to 8: same losses, data batches and parameters."""
     corpus = write_corpus(tmp_path)
     straight = train(tiny_cfg(tmp_path, corpus=corpus, run="a"))
     cfg_b = tiny_cfg(tmp_path, corpus=corpus, run="b")
     first = train(cfg_b, max_steps=4)
+    shutil.copytree(tmp_path / "b", tmp_path / "c")  # stopped at 4, for the companion below
     assert first["step"] == 4 and Checkpointer(tmp_path / "b", cfg_b.checkpoint).latest_step() == 4
     second = train(cfg_b)
     assert [s for s, _ in second["history"]] == [5, 6, 7, 8]
@@ -38,6 +40,10 @@ def test_resume_equals_straight_run(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     again = train(cfg_b)  # nothing left to do: no step runs, nothing breaks
     assert again["step"] == 8 and again["history"] == []
+    # Companion: the same resume with the data iterator's saved state ignored (it starts over) differs.
+    monkeypatch.setattr(BatchIterator, "set_state", lambda self, state: None)
+    lost = train(tiny_cfg(tmp_path, corpus=corpus, run="c"))
+    assert [s for s, _ in lost["history"]] == [5, 6, 7, 8] and lost["history"] != second["history"]
 
 
 def test_tensorboard_has_every_tag(tmp_path):
