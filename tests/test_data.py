@@ -1,5 +1,6 @@
 """Data package: packing, determinism, shards, iterator state, splits, sources, tokenizers, cache, CLI, errors."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -590,14 +591,20 @@ def test_concurrent_preparations_agree(tmp_path):
     assert [d.name for d in (tmp_path / "c").iterdir()] == [Path(outs[0].split()[0]).name]
 
 
-def test_final_dir_without_meta_is_rebuilt(tmp_path):
+def test_final_dir_without_meta_is_rebuilt(tmp_path, corpus_builds):
     from mtpjax.data import cache_path
 
     (tmp_path / "a.txt").write_text("some text " * 20)
     cfg = _cfg(tmp_path, source="text", paths=(str(tmp_path / "a.txt"),))
     cache_path(cfg).mkdir(parents=True)
     (cache_path(cfg) / "train.npy").write_bytes(b"junk")
-    assert len(prepare(cfg).train_tokens) > 0
+    rebuilt = prepare(cfg)
+    fresh = prepare(dataclasses.replace(cfg, cache_dir=str(tmp_path / "fresh")))
+    assert len(corpus_builds) == 2 and rebuilt.dir == cache_path(cfg)  # built again, not trusted
+    np.testing.assert_array_equal(rebuilt.train_tokens, fresh.train_tokens)
+    np.testing.assert_array_equal(rebuilt.val_tokens, fresh.val_tokens)
+    same = lambda meta: {k: v for k, v in meta.items() if k != "seconds"}  # all but the time it took
+    assert same(rebuilt.meta) == same(fresh.meta) and len(rebuilt.train_tokens) > 0
 
 
 # ----------------------------------------------------------------------------- CLI

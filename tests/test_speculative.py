@@ -608,5 +608,6 @@ def test_bad_requests_raise_one_line_errors(trained):
         with pytest.raises(DecodeError, match=text) as e:
             fn()
         assert "\n" not in str(e.value)
-    # The n-gram proposer works without MTP modules.
-    assert generate(plain, [[1, 2, 1, 2]], max_new_tokens=4, num_draft=2, proposer="ngram").tokens
+    # The n-gram proposer works without MTP modules: the plain model's greedy tokens, all 4 of them.
+    out = generate(plain, [[1, 2, 1, 2]], max_new_tokens=4, num_draft=2, proposer="ngram")
+    assert len(out.tokens[0]) == 4 and out.tokens == generate(plain, [[1, 2, 1, 2]], max_new_tokens=4).tokens
