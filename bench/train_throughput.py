@@ -107,10 +107,11 @@ def measure_peer(base, rounds: int, compile: bool = True, threads: int = 2) -> d
                 continue
             log(f"  {name}: warm-up {time.perf_counter() - t0:.1f} s")
             steppers[name] = step
-    times = interleave(steppers, rounds)
+    cpu: dict = {}
+    times = interleave(steppers, rounds, cpu=cpu)  # CPU seconds too: on a loaded host wall time is contended
     tokens = base.train.batch_size * base.data.seq_len
-    rows = {k: {"step_seconds": float(np.median(t)), "tokens_per_sec": tokens / float(np.median(t))}
-            for k, t in times.items()}
+    rows = {k: {"step_seconds": float(np.median(t)), "tokens_per_sec": tokens / float(np.median(t)),
+                "cpu_seconds": float(np.median(cpu[k]))} for k, t in times.items()}
     for k in rows:
         for ref in ("torch_eager", "torch_compile"):
             if ref in times and k.startswith("mtpjax"):
@@ -132,7 +133,8 @@ def print_peer(res: dict, config: str) -> None:
     for k, r in res["variants"].items():
         ratios = "".join(f"  {r[f'vs_{ref}']:.2f}x {ref}" for ref in ("torch_eager", "torch_compile")
                          if f"vs_{ref}" in r)
-        print(f"  {k:14s} {r['step_seconds'] * 1e3:8.1f} ms/step {r['tokens_per_sec']:9,.0f} tok/s{ratios}")
+        print(f"  {k:14s} {r['step_seconds'] * 1e3:8.1f} ms/step ({r['cpu_seconds'] * 1e3:8.1f} ms CPU) "
+              f"{r['tokens_per_sec']:9,.0f} tok/s{ratios}")
     r = res["variants"]["mtpjax_mtp1"]
     log(f"  one MTP module: step time x{r['step_time_ratio']:.3f} vs FLOPs x{r['flop_ratio']:.3f}")
 
