@@ -19,8 +19,8 @@ from mtpjax.config import load_config
 from mtpjax.nn import layers
 
 
-def autodiff_attend(q_BTKRH, k_BSKH, v_BSKH, bias_BTS):
-    """The formulation before issue 29: token-major scores, backward by autodiff."""
+def autodiff_attend(q_BTKRH, k_BSKH, v_BSKH, bias_BTS, causal_blocks: int = 1):
+    """The formulation before issue 29: token-major full T×T scores, backward by autodiff (no causal blocks)."""
     s_BKRTS = jnp.einsum("btkrh,bskh->bkrts", q_BTKRH, k_BSKH, preferred_element_type=jnp.float32)
     s_BKRTS = s_BKRTS + bias_BTS[:, None, None]
     e_BKRTS = jnp.exp(s_BKRTS - jax.lax.stop_gradient(s_BKRTS.max(axis=-1, keepdims=True)))

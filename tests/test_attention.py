@@ -64,8 +64,9 @@ def test_kernel_matches_reference_output_and_gradients(name, with_segments):
         np.testing.assert_allclose(g, r, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("T", [37, 38], ids=["one-block", "two-causal-blocks"])  # blocks need an even T
 @pytest.mark.parametrize("with_segments", [True, False], ids=["segments", "causal-only"])
-def test_xla_attention_hand_written_backward_equals_autodiff_of_plain_softmax(with_segments):
+def test_xla_attention_hand_written_backward_equals_autodiff_of_plain_softmax(with_segments, T):
     """layers.attend's backward is written out (head-major, no transposed scores): autodiff of the textbook
     masked softmax is its reference."""
     def plain(q, k, v, seg):
@@ -77,7 +78,7 @@ def test_xla_attention_hand_written_backward_equals_autodiff_of_plain_softmax(wi
         p = jax.nn.softmax(jnp.where(mask[:, None, None], s, -jnp.inf), axis=-1)
         return jnp.einsum("bkrts,bskh->btkrh", p, v)
 
-    q, k, v, seg, cot = _inputs(37)
+    q, k, v, seg, cot = _inputs(T)
     seg = seg if with_segments else None
     out, grads = _out_and_grads(_reference, q, k, v, seg, cot)
     ref_out, ref_grads = _out_and_grads(plain, q, k, v, seg, cot)
