@@ -41,6 +41,10 @@ def run_suite(smoke: bool, rounds: int, run_dir: str, no_peer: bool, tmp: Path, 
         args = ["--config", cfg, "--steps", str(rounds), "--depths", depths]
         args += ["--peak-n", "256", *SMOKE_TRAIN] if smoke else []
         train[name] = _child("bench.train_throughput", args, tmp, f"train_{name}")
+        if not no_peer:  # issue 29's comparison: batch 8 x 256, our step (MTP 0, 1) beside the transformers Llama
+            pargs = ["--peer", "--config", cfg, "--steps", str(rounds), "train.batch_size=8"]
+            pargs += ["--no-compile", *SMOKE_TRAIN] if smoke else []
+            train[f"{name}_peer"] = _child("bench.train_throughput", pargs, tmp, f"train_peer_{name}")
     dargs = ["--run-dir", run_dir, "--draft-run-dir", draft_run_dir, "--rounds", str(rounds)]
     if smoke:
         dargs += ["--smoke", "--batches", "1,2", "--max-new", "8", "--prompts", "2", "--prompt-len", "16"]
@@ -69,6 +73,12 @@ def targets(res: dict) -> list[dict]:
         t["cpu_medium"]["depths"]["1"]["mfu"] >= 0.5)
     worst = max(r["overhead_vs_flop_share"] for r in t["tiny"]["depths"].values() if "overhead_vs_flop_share" in r)
     add("MTP step-time overhead / FLOP share (worst depth, tiny)", worst, "<= 1.10", worst <= 1.1)
+    for name in ("tiny", "cpu_medium"):
+        v = t.get(f"{name}_peer", {}).get("variants", {}).get("mtpjax", {})
+        for ref, goal in (("torch_eager", 1.5), ("torch_compile", 1.0)):
+            if f"vs_{ref}" in v:
+                add(f"train tokens/s / transformers {ref.split('_')[1]}, {name} (no MTP, batch 8)", v[f"vs_{ref}"],
+                    f">= {goal}", v[f"vs_{ref}"] >= goal)
     by_b = {b["batch"]: b["variants"] for b in res["decode"]["batches"]}
     b1 = by_b[min(by_b)]
     peer = b1.get("peer_greedy")

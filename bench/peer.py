@@ -84,3 +84,32 @@ def peer_generate(peer, prompts, max_new: int, lookup: int = 0):
         out = peer.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new,
                             do_sample=False, **kw)
     return out[:, ids.shape[1]:].tolist()
+
+
+def peer_train_step(model, ocfg, tokens_BT, threads: int = 2, compile: bool = False):
+    """A closure running one training step of the peer on `tokens_BT`: forward with SDPA attention and
+    the shifted cross-entropy, backward, global-norm clipping and AdamW as `ocfg` (the optim section) sets
+    them; `compile` wraps the forward in torch.compile (its backward is compiled with it). Returns the loss."""
+    import torch
+
+    peer = build_peer(model, threads).train()
+    peer.config._attn_implementation = "sdpa"  # PyTorch's fused attention, what a user gets by default
+    decay = [p for p in peer.parameters() if p.ndim > 1]  # as ours: no decay on 1-D parameters (norm scales)
+    rest = [p for p in peer.parameters() if p.ndim <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": ocfg.weight_decay}, {"params": rest, "weight_decay": 0}],
+                            lr=ocfg.lr, betas=(ocfg.b1, ocfg.b2), eps=ocfg.eps)
+    ids = torch.tensor(np.asarray(tokens_BT), dtype=torch.long)
+    forward = lambda x: peer(input_ids=x, labels=x).loss  # noqa: E731
+    if compile:
+        forward = torch.compile(forward)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = forward(ids)
+        loss.backward()
+        if ocfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(peer.parameters(), ocfg.grad_clip)
+        opt.step()
+        return float(loss.detach())
+
+    return step

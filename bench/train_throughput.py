@@ -1,7 +1,10 @@
 """Train-step throughput: tokens/s and MFU against this machine's matmul peak (measured in the same run,
 interleaved with the steps), and the step-time cost of MTP depth 1, 2, 3 relative to 0 beside the FLOP ratio.
+With --peer: our step without MTP and with one MTP module beside a `transformers` Llama of the same shape
+trained in PyTorch eager and torch.compile (bench/peer.py), tokens/s ratios as medians of interleaved rounds.
 
     python bench/train_throughput.py [--config configs/tiny.yaml] [--steps 5] [--json out.json] [section.key=value ...]
+    python bench/train_throughput.py --peer --config configs/tiny.yaml --steps 7 train.batch_size=8
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.common import load, log, median_ratio, peak_rss_mb  # noqa: E402
+from bench.common import interleave, load, log, median_ratio, peak_rss_mb  # noqa: E402
 from mtpjax.config import load_config, replace  # noqa: E402
 from mtpjax.nn.flops import train_flops_per_token  # noqa: E402
 from mtpjax.train.metrics import measure_peak_flops  # noqa: E402
@@ -25,13 +28,18 @@ from mtpjax.parallel.sharding import make_mesh  # noqa: E402
 from mtpjax.train.step import make_programs  # noqa: E402
 
 
+def random_tokens(cfg) -> np.ndarray:
+    """The fixed batch every stepper trains on: int32[batch_size, seq_len] uniform over the vocabulary."""
+    rng = np.random.default_rng(0)
+    return rng.integers(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.data.seq_len)).astype(np.int32)
+
+
 def make_stepper(cfg):
     """A closure running one jitted train step on fixed random tokens (compiled and warmed up)."""
     progs = make_programs(cfg, make_mesh(cfg.mesh))
     box = [progs.init()]
     B, T = cfg.train.batch_size, cfg.data.seq_len
-    rng = np.random.default_rng(0)
-    tok = jax.device_put(rng.integers(0, cfg.model.vocab_size, (B, T)).astype(np.int32), progs.batch_sharding)
+    tok = jax.device_put(random_tokens(cfg), progs.batch_sharding)
     seg = jax.device_put(np.ones((B, T), np.int32), progs.batch_sharding)
 
     def step():
@@ -77,6 +85,60 @@ def measure(base, depths, rounds: int, peak_n: int = 2048, peak_seconds: float =
             "peak_rss_mb": peak_rss_mb(), "load": load()}
 
 
+def measure_peer(base, rounds: int, compile: bool = True, threads: int = 2) -> dict:
+    """Tokens/s of our step (no MTP, one MTP module) and of the PyTorch peer (eager, torch.compile), interleaved
+    rounds in a shuffled order; each ratio is the median of per-round ratios against eager (and compile)."""
+    from bench.peer import available, peer_train_step
+    from mtpjax.nn.model import build_model
+
+    cfg0 = replace(base, ["model.mtp_depth=0"])
+    steppers = {"mtpjax": make_stepper(cfg0), "mtpjax_mtp1": make_stepper(replace(base, ["model.mtp_depth=1"]))}
+    why = available()
+    if why is None:
+        tok, model = random_tokens(cfg0), build_model(cfg0, seed=cfg0.train.seed)
+        variants = {"torch_eager": False, "torch_compile": True} if compile else {"torch_eager": False}
+        for name, comp in variants.items():
+            step = peer_train_step(model, cfg0.optim, tok, threads, compile=comp)
+            t0 = time.perf_counter()
+            try:
+                step(), step()  # warm-up (torch.compile compiles here)
+            except Exception as e:  # noqa: BLE001 - any compiler failure means: no compiled peer on this machine
+                log(f"  {name}: does not compile here ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+                continue
+            log(f"  {name}: warm-up {time.perf_counter() - t0:.1f} s")
+            steppers[name] = step
+    cpu: dict = {}
+    times = interleave(steppers, rounds, cpu=cpu)  # CPU seconds too: on a loaded host wall time is contended
+    tokens = base.train.batch_size * base.data.seq_len
+    rows = {k: {"step_seconds": float(np.median(t)), "tokens_per_sec": tokens / float(np.median(t)),
+                "cpu_seconds": float(np.median(cpu[k]))} for k, t in times.items()}
+    for k in rows:
+        for ref in ("torch_eager", "torch_compile"):
+            if ref in times and k.startswith("mtpjax"):
+                rows[k][f"vs_{ref}"] = median_ratio(times[ref], times[k])  # tokens/s ratio = inverse time ratio
+    rows["mtpjax_mtp1"]["step_time_ratio"] = median_ratio(times["mtpjax_mtp1"], times["mtpjax"])
+    T = base.data.seq_len
+    rows["mtpjax_mtp1"]["flop_ratio"] = (train_flops_per_token(replace(base, ["model.mtp_depth=1"]).model, T)
+                                         / train_flops_per_token(cfg0.model, T))
+    return {"model": {"d_model": base.model.d_model, "n_layers": base.model.n_layers, "vocab": base.model.vocab_size,
+                      "batch": base.train.batch_size, "seq_len": T},
+            "rounds": rounds, "threads": threads, "peer_skipped": why, "variants": rows, "load": load()}
+
+
+def print_peer(res: dict, config: str) -> None:
+    """The peer table: tokens/s and ratios per variant, the load beside it."""
+    m = res["model"]
+    print(f"{config}: d={m['d_model']} L={m['n_layers']} V={m['vocab']} batch {m['batch']} x seq {m['seq_len']}, "
+          f"{res['rounds']} interleaved rounds, torch threads {res['threads']}")
+    for k, r in res["variants"].items():
+        ratios = "".join(f"  {r[f'vs_{ref}']:.2f}x {ref}" for ref in ("torch_eager", "torch_compile")
+                         if f"vs_{ref}" in r)
+        print(f"  {k:14s} {r['step_seconds'] * 1e3:8.1f} ms/step ({r['cpu_seconds'] * 1e3:8.1f} ms CPU) "
+              f"{r['tokens_per_sec']:9,.0f} tok/s{ratios}")
+    r = res["variants"]["mtpjax_mtp1"]
+    log(f"  one MTP module: step time x{r['step_time_ratio']:.3f} vs FLOPs x{r['flop_ratio']:.3f}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/tiny.yaml")
@@ -84,9 +146,18 @@ def main(argv=None) -> int:
     ap.add_argument("--depths", default="0,1,2,3")
     ap.add_argument("--peak-n", type=int, default=2048, help="matmul size of the peak measurement")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--peer", action="store_true", help="our step (MTP 0, 1) beside the transformers peer instead")
+    ap.add_argument("--no-compile", action="store_true", help="--peer: skip torch.compile (minutes to compile)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
     base = load_config(args.config, args.overrides)
+    if args.peer:
+        res = measure_peer(base, args.steps, compile=not args.no_compile)
+        res["config"] = args.config
+        print_peer(res, args.config)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2))
+        return 0
     depths = [int(x) for x in args.depths.split(",")]
     res = measure(base, depths, args.steps, args.peak_n, 0.5 if args.peak_n >= 1024 else 0.1)
     res["config"] = args.config

@@ -64,6 +64,29 @@ def test_kernel_matches_reference_output_and_gradients(name, with_segments):
         np.testing.assert_allclose(g, r, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("T", [37, 38], ids=["one-block", "two-causal-blocks"])  # blocks need an even T
+@pytest.mark.parametrize("with_segments", [True, False], ids=["segments", "causal-only"])
+def test_xla_attention_hand_written_backward_equals_autodiff_of_plain_softmax(with_segments, T):
+    """layers.attend's backward is written out (head-major, no transposed scores): autodiff of the textbook
+    masked softmax is its reference."""
+    def plain(q, k, v, seg):
+        T = q.shape[1]
+        mask = jnp.tril(jnp.ones((T, T), bool))[None]
+        if seg is not None:
+            mask = mask & (seg[:, None, :] == seg[:, :, None])
+        s = jnp.einsum("btkrh,bskh->bkrts", q, k)
+        p = jax.nn.softmax(jnp.where(mask[:, None, None], s, -jnp.inf), axis=-1)
+        return jnp.einsum("bkrts,bskh->btkrh", p, v)
+
+    q, k, v, seg, cot = _inputs(T)
+    seg = seg if with_segments else None
+    out, grads = _out_and_grads(_reference, q, k, v, seg, cot)
+    ref_out, ref_grads = _out_and_grads(plain, q, k, v, seg, cot)
+    np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g, r, atol=2e-5, rtol=1e-5)
+
+
 def test_companion_a_kernel_without_segment_ids_differs_from_the_reference():
     """The comparison above can fail: dropping the segment ids changes output and gradients by O(1)."""
     T, fn = KERNELS["pallas"]

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from mtpjax.config import LambdaSchedule, LossConfig
-from mtpjax.nn.loss import lambda_schedule, mtp_loss, token_counts
+from mtpjax.nn.loss import first_argmax, lambda_schedule, mtp_loss, token_counts
 from mtpjax.nn.model import build_model
 
 T = 12
@@ -269,3 +269,11 @@ def test_overfit_one_batch_every_depth(model_cfg):
     for k in (1, 2):
         assert metrics[f"agreement/mtp_{k}"] > 0.99 and metrics[f"accuracy/mtp_{k}"] > 0.99, metrics
     assert metrics["expected_accept_length"] > 2.95
+
+
+def test_first_argmax_is_argmax_ties_included():
+    x = jax.random.normal(jax.random.key(0), (3, 5, 64))
+    x = x.at[0, :, 7].set(9.0).at[0, :, 40].set(9.0)  # ties: argmax takes the first
+    x = x.at[1, 2].set(0.0)  # a row that is all ties
+    assert (first_argmax(x) == jnp.argmax(x, axis=-1)).all()
+    assert (first_argmax(x)[0] == 7).all() and first_argmax(x)[1, 2] == 0

@@ -132,3 +132,30 @@ def test_train_profile_writes_a_trace_tensorboard_reads(tmp_path):
     traces = list((tmp_path / "run" / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0
     assert b"train_step" in traces[0].read_bytes()  # the traced window holds a train step
+    page = _overview_page(traces[0])  # what TensorBoard's profile tab (XProf) shows first
+    assert "No step marker" not in page and float(_json_field(page, "steptime_ms_average")) > 0
+
+
+def _overview_page(trace: Path) -> str:
+    """XProf's overview page (JSON text) of one .xplane.pb, as TensorBoard's profile plugin computes it."""
+    from xprof.convert import raw_to_tool_data
+
+    data, _ = raw_to_tool_data.xspace_to_tool_data([str(trace)], "overview_page", {})
+    return data if isinstance(data, str) else data.decode()
+
+
+def _json_field(text: str, key: str) -> str:
+    return text.split(f'"{key}":"', 1)[1].split('"', 1)[0]
+
+
+def test_a_trace_without_step_annotations_has_no_step_time(tmp_path, monkeypatch):
+    """The companion: the step markers, not the trace itself, are what gives XProf its step time."""
+    import contextlib
+
+    from mtpjax.train.loop import train
+
+    monkeypatch.setattr(runtime.Profiler, "annotate", lambda self, step: contextlib.nullcontext())
+    train(tiny_cfg(tmp_path, *SHORT, "train.steps=3", "train.profile=1:2"))
+    (trace,) = (tmp_path / "run" / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb")
+    page = _overview_page(trace)
+    assert "No step marker" in page and float(_json_field(page, "steptime_ms_average")) == 0

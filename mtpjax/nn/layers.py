@@ -105,18 +105,73 @@ def apply_rope(x_BTNH, tables, scale: float = 1.0):
     return out.astype(x_BTNH.dtype)
 
 
-def attend(q_BTKRH, k_BSKH, v_BSKH, bias_BTS):
+def _attend_parts(q_BKRTH, k_BKSH, v_BKSH, bias_BTS):
+    """(o, e, l) of head-major attention: R·T query rows per KV head as one axis (row r·T + t); o is normalized."""
+    B, K, RT, _ = q_BKRTH.shape
+    T, S = bias_BTS.shape[1:]
+    s_BKRTS = jnp.einsum("bkqh,bksh->bkqs", q_BKRTH, k_BKSH, preferred_element_type=jnp.float32)
+    s_BKRTS = (s_BKRTS.reshape(B, K, RT // T, T, S) + bias_BTS[:, None, None]).reshape(B, K, RT, S)
+    e_BKRTS = jnp.exp(s_BKRTS - s_BKRTS.max(axis=-1, keepdims=True))
+    l_BKRT = e_BKRTS.sum(axis=-1)
+    o_BKRTH = jnp.einsum("bkqs,bksh->bkqh", e_BKRTS.astype(v_BKSH.dtype), v_BKSH, preferred_element_type=jnp.float32)
+    return o_BKRTH / l_BKRT[..., None], e_BKRTS, l_BKRT
+
+
+@jax.custom_vjp
+def _attend_hm(q_BKRTH, k_BKSH, v_BKSH, bias_BTS):
+    return _attend_parts(q_BKRTH, k_BKSH, v_BKSH, bias_BTS)[0]
+
+
+def _attend_hm_fwd(q_BKRTH, k_BKSH, v_BKSH, bias_BTS):
+    o_BKRTH, e_BKRTS, l_BKRT = _attend_parts(q_BKRTH, k_BKSH, v_BKSH, bias_BTS)
+    return o_BKRTH, (q_BKRTH, k_BKSH, v_BKSH, bias_BTS, e_BKRTS, l_BKRT, o_BKRTH)
+
+
+def _attend_hm_bwd(res, do_BKRTH):
+    # Written out so every product reads an [R·T,S] tensor as it lies: autodiff contracted it over R·T on the
+    # left, which XLA CPU served by transposing it (profiled: 18% of a tiny step). The max is a constant.
+    q_BKRTH, k_BKSH, v_BKSH, bias_BTS, e_BKRTS, l_BKRT, o_BKRTH = res
+    f32 = jnp.float32
+    do_BKRTH = do_BKRTH.astype(f32)
+    dou_BKRTH = do_BKRTH / l_BKRT[..., None]  # through o = o_unnormalized / l
+    dl_BKRT = -(do_BKRTH * o_BKRTH).sum(-1) / l_BKRT
+    de_BKRTS = jnp.einsum("bkqh,bksh->bkqs", dou_BKRTH, v_BKSH.astype(f32), preferred_element_type=f32)
+    ds_BKRTS = (de_BKRTS + dl_BKRT[..., None]) * e_BKRTS
+    dq_BKRTH = jnp.einsum("bkqs,bksh->bkqh", ds_BKRTS, k_BKSH.astype(f32), preferred_element_type=f32)
+    dk_BKHS = jnp.einsum("bkqh,bkqs->bkhs", q_BKRTH.astype(f32), ds_BKRTS, preferred_element_type=f32)
+    dv_BKHS = jnp.einsum("bkqh,bkqs->bkhs", dou_BKRTH, e_BKRTS, preferred_element_type=f32)
+    B, K, RT, S = ds_BKRTS.shape
+    T = bias_BTS.shape[1]
+    dbias_BTS = ds_BKRTS.reshape(B, K, RT // T, T, S).sum((1, 2))
+    return (dq_BKRTH.astype(q_BKRTH.dtype), dk_BKHS.swapaxes(-1, -2).astype(k_BKSH.dtype),
+            dv_BKHS.swapaxes(-1, -2).astype(v_BKSH.dtype), dbias_BTS.astype(bias_BTS.dtype))
+
+
+_attend_hm.defvjp(_attend_hm_fwd, _attend_hm_bwd)
+
+
+def attend(q_BTKRH, k_BSKH, v_BSKH, bias_BTS, causal_blocks: int = 1):
     """Softmax attention with an additive mask; the softmax is normalized after the value product.
 
     Dividing o [B,T,N,H] instead of the scores [B,N,T,S] and adding the mask instead of selecting
     removes three passes over the score tensor forward and backward (profiled on CPU: ~10% of a step).
+    Computed head-major ([B,K,R·T,H] queries: the dots' natural layout, no transposed scores) with a
+    hand-written backward (_attend_hm_bwd). `causal_blocks` > 1 (T divisible by it; S = T, the mask causal
+    over increasing positions): query block i reads only keys of blocks <= i, skipping the scores the mask
+    would zero (exp(-1e30 - max) is exactly 0, so only the summation order changes).
     """
-    s_BKRTS = jnp.einsum("btkrh,bskh->bkrts", q_BTKRH, k_BSKH, preferred_element_type=jnp.float32)
-    s_BKRTS = s_BKRTS + bias_BTS[:, None, None]
-    e_BKRTS = jnp.exp(s_BKRTS - jax.lax.stop_gradient(s_BKRTS.max(axis=-1, keepdims=True)))
-    l_BKRT = e_BKRTS.sum(axis=-1)
-    o_BTKRH = jnp.einsum("bkrts,bskh->btkrh", e_BKRTS.astype(v_BSKH.dtype), v_BSKH, preferred_element_type=jnp.float32)
-    return o_BTKRH / l_BKRT.transpose(0, 3, 1, 2)[..., None]
+    B, T, K, R, H = q_BTKRH.shape
+    k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
+    n = causal_blocks if causal_blocks > 1 and T % causal_blocks == 0 else 1
+    Tb = T // n
+    outs = []
+    for i in range(n):
+        S = T if n == 1 else (i + 1) * Tb
+        q_BKRTH = q_BTKRH[:, i * Tb:(i + 1) * Tb].transpose(0, 2, 3, 1, 4).reshape(B, K, R * Tb, H)
+        o_BKRTH = _attend_hm(q_BKRTH, k_BKSH[:, :, :S], v_BKSH[:, :, :S], bias_BTS[:, i * Tb:(i + 1) * Tb, :S])
+        outs.append(o_BKRTH.reshape(B, K, R, Tb, H))
+    o_BKRTH = outs[0] if n == 1 else jnp.concatenate(outs, axis=3)
+    return o_BKRTH.transpose(0, 3, 1, 2, 4)
 
 
 KERNEL_PLATFORM = {"cudnn": "gpu", "pallas": "gpu", "splash": "tpu"}  # where each fused kernel compiles
@@ -170,7 +225,8 @@ def self_attention(q_BTKRH, k_BTKH, v_BTKH, pos_BT, seg_BT, name: str):
     mask_BTS = pos_BT[:, None, :] <= pos_BT[:, :, None]
     if seg_BT is not None:
         mask_BTS &= seg_BT[:, None, :] == seg_BT[:, :, None]
-    return attend(q_BTKRH, k_BTKH, v_BTKH, jnp.where(mask_BTS, 0.0, -1e30).astype(jnp.float32))
+    # Two causal blocks: a quarter of the scores skipped; measured 0.61x of one block's time, 4 blocks 0.73x (CPU).
+    return attend(q_BTKRH, k_BTKH, v_BTKH, jnp.where(mask_BTS, 0.0, -1e30).astype(jnp.float32), causal_blocks=2)
 
 
 class KV(NamedTuple):

@@ -6,6 +6,7 @@ that `train.profile` asks for (into the run's TensorBoard directory, where Tenso
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -81,6 +82,15 @@ class Profiler:
             self.first = done + 1
         elif self.first is not None and done >= stop:
             self.close(done, state)
+
+    def annotate(self, step: int):
+        """Context around the dispatch of train step `step` (1-based): XProf's step marker while a trace runs.
+
+        Without it the overview page reports "No step marker observed" and a step time of 0.
+        """
+        if self.first is None:
+            return contextlib.nullcontext()
+        return jax.profiler.StepTraceAnnotation("train", step_num=step)
 
     def close(self, done: int, state=None) -> None:
         """Stop a running trace once the device has finished the traced steps (`done` steps completed)."""

@@ -145,7 +145,8 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
     try:
         while step < end and not pre.check(step):
             prof.step(step, state)
-            state, met = progs.train_step(state, *to_global(progs, next(train_it)))
+            with prof.annotate(step + 1):
+                state, met = progs.train_step(state, *to_global(progs, next(train_it)))
             step += 1  # the host's mirror of state.step: one batch, one step, skipped or not
             if pending is not None:
                 consume(*pending)

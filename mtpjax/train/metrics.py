@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from pathlib import Path
 
@@ -10,18 +11,37 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def measure_peak_flops(n: int = 1024, seconds: float = 1.0) -> float:
-    """FLOP/s of one device on a jitted float32 n×n matmul chain, timed for about `seconds`."""
-    x = jnp.ones((n, n), jnp.float32) / n
-    f = jax.jit(lambda a: a @ a @ a @ a)  # 3 matmuls per call keeps dispatch overhead small
-    f(x).block_until_ready()
+def _rate(call, flops: float, seconds: float) -> float:
+    """FLOP/s of `call` (one warm-up, then repeated for about `seconds`)."""
+    call()
     calls, t0 = 0, time.perf_counter()
     while True:
-        f(x).block_until_ready()
+        call()
         calls += 1
         dt = time.perf_counter() - t0
         if dt >= seconds:
-            return 3 * 2.0 * n**3 * calls / dt
+            return flops * calls / dt
+
+
+def matmul_rates(n: int = 1024, seconds: float = 1.0) -> dict[str, float]:
+    """FLOP/s of a float32 n×n matmul chain in each library that runs here (xla, numpy, torch), `seconds` in all."""
+    flops = 3 * 2.0 * n**3  # 3 matmuls per call keeps dispatch overhead small
+    x = jnp.ones((n, n), jnp.float32) / n
+    f = jax.jit(lambda a: a @ a @ a @ a)
+    a = np.ones((n, n), np.float32) / n
+    calls = {"xla": lambda: f(x).block_until_ready(), "numpy": lambda: a @ a @ a @ a}
+    if importlib.util.find_spec("torch") is not None:  # optional: the peer benchmark's library
+        import torch
+
+        t = torch.from_numpy(a)
+        calls["torch"] = lambda: t @ t @ t @ t
+    return {name: _rate(call, flops, seconds / len(calls)) for name, call in calls.items()}
+
+
+def measure_peak_flops(n: int = 1024, seconds: float = 1.0) -> float:
+    """The best float32 matmul FLOP/s this machine reaches with any library here (matmul_rates), not XLA's alone:
+    MFU then says how far the step is from what the hardware is known to do."""
+    return max(matmul_rates(n, seconds).values())
 
 
 def mfu(tokens_per_sec: float, flops_per_token: float, peak_flops_per_device: float, n_devices: int) -> float:
