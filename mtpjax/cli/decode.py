@@ -245,7 +245,8 @@ def _check_size(mcfg, prompts, max_new: int, num_draft: int, max_len: int) -> No
 
 def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
     from mtpjax.data import make_iterator, prepare
-    from mtpjax.eval.evaluate import agreement_on, forced_acceptance, heldout_prompts, speed_report, validation_metrics
+    from mtpjax.eval.evaluate import agreement_on, forced_acceptance, heldout_prompts, speed_report
+    from mtpjax.eval.validation import model_metrics, validation_metrics
 
     _progress("eval: preparing the validation split")
     prepared = prepare(cfg.data)
@@ -255,7 +256,8 @@ def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
     if not batches:
         raise ValueError("the validation split holds less than one batch; lower train.batch_size or data.seq_len")
     _progress(f"eval: validation metrics on {len(batches)} batches")
-    val = validation_metrics(cfg, model, batches)
+    # the training eval's metrics (eval.jsonl at this step, on its first validation batches): one function
+    val = validation_metrics(model_metrics(model, batches, step=step, loss_cfg=cfg.loss), batches, tok)
     num_draft = args.num_draft if isinstance(args.num_draft, int) else max(1, cfg.model.mtp_depth)
     prompts = heldout_prompts(prepared.val_tokens, args.eval_prompts, args.prompt_len, tok.eos_id)
     max_new = args.max_new_tokens or 128

@@ -1,4 +1,4 @@
-"""Checkpoint evaluation: validation loss/agreement per depth, then measured vs predicted speculative speedup.
+"""Checkpoint evaluation: measured vs predicted speculative speedup (validation metrics: mtpjax.eval.validation).
 
 Costs come from whole-loop timings in one process, never from isolated dispatches: t = seconds per
 round of plain decoding; a proposer's round cost = its seconds per round over t = v + γc, where v = the
@@ -16,29 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from mtpjax.config import Config
 from mtpjax.decode.cache import read_rows
 from mtpjax.decode.host import execute_request, make_loop, request, run, summarize
 from mtpjax.decode.loop import DecodeState, Loop, Request
 from mtpjax.decode.proposers import DraftModelProposer, MTPProposer
-from mtpjax.nn.loss import mtp_loss
-from mtpjax.nn.model import MTPTransformer
 from mtpjax.nn.speed import ceiling, expected_tokens, floor_ratio, predicted_speedup, weight_ratio, work_ratio
-
-
-def validation_metrics(cfg: Config, model: MTPTransformer, batches) -> dict:
-    """Mean loss/accuracy/agreement per depth over validation batches."""
-    @nnx.jit
-    def step(model, toks, seg):
-        return mtp_loss(model, model(toks, seg), toks, seg, step=0, cfg=cfg.loss)[1]
-
-    sums, n = {}, 0
-    for b in batches:
-        met = step(model, jnp.asarray(b["tokens"]), jnp.asarray(b["segment_ids"]))
-        for k, v in met.items():
-            sums[k] = sums.get(k, 0.0) + float(v)
-        n += 1
-    return {k: v / max(n, 1) for k, v in sums.items() if k != "lambda"}
 
 
 def heldout_prompts(val_tokens, n: int, length: int, eos_id: int) -> list[list[int]]:
