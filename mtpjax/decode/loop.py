@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from mtpjax.decode import stream
-from mtpjax.decode.cache import take_rows, trunk_cache, write_rows
+from mtpjax.decode.cache import read_rows, take_rows, trunk_cache, write_rows
 from mtpjax.decode.proposers import Context, Models
 from mtpjax.decode.sampling import Sampler, choose, draw, probs, row_keys
 
@@ -34,6 +34,7 @@ class Request:
     budget_B: jax.Array  # new tokens each row may commit (<= max_new; traced, so no recompile)
     key: jax.Array
     stream: jax.Array  # id of the host callback that receives each commit (stream.NONE: none)
+    ref_BS: jax.Array | None = None  # the reference a Forced loop commits, at absolute positions
 
 
 @struct.dataclass
@@ -54,6 +55,24 @@ class DecodeState:
     accepted_BG: jax.Array  # rounds in which draft position i was accepted
     key: jax.Array
     stream: jax.Array
+    ref_BS: jax.Array | None = None  # the request's reference (Forced loops)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """What a round commits when decoding: the accepted drafts and one target token."""
+
+    def __call__(self, ref_BS, toks_BY, c_B, n_B):
+        return toks_BY, c_B
+
+
+@dataclass(frozen=True)
+class Forced:
+    """Teacher forcing: commit the request's reference one token a round; the drafts are still verified against
+    the target, so acceptance is measured along the reference through the decoder's own caches."""
+
+    def __call__(self, ref_BS, toks_BY, c_B, n_B):
+        return read_rows(ref_BS, n_B, toks_BY.shape[1]), jnp.minimum(c_B, 1)
 
 
 @dataclass(frozen=True)
@@ -67,6 +86,7 @@ class Loop:
     prompt_pad: int
     eos_id: int  # -1: none
     stream: bool = False  # emit every commit to the host (to the callback the request's stream id names)
+    commits: Accepted | Forced = Accepted()  # what a round commits (tokens, count) given what it accepted
 
     @property
     def num_draft(self) -> int:
@@ -82,17 +102,6 @@ class Loop:
         _, st = jax.lax.while_loop(lambda c: jnp.any(~c[1].done_B), body, (jnp.int32(0), st))
         return st
 
-    # ------------------------------------------------------------------ hooks (teacher forcing overrides them)
-
-    def new_state(self, req: Request, **fields) -> DecodeState:
-        return DecodeState(**fields)
-
-    def chosen(self, src, toks_BY, c_B, n_B):
-        """The tokens a round commits at n and how many: the accepted ones (src: the request or the state)."""
-        return toks_BY, c_B
-
-    # ------------------------------------------------------------------ the loop
-
     def emit(self, stream_id, toks_BY, c_B) -> None:
         if self.stream:
             jax.debug.callback(stream.emit, stream_id, toks_BY, c_B, ordered=True)
@@ -105,18 +114,18 @@ class Loop:
         logits = m.logits(m.final_norm(take_rows(h, req.plen_B - 1)))
         first, _ = choose(self.sampler, logits, row_keys(req.key, 0, 0, B))
         ones = jnp.ones_like(req.plen_B)
-        first = self.chosen(req, first[:, None], ones, req.plen_B)[0][:, 0]
+        first = self.commits(req.ref_BS, first[:, None], ones, req.plen_B)[0][:, 0]
         seq = write_rows(jnp.zeros((B, S), jnp.int32).at[:, :P].set(req.tokens_BP), first[:, None], req.plen_B)
         self.emit(req.stream, first[:, None], ones)
         n = req.plen_B + 1
         with jax.named_scope("propose"):
             pstate, draft = self.proposer.start(models, Context(seq, n, h, jnp.zeros_like(n), self.sampler, req.key, 0))
         zeros_BG = jnp.zeros((B, G), jnp.int32)
-        return self.new_state(
-            req, trunk=trunk, seq_BS=seq, n_B=n, prompt_len_B=req.plen_B, budget_B=req.budget_B,
+        return DecodeState(
+            trunk=trunk, seq_BS=seq, n_B=n, prompt_len_B=req.plen_B, budget_B=req.budget_B,
             drafts_BG=draft.tokens_BG, q_BGV=draft.q_BGV, proposer=pstate,
             done_B=(first == self.eos_id) | (req.budget_B <= 1), rounds_B=jnp.zeros((B,), jnp.int32),
-            reached_BG=zeros_BG, accepted_BG=zeros_BG, key=req.key, stream=req.stream)
+            reached_BG=zeros_BG, accepted_BG=zeros_BG, key=req.key, stream=req.stream, ref_BS=req.ref_BS)
 
     def round(self, models: Models, st: DecodeState, it) -> DecodeState:
         """One verify → accept → commit → propose round."""
@@ -165,7 +174,7 @@ class Loop:
         Y = toks_BY.shape[1]
         i = jnp.arange(Y)[None, :]
         c = jnp.minimum(a_B + 1, st.budget_B - (st.n_B - st.prompt_len_B))
-        toks_BY, c = self.chosen(st, toks_BY, c, st.n_B)
+        toks_BY, c = self.commits(st.ref_BS, toks_BY, c, st.n_B)
         if self.eos_id >= 0:
             is_eos = (toks_BY == self.eos_id) & (i < c[:, None])
             hit = is_eos.any(axis=1)

@@ -8,17 +8,16 @@ rest per draft. The predicted speedup is mtpjax.nn.speed's E(γ)/(v + γc) from 
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
-from mtpjax.decode.cache import read_rows
 from mtpjax.decode.host import execute_request, make_loop, request, run, summarize
-from mtpjax.decode.loop import DecodeState, Loop, Request
+from mtpjax.decode.loop import DecodeState, Forced, Loop
 from mtpjax.decode.proposers import DraftModelProposer, MTPProposer
 from mtpjax.nn.speed import ceiling, expected_tokens, floor_ratio, predicted_speedup, weight_ratio, work_ratio
 
@@ -88,27 +87,6 @@ def argmax_by_depth(model, toks):
     return jnp.argmax(model.logits(model(toks).hidden), axis=-1)
 
 
-@struct.dataclass
-class ForcedRequest(Request):
-    ref_BS: jax.Array  # the reference sequence to commit, at absolute positions
-
-
-@struct.dataclass
-class ForcedState(DecodeState):
-    ref_BS: jax.Array
-
-
-@dataclass(frozen=True)
-class TeacherForced(Loop):
-    """Measures the drafts against the target but walks the reference text, one token a round."""
-
-    def new_state(self, req: ForcedRequest, **fields) -> ForcedState:
-        return ForcedState(ref_BS=req.ref_BS, **fields)
-
-    def chosen(self, src, toks_BY, c_B, n_B):
-        return read_rows(src.ref_BS, n_B, toks_BY.shape[1]), jnp.minimum(c_B, 1)
-
-
 def run_forced(model, prompts, loop: Loop, reference, draft=None) -> DecodeState:
     """`loop` teacher-forced: row i commits reference[i] (at least loop.max_new tokens) after its prompt."""
     if len(reference) != len(prompts):
@@ -118,9 +96,8 @@ def run_forced(model, prompts, loop: Loop, reference, draft=None) -> DecodeState
         if len(r) < loop.max_new:
             raise ValueError(f"reference {i} has {len(r)} tokens, fewer than the {loop.max_new} to decode")
         ref[i, len(p): len(p) + loop.max_new] = r[: loop.max_new]
-    forced = TeacherForced(**{f: getattr(loop, f) for f in loop.__dataclass_fields__})
-    req = request(forced, prompts)
-    return execute_request(forced, model, ForcedRequest(**vars(req), ref_BS=jnp.asarray(ref)), draft=draft)
+    forced = dataclasses.replace(loop, commits=Forced())
+    return execute_request(forced, model, request(forced, prompts).replace(ref_BS=jnp.asarray(ref)), draft=draft)
 
 
 def forced_acceptance(model, sequences, prompt_len: int, num_draft: int, proposer: str = "mtp",
