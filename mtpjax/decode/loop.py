@@ -21,7 +21,7 @@ from flax import nnx, struct
 
 from mtpjax.decode import stream
 from mtpjax.decode.cache import read_rows, take_rows, trunk_cache, write_rows
-from mtpjax.decode.proposers import Context, Models
+from mtpjax.decode.protocol import Context, Models, Proposer, chain
 from mtpjax.decode.sampling import Sampler, choose, draw, probs, row_keys
 
 
@@ -79,7 +79,7 @@ class Forced:
 class Loop:
     """One compiled generation: the proposer, the sampler and the shapes."""
 
-    proposer: object
+    proposer: Proposer
     sampler: Sampler
     max_new: int
     capacity: int
@@ -87,6 +87,11 @@ class Loop:
     eos_id: int  # -1: none
     stream: bool = False  # emit every commit to the host (to the callback the request's stream id names)
     commits: Accepted | Forced = Accepted()  # what a round commits (tokens, count) given what it accepted
+
+    def __post_init__(self):
+        if tuple(self.proposer.parents()) != chain(self.num_draft):
+            raise ValueError(f"{type(self.proposer).__name__} drafts a tree (parents {self.proposer.parents()}); "
+                             "the loop verifies chains only: draft each token after the one before it")
 
     @property
     def num_draft(self) -> int:

@@ -1,54 +1,22 @@
-"""Proposers: small static objects with one interface that draft γ tokens a round, each owning its decode state.
-
-    start(models, ctx) -> (state, Draft)        once, after the prefill committed the first token
-    step(models, state, ctx) -> (state, Draft)  after every commit
-    problem(target, draft) -> str | None        what makes a request impossible, said before compiling
-    draft_flops(f_target, f_draft) -> float     FLOPs one round of drafting computes, rows counted (mtpjax.nn.speed)
-    draft_reads(f_target, f_draft) -> float     the weights it reads, as matmul FLOPs of one row (mtpjax.nn.speed)
-    most_drafts(target) -> int                  the largest γ `num_draft="auto"` probes
-
-A proposer holds only static fields (it is part of the compiled loop's hash); its arrays live in the state
-it returns, which the loop carries without looking inside. Draft.q_BGV is the exact distribution each
-draft was sampled from, None when greedy (only the tokens matter there).
+"""Proposers: small static objects that draft γ tokens a round, each owning its decode state (the contract:
+mtpjax.decode.protocol.Proposer). Draft.q_BGV is the exact distribution each draft was sampled from, None when
+greedy (only the tokens matter there).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from mtpjax.decode.cache import module_caches, read_rows, set_layer, take_rows, trunk_cache, write_rows
-from mtpjax.decode.sampling import Sampler, choose, row_keys
+from mtpjax.decode.protocol import Context, Draft, Models, Proposer
+from mtpjax.decode.sampling import choose, row_keys
+from mtpjax.nn.flops import TokenFlops
 from mtpjax.nn.model import MTPTransformer
-
-
-class Models(NamedTuple):
-    """The target, and the independent draft model when one proposes."""
-
-    target: MTPTransformer
-    draft: MTPTransformer | None = None
-
-
-class Context(NamedTuple):
-    """What a proposer sees after a commit."""
-
-    seq_BS: jax.Array  # committed tokens [0, n); past n: scratch
-    n_B: jax.Array  # committed length per row
-    h_BTD: jax.Array  # the trunk's raw hidden states from its last call (the prompt, or the verified tokens)
-    h_start_B: jax.Array  # position of h_BTD's first row
-    sampler: Sampler
-    key: jax.Array
-    it: jax.Array | int  # loop iteration (0: the prefill), for independent random draws
-
-
-class Draft(NamedTuple):
-    tokens_BG: jax.Array
-    q_BGV: jax.Array | None  # the distributions the drafts were drawn from (None when greedy)
 
 
 def _stack(drafts: list, qs: list) -> Draft:
@@ -56,7 +24,7 @@ def _stack(drafts: list, qs: list) -> Draft:
 
 
 @dataclass(frozen=True)
-class Plain:
+class Plain(Proposer):
     """No drafts: plain decoding is the same loop with γ = 0."""
 
     num_draft: int = 0
@@ -64,20 +32,23 @@ class Plain:
     def problem(self, target, draft) -> str | None:
         return None
 
+    def most_drafts(self, target) -> int:
+        return 0
+
     def start(self, models: Models, ctx: Context):
         return self.step(models, None, ctx)
 
     def step(self, models: Models, state, ctx: Context):
         return None, Draft(jnp.zeros((ctx.n_B.shape[0], 0), jnp.int32), None)
 
-    def draft_flops(self, f_target: dict, f_draft: dict | None) -> float:
+    def draft_flops(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
         return 0.0
 
     draft_reads = draft_flops
 
 
 @dataclass(frozen=True)
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt lookup: continue the latest earlier occurrence of the longest matching suffix (<= max_n)."""
 
     num_draft: int
@@ -99,7 +70,7 @@ class NgramProposer:
             q = jax.nn.one_hot(drafts, models.target.cfg.vocab_size, dtype=jnp.float32)
         return None, Draft(drafts, q)
 
-    def draft_flops(self, f_target: dict, f_draft: dict | None) -> float:
+    def draft_flops(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
         return 0.0
 
     draft_reads = draft_flops
@@ -131,7 +102,7 @@ class MTPState:
 
 
 @dataclass(frozen=True)
-class MTPProposer:
+class MTPProposer(Proposer):
     """The target's own MTP modules: module k drafts token k of the round from depth k-1's state and draft k-1.
 
     Past the modules in use the last one continues autoregressively from its own output. `modules=1` drafts
@@ -206,19 +177,18 @@ class MTPProposer:
                 qs.append(q)
         return st.replace(caches=caches), _stack(drafts, qs)
 
-    def draft_flops(self, f_target: dict, f_draft: dict | None) -> float:
+    def draft_flops(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
         """Each module in use runs its block over the window; reuse steps one row; the head once per draft."""
-        G, D = self.num_draft, len(f_target["mtp"])
-        U = self.used(D)
-        return (U * self.window() + (G - U)) * f_target["mtp_module"] + G * f_target["head"]
+        G, U = self.num_draft, self.used(f_target.mtp_depth)
+        return (U * self.window() + (G - U)) * f_target.module + G * f_target.head
 
-    def draft_reads(self, f_target: dict, f_draft: dict | None) -> float:
+    def draft_reads(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
         """Every module call reads its module once (whatever its rows), the head once per draft."""
-        return self.num_draft * (f_target["mtp_module_matmul"] + f_target["head"])
+        return self.num_draft * (f_target.module_matmul + f_target.head)
 
 
 @dataclass(frozen=True)
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """An independent small model with the target's vocabulary, drafting γ tokens with its own KV cache.
 
     Each round it first runs its trunk over the last committed tokens (`catch_up`), then drafts one token per
@@ -268,14 +238,14 @@ class DraftModelProposer:
                     h_at = h[:, 0]
         return cache, _stack(drafts, qs)
 
-    def draft_flops(self, f_target: dict, f_draft: dict | None) -> float:
+    def draft_flops(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
         """The catch-up rows, γ-1 single-row steps, and the draft model's head once per draft."""
         G = self.num_draft
-        return (self.catch_up() + G - 1) * f_draft["trunk"] + G * f_draft["head"]
+        return (self.catch_up() + G - 1) * f_draft.trunk + G * f_draft.head
 
-    def draft_reads(self, f_target: dict, f_draft: dict | None) -> float:
+    def draft_reads(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
         """γ calls of the draft model (the catch-up and γ-1 steps), each reading its weights once."""
-        return self.num_draft * (f_draft["trunk_matmul"] + f_draft["head"])
+        return self.num_draft * (f_draft.trunk_matmul + f_draft.head)
 
 
 PROPOSERS = {"mtp": MTPProposer, "mtp1": functools.partial(MTPProposer, modules=1), "ngram": NgramProposer,
