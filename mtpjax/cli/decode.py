@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from mtpjax.decode import api, autodraft
+from mtpjax.decode.cache import cache_bytes, rows
 from mtpjax.decode.host import DecodeError
 from mtpjax.decode.proposers import PROPOSERS
 
@@ -235,8 +236,7 @@ def _check_size(mcfg, prompts, max_new: int, num_draft: int, max_len: int) -> No
         raise ValueError(f"--num-draft {num_draft} is above {MAX_DRAFT}; use at most {MAX_DRAFT} drafts per round")
     if max(map(len, prompts)) + max_new > max_len:
         return  # generate() names the cache capacity, the better advice
-    per_token = 2 * (mcfg.n_layers + mcfg.mtp_depth) * mcfg.n_kv_heads * mcfg.resolved_head_dim * 4
-    need = len(prompts) * (max(map(len, prompts)) + max_new + 3 * num_draft + 64) * per_token
+    need = cache_bytes(mcfg, len(prompts), rows(max(map(len, prompts)), max_new, num_draft).capacity)
     have = _memory_bytes()
     if have and need > have // 2:
         raise ValueError(f"--max-new-tokens {max_new} needs ~{need / 2**30:.1f} GiB of KV cache, more than half of "

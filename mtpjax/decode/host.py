@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from mtpjax.decode import stream
+from mtpjax.decode.cache import rows
 from mtpjax.decode.loop import DecodeState, Loop, Request, execute
 from mtpjax.decode.proposers import PROPOSERS, make_proposer
 from mtpjax.decode.sampling import Sampler
@@ -26,10 +27,6 @@ class DecodeError(ValueError):
 class GenerateResult:
     tokens: list[list[int]]
     stats: dict = field(default_factory=dict)
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def check_proposer(model: MTPTransformer, proposer: str, num_draft: int, draft: MTPTransformer | None) -> None:
@@ -63,11 +60,10 @@ def make_loop(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft:
     if max_len is not None and longest + max_new_tokens > max_len:
         raise DecodeError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the cache "
                           f"capacity max_len={max_len}; shorten the prompt or raise decode.max_len")
-    P = _round_up(longest, 16)
-    # A round writes at most γ+1 positions past the committed length, and drafts γ further.
-    capacity = _round_up(P + max_new_tokens + 2 * num_draft + 2, 64)
-    return Loop(proposer=make_proposer(proposer, num_draft), sampler=sampler, max_new=max_new_tokens,
-                capacity=capacity, prompt_pad=P, eos_id=-1 if eos_id is None else int(eos_id), stream=stream)
+    prop = make_proposer(proposer, num_draft)
+    size = rows(longest, max_new_tokens, len(prop.parents()))
+    return Loop(proposer=prop, sampler=sampler, max_new=max_new_tokens, capacity=size.capacity,
+                prompt_pad=size.prompt_pad, eos_id=-1 if eos_id is None else int(eos_id), stream=stream)
 
 
 def request(loop: Loop, prompts, seed: int = 0, budget: int | None = None) -> Request:
