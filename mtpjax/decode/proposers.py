@@ -79,20 +79,20 @@ class NgramProposer(Proposer):
 def lookup(seq_BS, n_B, G: int, max_n: int):
     """G tokens following the latest earlier match of the committed sequence's longest suffix (<= max_n)."""
     S = seq_BS.shape[1]
-    pos = jnp.arange(S)
-    best = jnp.full(n_B.shape, -1, jnp.int32)
+    pos_S = jnp.arange(S)
+    best_B = jnp.full(n_B.shape, -1, jnp.int32)
     for m in range(max_n, 0, -1):
-        eq = (pos[None, :] < n_B[:, None] - 1) & (pos[None, :] >= m - 1)
+        eq_BS = (pos_S[None, :] < n_B[:, None] - 1) & (pos_S[None, :] >= m - 1)
         for t in range(m):
-            tail = take_rows(seq_BS, jnp.maximum(n_B - 1 - t, 0))
-            eq &= jnp.roll(seq_BS, t, axis=1) == tail[:, None]
-        eq &= (n_B >= m + 1)[:, None]
-        j = jnp.max(jnp.where(eq, pos[None, :], -1), axis=1).astype(jnp.int32)
-        best = jnp.where(best < 0, j, best)
-    idx = jnp.minimum(best[:, None] + 1 + jnp.arange(G)[None, :], n_B[:, None] - 1)
-    last = take_rows(seq_BS, n_B - 1)[:, None]
-    drafts = jnp.where(best[:, None] >= 0, jnp.take_along_axis(seq_BS, idx, axis=1), last)
-    return drafts.astype(jnp.int32)
+            tail_B = take_rows(seq_BS, jnp.maximum(n_B - 1 - t, 0))
+            eq_BS &= jnp.roll(seq_BS, t, axis=1) == tail_B[:, None]
+        eq_BS &= (n_B >= m + 1)[:, None]
+        at_B = jnp.max(jnp.where(eq_BS, pos_S[None, :], -1), axis=1).astype(jnp.int32)
+        best_B = jnp.where(best_B < 0, at_B, best_B)
+    idx_BG = jnp.minimum(best_B[:, None] + 1 + jnp.arange(G)[None, :], n_B[:, None] - 1)
+    last_B = take_rows(seq_BS, n_B - 1)
+    drafts_BG = jnp.where(best_B[:, None] >= 0, jnp.take_along_axis(seq_BS, idx_BG, axis=1), last_B[:, None])
+    return drafts_BG.astype(jnp.int32)
 
 
 @struct.dataclass
@@ -106,7 +106,7 @@ class MTPProposer(Proposer):
     """The target's own MTP modules: module k drafts token k of the round from depth k-1's state and draft k-1.
 
     Past the modules in use the last one continues autoregressively from its own output. `modules=1` drafts
-    every token with module 1 (as vLLM and SGLang do); 0 uses all D modules.
+    every token with module 1 (as vLLM and SGLang do); 0 uses all J modules.
     """
 
     num_draft: int
@@ -122,10 +122,10 @@ class MTPProposer(Proposer):
         return None
 
     def most_drafts(self, target) -> int:
-        D = target.cfg.mtp_depth
+        J = target.cfg.mtp_depth
         if target.cfg.mtp_kind == "parallel" or not self.modules:
-            return min(D, self.modules or D)
-        return max(D, 3)  # a reused module drafts any number of tokens
+            return min(J, self.modules or J)
+        return max(J, 3)  # a reused module drafts any number of tokens
 
     def used(self, depth: int) -> int:
         """Modules that draft from a recomputed window (the rest of the γ drafts reuse the last of them)."""
@@ -143,8 +143,8 @@ class MTPProposer(Proposer):
     def start(self, models: Models, ctx: Context):
         cfg = models.target.cfg
         B, S = ctx.seq_BS.shape
-        h0 = write_rows(jnp.zeros((B, S, cfg.d_model), ctx.h_BTD.dtype), ctx.h_BTD, ctx.h_start_B)
-        state = MTPState(h0_BSD=h0, caches=module_caches(cfg, B, S))
+        h0_BSD = write_rows(jnp.zeros((B, S, cfg.d_model), ctx.h_BTD.dtype), ctx.h_BTD, ctx.h_start_B)
+        state = MTPState(h0_BSD=h0_BSD, caches=module_caches(cfg, B, S))
         return self._draft(models.target, state, ctx, jnp.zeros((B,), jnp.int32), ctx.h_BTD.shape[1])
 
     def step(self, models: Models, state: MTPState, ctx: Context):
@@ -154,33 +154,34 @@ class MTPProposer(Proposer):
 
     def _draft(self, m: MTPTransformer, st: MTPState, ctx: Context, start_B, W: int):
         """Module k over the window [start, start+W) (its last row at n-2 drafts token k); then the reuse steps."""
-        G, B, U = self.num_draft, ctx.n_B.shape[0], self.used(m.cfg.mtp_depth)
+        G, B, used = self.num_draft, ctx.n_B.shape[0], self.used(m.cfg.mtp_depth)
         pos_BW = start_B[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :]
-        out_idx = ctx.n_B - 2 - start_B
+        out_B = ctx.n_B - 2 - start_B  # the window row at the draft position
         h0_BWD = read_rows(st.h0_BSD, start_B, W)
-        h_prev, seq, caches = h0_BWD, ctx.seq_BS, st.caches
+        h_prev_BWD, seq_BS, caches = h0_BWD, ctx.seq_BS, st.caches
         drafts, qs = [], []
         for k in range(1, G + 1):
             with jax.named_scope(f"draft{k}"):  # profiles attribute time per depth
-                if k <= U:
-                    toks = read_rows(seq, start_B + k, W)
-                    h, kv = m.mtp_forward(k, m.mtp_input(h_prev, h0_BWD), toks, pos_BW, cache=caches[k - 1])
-                    caches, h_prev, h_at = set_layer(caches, k - 1, kv), h, take_rows(h, out_idx)
+                if k <= used:
+                    toks_BW = read_rows(seq_BS, start_B + k, W)
+                    h_BWD, kv = m.mtp_forward(k, m.mtp_input(h_prev_BWD, h0_BWD), toks_BW, pos_BW, cache=caches[k - 1])
+                    caches, h_prev_BWD, h_BD = set_layer(caches, k - 1, kv), h_BWD, take_rows(h_BWD, out_B)
                 else:  # the last module in use continues from its own output
-                    pos = (ctx.n_B - 2 + (k - U))[:, None]
-                    h, kv = m.mtp_forward(U, h_at[:, None], drafts[-1][:, None], pos, cache=caches[U - 1])
-                    caches, h_at = set_layer(caches, U - 1, kv), h[:, 0]
-                logits = m.logits(m.head_norm(min(k, U), h_at))
-                d, q = choose(ctx.sampler, logits, row_keys(ctx.key, 10 + k, ctx.it, B))
-                seq = write_rows(seq, d[:, None], ctx.n_B + k - 1)  # module k+1 reads draft k
-                drafts.append(d)
-                qs.append(q)
+                    pos_B = ctx.n_B - 2 + (k - used)
+                    h_BTD, kv = m.mtp_forward(used, h_BD[:, None], drafts[-1][:, None], pos_B[:, None],
+                                              cache=caches[used - 1])
+                    caches, h_BD = set_layer(caches, used - 1, kv), h_BTD[:, 0]
+                logits_BV = m.logits(m.head_norm(min(k, used), h_BD))
+                d_B, q_BV = choose(ctx.sampler, logits_BV, row_keys(ctx.key, 10 + k, ctx.it, B))
+                seq_BS = write_rows(seq_BS, d_B[:, None], ctx.n_B + k - 1)  # module k+1 reads draft k
+                drafts.append(d_B)
+                qs.append(q_BV)
         return st.replace(caches=caches), _stack(drafts, qs)
 
     def draft_flops(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
         """Each module in use runs its block over the window; reuse steps one row; the head once per draft."""
-        G, U = self.num_draft, self.used(f_target.mtp_depth)
-        return (U * self.window() + (G - U)) * f_target.module + G * f_target.head
+        G, used = self.num_draft, self.used(f_target.mtp_depth)
+        return (used * self.window() + (G - used)) * f_target.module + G * f_target.head
 
     def draft_reads(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
         """Every module call reads its module once (whatever its rows), the head once per draft."""
@@ -212,8 +213,8 @@ class DraftModelProposer(Proposer):
 
     def start(self, models: Models, ctx: Context):
         dm, (B, S), P = models.draft, ctx.seq_BS.shape, ctx.h_BTD.shape[1]
-        pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-        _, cache = dm.trunk(ctx.seq_BS[:, :P], pos, cache=trunk_cache(dm.cfg, B, S))
+        pos_BP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+        _, cache = dm.trunk(ctx.seq_BS[:, :P], pos_BP, cache=trunk_cache(dm.cfg, B, S))
         return self.step(models, cache, ctx)
 
     def catch_up(self) -> int:
@@ -222,20 +223,20 @@ class DraftModelProposer(Proposer):
         return 2
 
     def step(self, models: Models, cache, ctx: Context):
-        dm, G, B, R = models.draft, self.num_draft, ctx.n_B.shape[0], self.catch_up()
-        start = ctx.n_B - R
-        pos = start[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
-        h, cache = dm.trunk(read_rows(ctx.seq_BS, start, R), pos, cache=cache)
-        h_at = h[:, R - 1]
+        dm, G, B, rows = models.draft, self.num_draft, ctx.n_B.shape[0], self.catch_up()
+        start_B = ctx.n_B - rows
+        pos_BT = start_B[:, None] + jnp.arange(rows, dtype=jnp.int32)[None, :]
+        h_BTD, cache = dm.trunk(read_rows(ctx.seq_BS, start_B, rows), pos_BT, cache=cache)
+        h_BD = h_BTD[:, rows - 1]
         drafts, qs = [], []
         for k in range(1, G + 1):
             with jax.named_scope(f"draft{k}"):
-                d, q = choose(ctx.sampler, dm.logits(dm.final_norm(h_at)), row_keys(ctx.key, 10 + k, ctx.it, B))
-                drafts.append(d)
-                qs.append(q)
+                d_B, q_BV = choose(ctx.sampler, dm.logits(dm.final_norm(h_BD)), row_keys(ctx.key, 10 + k, ctx.it, B))
+                drafts.append(d_B)
+                qs.append(q_BV)
                 if k < G:
-                    h, cache = dm.trunk(d[:, None], (ctx.n_B - 1 + k)[:, None], cache=cache)
-                    h_at = h[:, 0]
+                    h_BTD, cache = dm.trunk(d_B[:, None], (ctx.n_B - 1 + k)[:, None], cache=cache)
+                    h_BD = h_BTD[:, 0]
         return cache, _stack(drafts, qs)
 
     def draft_flops(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:

@@ -93,11 +93,11 @@ def target_counts(tokens_BT, segment_ids_BT, lengths_V: np.ndarray) -> tuple[int
     return int(valid_BT.sum()), int(lengths_V[tgt_BT[valid_BT]].sum())
 
 
-def bits_per_byte(main_losses: list[float], counts_N2: np.ndarray) -> float:
-    """Σ CE / (ln 2 · Σ bytes) from each batch's mean main-head loss and its (targets, bytes)."""
-    counts_N2 = np.asarray(counts_N2, np.float64).reshape(-1, 2)
-    nats = np.asarray(main_losses, np.float64) * np.maximum(1.0, counts_N2[:, 0])  # mtp_loss divides by max(1, n)
-    n_bytes = counts_N2[:, 1].sum()
+def bits_per_byte(main_losses: list[float], counts) -> float:
+    """Σ CE / (ln 2 · Σ bytes) from each batch's mean main-head loss and its (targets, bytes): counts[batch]."""
+    counts = np.asarray(counts, np.float64).reshape(-1, 2)
+    nats = np.asarray(main_losses, np.float64) * np.maximum(1.0, counts[:, 0])  # mtp_loss divides by max(1, n)
+    n_bytes = counts[:, 1].sum()
     return float(nats.sum() / (math.log(2) * n_bytes)) if n_bytes else float("nan")
 
 
@@ -110,9 +110,9 @@ def eval_bits_per_byte(batches: list[dict], main_losses: list[float], tokenizer)
     lengths_V = token_byte_lengths(tokenizer)
     if lengths_V is None or not batches:
         return {}
-    counts_N2 = np.array([target_counts(b["tokens"], b["segment_ids"], lengths_V) for b in batches], np.int64)
+    counts = np.array([target_counts(b["tokens"], b["segment_ids"], lengths_V) for b in batches], np.int64)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        counts_N2 = np.asarray(multihost_utils.process_allgather(counts_N2)).sum(0)
-    return {"bits_per_byte": bits_per_byte(main_losses, counts_N2)}
+        counts = np.asarray(multihost_utils.process_allgather(counts)).sum(0)
+    return {"bits_per_byte": bits_per_byte(main_losses, counts)}

@@ -74,17 +74,18 @@ def agreement_on(model, prompts, outputs, depth: int) -> list[float]:
     """
     seqs = [p + o for p, o in zip(prompts, outputs)]
     T = min(len(s) for s in seqs)
-    toks = jnp.asarray([s[:T] for s in seqs], jnp.int32)
-    am = np.asarray(argmax_by_depth(model, toks))  # [D+1, B, T]
+    toks_BT = jnp.asarray([s[:T] for s in seqs], jnp.int32)
+    am_MBT = np.asarray(argmax_by_depth(model, toks_BT))
     P = max(len(p) for p in prompts)
     # position i's depth-k draft predicts x[i+k+1]; the main head at i+k predicts the same token
-    return [float((am[k][:, P - 1: T - k - 1] == am[0][:, P - 1 + k: T - 1]).mean()) for k in range(1, depth + 1)]
+    return [float((am_MBT[k, :, P - 1: T - k - 1] == am_MBT[0, :, P - 1 + k: T - 1]).mean())
+            for k in range(1, depth + 1)]
 
 
 @nnx.jit
-def argmax_by_depth(model, toks):
-    """int[D+1, B, T]: each depth's greedy prediction at every position (one jitted full forward)."""
-    return jnp.argmax(model.logits(model(toks).hidden), axis=-1)
+def argmax_by_depth(model, toks_BT):
+    """int[M, B, T]: each depth's greedy prediction at every position (one jitted full forward)."""
+    return jnp.argmax(model.logits(model(toks_BT).hidden), axis=-1)
 
 
 def run_forced(model, prompts, loop: Loop, reference, draft=None) -> DecodeState:

@@ -41,15 +41,15 @@ def mean_metrics(per_batch: list[dict]) -> dict:
 
     loss/total (the objective, whose parts have their own counts) is weighted by the main head's targets.
     """
-    counts_NM = np.asarray([np.asarray(m[COUNTS], np.float64) for m in per_batch])
+    counts = np.asarray([np.asarray(m[COUNTS], np.float64) for m in per_batch])  # [batch, M]
     out = {}
     for k in per_batch[0]:
         if k == COUNTS:
             continue
-        w_N = counts_NM[:, _depth(k)]
-        w_N = w_N if w_N.sum() > 0 else np.ones_like(w_N)  # no valid target anywhere: each batch's 0 counts alike
-        out[k] = float(np.average([float(m[k]) for m in per_batch], weights=w_N))
-    depth = counts_NM.shape[1] - 1
+        w = counts[:, _depth(k)]
+        w = w if w.sum() > 0 else np.ones_like(w)  # no valid target anywhere: each batch's 0 counts alike
+        out[k] = float(np.average([float(m[k]) for m in per_batch], weights=w))
+    depth = counts.shape[1] - 1
     return {k: float(v) for k, v in add_expected_lengths(out, depth).items()}
 
 
