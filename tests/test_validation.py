@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from train_helpers import tiny_cfg
+from train_helpers import one_line_error, tiny_cfg
 
 from mtpjax.cli.decode import main
 from mtpjax.eval.log import read_evals
@@ -25,8 +25,8 @@ def evaluated(tmp_path_factory):
     train(cfg)
     run = tmp / "run"
     out = tmp / "eval.json"
-    argv = ["--run-dir", str(run), "--eval", "--eval-batches", "3", "--eval-prompts", "1", "--prompt-len", "8",
-            "--max-new-tokens", "8", "--json", str(out)]
+    argv = ["--run-dir", str(run), "--eval", "--eval-prompts", "1", "--prompt-len", "8", "--max-new-tokens", "8",
+            "--json", str(out)]  # --eval-batches defaults to the training eval's train.eval_batches
     assert main(argv) == 0
     (rec,) = [e for e in read_evals(run) if e["step"] == STEP]
     return cfg, run, rec, json.loads(out.read_text())
@@ -48,17 +48,22 @@ def test_decode_eval_reports_the_training_evals_metrics(evaluated):
 def test_companion_per_batch_averaged_lengths_differ(evaluated):
     """The old rule (the mean of per-batch expected lengths, unweighted) gives another number on the same batches,
     so the equality above holds only because both paths take the lengths from the token-weighted mean rates."""
-    from mtpjax.data import make_iterator, prepare
+    from mtpjax.data import first_batches, prepare
     from mtpjax.train.checkpoint import load_model
 
     cfg, run, rec, _ = evaluated
     _, model, _ = load_model(run, STEP)
-    it = make_iterator(prepare(cfg.data), split="val", seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
-                       seed=cfg.train.seed, shuffle=False, num_epochs=1)
-    batches = [b for _, b in zip(range(3), it)]
+    batches = first_batches(prepare(cfg.data), 3, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
+                            seed=cfg.train.seed)
     per = model_metrics(model, batches, step=STEP, loss_cfg=cfg.loss)
     assert mean_metrics(per)["expected_accept_length"] == pytest.approx(rec["expected_accept_length"], rel=1e-6)
     rates = [{k: float(v) for k, v in m.items() if k != COUNTS} for m in per]
     lengths = [float(add_expected_lengths(r, 2)["expected_accept_length"]) for r in rates]
     assert len(set(lengths)) > 1  # batches that differ: otherwise any averaging agrees
     assert abs(np.mean(lengths) - rec["expected_accept_length"]) > 1e-5
+
+
+def test_eval_batches_below_one_is_one_line_exit_2(evaluated, capsys):
+    _, run, _, _ = evaluated
+    assert "--eval-batches 0 must be >= 1" in one_line_error(capsys, main, ["--run-dir", str(run), "--eval",
+                                                                             "--eval-batches", "0"])

@@ -55,7 +55,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-file", default=None,
                    help="auto: where measurements are saved (default: $MTPJAX_CACHE_DIR or ~/.cache/mtpjax, "
                         "decode_calibration.json)")
-    p.add_argument("--eval-batches", type=int, default=8, help="--eval: validation batches")
+    p.add_argument("--eval-batches", type=int, default=None,
+                   help="--eval: validation batches (default: train.eval_batches, the training eval's, or 8)")
     p.add_argument("--eval-prompts", type=int, default=8, help="--eval: held-out prompts")
     p.add_argument("--prompt-len", type=int, default=64, help="--eval: tokens per held-out prompt")
     p.add_argument("--json", help="--eval: also write the report as JSON here")
@@ -244,17 +245,17 @@ def _check_size(mcfg, prompts, max_new: int, num_draft: int, max_len: int) -> No
 
 
 def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
-    from mtpjax.data import make_iterator, prepare
+    from mtpjax.data import first_batches, prepare
     from mtpjax.eval.evaluate import agreement_on, forced_acceptance, heldout_prompts, speed_report
     from mtpjax.eval.validation import model_metrics, validation_metrics
 
+    n = args.eval_batches if args.eval_batches is not None else (cfg.train.eval_batches or 8)
+    if n < 1:
+        raise ValueError(f"--eval-batches {n} must be >= 1")
     _progress("eval: preparing the validation split")
     prepared = prepare(cfg.data)
-    it = make_iterator(prepared, split="val", seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
-                       seed=cfg.train.seed, shuffle=False, num_epochs=1)
-    batches = [b for _, b in zip(range(args.eval_batches), it)]
-    if not batches:
-        raise ValueError("the validation split holds less than one batch; lower train.batch_size or data.seq_len")
+    batches = first_batches(prepared, n, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
+                            seed=cfg.train.seed)  # the training eval's batches
     _progress(f"eval: validation metrics on {len(batches)} batches")
     # the training eval's metrics (eval.jsonl at this step, on its first validation batches): one function
     val = validation_metrics(model_metrics(model, batches, step=step, loss_cfg=cfg.loss), batches, tok)
