@@ -149,13 +149,13 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and few steps: seconds, for tests")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per comparison (default 5, smoke 1)")
     ap.add_argument("--run-dir", default="runs/tiny",
-                    help="trained checkpoint for decoding (the README's main command)")
+                    help="trained checkpoint for decoding (the README's quickstart)")
     ap.add_argument("--no-peer", action="store_true", help="skip the PyTorch peer")
     ap.add_argument("--draft-run-dir", default="runs/draft_tiny",
                     help="a draft-model run with the same tokenizer (python train.py --config configs/draft_tiny.yaml)")
     ap.add_argument("--large-run-dir", default=None,
                     help="also decode this checkpoint at batch 1: weights beyond the last-level cache "
-                         "(README: runs/medium_mtp2)")
+                         "(docs/benchmarks.md: runs/medium_mtp2)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results.json"))
     args = ap.parse_args(argv)
     rounds = args.rounds or (1 if args.smoke else 5)

@@ -50,8 +50,8 @@ PEAK_BF16 = [
 DEFAULT_BACKENDS = {"gpu": "xla,cudnn,pallas", "tpu": "xla,splash", "cpu": "xla"}
 SMOKE = ["model.vocab_size=256", "model.d_model=32", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2",
          "model.d_ff=64", "data.seq_len=48", "loss.chunk_size=16"]
-# α by draft position of the former README tiny CPU run (byte-level d256, two MTP modules, 200 steps): passed in, not
-# measured here (the current configs/tiny.yaml has one module: α 0.95 at batch 1, bench of 30 Nov).
+# α by draft position of the former tiny CPU run (docs/benchmarks.md; byte-level d256, two MTP modules, 200 steps):
+# passed in, not measured here (the current configs/tiny.yaml has one module: α 0.95 at batch 1, bench of 30 Nov).
 TINY_ALPHA = "0.98,0.50"
 
 
@@ -221,7 +221,7 @@ def _gib(n) -> str:
 
 
 def table(res: dict) -> str:
-    """The one markdown table the script prints (and the README quotes)."""
+    """The one markdown table the script prints (and docs/benchmarks.md quotes)."""
     d = res["device"]
     out = ["| measure | setting | result |", "|---|---|---|"]
     peak = f"{d['peak'] / 1e12:.3g} TFLOP/s ({d['peak_source']})"

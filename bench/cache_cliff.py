@@ -8,7 +8,7 @@ flat; it does not. Measured on the 2-core CPU here (d_model 256, float32): 62 / 
 layer at 6.2 / 12.1 / 18.0 / 23.9 MB of weights (MB = 1e6 bytes of parameters, as in decode_bench).
 The tiny config's trunk is 12 MB, with its two MTP modules 19 MB. This curve is the plain round's
 cost only; why MTP rounds cost more than their FLOPs on the tiny model (XLA's few-row matmul kernels)
-is in the README's benchmarks section.
+is on the benchmarks page (docs/benchmarks.md).
 """
 
 from __future__ import annotations

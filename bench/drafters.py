@@ -160,7 +160,7 @@ def decode_speed(cfg, drafters: dict, prompts, gamma: int, batches, max_new: int
 
 
 def table(res: dict) -> str:
-    """The README's markdown table: one row per drafter on the one trunk."""
+    """The markdown table of docs/benchmarks.md: one row per drafter on the one trunk."""
     labels = {"joint": "MTP, trained jointly with the trunk", "frozen_data": "MTP, frozen trunk, data targets",
               "frozen_self": "MTP, frozen trunk, self targets", "ngram": "n-gram (prompt lookup)",
               "draft_model": "draft model (2 x 64 wide)"}

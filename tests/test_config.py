@@ -1,12 +1,37 @@
 """Config schema: loading, dotted overrides with types, and every ConfigError naming its key."""
 
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import jax
 import pytest
+import numpy as np
 from flax import nnx
 
-from mtpjax.config import Config, ConfigError, field_doc, from_dict, load_config, parse_lambda, replace
+from mtpjax.config import (
+    RUNTIME_KEYS,
+    Config,
+    ConfigError,
+    DecodeConfig,
+    LambdaSchedule,
+    LossConfig,
+    MixtureSource,
+    TargetMix,
+    choices,
+    field_doc,
+    from_dict,
+    identity,
+    load_config,
+    replace,
+)
+from mtpjax.config.reference import COMMAND, markdown
+from mtpjax.config.schema import key, walk
+from mtpjax.config.validate import check_fields
+from mtpjax.nn.loss import lambda_schedule
 from mtpjax.nn.model import build_model, param_counts
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
@@ -48,7 +73,7 @@ def test_overrides_apply_with_types(tmp_path):
     assert cfg.model.d_model == 64 and type(cfg.model.d_model) is int
     assert cfg.model.tie_embeddings is False
     assert cfg.data.paths == ("a.txt",)
-    assert cfg.loss.mtp_lambda == "piecewise:0.3@1000,0.1"
+    assert cfg.loss.mtp_lambda == LambdaSchedule("piecewise", (0.3, 0.1), (1000,))
     assert cfg.train.peak_flops == 1e12 and type(cfg.train.peak_flops) is float
     assert cfg.optim.b1 == 0.0 and type(cfg.optim.b1) is float
     assert cfg.train.run_dir == "runs/x y"
@@ -178,9 +203,9 @@ def test_lambda_schedule_that_does_not_parse(spec):
 
 
 def test_lambda_specs_parse():
-    assert parse_lambda("0.3") == ("constant", {"value": 0.3})
-    assert parse_lambda("piecewise:0.3@1000,0.1") == ("piecewise", {"values": [0.3, 0.1], "boundaries": [1000]})
-    assert parse_lambda("cosine: 0.3 -> 0.1 @ 10") == ("cosine", {"init": 0.3, "end": 0.1, "steps": 10})
+    assert LambdaSchedule.parse("0.3") == LambdaSchedule("constant", (0.3,))
+    assert LambdaSchedule.parse("piecewise:0.3@1000,0.1") == LambdaSchedule("piecewise", (0.3, 0.1), (1000,))
+    assert LambdaSchedule.parse("cosine: 0.3 -> 0.1 @ 10") == LambdaSchedule("cosine", (0.3, 0.1), (10,))
 
 
 @pytest.mark.parametrize("override, expected", [
@@ -215,3 +240,183 @@ def test_unknown_key_in_file(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("model:\n  mtp_dpeth: 2\n")
     assert "unknown config key 'model.mtp_dpeth'; did you mean 'model.mtp_depth'?" in error_of([], p)
+
+
+# ----------------------------------------------------------------------------- parsed values (λ, MTP target)
+
+
+LAMBDAS = [  # (as written, the typed value, its saved string, hand-computed λ at chosen steps)
+    ("constant:0.3", LambdaSchedule("constant", (0.3,)), "constant:0.3", {0: 0.3, 10**6: 0.3}),
+    ("0.25", LambdaSchedule("constant", (0.25,)), "constant:0.25", {0: 0.25, 7: 0.25}),
+    ("piecewise:1@10,0.5@20,0", LambdaSchedule("piecewise", (1.0, 0.5, 0.0), (10, 20)), "piecewise:1.0@10,0.5@20,0.0",
+     {0: 1.0, 9: 1.0, 10: 0.5, 19: 0.5, 20: 0.0, 100: 0.0}),
+    ("linear:0.3->0.1@1000", LambdaSchedule("linear", (0.3, 0.1), (1000,)), "linear:0.3->0.1@1000",
+     {0: 0.3, 250: 0.25, 500: 0.2, 1000: 0.1, 5000: 0.1}),
+    ("cosine:0->0.1@100", LambdaSchedule("cosine", (0.0, 0.1), (100,)), "cosine:0.0->0.1@100",
+     {0: 0.0, 25: 0.1 * (1 - 0.5 ** 0.5) / 2, 50: 0.05, 100: 0.1, 200: 0.1}),
+    ("linear:1e-05->-2@3", LambdaSchedule("linear", (1e-5, -2.0), (3,)), "linear:1e-05->-2.0@3", {3: -2.0}),
+]
+
+
+@pytest.mark.parametrize("spec, typed, saved, points", LAMBDAS, ids=[x[0] for x in LAMBDAS])
+def test_lambda_is_parsed_once_into_its_typed_value_and_saved_as_a_string(spec, typed, saved, points):
+    cfg = load_config(None, [f"loss.mtp_lambda={spec}"])
+    assert cfg.loss.mtp_lambda == typed and str(typed) == saved
+    assert cfg.to_dict()["loss"]["mtp_lambda"] == saved and from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    sched = lambda_schedule(cfg.loss.mtp_lambda)
+    for step, want in points.items():
+        np.testing.assert_allclose(float(sched(step)), want, rtol=1e-6, atol=1e-7, err_msg=f"{spec} @ {step}")
+
+
+def test_a_saved_config_is_the_same_run_whatever_spelling_it_was_written_in():
+    """check_identity compares configs read back from their dicts: two spellings of one value are one run."""
+    old = from_dict({"loss": {"mtp_lambda": "0.3", "mtp_target": "mix:0"}, "data": {"seq_len": 256.0}})
+    assert identity(old, "loss") == identity(Config(), "loss") and old == Config()
+    assert identity(from_dict({"loss": {"mtp_lambda": "0.31"}}), "loss") != identity(Config(), "loss")
+
+
+def test_lambda_of_a_non_finite_value_is_refused():
+    """1e999 reads as inf, whose saved string ('inf') would not load again."""
+    for spec in ("constant:1e999", "linear:0.3->-1e999@5", "piecewise:1e999@3,0"):
+        assert "config key 'loss.mtp_lambda'" in error_of([f"loss.mtp_lambda={spec}"])
+
+
+@pytest.mark.parametrize("spec, w_self, saved", [
+    ("data", 0.0, "data"), ("self", 1.0, "self"), ("mix:0.25", 0.25, "mix:0.25"), ("mix:.5", 0.5, "mix:0.5"),
+    ("mix:0", 0.0, "data"), ("mix:1", 1.0, "self"), ("mix:1e-3", 0.001, "mix:0.001")])
+def test_mtp_target_is_parsed_once_into_weights_over_the_targets(spec, w_self, saved):
+    target = load_config(None, [f"loss.mtp_target={spec}"]).loss.mtp_target
+    assert isinstance(target, TargetMix) and target.weight("self") == w_self
+    assert target.weight("data") == 1 - w_self and sum(target.weights) == 1
+    assert str(target) == saved and TargetMix.parse(saved) == target
+
+
+@pytest.mark.parametrize("spec", ["teacher", "mix:-0.1", "mix:2", "mix", "mix:a", "Self"])
+def test_mtp_target_that_does_not_parse(spec):
+    msg = error_of([f"loss.mtp_target={spec}"])
+    assert msg.startswith(f"config key 'loss.mtp_target' = '{spec}' is invalid") and "mix:<w>" in msg
+
+
+def test_loss_config_built_in_python_parses_its_strings():
+    lc = LossConfig("piecewise:0.3@10,0.1", mtp_target="mix:0.5")
+    assert lc.mtp_lambda == LambdaSchedule("piecewise", (0.3, 0.1), (10,)) and lc.mtp_target.weight("self") == 0.5
+    assert LossConfig(lc.mtp_lambda, mtp_target=lc.mtp_target) == lc  # typed values pass through
+    with pytest.raises(ConfigError, match="config key 'loss.mtp_target' = 'teacher'"):
+        LossConfig(mtp_target="teacher")
+
+
+# ----------------------------------------------------------------------------- choices and bounds, from the types
+
+
+LITERALS = [(k, typing.get_args(tp)) for k, _, tp in walk() if typing.get_origin(tp) is Literal]
+BOUNDED = [(k, f.metadata["bounds"], tp) for k, f, tp in walk() if "bounds" in f.metadata]
+
+
+def test_the_schema_has_choice_and_bounded_fields():
+    assert len(LITERALS) >= 12 and len(BOUNDED) >= 35  # the parametrizations below are not vacuous
+
+
+@pytest.mark.parametrize("key, options", LITERALS, ids=[k for k, _ in LITERALS])
+def test_every_choice_field_refuses_a_value_outside_its_literal(key, options):
+    expected = f"config key '{key}' = 'bogus' is invalid: expected one of {', '.join(options)}"
+    assert error_of([f"{key}=bogus"]) == expected
+    for option in options:  # and each of its choices is a value the validator accepts on its own
+        section, name = key.split(".")
+        check_fields(dataclasses.replace(getattr(Config(), section), **{name: option}), f"{section}.")
+
+
+def test_a_mixture_source_refuses_a_value_outside_its_literal():
+    msg = error_of(["data.mixture=[{name: a, source: web, paths: [x]}]"])
+    assert msg == ("config key 'data.mixture[0].source' = 'web' is invalid: "
+                   "expected one of stdlib, text, array, parquet, arrow")
+
+
+def _outside(bounds, tp) -> list:
+    """Values just outside each finite side of `bounds` (of the field's type)."""
+    step = 1 if tp is int else 0.5
+    out = []
+    if bounds.lo is not None:
+        out.append(tp(bounds.lo if bounds.lo_open else bounds.lo - step))
+    if bounds.hi is not None:
+        out.append(tp(bounds.hi if bounds.hi_open else bounds.hi + step))
+    return out
+
+
+@pytest.mark.parametrize("key, bounds, tp", BOUNDED, ids=[k for k, _, _ in BOUNDED])
+def test_every_bounded_field_refuses_a_value_outside_its_bounds(key, bounds, tp):
+    for value in _outside(bounds, tp):
+        assert error_of([f"{key}={value}"]) == f"config key '{key}' = {value!r} is invalid: must be {bounds}"
+
+
+def test_the_checks_come_from_the_field_types_and_metadata():
+    """Companion: the same bad value passes where the field is a plain str / has no bounds."""
+
+    @dataclass(frozen=True)
+    class Typed:
+        mode: Literal["a", "b"] = "a"
+        size: int = key(1, "a size", gt=0)
+
+    @dataclass(frozen=True)
+    class Plain:
+        mode: str = "a"
+        size: int = 1
+
+    with pytest.raises(ConfigError, match="config key 'mode' = 'c' is invalid: expected one of a, b"):
+        check_fields(Typed(mode="c"))
+    with pytest.raises(ConfigError, match="config key 'size' = 0 is invalid: must be > 0"):
+        check_fields(Typed(size=0))
+    check_fields(Plain(mode="c", size=0))
+
+
+def test_runtime_keys_are_marked_on_their_fields():
+    assert RUNTIME_KEYS == {"model.attention", "data.cache_dir", "data.num_workers", "data.prepare_workers"}
+
+
+# ----------------------------------------------------------------------------- one list of choices
+
+
+def test_every_decode_cli_choice_with_a_config_twin_is_the_configs():
+    from mtpjax.cli.decode import parser
+
+    twins = {f.name for f in dataclasses.fields(DecodeConfig)}
+    checked = [a.dest for a in parser()._actions if a.choices is not None and a.dest in twins]
+    assert checked == ["proposer"]  # not vacuous: the one flag with choices today
+    for dest in checked:
+        assert tuple(next(a for a in parser()._actions if a.dest == dest).choices) == choices(DecodeConfig, dest)
+
+
+def test_every_proposer_is_a_config_choice_and_back():
+    from mtpjax.decode.proposers import PROPOSERS
+
+    assert tuple(PROPOSERS) == choices(DecodeConfig, "proposer")
+    for name in PROPOSERS:  # decode.py --proposer mtp1 works, so does decode.proposer=mtp1
+        assert load_config(None, [f"decode.proposer={name}"]).decode.proposer == name
+
+
+def test_the_configs_proposer_is_what_decode_py_drafts_with():
+    from mtpjax.cli.decode import _proposer, parser
+
+    args = parser().parse_args(["--run-dir", "r", "--prompt", "x"])
+    assert _proposer(args, load_config(None, ["decode.proposer=mtp1"])) == "mtp1"
+    with pytest.raises(ValueError, match="^decode.proposer=model needs --draft-run-dir RUN"):
+        _proposer(args, load_config(None, ["decode.proposer=model"]))
+    assert _proposer(parser().parse_args(["--run-dir", "r", "--draft-run-dir", "d"]),
+                     load_config(None, ["decode.proposer=model"])) == "model"
+
+
+# ----------------------------------------------------------------------------- documented once
+
+
+def test_every_key_has_a_doc_and_its_choice_docs_match_its_literal():
+    for k, f, tp in walk() + walk(MixtureSource):
+        assert f.metadata["doc"].strip(), k
+        if "choices" in f.metadata:
+            assert tuple(f.metadata["choices"]) == typing.get_args(tp), k
+
+
+def test_the_configuration_page_is_generated_from_the_fields():
+    page = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    assert page == markdown(), f"docs/configuration.md is stale; regenerate it: {COMMAND}"
+    assert COMMAND in page.split("\n## ")[0]  # the header names how
+    for k, f, _ in walk():  # companion: every key is a row of the page, with its doc
+        assert f"| `{k}` |" in page and f.metadata["doc"].replace("|", "\\|") in page, k

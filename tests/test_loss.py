@@ -7,7 +7,7 @@ import optax
 import pytest
 from flax import nnx
 
-from mtpjax.config import LossConfig, parse_mtp_target
+from mtpjax.config import LambdaSchedule, LossConfig
 from mtpjax.nn.loss import lambda_schedule, mtp_loss, token_counts
 from mtpjax.nn.model import build_model
 
@@ -20,7 +20,7 @@ def _softmax(row, t=1.0):
 
 
 def reference(logits, tokens, seg, lam, w_self=0.0, temp=1.0, accept=False):
-    """Loss and metrics of DESIGN §2 with explicit loops over depths, rows and positions (float64); depth k's loss
+    """Loss and metrics of docs/design.md §2 with loops over depths, rows and positions (float64); depth k's loss
     is (1-w_self) data CE + w_self soft CE against the main head at i+k (temperature temp, times temp²)."""
     logits = np.asarray(logits, np.float64)
     K, B, _, _ = logits.shape
@@ -79,7 +79,7 @@ def check_against_reference(model, toks, seg, cfg, step, lam, accept=False):
     out = model(jnp.asarray(toks), jnp.asarray(seg))
     loss, metrics = mtp_loss(model, out, jnp.asarray(toks), jnp.asarray(seg), step=step, cfg=cfg,
                              with_accept_prob=accept)
-    w_self = parse_mtp_target(cfg.mtp_target)
+    w_self = cfg.mtp_target.weight("self")
     ref = reference(model.logits(out.hidden), toks, seg, lam, w_self, cfg.distill_temperature,
                     accept=accept or w_self > 0)
     assert set(metrics) == set(ref)
@@ -206,7 +206,7 @@ def test_counts_let_micro_batches_sum_to_full_batch(model_cfg):
     ("cosine:0->0.1@100", {0: 0.0, 50: 0.05, 100: 0.1, 200: 0.1}),
 ])
 def test_lambda_schedule_values(spec, points):
-    sched = lambda_schedule(spec)
+    sched = lambda_schedule(LambdaSchedule.parse(spec))
     jitted = jax.jit(sched)
     for step, want in points.items():
         np.testing.assert_allclose(float(sched(step)), want, rtol=1e-6, atol=1e-7, err_msg=f"{spec} @ {step}")

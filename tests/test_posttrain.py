@@ -224,7 +224,7 @@ def test_resuming_a_post_training_run_unfrozen_is_refused_by_name(tiny_run, tmp_
 
 def test_config_checks_of_the_new_keys():
     ok = ["train.init_from=somewhere"]
-    assert load_config(None, [*ok, "train.freeze=trunk", "loss.mtp_target=mix:0.5"]).loss.mtp_target == "mix:0.5"
+    assert str(load_config(None, [*ok, "train.freeze=trunk", "loss.mtp_target=mix:0.5"]).loss.mtp_target) == "mix:0.5"
     for bad, needle in [("train.freeze=mtp", "train.freeze"), ("loss.mtp_target=teacher", "loss.mtp_target"),
                         ("loss.distill_temperature=-1", "must be > 0"), ("loss.mtp_target=mix:-0.1", "mix:<w>")]:
         with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace("+", r"\+")):

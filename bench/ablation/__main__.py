@@ -74,7 +74,7 @@ def setup(args):
     if 0 not in depths:
         raise ConfigError(f"--depths '{args.depths}' must include 0: every variant is compared to D=0")
     kinds = grid.parse_kinds(args.kinds, depths)
-    lambdas = args.lambdas or [base.loss.mtp_lambda]
+    lambdas = args.lambdas or [str(base.loss.mtp_lambda)]
     vs = grid.variants(depths, kinds, lambdas)
     seeds = _seeds(args.seeds, base.train.seed)
     for v in vs:  # every λ and kind validated before anything trains

@@ -21,10 +21,10 @@ import dataclasses
 import re
 from pathlib import Path
 
-from mtpjax.config import Config, ConfigError, replace
+from mtpjax.config import Config, ConfigError, ModelConfig, choices, replace
 from mtpjax.nn.flops import train_flops_per_token
 
-KINDS = ("sequential", "parallel")
+KINDS = choices(ModelConfig, "mtp_kind")
 SHORT = {"sequential": "seq", "parallel": "par"}
 
 

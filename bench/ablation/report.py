@@ -165,7 +165,7 @@ def table(res: dict) -> str:
 
 
 def markdown(res: dict) -> str:
-    """The same table in Markdown, for the README: `python -m bench.ablation.report <results.json>`."""
+    """The same table in Markdown, for docs/ablation.md: `python -m bench.ablation.report <results.json>`."""
     rows = [HEAD, ["---"] * len(HEAD), *_cells(res)]
     return "\n".join([title(res) + ":", ""] + ["| " + " | ".join(row) + " |" for row in rows])
 

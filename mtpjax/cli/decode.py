@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+from mtpjax.config import DecodeConfig, choices
 from mtpjax.decode import api, autodraft
 from mtpjax.decode.cache import cache_bytes, rows
 from mtpjax.decode.host import DecodeError
-from mtpjax.decode.proposers import PROPOSERS
 
 MAX_DRAFT = 16  # more drafts per round than this is never accepted in practice; the round loop is unrolled
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
@@ -37,7 +37,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft", type=_num_draft, default=None,
                    help="drafts per round, or auto: measure 0..mtp_depth (n-gram 0..3, draft model 0..4) on the "
                         "prompts and use the fastest (default: decode.num_draft)")
-    p.add_argument("--proposer", choices=tuple(PROPOSERS), default=None,
+    p.add_argument("--proposer", choices=choices(DecodeConfig, "proposer"), default=None,
                    help="mtp: the run's MTP modules (module k drafts token k); mtp1: module 1 drafts every token; "
                         "ngram: prompt lookup; model: the --draft-run-dir model (default: decode.proposer, or model "
                         "with --draft-run-dir)")
@@ -96,8 +96,9 @@ def _proposer(args, cfg) -> str:
         if args.proposer not in (None, "model"):
             raise ValueError(f"--draft-run-dir drafts with --proposer model, not {args.proposer}; drop one of them")
         return "model"
-    if args.proposer == "model":
-        raise ValueError("--proposer model needs --draft-run-dir RUN (a run trained with the same tokenizer, "
+    if (args.proposer or cfg.decode.proposer) == "model":
+        said = "--proposer model" if args.proposer else "decode.proposer=model"
+        raise ValueError(f"{said} needs --draft-run-dir RUN (a run trained with the same tokenizer, "
                          "e.g. configs/draft_tiny.yaml)")
     if args.proposer is None and cfg.model.mtp_depth == 0:
         return "ngram"  # speculative by default only where the model has a proposer

@@ -1,6 +1,6 @@
 """Tokenize a text-like source into train/val token files, in this process or in worker processes.
 
-Measured (bench/data_bench.py, README): with a BPE the `tokenizers` batch encoder, which already uses every
+Measured (bench/data_bench.py, docs/benchmarks.md): with a BPE the `tokenizers` batch encoder, which already uses every
 core, dominates (reading is under 1%) and preparation runs at ~0.9x its speed; with bytes, per-document Python work
 (hashes, decoding) and writing dominate. `data.prepare_workers=N` has N spawned processes each read, split
 and encode whole units (files, row groups, record batches) with a single-threaded encoder, so reading

@@ -76,13 +76,13 @@ class ByteTokenizer(Tokenizer):
         return text.replace("\x00", "").encode("utf-8")
 
     def decode(self, ids: Iterable[int]) -> str:
-        ids_N = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids, dtype=np.int64).reshape(-1)
-        ids_N = ids_N[ids_N != self.eos_id]
-        bad = (ids_N < 0) | (ids_N >= 256)
+        flat = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids, dtype=np.int64).reshape(-1)
+        flat = flat[flat != self.eos_id]
+        bad = (flat < 0) | (flat >= 256)
         if not bad.any():
-            return ids_N.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+            return flat.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
         cuts = np.flatnonzero(bad)
-        pieces = np.split(ids_N, cuts)  # each piece after the first starts with an unknown id
+        pieces = np.split(flat, cuts)  # each piece after the first starts with an unknown id
         return _REPLACEMENT.join(p[1 if i else 0:].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
                                  for i, p in enumerate(pieces))
 

@@ -3,7 +3,7 @@
 Whether speculation pays depends on the machine, the batch size and the model. On a 2-core CPU a 19 MB
 model sits in the last-level cache and one decode row is already compute-bound, so verifying 2-3 tokens
 costs 2-3 plain steps and MTP drafts lose; a 99 MB model is bound by reading its weights, and 1-2 MTP
-drafts win at batch 1 (README, Benchmarks). At batch 32 verification is compute-bound for any model
+drafts win at batch 1 (docs/benchmarks.md). At batch 32 verification is compute-bound for any model
 size. So `generate(num_draft="auto")` times
 a short probe of every candidate γ on the very prompts it was given (the same compiled loops the real
 run then reuses), takes α by draft position from the longest candidate, and picks the γ that

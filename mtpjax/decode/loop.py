@@ -3,7 +3,7 @@
 One round verifies [last committed token, drafts] with one cached trunk forward, accepts a prefix (greedy
 match or rejection sampling), commits it plus one target token, then asks the proposer for the next
 drafts. The proposer owns whatever state it needs (module caches, a draft model's cache); the invariant
-(DESIGN §6) is that at every loop boundary each cache equals a fresh prefill of the committed sequence
+(docs/design.md §6) is that at every loop boundary each cache equals a fresh prefill of the committed sequence
 wherever its inputs are committed. Plain decoding is the same loop with γ = 0.
 
 `Loop` holds only static fields (gemma's sampler loop has the same shape): it is hashed by `jax.jit`, so

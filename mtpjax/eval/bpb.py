@@ -93,8 +93,8 @@ def target_counts(tokens_BT, segment_ids_BT, lengths_V: np.ndarray) -> tuple[int
     return int(valid_BT.sum()), int(lengths_V[tgt_BT[valid_BT]].sum())
 
 
-def bits_per_byte(main_losses: list[float], counts) -> float:
-    """Σ CE / (ln 2 · Σ bytes) from each batch's mean main-head loss and its (targets, bytes): counts[batch]."""
+def bits_per_byte(main_losses: list[float], counts: np.ndarray) -> float:
+    """Σ CE / (ln 2 · Σ bytes) from each batch's mean main-head loss and its (targets, bytes)."""
     counts = np.asarray(counts, np.float64).reshape(-1, 2)
     nats = np.asarray(main_losses, np.float64) * np.maximum(1.0, counts[:, 0])  # mtp_loss divides by max(1, n)
     n_bytes = counts[:, 1].sum()

@@ -35,8 +35,8 @@ def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None,
     tx = optax.adamw(o.lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
     opt_state = jax.eval_shape(tx.init, params)
     fl = flops_per_token(cfg.model, cfg.data.seq_len)
-    D = cfg.model.mtp_depth
-    max_gamma = D + 2 if max_gamma is None else max_gamma
+    J = cfg.model.mtp_depth
+    max_gamma = J + 2 if max_gamma is None else max_gamma
 
     def ratios(g: int) -> dict:
         if draft_cost is not None:
@@ -45,7 +45,7 @@ def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None,
         return {"work_ratio": work_ratio(*args), "weight_ratio": weight_ratio(*args), "floor_ratio": floor_ratio(*args)}
 
     spec = []
-    for g in range(1, max_gamma + 1) if draft_cost is not None or D else ():
+    for g in range(1, max_gamma + 1) if draft_cost is not None or J else ():
         r = ratios(g)
         spec.append({"gamma": g, "tokens_per_round": expected_tokens([alpha], g), **r,
                      "speedup": ceiling([alpha], g, r["floor_ratio"])})

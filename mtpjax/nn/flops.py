@@ -6,7 +6,7 @@ Conventions, chosen once and used everywhere:
   Per token that is 2·T·head_dim per query head for each of the two products.
 - The embedding lookup is a gather: 0 FLOPs. Norms, RoPE, softmax and SwiGLU's elementwise product
   are not matmuls and are not counted.
-- The shared head runs once per depth (D+1 times per token), tied or not.
+- The shared head runs once per prediction depth (M = J + 1 times per token), tied or not.
 - Training = 3 × forward (backward ≈ 2 × forward); rematerialization's recompute is not counted, so
   MFU stays comparable across remat settings.
 """
@@ -29,13 +29,13 @@ def _block_flops(m: ModelConfig, seq_len: int) -> dict[str, float]:
 
 def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> dict:
     """Forward FLOPs per token: trunk, each MTP module, each head application, and totals (train = 3× fwd)."""
-    m, D = model_cfg, model_cfg.mtp_depth
+    m, J = model_cfg, model_cfg.mtp_depth
     blk = _block_flops(m, seq_len)
     eh_proj = 2 * (2 * m.d_model) * m.d_model if m.mtp_kind == "sequential" else 0
     trunk = m.n_layers * blk["total"]
     module = eh_proj + blk["total"]
     head = 2.0 * m.d_model * m.vocab_size
-    forward = trunk + head + D * (module + head)
+    forward = trunk + head + J * (module + head)
     return {
         "block": blk["total"],
         "block_matmul": blk["matmul"],
@@ -44,11 +44,11 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> dict:
         "trunk_matmul": m.n_layers * blk["matmul"],  # 2 x the weights a row reads (the head apart)
         "mtp_module": float(module),
         "mtp_module_matmul": float(eh_proj + blk["matmul"]),
-        "mtp": [float(module)] * D,
+        "mtp": [float(module)] * J,
         "head": head,
-        "head_applications": D + 1,
+        "head_applications": J + 1,
         "forward": forward,
-        "forward_by_depth": [trunk + head + k * (module + head) for k in range(D + 1)],
+        "forward_by_depth": [trunk + head + k * (module + head) for k in range(J + 1)],
         "train": 3.0 * forward,
     }
 
@@ -62,8 +62,8 @@ def train_flops_per_token(model_cfg: ModelConfig, seq_len: int, frozen_trunk: bo
     f = flops_per_token(model_cfg, seq_len)
     if not frozen_trunk:
         return f["train"]
-    D = model_cfg.mtp_depth
-    return f["trunk"] + f["head"] + D * (3 * f["mtp_module"] + 2 * f["head"])
+    J = model_cfg.mtp_depth
+    return f["trunk"] + f["head"] + J * (3 * f["mtp_module"] + 2 * f["head"])
 
 
 

@@ -2,19 +2,7 @@
 
 Parameters carry `logical_axes` metadata; `mtpjax.parallel.sharding` maps those names onto the mesh.
 
-Shape alphabet, used in array names across the package (`x_BTD` is [batch, positions, width]); one
-letter, one meaning:
-
-    B  batch rows                          V  vocabulary
-    T  positions of this call (window)     D  model width (d_model)
-    S  cache / key positions (capacity)    F  MLP width (d_ff)
-    P  padded prompt length                L  trunk layers
-    W  rows an MTP module recomputes       N  query heads
-    G  drafts per round (gamma)            K  key/value heads
-    Y  tokens verified per round (G + 1)   R  query heads per key/value head (N / K)
-    M  prediction depths (main + modules)  H  head dimension
-    C  positions per loss chunk            Q  query rows of one KV head in cached attention (R * T)
-    U  loss chunks (T / C)                 I  flattened leading axes (rows fed to a dense layer)
+Array names carry their axes as a suffix (`x_BTD`); the letters are mtpjax/nn/shapes.py's ALPHABET.
 """
 
 from __future__ import annotations
@@ -219,22 +207,22 @@ def attend_cached(q_BTKRH, k_BTKH, v_BTKH, cache: KV, start_B):
     so (with write_after) XLA updates the buffers in place.
     """
     B, T, K, R, H = q_BTKRH.shape
-    q_BKQH = q_BTKRH.transpose(0, 2, 3, 1, 4).reshape(B, K, R * T, H)  # query row r*T + t
-    s_BKQS = jnp.einsum("bkqh,bksh->bkqs", q_BKQH, cache.k_BKSH.astype(q_BKQH.dtype),
-                        preferred_element_type=jnp.float32)
-    committed_BS = jnp.arange(s_BKQS.shape[-1])[None, :] < start_B[:, None]
-    s_BKQS = s_BKQS + jnp.where(committed_BS, 0.0, -1e30)[:, None, None, :]
-    s_BKQT = jnp.einsum("bkqh,btkh->bkqt", q_BKQH, k_BTKH, preferred_element_type=jnp.float32)
-    causal_QT = jnp.tile(jnp.arange(T)[None, :] <= jnp.arange(T)[:, None], (R, 1))
-    s_BKQT = s_BKQT + jnp.where(causal_QT, 0.0, -1e30)[None, None]
-    m = jax.lax.stop_gradient(jnp.maximum(s_BKQS.max(-1, keepdims=True), s_BKQT.max(-1, keepdims=True)))
-    e_old, e_new = jnp.exp(s_BKQS - m), jnp.exp(s_BKQT - m)
+    q_BKRTH = q_BTKRH.transpose(0, 2, 3, 1, 4).reshape(B, K, R * T, H)  # RT (q in the einsums): one axis, row r*T + t
+    s_BKRTS = jnp.einsum("bkqh,bksh->bkqs", q_BKRTH, cache.k_BKSH.astype(q_BKRTH.dtype),
+                         preferred_element_type=jnp.float32)
+    committed_BS = jnp.arange(s_BKRTS.shape[-1])[None, :] < start_B[:, None]
+    s_BKRTS = s_BKRTS + jnp.where(committed_BS, 0.0, -1e30)[:, None, None, :]
+    s_BKRTT = jnp.einsum("bkqh,btkh->bkqt", q_BKRTH, k_BTKH, preferred_element_type=jnp.float32)
+    causal_RTT = jnp.tile(jnp.arange(T)[None, :] <= jnp.arange(T)[:, None], (R, 1))
+    s_BKRTT = s_BKRTT + jnp.where(causal_RTT, 0.0, -1e30)[None, None]
+    m = jax.lax.stop_gradient(jnp.maximum(s_BKRTS.max(-1, keepdims=True), s_BKRTT.max(-1, keepdims=True)))
+    e_old, e_new = jnp.exp(s_BKRTS - m), jnp.exp(s_BKRTT - m)
     dt = v_BTKH.dtype
     f32 = jnp.float32
-    o_BKQH = (jnp.einsum("bkqs,bksh->bkqh", e_old.astype(dt), cache.v_BKSH.astype(dt), preferred_element_type=f32)
-              + jnp.einsum("bkqt,btkh->bkqh", e_new.astype(dt), v_BTKH, preferred_element_type=f32))
-    o_BKQH = o_BKQH / (e_old.sum(-1) + e_new.sum(-1))[..., None]
-    return o_BKQH.reshape(B, K, R, T, H).transpose(0, 3, 1, 2, 4)
+    o_BKRTH = (jnp.einsum("bkqs,bksh->bkqh", e_old.astype(dt), cache.v_BKSH.astype(dt), preferred_element_type=f32)
+               + jnp.einsum("bkqt,btkh->bkqh", e_new.astype(dt), v_BTKH, preferred_element_type=f32))
+    o_BKRTH = o_BKRTH / (e_old.sum(-1) + e_new.sum(-1))[..., None]
+    return o_BKRTH.reshape(B, K, R, T, H).transpose(0, 3, 1, 2, 4)
 
 
 class Attention(nnx.Module):
@@ -254,7 +242,7 @@ class Attention(nnx.Module):
     def __call__(self, x_BTD, pos_BT, seg_BT=None, cache: KV | None = None):
         B, T, _ = x_BTD.shape
         tables = rope_tables(pos_BT, self.head_dim, self.theta, self.llama3)
-        # The 1/sqrt(hd) score scale rides on q's rotation: [B,T,H,hd] multiplies instead of [B,H,T,S].
+        # The 1/sqrt(H) score scale rides on q's rotation: [B,T,N,H] multiplies instead of [B,N,T,S].
         q = apply_rope(self.wq(x_BTD).reshape(B, T, self.n_heads, self.head_dim), tables, 1 / math.sqrt(self.head_dim))
         k = apply_rope(self.wk(x_BTD).reshape(B, T, self.n_kv, self.head_dim), tables)
         v = self.wv(x_BTD).reshape(B, T, self.n_kv, self.head_dim)

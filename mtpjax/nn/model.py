@@ -1,4 +1,4 @@
-"""Trunk + D MTP modules (DeepSeek-V3 sequential, or parallel heads); returns hidden states, never losses.
+"""Trunk + J MTP modules (DeepSeek-V3 sequential, or parallel heads); returns hidden states, never losses.
 
 Convention: module k consumes the *raw* (pre-final-norm) hidden state of depth k-1; each depth's
 own final norm is applied only on the way to the shared head. Training and decoding use the same
@@ -59,7 +59,7 @@ class MTPModule(nnx.Module):
 
 
 class MTPTransformer(nnx.Module):
-    """Decoder-only LM with D multi-token-prediction modules sharing its embedding and head."""
+    """Decoder-only LM with J multi-token-prediction modules sharing its embedding and head."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -99,7 +99,7 @@ class MTPTransformer(nnx.Module):
         return self.final_norm(h_raw) if k == 0 else self.mtp[k - 1].norm(h_raw)
 
     def trunk(self, tokens_BT, pos_BT=None, seg_BT=None, cache=None):
-        """Trunk forward; raw hidden states [B,T,d] and the updated cache (per-layer tuple, or stacked if scanned)."""
+        """Trunk forward; raw hidden states [B,T,D] and the updated cache (per-layer tuple, or stacked if scanned)."""
         pos_BT = _positions(tokens_BT) if pos_BT is None else pos_BT
         x = self.embed_tokens(tokens_BT)
         remat = self.cfg.remat
@@ -149,7 +149,7 @@ def shift_left(x_BT, k: int, fill=0):
     """x[:, i+k] at position i; positions past the end get `fill` (shapes stay fixed)."""
     if k == 0:
         return x_BT
-    pad = jnp.full((x_BT.shape[0], k, *x_BT.shape[2:]), fill, x_BT.dtype)  # trailing axes (a [B,T,d] state) kept
+    pad = jnp.full((x_BT.shape[0], k, *x_BT.shape[2:]), fill, x_BT.dtype)  # trailing axes (a [B,T,D] state) kept
     return jnp.concatenate([x_BT[:, k:], pad], axis=1)
 
 

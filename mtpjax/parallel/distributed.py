@@ -1,4 +1,4 @@
-"""Multi-process start-up on JAX's own runtime (DESIGN §3): `initialize()` before any other JAX use.
+"""Multi-process start-up on JAX's own runtime (docs/design.md §3): `initialize()` before any other JAX use.
 
 Where the processes come from (first match wins; `MTPJAX_CLUSTER=off` forces one process):
 - explicit: `MTPJAX_COORDINATOR=host:port`, `MTPJAX_NUM_PROCESSES=N`, `MTPJAX_PROCESS_ID=i` (launch/local.sh,

@@ -1,4 +1,4 @@
-"""Mesh, logical-axis rules and the NamedShardings of model/optimizer state and batches (DESIGN §3)."""
+"""Mesh, logical-axis rules and the NamedShardings of model/optimizer state and batches (docs/design.md §3)."""
 
 from __future__ import annotations
 

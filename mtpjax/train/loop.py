@@ -1,4 +1,4 @@
-"""The training loop (DESIGN §5): build once, jit once, loop; eval, checkpoints, NaN guard and preemption hang off it.
+"""Training loop (docs/design.md §5): build once, jit once, loop; eval, checkpoints, NaN guard, preemption hang off it.
 
 Around the loop: `rundir` (the run directory's lifecycle), `train_step` (TrainState and the jitted step),
 `train_eval` (the eval hook), `train_report` (banner, metrics, summary), `checkpoint`.
@@ -38,10 +38,10 @@ class NonFiniteError(TrainError):
 
 def check_parallelism(cfg: Config, mesh) -> None:
     """The batch must split evenly over data parallelism, micro-batches and processes."""
-    dp, B, M = data_parallelism(mesh), cfg.train.batch_size, cfg.train.micro_batches
-    if B % (dp * M):
+    dp, B, A = data_parallelism(mesh), cfg.train.batch_size, cfg.train.micro_batches
+    if B % (dp * A):
         raise TrainError(f"train.batch_size={B} is not divisible by data parallelism mesh.data*mesh.fsdp={dp} "
-                         f"times train.micro_batches={M}; use a multiple of {dp * M}")
+                         f"times train.micro_batches={A}; use a multiple of {dp * A}")
     if B % jax.process_count():
         raise TrainError(f"train.batch_size={B} is not divisible by the {jax.process_count()} processes")
 

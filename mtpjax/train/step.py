@@ -61,7 +61,7 @@ def loss_and_grads(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step,
     depth = nnx.merge(graphdef, train, frozen).cfg.mtp_depth
     counts = token_counts(tokens_BT, seg_BT, depth)
     B, T = tokens_BT.shape
-    M = micro_batches
+    A = micro_batches
 
     def loss_fn(train, tok_BT, seg_BT):
         model = nnx.merge(graphdef, train, frozen)
@@ -73,8 +73,8 @@ def loss_and_grads(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step,
         (_, met), g = jax.value_and_grad(loss_fn, has_aux=True)(train, *xs)
         return jax.tree.map(jnp.add, acc, g), met
 
-    # Micro-batch m holds rows m, m+M, ...: every device keeps its own rows, no resharding.
-    split = lambda x_BT: x_BT.reshape(B // M, M, T).swapaxes(0, 1)
+    # Micro-batch a holds rows a, a+A, ...: every device keeps its own rows, no resharding.
+    split = lambda x_BT: x_BT.reshape(B // A, A, T).swapaxes(0, 1)
     grads, mets = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, train), (split(tokens_BT), split(seg_BT)))
     return grads, _sum_micro_metrics(mets, depth)
 

@@ -1,0 +1,96 @@
+"""One validator: every field against its own choices and bounds, then the few rules that tie fields together."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from typing import Any, Literal
+
+from mtpjax.config.errors import fail
+from mtpjax.config.schema import Config, DataConfig
+from mtpjax.config.specs import Spec, parse_profile
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError for the first impossible value."""
+    check_fields(cfg)
+    _check_rules(cfg)
+
+
+def check_fields(section: Any, prefix: str = "") -> None:
+    """ConfigError for the first field outside its Literal's choices or its bounds (nested sections and lists too)."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        key, value, tp = f"{prefix}{f.name}", getattr(section, f.name), hints[f.name]
+        if isinstance(tp, type) and issubclass(tp, Spec):
+            continue  # checked when parsed
+        if dataclasses.is_dataclass(tp):
+            check_fields(value, f"{key}.")
+        elif typing.get_origin(tp) is tuple and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+            for i, item in enumerate(value):
+                check_fields(item, f"{key}[{i}].")
+        elif typing.get_origin(tp) is Literal:
+            _check(value in typing.get_args(tp), key, value, f"expected one of {', '.join(typing.get_args(tp))}")
+        elif (bounds := f.metadata.get("bounds")) is not None:
+            _check(value in bounds, key, value, f"must be {bounds}")
+
+
+def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise fail(key, value, allowed)
+
+
+def _check_rules(cfg: Config) -> None:
+    """The checks no single field's type or bounds can say (every field is already within its own)."""
+    m, d, t = cfg.model, cfg.data, cfg.train
+    _check(m.d_model % m.n_heads == 0 or m.head_dim > 0, "model.n_heads", m.n_heads,
+           f"must divide model.d_model={m.d_model} (or set model.head_dim)")
+    _check(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads={m.n_heads}")
+    _check(m.resolved_head_dim % 2 == 0, "model.head_dim", m.resolved_head_dim, "must be even (RoPE rotates pairs)")
+    _check(m.rope_high_freq_factor > m.rope_low_freq_factor, "model.rope_high_freq_factor", m.rope_high_freq_factor,
+           f"must be > model.rope_low_freq_factor={m.rope_low_freq_factor}")
+    _check(cfg.loss.chunk_size == 0 or d.seq_len % cfg.loss.chunk_size == 0, "loss.chunk_size",
+           cfg.loss.chunk_size, f"must divide data.seq_len={d.seq_len} (or be 0)")
+
+    _check(bool(d.text_field), "data.text_field", d.text_field, "must name a column / JSON field")
+    _check(d.seq_len >= m.mtp_depth + 2, "data.seq_len", d.seq_len,
+           f"must be >= model.mtp_depth + 2 = {m.mtp_depth + 2} so every depth has a target")
+    if d.mixture:
+        _check_mixture(d)
+    else:
+        _check(d.source == "stdlib" or len(d.paths) > 0, "data.paths", list(d.paths),
+               f"data.source={d.source} needs at least one path")
+
+    _check(t.batch_size % t.micro_batches == 0, "train.micro_batches", t.micro_batches,
+           f"must divide train.batch_size={t.batch_size}")
+    _check(bool(t.run_dir), "train.run_dir", t.run_dir, "must be a directory path")
+    parse_profile(t.profile)
+    _check(t.freeze == "none" or m.mtp_depth > 0, "train.freeze", t.freeze,
+           "freezing the trunk leaves nothing to train with model.mtp_depth=0; set model.mtp_depth >= 1")
+    _check(t.freeze == "none" or bool(t.init_from), "train.freeze", t.freeze,
+           "needs train.init_from=RUN_DIR (the trained trunk to freeze)")
+    _check(not t.keep_mtp or bool(t.init_from), "train.keep_mtp", t.keep_mtp,
+           "needs train.init_from=RUN_DIR (the run whose MTP modules to keep)")
+
+    _check(m.n_kv_heads % cfg.mesh.tensor == 0 or cfg.mesh.tensor % m.n_kv_heads == 0, "mesh.tensor",
+           cfg.mesh.tensor, f"must divide model.n_kv_heads={m.n_kv_heads} (or be a multiple of it)")
+
+
+def _check_mixture(d: DataConfig) -> None:
+    _check(not d.paths, "data.paths", list(d.paths),
+           "must be empty when data.mixture is set (each source has its paths)")
+    _check(d.tokenizer != "bpe", "data.tokenizer", d.tokenizer, "a mixture needs one fixed tokenizer for every "
+           "source: byte, or a tokenizer.json / .model (e.g. the one `python -m mtpjax.data prepare` trained)")
+    seen = set()
+    for i, m in enumerate(d.mixture):
+        key = f"data.mixture[{i}]"
+        _check(bool(_NAME_RE.match(m.name)), f"{key}.name", m.name,
+               "must be a non-empty name of letters, digits, _ . -")
+        _check(m.name not in seen, f"{key}.name", m.name, "is repeated; give every source its own name")
+        seen.add(m.name)
+        _check(m.source == "stdlib" or len(m.paths) > 0, f"{key}.paths", list(m.paths),
+               f"source {m.source} needs at least one path")
+        _check(bool(m.text_field), f"{key}.text_field", m.text_field, "must name a column / JSON field")
