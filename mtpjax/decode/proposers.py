@@ -212,9 +212,9 @@ class DraftModelProposer(Proposer):
         return 4
 
     def start(self, models: Models, ctx: Context):
-        dm, (B, S), P = models.draft, ctx.seq_BS.shape, ctx.h_BTD.shape[1]
-        pos_BP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-        _, cache = dm.trunk(ctx.seq_BS[:, :P], pos_BP, cache=trunk_cache(dm.cfg, B, S))
+        dm, (B, S), T = models.draft, ctx.seq_BS.shape, ctx.h_BTD.shape[1]  # the prefill's rows: the prompts
+        pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        _, cache = dm.trunk(ctx.seq_BS[:, :T], pos_BT, cache=trunk_cache(dm.cfg, B, S))
         return self.step(models, cache, ctx)
 
     def catch_up(self) -> int:
