@@ -67,3 +67,16 @@ def test_eval_batches_below_one_is_one_line_exit_2(evaluated, capsys):
     _, run, _, _ = evaluated
     assert "--eval-batches 0 must be >= 1" in one_line_error(capsys, main, ["--run-dir", str(run), "--eval",
                                                                              "--eval-batches", "0"])
+
+
+def test_means_are_token_weighted_and_lengths_come_from_the_means():
+    """Each metric is weighted by its own depth's valid targets (loss/total by the main head's); a depth with no
+    target in a batch takes no weight there; the expected length is E(γ) of the mean rates."""
+    per = [{"loss/main": 1.0, "loss/total": 2.0, "agreement/mtp_1": 0.5, "agreement/mtp_2": 0.5, COUNTS: [10, 9, 8]},
+           {"loss/main": 3.0, "loss/total": 4.0, "agreement/mtp_1": 1.0, "agreement/mtp_2": 0.0, COUNTS: [30, 27, 0]}]
+    m = mean_metrics(per)
+    assert m["loss/main"] == pytest.approx((10 * 1.0 + 30 * 3.0) / 40)
+    assert m["loss/total"] == pytest.approx((10 * 2.0 + 30 * 4.0) / 40)
+    assert m["agreement/mtp_1"] == pytest.approx((9 * 0.5 + 27 * 1.0) / 36)
+    assert m["agreement/mtp_2"] == pytest.approx(0.5)
+    assert m["expected_accept_length"] == pytest.approx(1 + 0.875 + 0.875 * 0.5)
