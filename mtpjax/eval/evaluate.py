@@ -92,13 +92,13 @@ def run_forced(model, prompts, loop: Loop, reference, draft=None) -> DecodeState
     """`loop` teacher-forced: row i commits reference[i] (at least loop.max_new tokens) after its prompt."""
     if len(reference) != len(prompts):
         raise ValueError("forced decoding needs one reference continuation per prompt")
-    ref = np.zeros((len(prompts), loop.capacity), np.int32)
+    ref_BS = np.zeros((len(prompts), loop.capacity), np.int32)
     for i, (p, r) in enumerate(zip(prompts, reference)):
         if len(r) < loop.max_new:
             raise ValueError(f"reference {i} has {len(r)} tokens, fewer than the {loop.max_new} to decode")
-        ref[i, len(p): len(p) + loop.max_new] = r[: loop.max_new]
+        ref_BS[i, len(p): len(p) + loop.max_new] = r[: loop.max_new]
     forced = dataclasses.replace(loop, commits=Forced())
-    return execute_request(forced, model, request(forced, prompts).replace(ref_BS=jnp.asarray(ref)), draft=draft)
+    return execute_request(forced, model, request(forced, prompts).replace(ref_BS=jnp.asarray(ref_BS)), draft=draft)
 
 
 def forced_acceptance(model, sequences, prompt_len: int, num_draft: int, proposer: str = "mtp",
