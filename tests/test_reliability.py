@@ -327,10 +327,10 @@ def test_disk_full_during_a_save_is_a_clear_error_and_keeps_the_previous_checkpo
 def test_no_pickle_or_unsafe_yaml_in_the_package():
     import yaml
 
-    from mtpjax import config
+    from mtpjax.config import load
 
     # yaml.load is allowed with config's own loader only, a SafeLoader (no python tags) that keeps 10:15 a string
-    assert issubclass(config._Loader, yaml.SafeLoader)
+    assert issubclass(load._Loader, yaml.SafeLoader)
     bad = re.compile(r"\bpickle\b|\bdill\b|\bcloudpickle\b|yaml\.load\((?![^)]*Loader=_Loader\))|yaml\.unsafe_load|"
                      r"yaml\.Loader|allow_pickle\s*=\s*True|\beval\(|\bexec\(|torch\.load")
     hits = [f"{p.relative_to(REPO)}:{i}: {line.strip()}"

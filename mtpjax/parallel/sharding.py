@@ -10,6 +10,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mtpjax.config import MeshConfig
+from mtpjax.errors import MtpjaxError
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -27,7 +28,7 @@ LOGICAL_RULES: dict[str | None, str | None] = {
 }
 
 
-class MeshError(ValueError):
+class MeshError(MtpjaxError, ValueError):
     """The mesh shape does not fit the devices; the message names the numbers and the fix."""
 
 

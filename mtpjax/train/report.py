@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import shlex
+import sys
 import time
 from pathlib import Path
 
 import jax
 from flax import nnx
+from tqdm import tqdm
 
 from mtpjax.config import Config
+from mtpjax.parallel import distributed
 from mtpjax.nn.flops import train_flops_per_token
 from mtpjax.train.metrics import Writer, mfu
 from mtpjax.nn.model import build_model, param_counts
 
 NEXT_PROMPT = "def fibonacci(n):"  # the prompt of the decode command the summary suggests
+
+
+def say(text: str) -> None:
+    """A line on stderr from process 0 (above the progress bar)."""
+    if distributed.is_primary():
+        tqdm.write(text, file=sys.stderr)
 
 
 def _millions(n: int) -> str:
