@@ -53,7 +53,7 @@ def test_tensorboard_has_every_tag(tmp_path):
             "eval/loss/main"}
     for k in (1, 2):
         want |= {f"loss/mtp_{k}", f"accuracy/mtp_{k}", f"agreement/mtp_{k}", f"eval/loss/mtp_{k}",
-                 f"eval/agreement/mtp_{k}"}
+                 f"eval/agreement/mtp_{k}", f"lambda/mtp_{k}"}
     assert want <= tags, want - tags
     texts = {t.split("/text_summary")[0] for t in acc.Tags()["tensors"]}
     assert {"config", "samples/0"} <= texts

@@ -80,3 +80,12 @@ def test_means_are_token_weighted_and_lengths_come_from_the_means():
     assert m["agreement/mtp_1"] == pytest.approx((9 * 0.5 + 27 * 1.0) / 36)
     assert m["agreement/mtp_2"] == pytest.approx(0.5)
     assert m["expected_accept_length"] == pytest.approx(1 + 0.875 + 0.875 * 0.5)
+
+
+def test_unrolled_applications_are_weighted_by_their_own_targets():
+    """loss.mtp_unroll's `*/unroll_u` metrics take token_counts' columns after the depths and draft no round."""
+    per = [{"loss/main": 1.0, "agreement/mtp_1": 0.5, "loss/unroll_1": 2.0, COUNTS: [4, 3, 1]},
+           {"loss/main": 1.0, "agreement/mtp_1": 0.5, "loss/unroll_1": 6.0, COUNTS: [4, 3, 3]}]
+    m = mean_metrics(per)
+    assert m["loss/unroll_1"] == pytest.approx((1 * 2.0 + 3 * 6.0) / 4)
+    assert m["expected_accept_length"] == pytest.approx(1.5)  # one depth: 1 + agreement/mtp_1

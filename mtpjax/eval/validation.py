@@ -15,7 +15,7 @@ from flax import nnx
 
 from mtpjax.config import LossConfig
 from mtpjax.eval.bpb import eval_bits_per_byte
-from mtpjax.nn.loss import add_expected_lengths, mtp_loss, token_counts
+from mtpjax.nn.loss import add_expected_lengths, forward, mtp_loss, token_counts
 from mtpjax.nn.model import MTPTransformer
 
 KEPT = ("loss/", "accuracy/", "agreement/", "accept_prob/")  # what a validation reports of mtp_loss's metrics
@@ -25,15 +25,18 @@ COUNTS = "counts_M"  # a batch's valid targets per depth, beside its metrics
 def batch_metrics(model: MTPTransformer, tokens_BT, seg_BT, *, step, loss_cfg: LossConfig) -> dict:
     """One batch's validation metrics and its valid targets per depth (jittable; the training eval step)."""
     depth = model.cfg.mtp_depth
-    met = mtp_loss(model, model(tokens_BT, seg_BT), tokens_BT, seg_BT, step=step, cfg=loss_cfg,
+    met = mtp_loss(model, forward(model, tokens_BT, seg_BT, loss_cfg), tokens_BT, seg_BT, step=step, cfg=loss_cfg,
                    with_accept_prob=True)[1]
-    return {k: v for k, v in met.items() if k.startswith(KEPT)} | {COUNTS: token_counts(tokens_BT, seg_BT, depth)}
+    counts = token_counts(tokens_BT, seg_BT, depth, loss_cfg)  # main, mtp_1..mtp_J, then unroll_1..
+    return {k: v for k, v in met.items() if k.startswith(KEPT)} | {COUNTS: counts}
 
 
-def _depth(key: str) -> int:
-    """The depth a metric is counted over: mtp_k's targets for `*/mtp_k`, the main head's otherwise."""
+def _column(key: str, depth: int) -> int:
+    """The column of token_counts a metric is counted over: `*/mtp_k`'s, `*/unroll_u`'s, the main head's otherwise."""
     tail = key.rsplit("/", 1)[-1]
-    return int(tail[4:]) if tail.startswith("mtp_") else 0
+    if tail.startswith("mtp_"):
+        return int(tail[len("mtp_"):])
+    return depth + int(tail[len("unroll_"):]) if tail.startswith("unroll_") else 0
 
 
 def mean_metrics(per_batch: list[dict]) -> dict:
@@ -41,15 +44,15 @@ def mean_metrics(per_batch: list[dict]) -> dict:
 
     loss/total (the objective, whose parts have their own counts) is weighted by the main head's targets.
     """
-    counts = np.asarray([np.asarray(m[COUNTS], np.float64) for m in per_batch])  # [batch, M]
+    counts = np.asarray([np.asarray(m[COUNTS], np.float64) for m in per_batch])  # [batch, applications + 1]
+    depth = sum(k.startswith("agreement/mtp_") for k in per_batch[0])  # the unrolled applications draft no round
     out = {}
     for k in per_batch[0]:
         if k == COUNTS:
             continue
-        w = counts[:, _depth(k)]
+        w = counts[:, _column(k, depth)]
         w = w if w.sum() > 0 else np.ones_like(w)  # no valid target anywhere: each batch's 0 counts alike
         out[k] = float(np.average([float(m[k]) for m in per_batch], weights=w))
-    depth = counts.shape[1] - 1
     return {k: float(v) for k, v in add_expected_lengths(out, depth).items()}
 
 

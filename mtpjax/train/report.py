@@ -87,7 +87,8 @@ class Logger:
     def __init__(self, cfg: Config, writer: Writer, bar, n_devices: int, peak: float):
         self.cfg, self.writer, self.bar = cfg, writer, bar
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-        self.flops = train_flops_per_token(cfg.model, cfg.data.seq_len, frozen_trunk=cfg.train.freeze == "trunk")
+        self.flops = train_flops_per_token(cfg.model, cfg.data.seq_len, frozen_trunk=cfg.train.freeze == "trunk",
+                                           unroll=cfg.loss.mtp_unroll)
         self.n_devices, self.peak = n_devices, peak
         self.history, self.last = [], {}
         self.t0, self.s0 = None, None

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from mtpjax.config import Config, LossConfig
 from mtpjax.eval.validation import batch_metrics
-from mtpjax.nn.loss import add_expected_lengths, mtp_loss, token_counts
+from mtpjax.nn.loss import add_expected_lengths, forward, mtp_loss, token_counts
 from mtpjax.nn.model import build_model
 from mtpjax.train.optim import decay_mask, global_norm, lr_schedule, make_tx, trainable, with_lr
 from mtpjax.parallel.sharding import batch_sharding, replicated, state_shardings
@@ -51,7 +51,7 @@ def new_state(params: nnx.State, tx: optax.GradientTransformation, seed: int, st
 def _sum_micro_metrics(metrics: dict, depth: int) -> dict:
     """Micro-batch metrics were normalized by whole-batch counts, so sums are exact except nonlinear ones."""
     out = {k: v.sum(0) for k, v in metrics.items()}
-    out["lambda"] = metrics["lambda"][0]
+    out |= {k: v[0] for k, v in metrics.items() if k.split("/")[0] == "lambda"}  # one value per step, not a sum
     return add_expected_lengths(out, depth)
 
 
@@ -59,13 +59,14 @@ def loss_and_grads(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step,
                    micro_batches: int, batch_sharding=None):
     """(gradient of the trainable parameters, metrics) of one batch, summed over its micro-batches."""
     depth = nnx.merge(graphdef, train, frozen).cfg.mtp_depth
-    counts = token_counts(tokens_BT, seg_BT, depth)
+    counts = token_counts(tokens_BT, seg_BT, depth, loss_cfg)
     B, T = tokens_BT.shape
     A = micro_batches
 
     def loss_fn(train, tok_BT, seg_BT):
         model = nnx.merge(graphdef, train, frozen)
-        return mtp_loss(model, model(tok_BT, seg_BT), tok_BT, seg_BT, step=step, cfg=loss_cfg, counts=counts)
+        return mtp_loss(model, forward(model, tok_BT, seg_BT, loss_cfg), tok_BT, seg_BT, step=step, cfg=loss_cfg,
+                        counts=counts)
 
     def body(acc, xs):
         if batch_sharding is not None:
