@@ -153,22 +153,47 @@ def test_no_segments_means_one_document(model_cfg):
     np.testing.assert_allclose(float(loss), ref["loss/total"], rtol=2e-6)
 
 
-def test_chunked_equals_unchunked_with_gradients(model_cfg):
-    model = build_model(model_cfg(mtp_depth=2, init_std=0.3), seed=1)
-    toks, seg = map(jnp.asarray, packed_batch(32, seed=3))
+def _loss_metrics_grads(model, toks, seg, chunk):
+    def f(m):
+        return mtp_loss(m, m(toks, seg), toks, seg, step=0, cfg=LossConfig(chunk_size=chunk))
+    (loss, metrics), g = nnx.value_and_grad(f, has_aux=True)(model)
+    return loss, metrics, nnx.to_pure_dict(g)
 
-    def run(chunk):
-        def f(m):
-            return mtp_loss(m, m(toks, seg), toks, seg, step=0, cfg=LossConfig(chunk_size=chunk))
-        (loss, metrics), g = nnx.value_and_grad(f, has_aux=True)(model)
-        return loss, metrics, nnx.to_pure_dict(g)
 
-    (l0, m0, g0), (l1, m1, g1) = run(0), run(3)
+def _assert_same_loss(chunked, whole):
+    (l1, m1, g1), (l0, m0, g0) = chunked, whole
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
     for k in m0:
         np.testing.assert_allclose(m1[k], m0[k], rtol=1e-6, err_msg=k)
     # float32 summation order differs between chunkings: absolute slack relative to each tensor's scale
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max()), g1, g0)
+
+
+def test_chunked_equals_unchunked_with_gradients(model_cfg):
+    model = build_model(model_cfg(mtp_depth=2, init_std=0.3), seed=1)
+    toks, seg = map(jnp.asarray, packed_batch(32, seed=3))
+    _assert_same_loss(_loss_metrics_grads(model, toks, seg, 3), _loss_metrics_grads(model, toks, seg, 0))
+
+
+def test_companion_a_chunk_boundary_off_by_one_is_caught(model_cfg, monkeypatch):
+    """The comparison above can fail: chunks after the first starting one hidden row early (row 3u-1 meets
+    the target of row 3u) change the loss."""
+    import mtpjax.nn.loss as loss_module
+
+    real = loss_module.per_position
+
+    def off_by_one(model, hidden_MBTD, tgt_MBT, chunk_size=0, *args, **kw):
+        rows = np.arange(hidden_MBTD.shape[2])
+        if chunk_size:
+            rows[chunk_size::chunk_size] -= 1
+        return real(model, hidden_MBTD[:, :, rows], tgt_MBT, chunk_size, *args, **kw)
+
+    model = build_model(model_cfg(mtp_depth=2, init_std=0.3), seed=1)
+    toks, seg = map(jnp.asarray, packed_batch(32, seed=3))
+    whole = _loss_metrics_grads(model, toks, seg, 0)
+    monkeypatch.setattr(loss_module, "per_position", off_by_one)
+    with pytest.raises(AssertionError):
+        _assert_same_loss(_loss_metrics_grads(model, toks, seg, 3), whole)
 
 
 def test_empty_depth_gives_no_nan(model_cfg):
