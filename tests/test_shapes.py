@@ -26,9 +26,9 @@ REPEATS = {
     ("mtpjax/nn/layers.py", "BKRTT"): "cached attention's scores of the R*T query rows over this call's T keys",
     ("mtpjax/nn/layers.py", "RTT"): "the causal mask of those R*T query rows over the same T keys",
 }
-# (file, rule) still broken on this branch and renamed by the evaldecode helper's branch (issue 28). Each entry
+# (file, rule) still broken and awaiting a rename on another branch (none now: decode/ was the last). Each entry
 # must still fail (test_pending_files_still_break_their_rule), so none outlives its fix.
-PENDING = {("mtpjax/decode/proposers.py", "capital")}
+PENDING: set = set()
 GLOSSARY = re.compile(r"^\s*[A-Z] {2,}[a-z]", re.M)  # "    B  batch rows": a line of an alphabet's own copy
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from mtpjax.cli.args import Parser, command
 from mtpjax.config import DecodeConfig, choices
 from mtpjax.decode import api, autodraft
+from mtpjax.decode.cache import cache_bytes, rows
 from mtpjax.decode.host import DecodeError
 
 MAX_DRAFT = 16  # more drafts per round than this is never accepted in practice; the round loop is unrolled
@@ -49,7 +50,8 @@ def parser() -> Parser:
     p.add_argument("--calibration-file", default=None,
                    help="auto: where measurements are saved (default: $MTPJAX_CACHE_DIR or ~/.cache/mtpjax, "
                         "decode_calibration.json)")
-    p.add_argument("--eval-batches", type=int, default=8, help="--eval: validation batches")
+    p.add_argument("--eval-batches", type=int, default=None,
+                   help="--eval: validation batches (default: train.eval_batches, the training eval's, or 8)")
     p.add_argument("--eval-prompts", type=int, default=8, help="--eval: held-out prompts")
     p.add_argument("--prompt-len", type=int, default=64, help="--eval: tokens per held-out prompt")
     p.add_argument("--json", help="--eval: also write the report as JSON here")
@@ -231,8 +233,7 @@ def _check_size(mcfg, prompts, max_new: int, num_draft: int, max_len: int) -> No
         raise DecodeError(f"--num-draft {num_draft} is above {MAX_DRAFT}; use at most {MAX_DRAFT} drafts per round")
     if max(map(len, prompts)) + max_new > max_len:
         return  # generate() names the cache capacity, the better advice
-    per_token = 2 * (mcfg.n_layers + mcfg.mtp_depth) * mcfg.n_kv_heads * mcfg.resolved_head_dim * 4
-    need = len(prompts) * (max(map(len, prompts)) + max_new + 3 * num_draft + 64) * per_token
+    need = cache_bytes(mcfg, len(prompts), rows(max(map(len, prompts)), max_new, num_draft).capacity)
     have = _memory_bytes()
     if have and need > have // 2:
         raise DecodeError(f"--max-new-tokens {max_new} needs ~{need / 2**30:.1f} GiB of KV cache, more than half of "
@@ -240,18 +241,20 @@ def _check_size(mcfg, prompts, max_new: int, num_draft: int, max_len: int) -> No
 
 
 def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
-    from mtpjax.data import make_iterator, prepare
-    from mtpjax.eval.evaluate import agreement_on, forced_acceptance, heldout_prompts, speed_report, validation_metrics
+    from mtpjax.data import first_batches, prepare
+    from mtpjax.eval.evaluate import agreement_on, forced_acceptance, heldout_prompts, speed_report
+    from mtpjax.eval.validation import model_metrics, validation_metrics
 
+    n = args.eval_batches if args.eval_batches is not None else (cfg.train.eval_batches or 8)
+    if n < 1:
+        raise DecodeError(f"--eval-batches {n} must be >= 1")
     _progress("eval: preparing the validation split")
     prepared = prepare(cfg.data)
-    it = make_iterator(prepared, split="val", seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
-                       seed=cfg.train.seed, shuffle=False, num_epochs=1)
-    batches = [b for _, b in zip(range(args.eval_batches), it)]
-    if not batches:
-        raise DecodeError("the validation split holds less than one batch; lower train.batch_size or data.seq_len")
+    batches = first_batches(prepared, n, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
+                            seed=cfg.train.seed)  # the training eval's batches
     _progress(f"eval: validation metrics on {len(batches)} batches")
-    val = validation_metrics(cfg, model, batches)
+    # the training eval's metrics (eval.jsonl at this step, on its first validation batches): one function
+    val = validation_metrics(model_metrics(model, batches, step=step, loss_cfg=cfg.loss), batches, tok)
     num_draft = args.num_draft if isinstance(args.num_draft, int) else max(1, cfg.model.mtp_depth)
     prompts = heldout_prompts(prepared.val_tokens, args.eval_prompts, args.prompt_len, tok.eos_id)
     max_new = args.max_new_tokens or 128

@@ -17,7 +17,8 @@ from mtpjax.data.tokenizer import (ByteTokenizer, HFTokenizer, SentencePieceToke
 
 
 _LAZY = {"BatchIterator": "pipeline", "make_iterator": "pipeline", "segment_ids": "pipeline",
-         "open_run_data": "run", "eval_by_source": "run", "prepare_on_hosts": "hosts", "local_rows": "hosts"}
+         "open_run_data": "run", "eval_by_source": "run", "first_batches": "run", "prepare_on_hosts": "hosts",
+         "local_rows": "hosts"}
 
 
 def __getattr__(name: str):
@@ -53,5 +54,5 @@ def check_vocab_early(data_cfg, vocab_size: int) -> None:
 
 __all__ = ["BatchIterator", "ByteTokenizer", "DataError", "HFTokenizer", "PreparedData", "PreparedMixture",
            "SentencePieceTokenizer", "Tokenizer", "cache_path", "check_vocab", "check_vocab_early", "eval_by_source",
-           "load_tokenizer", "local_rows", "make_iterator", "open_run_data", "prepare", "prepare_on_hosts",
-           "segment_ids", "summary", "tokenizer_from_dir", "train_bpe"]
+           "first_batches", "load_tokenizer", "local_rows", "make_iterator", "open_run_data", "prepare",
+           "prepare_on_hosts", "segment_ids", "summary", "tokenizer_from_dir", "train_bpe"]

@@ -8,8 +8,8 @@ from mtpjax.data.pipeline import make_iterator
 from mtpjax.data.tokenizer import check_vocab
 
 
-def _first_batches(prepared, n: int, name: str = "", **kw) -> list:
-    """The first n batches of the unshuffled validation split: the same numbers at every eval."""
+def first_batches(prepared, n: int, name: str = "", **kw) -> list:
+    """The first n batches of the unshuffled validation split: the same numbers at every eval (and decode.py --eval)."""
     try:
         it = make_iterator(prepared, split="val", shuffle=False, **kw)
     except DataError as e:
@@ -32,9 +32,9 @@ def open_run_data(cfg, sharding) -> tuple:
                              **common)
     n, val, by_source = cfg.train.eval_batches, [], {}
     if n:
-        val = _first_batches(prepared, n, **common)
+        val = first_batches(prepared, n, **common)
         if len(prepared.sources()) > 1:
-            by_source = {name: _first_batches(part, n, name, **common) for name, _, part in prepared.sources()}
+            by_source = {name: first_batches(part, n, name, **common) for name, _, part in prepared.sources()}
     return prepared, train_it, val, by_source
 
 

@@ -1,4 +1,4 @@
-"""Fixed-capacity KV caches and per-row buffer access for the decode loop.
+"""Fixed-capacity KV caches (their rows and bytes: one rule) and per-row buffer access for the decode loop.
 
 A row's committed length `n` is the only bookkeeping: attention at position p reads keys <= p, and a
 cached call masks every entry at or past its first position, so entries past `n` (rejected drafts) are
@@ -7,11 +7,53 @@ invisible and get overwritten before any query can reach them. Rewinding is ther
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 
 from mtpjax.config import ModelConfig
 from mtpjax.nn.layers import KV, dtype_of
+
+
+PROMPT_ROUND = 16  # prompts are padded to a multiple of this: nearby lengths share one compiled loop
+CAPACITY_ROUND = 64
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The rows of a generation's caches: the padded prompt and the capacity every cache is allocated with."""
+
+    prompt_pad: int
+    capacity: int
+
+
+def rows(longest_prompt: int, max_new: int, nodes: int) -> Rows:
+    """The one capacity rule: the padded prompt, the new tokens, and a round's writes past the committed length
+    (the nodes verified with the last committed token, nodes + 1, and the nodes drafted beyond them; γ for a
+    chain, a tree's node count for a tree), rounded up."""
+    P = _round_up(longest_prompt, PROMPT_ROUND)
+    return Rows(prompt_pad=P, capacity=_round_up(P + max_new + 2 * nodes + 2, CAPACITY_ROUND))
+
+
+@dataclass(frozen=True)
+class GQACache:
+    """Keys and values of the key/value heads, per trunk layer and per MTP module; an MTP model's drafting also
+    keeps the trunk's hidden state per row. Another layout (a latent attention cache) is another bytes_per_row."""
+
+    def bytes_per_row(self, cfg: ModelConfig) -> int:
+        kv = 2 * (cfg.n_layers + cfg.mtp_depth) * cfg.n_kv_heads * cfg.resolved_head_dim
+        hidden = cfg.d_model if cfg.mtp_depth else 0
+        return (kv + hidden) * dtype_of(cfg.dtype).itemsize
+
+
+def cache_bytes(cfg: ModelConfig, batch: int, capacity: int, layout: GQACache = GQACache()) -> int:
+    """Bytes the decode caches of `batch` rows of `capacity` positions take (mtpjax.decode.host allocates them)."""
+    return batch * capacity * layout.bytes_per_row(cfg)
 
 
 def _kv(cfg: ModelConfig, batch: int, capacity: int, lead=()) -> KV:

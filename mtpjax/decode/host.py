@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from mtpjax.decode import stream
+from mtpjax.decode.cache import rows
 from mtpjax.decode.loop import DecodeState, Loop, Request, execute
 from mtpjax.decode.proposers import PROPOSERS, make_proposer
 from mtpjax.decode.sampling import Sampler
@@ -27,10 +28,6 @@ class DecodeError(MtpjaxError, ValueError):
 class GenerateResult:
     tokens: list[list[int]]
     stats: dict = field(default_factory=dict)
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def check_proposer(model: MTPTransformer, proposer: str, num_draft: int, draft: MTPTransformer | None) -> None:
@@ -64,22 +61,21 @@ def make_loop(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft:
     if max_len is not None and longest + max_new_tokens > max_len:
         raise DecodeError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the cache "
                           f"capacity max_len={max_len}; shorten the prompt or raise decode.max_len")
-    P = _round_up(longest, 16)
-    # A round writes at most γ+1 positions past the committed length, and drafts γ further.
-    capacity = _round_up(P + max_new_tokens + 2 * num_draft + 2, 64)
-    return Loop(proposer=make_proposer(proposer, num_draft), sampler=sampler, max_new=max_new_tokens,
-                capacity=capacity, prompt_pad=P, eos_id=-1 if eos_id is None else int(eos_id), stream=stream)
+    prop = make_proposer(proposer, num_draft)
+    size = rows(longest, max_new_tokens, len(prop.parents()))
+    return Loop(proposer=prop, sampler=sampler, max_new=max_new_tokens, capacity=size.capacity,
+                prompt_pad=size.prompt_pad, eos_id=-1 if eos_id is None else int(eos_id), stream=stream)
 
 
 def request(loop: Loop, prompts, seed: int = 0, budget: int | None = None) -> Request:
     """The traced inputs: padded prompts, lengths, per-row budget (<= loop.max_new, default max_new), key."""
     B = len(prompts)
-    toks = np.zeros((B, loop.prompt_pad), np.int32)
+    tokens_BP = np.zeros((B, loop.prompt_pad), np.int32)
     for i, p in enumerate(prompts):
-        toks[i, : len(p)] = p
-    plen = np.array([len(p) for p in prompts], np.int32)
+        tokens_BP[i, : len(p)] = p
+    plen_B = np.array([len(p) for p in prompts], np.int32)
     budget_B = np.full((B,), loop.max_new if budget is None else min(max(1, budget), loop.max_new), np.int32)
-    return Request(tokens_BP=jnp.asarray(toks), plen_B=jnp.asarray(plen), budget_B=jnp.asarray(budget_B),
+    return Request(tokens_BP=jnp.asarray(tokens_BP), plen_B=jnp.asarray(plen_B), budget_B=jnp.asarray(budget_B),
                    key=jax.random.key(seed), stream=jnp.int32(stream.NONE))
 
 
@@ -108,15 +104,15 @@ def run(model: MTPTransformer, prompts, loop: Loop, seed: int = 0, budget: int |
 
 def summarize(st: DecodeState) -> GenerateResult:
     """Tokens per row and acceptance statistics from a final state."""
-    seq, n, plen = np.asarray(st.seq_BS), np.asarray(st.n_B), np.asarray(st.prompt_len_B)
-    tokens = [seq[b, plen[b]: n[b]].tolist() for b in range(len(n))]
+    seq_BS, n_B, plen_B = np.asarray(st.seq_BS), np.asarray(st.n_B), np.asarray(st.prompt_len_B)
+    tokens = [seq_BS[b, plen_B[b]: n_B[b]].tolist() for b in range(len(n_B))]
     rounds = int(np.asarray(st.rounds_B).sum())
-    reached = np.asarray(st.reached_BG).sum(0)
-    accepted = np.asarray(st.accepted_BG).sum(0)
-    generated = int((n - plen).sum())
-    alpha = [float(a / r) if r else 0.0 for a, r in zip(accepted, reached)]
+    reached_G = np.asarray(st.reached_BG).sum(0)
+    accepted_G = np.asarray(st.accepted_BG).sum(0)
+    generated = int((n_B - plen_B).sum())
+    alpha = [float(a / r) if r else 0.0 for a, r in zip(accepted_G, reached_G)]
     stats = {"rounds": rounds, "generated": generated,
              # the first token comes from the prefill, not from a round
-             "tokens_per_round": (generated - len(n)) / rounds if rounds else 0.0,
-             "acceptance_by_position": alpha, "accepted": accepted.tolist(), "reached": reached.tolist()}
+             "tokens_per_round": (generated - len(n_B)) / rounds if rounds else 0.0,
+             "acceptance_by_position": alpha, "accepted": accepted_G.tolist(), "reached": reached_G.tolist()}
     return GenerateResult(tokens=tokens, stats=stats)

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from mtpjax.decode import stream
-from mtpjax.decode.cache import take_rows, trunk_cache, write_rows
-from mtpjax.decode.proposers import Context, Models
+from mtpjax.decode.cache import read_rows, take_rows, trunk_cache, write_rows
+from mtpjax.decode.protocol import Context, Models, Proposer, chain
 from mtpjax.decode.sampling import Sampler, choose, draw, probs, row_keys
 
 
@@ -34,6 +34,7 @@ class Request:
     budget_B: jax.Array  # new tokens each row may commit (<= max_new; traced, so no recompile)
     key: jax.Array
     stream: jax.Array  # id of the host callback that receives each commit (stream.NONE: none)
+    ref_BS: jax.Array | None = None  # the reference a Forced loop commits, at absolute positions
 
 
 @struct.dataclass
@@ -54,19 +55,43 @@ class DecodeState:
     accepted_BG: jax.Array  # rounds in which draft position i was accepted
     key: jax.Array
     stream: jax.Array
+    ref_BS: jax.Array | None = None  # the request's reference (Forced loops)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """What a round commits when decoding: the accepted drafts and one target token."""
+
+    def __call__(self, ref_BS, toks_BY, c_B, n_B):
+        return toks_BY, c_B
+
+
+@dataclass(frozen=True)
+class Forced:
+    """Teacher forcing: commit the request's reference one token a round; the drafts are still verified against
+    the target, so acceptance is measured along the reference through the decoder's own caches."""
+
+    def __call__(self, ref_BS, toks_BY, c_B, n_B):
+        return read_rows(ref_BS, n_B, toks_BY.shape[1]), jnp.minimum(c_B, 1)
 
 
 @dataclass(frozen=True)
 class Loop:
     """One compiled generation: the proposer, the sampler and the shapes."""
 
-    proposer: object
+    proposer: Proposer
     sampler: Sampler
     max_new: int
     capacity: int
     prompt_pad: int
     eos_id: int  # -1: none
     stream: bool = False  # emit every commit to the host (to the callback the request's stream id names)
+    commits: Accepted | Forced = Accepted()  # what a round commits (tokens, count) given what it accepted
+
+    def __post_init__(self):
+        if tuple(self.proposer.parents()) != chain(self.num_draft):
+            raise ValueError(f"{type(self.proposer).__name__} drafts a tree (parents {self.proposer.parents()}); "
+                             "the loop verifies chains only: draft each token after the one before it")
 
     @property
     def num_draft(self) -> int:
@@ -82,17 +107,6 @@ class Loop:
         _, st = jax.lax.while_loop(lambda c: jnp.any(~c[1].done_B), body, (jnp.int32(0), st))
         return st
 
-    # ------------------------------------------------------------------ hooks (teacher forcing overrides them)
-
-    def new_state(self, req: Request, **fields) -> DecodeState:
-        return DecodeState(**fields)
-
-    def chosen(self, src, toks_BY, c_B, n_B):
-        """The tokens a round commits at n and how many: the accepted ones (src: the request or the state)."""
-        return toks_BY, c_B
-
-    # ------------------------------------------------------------------ the loop
-
     def emit(self, stream_id, toks_BY, c_B) -> None:
         if self.stream:
             jax.debug.callback(stream.emit, stream_id, toks_BY, c_B, ordered=True)
@@ -100,89 +114,91 @@ class Loop:
     def prefill(self, models: Models, req: Request) -> DecodeState:
         """Trunk over the prompts, the first token from the last prompt position, then the proposer's start."""
         m, (B, P), S, G = models.target, req.tokens_BP.shape, self.capacity, self.num_draft
-        pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-        h, trunk = m.trunk(req.tokens_BP, pos, cache=trunk_cache(m.cfg, B, S))
-        logits = m.logits(m.final_norm(take_rows(h, req.plen_B - 1)))
-        first, _ = choose(self.sampler, logits, row_keys(req.key, 0, 0, B))
-        ones = jnp.ones_like(req.plen_B)
-        first = self.chosen(req, first[:, None], ones, req.plen_B)[0][:, 0]
-        seq = write_rows(jnp.zeros((B, S), jnp.int32).at[:, :P].set(req.tokens_BP), first[:, None], req.plen_B)
-        self.emit(req.stream, first[:, None], ones)
-        n = req.plen_B + 1
+        pos_BP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+        h_BPD, trunk = m.trunk(req.tokens_BP, pos_BP, cache=trunk_cache(m.cfg, B, S))
+        logits_BV = m.logits(m.final_norm(take_rows(h_BPD, req.plen_B - 1)))
+        first_B, _ = choose(self.sampler, logits_BV, row_keys(req.key, 0, 0, B))
+        ones_B = jnp.ones_like(req.plen_B)
+        first_B = self.commits(req.ref_BS, first_B[:, None], ones_B, req.plen_B)[0][:, 0]
+        seq_BS = write_rows(jnp.zeros((B, S), jnp.int32).at[:, :P].set(req.tokens_BP), first_B[:, None], req.plen_B)
+        self.emit(req.stream, first_B[:, None], ones_B)
+        n_B = req.plen_B + 1
         with jax.named_scope("propose"):
-            pstate, draft = self.proposer.start(models, Context(seq, n, h, jnp.zeros_like(n), self.sampler, req.key, 0))
+            ctx = Context(seq_BS, n_B, h_BPD, jnp.zeros_like(n_B), self.sampler, req.key, 0)
+            pstate, draft = self.proposer.start(models, ctx)
         zeros_BG = jnp.zeros((B, G), jnp.int32)
-        return self.new_state(
-            req, trunk=trunk, seq_BS=seq, n_B=n, prompt_len_B=req.plen_B, budget_B=req.budget_B,
+        return DecodeState(
+            trunk=trunk, seq_BS=seq_BS, n_B=n_B, prompt_len_B=req.plen_B, budget_B=req.budget_B,
             drafts_BG=draft.tokens_BG, q_BGV=draft.q_BGV, proposer=pstate,
-            done_B=(first == self.eos_id) | (req.budget_B <= 1), rounds_B=jnp.zeros((B,), jnp.int32),
-            reached_BG=zeros_BG, accepted_BG=zeros_BG, key=req.key, stream=req.stream)
+            done_B=(first_B == self.eos_id) | (req.budget_B <= 1), rounds_B=jnp.zeros((B,), jnp.int32),
+            reached_BG=zeros_BG, accepted_BG=zeros_BG, key=req.key, stream=req.stream, ref_BS=req.ref_BS)
 
     def round(self, models: Models, st: DecodeState, it) -> DecodeState:
         """One verify → accept → commit → propose round."""
         m = models.target
-        start = st.n_B - 1
-        vt = jnp.concatenate([take_rows(st.seq_BS, start)[:, None], st.drafts_BG], axis=1)
+        start_B = st.n_B - 1
+        vt_BY = jnp.concatenate([take_rows(st.seq_BS, start_B)[:, None], st.drafts_BG], axis=1)
+        pos_BY = start_B[:, None] + jnp.arange(vt_BY.shape[1], dtype=jnp.int32)[None, :]
         with jax.named_scope("verify"):
-            h, trunk = m.trunk(vt, start[:, None] + jnp.arange(vt.shape[1], dtype=jnp.int32)[None, :], cache=st.trunk)
+            h_BYD, trunk = m.trunk(vt_BY, pos_BY, cache=st.trunk)
         st = st.replace(trunk=trunk)
         with jax.named_scope("accept"):
-            a, toks = self.accept(m.logits(m.final_norm(h)), st, it)
+            a_B, toks_BY = self.accept(m.logits(m.final_norm(h_BYD)), st, it)
         with jax.named_scope("commit"):
-            st = self.commit(st, a, toks)
+            st = self.commit(st, a_B, toks_BY)
         with jax.named_scope("propose"):
-            ctx = Context(st.seq_BS, st.n_B, h, start, self.sampler, st.key, it)
+            ctx = Context(st.seq_BS, st.n_B, h_BYD, start_B, self.sampler, st.key, it)
             pstate, draft = self.proposer.step(models, st.proposer, ctx)
         return st.replace(proposer=pstate, drafts_BG=draft.tokens_BG, q_BGV=draft.q_BGV)
 
     def accept(self, logits_BYV, st: DecodeState, it):
-        """(number of accepted drafts a, the γ+1 tokens to commit: accepted drafts then one target token)."""
+        """(number of accepted drafts a_B, the γ+1 tokens to commit: accepted drafts then one target token)."""
         B, Y, V = logits_BYV.shape
-        G, d = Y - 1, st.drafts_BG
+        G, d_BG = Y - 1, st.drafts_BG
         if self.sampler.greedy:
-            g = jnp.argmax(logits_BYV, axis=-1).astype(jnp.int32)
-            a = jnp.cumprod(d == g[:, :G], axis=1).sum(axis=1).astype(jnp.int32)
-            bonus = take_rows(g, a)
+            g_BY = jnp.argmax(logits_BYV, axis=-1).astype(jnp.int32)
+            a_B = jnp.cumprod(d_BG == g_BY[:, :G], axis=1).sum(axis=1).astype(jnp.int32)
+            bonus_B = take_rows(g_BY, a_B)
         else:
-            q = st.q_BGV if G else jnp.zeros((B, 0, V), jnp.float32)
-            p = probs(self.sampler, logits_BYV.reshape(B * Y, V)).reshape(B, Y, V)
-            p_d = jnp.take_along_axis(p[:, :G], d[..., None], axis=-1)[..., 0]
-            q_d = jnp.take_along_axis(q, d[..., None], axis=-1)[..., 0]
-            u = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(row_keys(st.key, 1, it, B))
-            a = jnp.cumprod(u * q_d < p_d, axis=1).sum(axis=1).astype(jnp.int32)
-            p_a = take_rows(p, a)
-            q_a = take_rows(jnp.concatenate([q, jnp.zeros((B, 1, V))], 1), a)  # q = 0 past the drafts
-            resid = jnp.maximum(p_a - q_a, 0.0)
-            mass = resid.sum(-1, keepdims=True)
-            resid = jnp.where(mass > 0, resid / jnp.where(mass > 0, mass, 1.0), p_a)
-            bonus = draw(row_keys(st.key, 2, it, B), resid)
+            q_BGV = st.q_BGV if G else jnp.zeros((B, 0, V), jnp.float32)
+            p_BYV = probs(self.sampler, logits_BYV.reshape(B * Y, V)).reshape(B, Y, V)
+            p_BG = jnp.take_along_axis(p_BYV[:, :G], d_BG[..., None], axis=-1)[..., 0]
+            q_BG = jnp.take_along_axis(q_BGV, d_BG[..., None], axis=-1)[..., 0]
+            u_BG = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(row_keys(st.key, 1, it, B))
+            a_B = jnp.cumprod(u_BG * q_BG < p_BG, axis=1).sum(axis=1).astype(jnp.int32)
+            p_BV = take_rows(p_BYV, a_B)
+            q_BV = take_rows(jnp.concatenate([q_BGV, jnp.zeros((B, 1, V))], 1), a_B)  # q = 0 past the drafts
+            resid_BV = jnp.maximum(p_BV - q_BV, 0.0)
+            mass = resid_BV.sum(-1, keepdims=True)
+            resid_BV = jnp.where(mass > 0, resid_BV / jnp.where(mass > 0, mass, 1.0), p_BV)
+            bonus_B = draw(row_keys(st.key, 2, it, B), resid_BV)
         i = jnp.arange(Y)[None, :]
-        toks = jnp.where(i < a[:, None], jnp.pad(d, ((0, 0), (0, 1))), bonus[:, None].astype(jnp.int32))
-        return a, toks
+        toks_BY = jnp.where(i < a_B[:, None], jnp.pad(d_BG, ((0, 0), (0, 1))), bonus_B[:, None].astype(jnp.int32))
+        return a_B, toks_BY
 
     def commit(self, st: DecodeState, a_B, toks_BY) -> DecodeState:
         """Advance each active row by its accepted prefix + 1, cut at EOS and at the length budget."""
         Y = toks_BY.shape[1]
         i = jnp.arange(Y)[None, :]
-        c = jnp.minimum(a_B + 1, st.budget_B - (st.n_B - st.prompt_len_B))
-        toks_BY, c = self.chosen(st, toks_BY, c, st.n_B)
+        c_B = jnp.minimum(a_B + 1, st.budget_B - (st.n_B - st.prompt_len_B))
+        toks_BY, c_B = self.commits(st.ref_BS, toks_BY, c_B, st.n_B)
         if self.eos_id >= 0:
-            is_eos = (toks_BY == self.eos_id) & (i < c[:, None])
-            hit = is_eos.any(axis=1)
-            c = jnp.where(hit, jnp.argmax(is_eos, axis=1) + 1, c)
+            eos_BY = (toks_BY == self.eos_id) & (i < c_B[:, None])
+            hit_B = eos_BY.any(axis=1)
+            c_B = jnp.where(hit_B, jnp.argmax(eos_BY, axis=1) + 1, c_B)
         else:
-            hit = jnp.zeros_like(st.done_B)
-        active = ~st.done_B
-        c = jnp.where(active, c, 0)
-        seq = write_rows(st.seq_BS, toks_BY, st.n_B)  # past n for inactive rows: scratch
-        self.emit(st.stream, toks_BY, c)
-        n = st.n_B + c
-        gi = jnp.arange(Y - 1)[None, :]
+            hit_B = jnp.zeros_like(st.done_B)
+        active_B = ~st.done_B
+        c_B = jnp.where(active_B, c_B, 0)
+        seq_BS = write_rows(st.seq_BS, toks_BY, st.n_B)  # past n for inactive rows: scratch
+        self.emit(st.stream, toks_BY, c_B)
+        n_B = st.n_B + c_B
+        g = jnp.arange(Y - 1)[None, :]
         return st.replace(
-            seq_BS=seq, n_B=n, done_B=st.done_B | hit | (n - st.prompt_len_B >= st.budget_B),
-            rounds_B=st.rounds_B + active.astype(jnp.int32),
-            reached_BG=st.reached_BG + (active[:, None] & (gi <= a_B[:, None])).astype(jnp.int32),
-            accepted_BG=st.accepted_BG + (active[:, None] & (gi < a_B[:, None])).astype(jnp.int32))
+            seq_BS=seq_BS, n_B=n_B, done_B=st.done_B | hit_B | (n_B - st.prompt_len_B >= st.budget_B),
+            rounds_B=st.rounds_B + active_B.astype(jnp.int32),
+            reached_BG=st.reached_BG + (active_B[:, None] & (g <= a_B[:, None])).astype(jnp.int32),
+            accepted_BG=st.accepted_BG + (active_B[:, None] & (g < a_B[:, None])).astype(jnp.int32))
 
 
 def run_loop(loop: Loop, graphs: tuple, params: tuple, req: Request) -> DecodeState:

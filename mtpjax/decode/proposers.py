@@ -1,54 +1,22 @@
-"""Proposers: small static objects with one interface that draft γ tokens a round, each owning its decode state.
-
-    start(models, ctx) -> (state, Draft)        once, after the prefill committed the first token
-    step(models, state, ctx) -> (state, Draft)  after every commit
-    problem(target, draft) -> str | None        what makes a request impossible, said before compiling
-    draft_flops(f_target, f_draft) -> float     FLOPs one round of drafting computes, rows counted (mtpjax.nn.speed)
-    draft_reads(f_target, f_draft) -> float     the weights it reads, as matmul FLOPs of one row (mtpjax.nn.speed)
-    most_drafts(target) -> int                  the largest γ `num_draft="auto"` probes
-
-A proposer holds only static fields (it is part of the compiled loop's hash); its arrays live in the state
-it returns, which the loop carries without looking inside. Draft.q_BGV is the exact distribution each
-draft was sampled from, None when greedy (only the tokens matter there).
+"""Proposers: small static objects that draft γ tokens a round, each owning its decode state (the contract:
+mtpjax.decode.protocol.Proposer). Draft.q_BGV is the exact distribution each draft was sampled from, None when
+greedy (only the tokens matter there).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from mtpjax.decode.cache import module_caches, read_rows, set_layer, take_rows, trunk_cache, write_rows
-from mtpjax.decode.sampling import Sampler, choose, row_keys
+from mtpjax.decode.protocol import Context, Draft, Models, Proposer
+from mtpjax.decode.sampling import choose, row_keys
+from mtpjax.nn.flops import TokenFlops
 from mtpjax.nn.model import MTPTransformer
-
-
-class Models(NamedTuple):
-    """The target, and the independent draft model when one proposes."""
-
-    target: MTPTransformer
-    draft: MTPTransformer | None = None
-
-
-class Context(NamedTuple):
-    """What a proposer sees after a commit."""
-
-    seq_BS: jax.Array  # committed tokens [0, n); past n: scratch
-    n_B: jax.Array  # committed length per row
-    h_BTD: jax.Array  # the trunk's raw hidden states from its last call (the prompt, or the verified tokens)
-    h_start_B: jax.Array  # position of h_BTD's first row
-    sampler: Sampler
-    key: jax.Array
-    it: jax.Array | int  # loop iteration (0: the prefill), for independent random draws
-
-
-class Draft(NamedTuple):
-    tokens_BG: jax.Array
-    q_BGV: jax.Array | None  # the distributions the drafts were drawn from (None when greedy)
 
 
 def _stack(drafts: list, qs: list) -> Draft:
@@ -56,7 +24,7 @@ def _stack(drafts: list, qs: list) -> Draft:
 
 
 @dataclass(frozen=True)
-class Plain:
+class Plain(Proposer):
     """No drafts: plain decoding is the same loop with γ = 0."""
 
     num_draft: int = 0
@@ -64,20 +32,23 @@ class Plain:
     def problem(self, target, draft) -> str | None:
         return None
 
+    def most_drafts(self, target) -> int:
+        return 0
+
     def start(self, models: Models, ctx: Context):
         return self.step(models, None, ctx)
 
     def step(self, models: Models, state, ctx: Context):
         return None, Draft(jnp.zeros((ctx.n_B.shape[0], 0), jnp.int32), None)
 
-    def draft_flops(self, f_target: dict, f_draft: dict | None) -> float:
+    def draft_flops(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
         return 0.0
 
     draft_reads = draft_flops
 
 
 @dataclass(frozen=True)
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt lookup: continue the latest earlier occurrence of the longest matching suffix (<= max_n)."""
 
     num_draft: int
@@ -99,7 +70,7 @@ class NgramProposer:
             q = jax.nn.one_hot(drafts, models.target.cfg.vocab_size, dtype=jnp.float32)
         return None, Draft(drafts, q)
 
-    def draft_flops(self, f_target: dict, f_draft: dict | None) -> float:
+    def draft_flops(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
         return 0.0
 
     draft_reads = draft_flops
@@ -108,20 +79,20 @@ class NgramProposer:
 def lookup(seq_BS, n_B, G: int, max_n: int):
     """G tokens following the latest earlier match of the committed sequence's longest suffix (<= max_n)."""
     S = seq_BS.shape[1]
-    pos = jnp.arange(S)
-    best = jnp.full(n_B.shape, -1, jnp.int32)
+    pos_S = jnp.arange(S)
+    best_B = jnp.full(n_B.shape, -1, jnp.int32)
     for m in range(max_n, 0, -1):
-        eq = (pos[None, :] < n_B[:, None] - 1) & (pos[None, :] >= m - 1)
+        eq_BS = (pos_S[None, :] < n_B[:, None] - 1) & (pos_S[None, :] >= m - 1)
         for t in range(m):
-            tail = take_rows(seq_BS, jnp.maximum(n_B - 1 - t, 0))
-            eq &= jnp.roll(seq_BS, t, axis=1) == tail[:, None]
-        eq &= (n_B >= m + 1)[:, None]
-        j = jnp.max(jnp.where(eq, pos[None, :], -1), axis=1).astype(jnp.int32)
-        best = jnp.where(best < 0, j, best)
-    idx = jnp.minimum(best[:, None] + 1 + jnp.arange(G)[None, :], n_B[:, None] - 1)
-    last = take_rows(seq_BS, n_B - 1)[:, None]
-    drafts = jnp.where(best[:, None] >= 0, jnp.take_along_axis(seq_BS, idx, axis=1), last)
-    return drafts.astype(jnp.int32)
+            tail_B = take_rows(seq_BS, jnp.maximum(n_B - 1 - t, 0))
+            eq_BS &= jnp.roll(seq_BS, t, axis=1) == tail_B[:, None]
+        eq_BS &= (n_B >= m + 1)[:, None]
+        at_B = jnp.max(jnp.where(eq_BS, pos_S[None, :], -1), axis=1).astype(jnp.int32)
+        best_B = jnp.where(best_B < 0, at_B, best_B)
+    idx_BG = jnp.minimum(best_B[:, None] + 1 + jnp.arange(G)[None, :], n_B[:, None] - 1)
+    last_B = take_rows(seq_BS, n_B - 1)
+    drafts_BG = jnp.where(best_B[:, None] >= 0, jnp.take_along_axis(seq_BS, idx_BG, axis=1), last_B[:, None])
+    return drafts_BG.astype(jnp.int32)
 
 
 @struct.dataclass
@@ -131,11 +102,11 @@ class MTPState:
 
 
 @dataclass(frozen=True)
-class MTPProposer:
+class MTPProposer(Proposer):
     """The target's own MTP modules: module k drafts token k of the round from depth k-1's state and draft k-1.
 
     Past the modules in use the last one continues autoregressively from its own output. `modules=1` drafts
-    every token with module 1 (as vLLM and SGLang do); 0 uses all D modules.
+    every token with module 1 (as vLLM and SGLang do); 0 uses all J modules.
     """
 
     num_draft: int
@@ -151,10 +122,10 @@ class MTPProposer:
         return None
 
     def most_drafts(self, target) -> int:
-        D = target.cfg.mtp_depth
+        J = target.cfg.mtp_depth
         if target.cfg.mtp_kind == "parallel" or not self.modules:
-            return min(D, self.modules or D)
-        return max(D, 3)  # a reused module drafts any number of tokens
+            return min(J, self.modules or J)
+        return max(J, 3)  # a reused module drafts any number of tokens
 
     def used(self, depth: int) -> int:
         """Modules that draft from a recomputed window (the rest of the γ drafts reuse the last of them)."""
@@ -172,8 +143,8 @@ class MTPProposer:
     def start(self, models: Models, ctx: Context):
         cfg = models.target.cfg
         B, S = ctx.seq_BS.shape
-        h0 = write_rows(jnp.zeros((B, S, cfg.d_model), ctx.h_BTD.dtype), ctx.h_BTD, ctx.h_start_B)
-        state = MTPState(h0_BSD=h0, caches=module_caches(cfg, B, S))
+        h0_BSD = write_rows(jnp.zeros((B, S, cfg.d_model), ctx.h_BTD.dtype), ctx.h_BTD, ctx.h_start_B)
+        state = MTPState(h0_BSD=h0_BSD, caches=module_caches(cfg, B, S))
         return self._draft(models.target, state, ctx, jnp.zeros((B,), jnp.int32), ctx.h_BTD.shape[1])
 
     def step(self, models: Models, state: MTPState, ctx: Context):
@@ -183,42 +154,42 @@ class MTPProposer:
 
     def _draft(self, m: MTPTransformer, st: MTPState, ctx: Context, start_B, W: int):
         """Module k over the window [start, start+W) (its last row at n-2 drafts token k); then the reuse steps."""
-        G, B, U = self.num_draft, ctx.n_B.shape[0], self.used(m.cfg.mtp_depth)
+        G, B, used = self.num_draft, ctx.n_B.shape[0], self.used(m.cfg.mtp_depth)
         pos_BW = start_B[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :]
-        out_idx = ctx.n_B - 2 - start_B
+        out_B = ctx.n_B - 2 - start_B  # the window row at the draft position
         h0_BWD = read_rows(st.h0_BSD, start_B, W)
-        h_prev, seq, caches = h0_BWD, ctx.seq_BS, st.caches
+        h_prev_BWD, seq_BS, caches = h0_BWD, ctx.seq_BS, st.caches
         drafts, qs = [], []
         for k in range(1, G + 1):
             with jax.named_scope(f"draft{k}"):  # profiles attribute time per depth
-                if k <= U:
-                    toks = read_rows(seq, start_B + k, W)
-                    h, kv = m.mtp_forward(k, m.mtp_input(h_prev, h0_BWD), toks, pos_BW, cache=caches[k - 1])
-                    caches, h_prev, h_at = set_layer(caches, k - 1, kv), h, take_rows(h, out_idx)
+                if k <= used:
+                    toks_BW = read_rows(seq_BS, start_B + k, W)
+                    h_BWD, kv = m.mtp_forward(k, m.mtp_input(h_prev_BWD, h0_BWD), toks_BW, pos_BW, cache=caches[k - 1])
+                    caches, h_prev_BWD, h_BD = set_layer(caches, k - 1, kv), h_BWD, take_rows(h_BWD, out_B)
                 else:  # the last module in use continues from its own output
-                    pos = (ctx.n_B - 2 + (k - U))[:, None]
-                    h, kv = m.mtp_forward(U, h_at[:, None], drafts[-1][:, None], pos, cache=caches[U - 1])
-                    caches, h_at = set_layer(caches, U - 1, kv), h[:, 0]
-                logits = m.logits(m.head_norm(min(k, U), h_at))
-                d, q = choose(ctx.sampler, logits, row_keys(ctx.key, 10 + k, ctx.it, B))
-                seq = write_rows(seq, d[:, None], ctx.n_B + k - 1)  # module k+1 reads draft k
-                drafts.append(d)
-                qs.append(q)
+                    pos_B = ctx.n_B - 2 + (k - used)
+                    h_BTD, kv = m.mtp_forward(used, h_BD[:, None], drafts[-1][:, None], pos_B[:, None],
+                                              cache=caches[used - 1])
+                    caches, h_BD = set_layer(caches, used - 1, kv), h_BTD[:, 0]
+                logits_BV = m.logits(m.head_norm(min(k, used), h_BD))
+                d_B, q_BV = choose(ctx.sampler, logits_BV, row_keys(ctx.key, 10 + k, ctx.it, B))
+                seq_BS = write_rows(seq_BS, d_B[:, None], ctx.n_B + k - 1)  # module k+1 reads draft k
+                drafts.append(d_B)
+                qs.append(q_BV)
         return st.replace(caches=caches), _stack(drafts, qs)
 
-    def draft_flops(self, f_target: dict, f_draft: dict | None) -> float:
+    def draft_flops(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
         """Each module in use runs its block over the window; reuse steps one row; the head once per draft."""
-        G, D = self.num_draft, len(f_target["mtp"])
-        U = self.used(D)
-        return (U * self.window() + (G - U)) * f_target["mtp_module"] + G * f_target["head"]
+        G, used = self.num_draft, self.used(f_target.mtp_depth)
+        return (used * self.window() + (G - used)) * f_target.module + G * f_target.head
 
-    def draft_reads(self, f_target: dict, f_draft: dict | None) -> float:
+    def draft_reads(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
         """Every module call reads its module once (whatever its rows), the head once per draft."""
-        return self.num_draft * (f_target["mtp_module_matmul"] + f_target["head"])
+        return self.num_draft * (f_target.module_matmul + f_target.head)
 
 
 @dataclass(frozen=True)
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """An independent small model with the target's vocabulary, drafting γ tokens with its own KV cache.
 
     Each round it first runs its trunk over the last committed tokens (`catch_up`), then drafts one token per
@@ -241,9 +212,9 @@ class DraftModelProposer:
         return 4
 
     def start(self, models: Models, ctx: Context):
-        dm, (B, S), P = models.draft, ctx.seq_BS.shape, ctx.h_BTD.shape[1]
-        pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-        _, cache = dm.trunk(ctx.seq_BS[:, :P], pos, cache=trunk_cache(dm.cfg, B, S))
+        dm, (B, S), T = models.draft, ctx.seq_BS.shape, ctx.h_BTD.shape[1]  # the prefill's rows: the prompts
+        pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        _, cache = dm.trunk(ctx.seq_BS[:, :T], pos_BT, cache=trunk_cache(dm.cfg, B, S))
         return self.step(models, cache, ctx)
 
     def catch_up(self) -> int:
@@ -252,30 +223,30 @@ class DraftModelProposer:
         return 2
 
     def step(self, models: Models, cache, ctx: Context):
-        dm, G, B, R = models.draft, self.num_draft, ctx.n_B.shape[0], self.catch_up()
-        start = ctx.n_B - R
-        pos = start[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
-        h, cache = dm.trunk(read_rows(ctx.seq_BS, start, R), pos, cache=cache)
-        h_at = h[:, R - 1]
+        dm, G, B, rows = models.draft, self.num_draft, ctx.n_B.shape[0], self.catch_up()
+        start_B = ctx.n_B - rows
+        pos_BT = start_B[:, None] + jnp.arange(rows, dtype=jnp.int32)[None, :]
+        h_BTD, cache = dm.trunk(read_rows(ctx.seq_BS, start_B, rows), pos_BT, cache=cache)
+        h_BD = h_BTD[:, rows - 1]
         drafts, qs = [], []
         for k in range(1, G + 1):
             with jax.named_scope(f"draft{k}"):
-                d, q = choose(ctx.sampler, dm.logits(dm.final_norm(h_at)), row_keys(ctx.key, 10 + k, ctx.it, B))
-                drafts.append(d)
-                qs.append(q)
+                d_B, q_BV = choose(ctx.sampler, dm.logits(dm.final_norm(h_BD)), row_keys(ctx.key, 10 + k, ctx.it, B))
+                drafts.append(d_B)
+                qs.append(q_BV)
                 if k < G:
-                    h, cache = dm.trunk(d[:, None], (ctx.n_B - 1 + k)[:, None], cache=cache)
-                    h_at = h[:, 0]
+                    h_BTD, cache = dm.trunk(d_B[:, None], (ctx.n_B - 1 + k)[:, None], cache=cache)
+                    h_BD = h_BTD[:, 0]
         return cache, _stack(drafts, qs)
 
-    def draft_flops(self, f_target: dict, f_draft: dict | None) -> float:
+    def draft_flops(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
         """The catch-up rows, γ-1 single-row steps, and the draft model's head once per draft."""
         G = self.num_draft
-        return (self.catch_up() + G - 1) * f_draft["trunk"] + G * f_draft["head"]
+        return (self.catch_up() + G - 1) * f_draft.trunk + G * f_draft.head
 
-    def draft_reads(self, f_target: dict, f_draft: dict | None) -> float:
+    def draft_reads(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
         """γ calls of the draft model (the catch-up and γ-1 steps), each reading its weights once."""
-        return self.num_draft * (f_draft["trunk_matmul"] + f_draft["head"])
+        return self.num_draft * (f_draft.trunk_matmul + f_draft.head)
 
 
 PROPOSERS = {"mtp": MTPProposer, "mtp1": functools.partial(MTPProposer, modules=1), "ngram": NgramProposer,

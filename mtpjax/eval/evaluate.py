@@ -1,4 +1,4 @@
-"""Checkpoint evaluation: validation loss/agreement per depth, then measured vs predicted speculative speedup.
+"""Checkpoint evaluation: measured vs predicted speculative speedup (validation metrics: mtpjax.eval.validation).
 
 Costs come from whole-loop timings in one process, never from isolated dispatches: t = seconds per
 round of plain decoding; a proposer's round cost = its seconds per round over t = v + γc, where v = the
@@ -8,37 +8,18 @@ rest per draft. The predicted speedup is mtpjax.nn.speed's E(γ)/(v + γc) from 
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
-from mtpjax.config import Config
-from mtpjax.decode.cache import read_rows
 from mtpjax.decode.host import execute_request, make_loop, request, run, summarize
-from mtpjax.decode.loop import DecodeState, Loop, Request
+from mtpjax.decode.loop import DecodeState, Forced, Loop
 from mtpjax.decode.proposers import DraftModelProposer, MTPProposer
-from mtpjax.nn.loss import forward, mtp_loss
-from mtpjax.nn.model import MTPTransformer
 from mtpjax.nn.speed import ceiling, expected_tokens, floor_ratio, predicted_speedup, weight_ratio, work_ratio
-
-
-def validation_metrics(cfg: Config, model: MTPTransformer, batches) -> dict:
-    """Mean loss/accuracy/agreement per depth over validation batches."""
-    @nnx.jit
-    def step(model, toks, seg):
-        return mtp_loss(model, forward(model, toks, seg, cfg.loss), toks, seg, step=0, cfg=cfg.loss)[1]
-
-    sums, n = {}, 0
-    for b in batches:
-        met = step(model, jnp.asarray(b["tokens"]), jnp.asarray(b["segment_ids"]))
-        for k, v in met.items():
-            sums[k] = sums.get(k, 0.0) + float(v)
-        n += 1
-    return {k: v / max(n, 1) for k, v in sums.items() if k.split("/")[0] != "lambda"}
 
 
 def heldout_prompts(val_tokens, n: int, length: int, eos_id: int) -> list[list[int]]:
@@ -93,52 +74,31 @@ def agreement_on(model, prompts, outputs, depth: int) -> list[float]:
     """
     seqs = [p + o for p, o in zip(prompts, outputs)]
     T = min(len(s) for s in seqs)
-    toks = jnp.asarray([s[:T] for s in seqs], jnp.int32)
-    am = np.asarray(argmax_by_depth(model, toks))  # [D+1, B, T]
+    toks_BT = jnp.asarray([s[:T] for s in seqs], jnp.int32)
+    am_MBT = np.asarray(argmax_by_depth(model, toks_BT))
     P = max(len(p) for p in prompts)
     # position i's depth-k draft predicts x[i+k+1]; the main head at i+k predicts the same token
-    return [float((am[k][:, P - 1: T - k - 1] == am[0][:, P - 1 + k: T - 1]).mean()) for k in range(1, depth + 1)]
+    return [float((am_MBT[k, :, P - 1: T - k - 1] == am_MBT[0, :, P - 1 + k: T - 1]).mean())
+            for k in range(1, depth + 1)]
 
 
 @nnx.jit
-def argmax_by_depth(model, toks):
-    """int[D+1, B, T]: each depth's greedy prediction at every position (one jitted full forward)."""
-    return jnp.argmax(model.logits(model(toks).hidden), axis=-1)
-
-
-@struct.dataclass
-class ForcedRequest(Request):
-    ref_BS: jax.Array  # the reference sequence to commit, at absolute positions
-
-
-@struct.dataclass
-class ForcedState(DecodeState):
-    ref_BS: jax.Array
-
-
-@dataclass(frozen=True)
-class TeacherForced(Loop):
-    """Measures the drafts against the target but walks the reference text, one token a round."""
-
-    def new_state(self, req: ForcedRequest, **fields) -> ForcedState:
-        return ForcedState(ref_BS=req.ref_BS, **fields)
-
-    def chosen(self, src, toks_BY, c_B, n_B):
-        return read_rows(src.ref_BS, n_B, toks_BY.shape[1]), jnp.minimum(c_B, 1)
+def argmax_by_depth(model, toks_BT):
+    """int[M, B, T]: each depth's greedy prediction at every position (one jitted full forward)."""
+    return jnp.argmax(model.logits(model(toks_BT).hidden), axis=-1)
 
 
 def run_forced(model, prompts, loop: Loop, reference, draft=None) -> DecodeState:
     """`loop` teacher-forced: row i commits reference[i] (at least loop.max_new tokens) after its prompt."""
     if len(reference) != len(prompts):
         raise ValueError("forced decoding needs one reference continuation per prompt")
-    ref = np.zeros((len(prompts), loop.capacity), np.int32)
+    ref_BS = np.zeros((len(prompts), loop.capacity), np.int32)
     for i, (p, r) in enumerate(zip(prompts, reference)):
         if len(r) < loop.max_new:
             raise ValueError(f"reference {i} has {len(r)} tokens, fewer than the {loop.max_new} to decode")
-        ref[i, len(p): len(p) + loop.max_new] = r[: loop.max_new]
-    forced = TeacherForced(**{f: getattr(loop, f) for f in loop.__dataclass_fields__})
-    req = request(forced, prompts)
-    return execute_request(forced, model, ForcedRequest(**vars(req), ref_BS=jnp.asarray(ref)), draft=draft)
+        ref_BS[i, len(p): len(p) + loop.max_new] = r[: loop.max_new]
+    forced = dataclasses.replace(loop, commits=Forced())
+    return execute_request(forced, model, request(forced, prompts).replace(ref_BS=jnp.asarray(ref_BS)), draft=draft)
 
 
 def forced_acceptance(model, sequences, prompt_len: int, num_draft: int, proposer: str = "mtp",

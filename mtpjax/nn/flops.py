@@ -13,6 +13,8 @@ Conventions, chosen once and used everywhere:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from mtpjax.config import ModelConfig
 
 
@@ -66,3 +68,33 @@ def train_flops_per_token(model_cfg: ModelConfig, seq_len: int, frozen_trunk: bo
         return f["train"] + 3.0 * (apps - J) * (f["mtp_module"] + f["head"])
     return f["trunk"] + f["head"] + apps * (3 * f["mtp_module"] + 2 * f["head"])
 
+
+
+@dataclass(frozen=True)
+class TokenFlops:
+    """Forward FLOPs per token of one model's parts (`*_matmul`: the weight matmuls alone, 2 x the weights a row
+    reads): what a proposer's draft cost and a plain decode step are counted in (mtpjax.nn.speed)."""
+
+    trunk: float
+    trunk_matmul: float
+    module: float  # one MTP module's block (and input projection)
+    module_matmul: float
+    head: float  # one application of the shared head
+    mtp_depth: int  # MTP modules
+
+    @classmethod
+    def of(cls, model_cfg: ModelConfig, seq_len: int) -> TokenFlops:
+        """The record of flops_per_token's counts at this context length."""
+        f = flops_per_token(model_cfg, seq_len)
+        return cls(trunk=f["trunk"], trunk_matmul=f["trunk_matmul"], module=f["mtp_module"],
+                   module_matmul=f["mtp_module_matmul"], head=f["head"], mtp_depth=model_cfg.mtp_depth)
+
+    @property
+    def plain_step(self) -> float:
+        """A plain decode step's FLOPs per row: the trunk and the head."""
+        return self.trunk + self.head
+
+    @property
+    def plain_reads(self) -> float:
+        """The weights a plain decode step reads, as matmul FLOPs of one row."""
+        return self.trunk_matmul + self.head

@@ -21,8 +21,22 @@ is plain arithmetic on numbers or traced scalars: the training metric `expected_
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from mtpjax.config import ModelConfig
-from mtpjax.nn.flops import flops_per_token
+from mtpjax.nn.flops import TokenFlops
+
+
+class DraftCost(Protocol):
+    """What the arithmetic reads of a proposer (mtpjax.decode.protocol.Proposer): its γ and one round's draft work."""
+
+    num_draft: int
+
+    def draft_flops(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
+        """FLOPs one round of drafting computes, every row counted."""
+
+    def draft_reads(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
+        """The weights one round of drafting reads, as matmul FLOPs of one row."""
 
 
 def expected_tokens(alpha_by_pos, gamma: int):
@@ -35,32 +49,37 @@ def expected_tokens(alpha_by_pos, gamma: int):
     return total
 
 
-def work_ratio(proposer, model_cfg: ModelConfig, context: int, draft_cfg: ModelConfig | None = None) -> float:
+def work_ratio(proposer: DraftCost, model_cfg: ModelConfig, context: int,
+               draft_cfg: ModelConfig | None = None) -> float:
     """The FLOPs one round's drafting computes per draft over a plain decode step's (trunk + head), every row
     counted (an MTP module recomputes its window). A draft's cost where decoding is compute-bound."""
-    return _ratio(proposer, model_cfg, context, draft_cfg, "draft_flops", ("trunk", "head"))
+    f, fd = _flops(model_cfg, context, draft_cfg)
+    return _per_draft(proposer, proposer.draft_flops(f, fd), f.plain_step)
 
 
-def weight_ratio(proposer, model_cfg: ModelConfig, context: int, draft_cfg: ModelConfig | None = None) -> float:
+def weight_ratio(proposer: DraftCost, model_cfg: ModelConfig, context: int,
+                 draft_cfg: ModelConfig | None = None) -> float:
     """The weights one round's drafting reads per draft over those a plain decode step reads (each call reads
     its weights once, whatever its rows). A draft's cost where decoding is bound by reading weights."""
-    return _ratio(proposer, model_cfg, context, draft_cfg, "draft_reads", ("trunk_matmul", "head"))
+    f, fd = _flops(model_cfg, context, draft_cfg)
+    return _per_draft(proposer, proposer.draft_reads(f, fd), f.plain_reads)
 
 
-def floor_ratio(proposer, model_cfg: ModelConfig, context: int, draft_cfg: ModelConfig | None = None) -> float:
+def floor_ratio(proposer: DraftCost, model_cfg: ModelConfig, context: int,
+                draft_cfg: ModelConfig | None = None) -> float:
     """r of the ceiling: a draft costs at least the smaller of its FLOP and weight shares of a plain step
     (roofline: time >= max(FLOPs / peak, bytes / bandwidth) for the draft and the plain step alike)."""
     args = (proposer, model_cfg, context, draft_cfg)
     return min(work_ratio(*args), weight_ratio(*args))
 
 
-def _ratio(proposer, model_cfg, context, draft_cfg, count: str, plain: tuple) -> float:
+def _flops(model_cfg: ModelConfig, context: int, draft_cfg: ModelConfig | None) -> tuple:
+    return TokenFlops.of(model_cfg, context), None if draft_cfg is None else TokenFlops.of(draft_cfg, context)
+
+
+def _per_draft(proposer: DraftCost, draft: float, plain: float) -> float:
     G = proposer.num_draft
-    if G == 0:
-        return 0.0
-    f = flops_per_token(model_cfg, context)
-    fd = flops_per_token(draft_cfg, context) if draft_cfg is not None else None
-    return getattr(proposer, count)(f, fd) / (G * sum(f[k] for k in plain))
+    return draft / (G * plain) if G else 0.0
 
 
 def ceiling(alpha_by_pos, gamma: int, r: float) -> float:

@@ -11,10 +11,9 @@ import numpy as np
 from flax import nnx
 
 from mtpjax.parallel import distributed
-from mtpjax.eval.bpb import eval_bits_per_byte
 from mtpjax.data import eval_by_source
 from mtpjax.eval.log import append_eval
-from mtpjax.nn.loss import add_expected_lengths
+from mtpjax.eval.validation import validation_metrics
 from mtpjax.train.metrics import Writer
 from mtpjax.decode import generate  # the decoder's cached generation: the one import of the decoder here
 
@@ -23,14 +22,9 @@ SAMPLE_TOKENS = 64  # greedy tokens generated per sample
 
 
 def validation(progs, state, val: list, to_global, tokenizer=None) -> dict:
-    """Mean eval metrics (loss, accuracy, agreement, accept_prob per depth; the expected tokens per round from
-    the means) over the fixed validation batches, and bits_per_byte given a tokenizer whose byte lengths are known."""
-    mets = jax.device_get([progs.eval_step(state, *to_global(b)) for b in val])
-    keep = [k for k in mets[0] if k.startswith(("loss/", "agreement/", "accuracy/", "accept_prob/"))]
-    means = {k: float(np.mean([m[k] for m in mets])) for k in keep}
-    depth = sum(k.startswith("agreement/mtp_") for k in keep)  # the unrolled applications (agreement/unroll_u) are none
-    out = {k: float(v) for k, v in add_expected_lengths(means, depth).items()}
-    return out | ({} if tokenizer is None else eval_bits_per_byte(val, [m["loss/main"] for m in mets], tokenizer))
+    """The validation metrics of mtpjax.eval.validation over the fixed validation batches, on the run's mesh."""
+    per_batch = jax.device_get([progs.eval_step(state, *to_global(b)) for b in val])
+    return validation_metrics(per_batch, val, tokenizer)
 
 
 def _host_model(progs, state):

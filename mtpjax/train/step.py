@@ -18,6 +18,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from mtpjax.config import Config, LossConfig
+from mtpjax.eval.validation import batch_metrics
 from mtpjax.nn.loss import add_expected_lengths, forward, mtp_loss, token_counts
 from mtpjax.nn.model import build_model
 from mtpjax.train.optim import decay_mask, global_norm, lr_schedule, make_tx, trainable, with_lr
@@ -102,10 +103,8 @@ def train_step(state: TrainState, tokens_BT, seg_BT, *, graphdef, tx: optax.Grad
 
 
 def eval_step(state: TrainState, tokens_BT, seg_BT, *, graphdef, loss_cfg: LossConfig) -> dict:
-    """Metrics of one batch at the state's step, without gradients."""
-    model = nnx.merge(graphdef, state.params)
-    out = forward(model, tokens_BT, seg_BT, loss_cfg)
-    return mtp_loss(model, out, tokens_BT, seg_BT, step=state.step, cfg=loss_cfg, with_accept_prob=True)[1]
+    """Validation metrics of one batch at the state's step, without gradients (mtpjax.eval.validation)."""
+    return batch_metrics(nnx.merge(graphdef, state.params), tokens_BT, seg_BT, step=state.step, loss_cfg=loss_cfg)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,89 @@
+"""The decoder's seams: the proposer contract (mtpjax.decode.protocol) and the one rule sizing its caches."""
+
+import dataclasses
+import inspect
+
+import jax
+import pytest
+from flax import nnx
+
+from mtpjax.decode.cache import GQACache, cache_bytes, rows
+from mtpjax.decode.host import make_loop, request
+from mtpjax.decode.proposers import PROPOSERS, MTPProposer, Plain
+from mtpjax.decode.protocol import Models, Proposer, chain
+from mtpjax.nn.flops import TokenFlops, flops_per_token
+from mtpjax.nn.model import build_model
+
+CONTRACT = [n for n, f in inspect.getmembers(Proposer, inspect.isfunction) if not n.startswith("_")]
+
+
+@pytest.mark.parametrize("make", [*PROPOSERS.values(), lambda g: Plain()])
+def test_every_proposer_implements_the_contract_and_drafts_chains(make):
+    p = make(3)
+    assert {"problem", "most_drafts", "start", "step", "parents", "draft_flops", "draft_reads"} <= set(CONTRACT)
+    for name in set(CONTRACT) - {"parents"}:  # written by the proposer, not the protocol's empty stub
+        assert getattr(type(p), name) is not getattr(Proposer, name), name
+    assert p.parents() == chain(p.num_draft) and chain(3) == (-1, 0, 1)
+    hash(p)  # static: part of the compiled loop's hash
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoRoots(MTPProposer):
+    """Two alternatives for the next token: a tree, not a chain."""
+
+    def parents(self) -> tuple[int, ...]:
+        return (-1, -1)
+
+
+@pytest.mark.parametrize("proposer", [MTPProposer(2), TwoRoots(2)])
+def test_the_loop_verifies_chains_and_refuses_trees(model_cfg, proposer):
+    """A tree draft is refused in one line before anything compiles; the same γ as a chain (companion) is taken."""
+    model = build_model(model_cfg())
+    loop = make_loop(model, [[1, 2, 3]], max_new_tokens=4, num_draft=2)
+    if proposer.parents() == chain(2):
+        assert dataclasses.replace(loop, proposer=proposer).proposer == proposer
+    else:
+        with pytest.raises(ValueError, match="verifies chains only"):
+            dataclasses.replace(loop, proposer=proposer)
+
+
+def test_draft_costs_read_the_typed_record(model_cfg):
+    """TokenFlops holds flops_per_token's counts under names; an MTP round's work is counted from them."""
+    cfg = model_cfg()
+    f, d = TokenFlops.of(cfg, 12), flops_per_token(cfg, 12)
+    assert (f.trunk, f.trunk_matmul, f.module, f.module_matmul, f.head, f.mtp_depth) == (
+        d["trunk"], d["trunk_matmul"], d["mtp_module"], d["mtp_module_matmul"], d["head"], cfg.mtp_depth)
+    assert MTPProposer(2).draft_flops(f, None) == 2 * 3 * f.module + 2 * f.head  # two modules over 3 rows each
+
+
+def _allocated_bytes(model, loop, prompts) -> int:
+    """Bytes of the caches a generation's prefill allocates: the trunk's and the proposer's state."""
+    graphdef, params = nnx.split(model)
+    req = request(loop, prompts)
+    st = jax.eval_shape(lambda p, r: loop.prefill(Models(nnx.merge(graphdef, p)), r), params, req)
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((st.trunk, st.proposer)))
+
+
+@pytest.mark.parametrize("mtp_depth,num_draft", [(2, 2), (2, 3), (0, 0)])
+def test_one_rule_sizes_the_caches_the_loop_allocates(model_cfg, mtp_depth, num_draft):
+    """make_loop's capacity and decode.py's memory check come from cache.rows and cache.cache_bytes, which count
+    exactly what the loop allocates (trunk keys/values, each module's, the trunk's hidden rows MTP drafting keeps)."""
+    model = build_model(model_cfg(mtp_depth=mtp_depth))
+    prompts = [[1, 2, 3], [4] * 20]
+    loop = make_loop(model, prompts, max_new_tokens=7, num_draft=num_draft, proposer="mtp" if mtp_depth else "ngram")
+    size = rows(20, 7, num_draft)
+    assert (loop.prompt_pad, loop.capacity) == (size.prompt_pad, size.capacity) == (32, 64)
+    assert _allocated_bytes(model, loop, prompts) == cache_bytes(model.cfg, 2, loop.capacity)
+
+
+def test_companion_a_layout_that_forgets_a_part_misses_the_allocation(model_cfg):
+    """Counting the trunk's keys and values alone (modules and hidden rows forgotten) misses what is allocated."""
+
+    @dataclasses.dataclass(frozen=True)
+    class TrunkOnly(GQACache):
+        def bytes_per_row(self, cfg) -> int:
+            return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.resolved_head_dim * 4
+
+    model = build_model(model_cfg())
+    loop = make_loop(model, [[1, 2, 3]], max_new_tokens=7, num_draft=2)
+    assert _allocated_bytes(model, loop, [[1, 2, 3]]) != cache_bytes(model.cfg, 1, loop.capacity, TrunkOnly())
