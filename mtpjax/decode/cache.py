@@ -12,9 +12,12 @@ import jax.numpy as jnp
 
 from mtpjax.config import ModelConfig
 from mtpjax.nn.layers import KV, dtype_of
+from mtpjax.nn.mla import mla_cache
 
 
 def _kv(cfg: ModelConfig, batch: int, capacity: int, lead=()) -> KV:
+    if cfg.attention_kind == "mla":
+        return mla_cache(cfg, batch, capacity, lead)
     shape = lead + (batch, cfg.n_kv_heads, capacity, cfg.resolved_head_dim)
     dt = dtype_of(cfg.dtype)
     return KV(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
@@ -38,8 +41,8 @@ def module_caches(cfg: ModelConfig, batch: int, capacity: int) -> tuple:
 
 def layer(cache, i: int) -> KV:
     """The cache of layer/module i (of a tuple of KVs or of a stacked KV)."""
-    if isinstance(cache, KV):
-        return KV(cache.k_BKSH[i], cache.v_BKSH[i])
+    if hasattr(cache, "_fields"):  # a stacked KV or MLACache
+        return type(cache)(*(x[i] for x in cache))
     return cache[i]
 
 
@@ -50,9 +53,9 @@ def set_layer(cache: tuple, i: int, new: KV) -> tuple:
 
 def stacked(cache) -> KV:
     """All layers as one [L, B, K, S, H] KV (for inspection and tests)."""
-    if isinstance(cache, KV):
+    if hasattr(cache, "_fields"):
         return cache
-    return KV(jnp.stack([c.k_BKSH for c in cache]), jnp.stack([c.v_BKSH for c in cache]))
+    return type(cache[0])(*(jnp.stack(xs) for xs in zip(*cache)))
 
 
 def write_rows(buf_BS, upd_BT, start_B):

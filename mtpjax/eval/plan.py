@@ -13,7 +13,7 @@ from flax import nnx
 
 from mtpjax.config import Config
 from mtpjax.decode.proposers import MTPProposer
-from mtpjax.nn.flops import flops_per_token
+from mtpjax.nn.flops import cache_numbers_per_token, flops_per_token
 from mtpjax.nn.model import build_model, param_counts
 from mtpjax.nn.speed import ceiling, expected_tokens, floor_ratio, weight_ratio, work_ratio
 
@@ -50,7 +50,9 @@ def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None,
         spec.append({"gamma": g, "tokens_per_round": expected_tokens([alpha], g), **r,
                      "speedup": ceiling([alpha], g, r["floor_ratio"])})
     return {"params": counts, "param_bytes": tree_bytes(params), "optimizer_bytes": tree_bytes(opt_state),
-            "param_dtype": cfg.model.param_dtype, "flops": fl, "alpha": alpha, "draft_cost": draft_cost,
+            "param_dtype": cfg.model.param_dtype, "flops": fl,
+            "cache_bytes_per_token": cache_numbers_per_token(cfg.model) * (cfg.model.n_layers + J)
+            * jax.numpy.dtype(cfg.model.dtype).itemsize, "alpha": alpha, "draft_cost": draft_cost,
             "speculation": spec}
 
 
@@ -79,6 +81,8 @@ def format_plan(plan: dict, cfg: Config) -> str:
               f"  parameters  {pb:>16,d} B  ({pb / 2**30:.3f} GiB)",
               f"  optimizer   {ob:>16,d} B  ({ob / 2**30:.3f} GiB)",
               f"  total       {pb + ob:>16,d} B  ({(pb + ob) / 2**30:.3f} GiB)",
+              f"decode cache per token ({m.attention_kind}, trunk layers + MTP modules, {m.dtype}): "
+              f"{plan['cache_bytes_per_token']:,d} B",
               "FLOPs per token (matmuls 2mnk, full TxT attention; train = 3 x forward):",
               f"  trunk fwd {_h(fl['trunk'])}  mtp module fwd {_h(fl['mtp_module'])}  head fwd {_h(fl['head'])}",
               "  depth   forward      train        +train vs depth-1"]
