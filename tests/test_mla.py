@@ -351,3 +351,16 @@ def test_sharded_mla_equals_one_device():
         assert o["grad_diff"] < 1e-6, (shape, o["grad_diff"])
     # kv_b [16, 4 heads * 20] splits its heads over tensor (4, then 2); its latent rows stay whole.
     assert out["(2, 1, 4)"]["kv_b_shard"] == [16, 20] and out["(1, 4, 2)"]["kv_b_shard"] == [16, 40]
+
+
+def test_export_refuses_an_mla_run_in_one_line():
+    """No exported layout (Llama, Qwen2, MiMo) has latent attention: export says so instead of writing GQA tensors."""
+    from types import SimpleNamespace
+
+    from mtpjax.convert.errors import ConvertError
+    from mtpjax.convert.export import _check
+
+    with pytest.raises(ConvertError, match="attention_kind=mla") as e:
+        _check(_cfg(), "qwen2", None, SimpleNamespace(kind="byte", vocab_size=32))
+    assert "\n" not in str(e.value)
+    assert _check(_cfg(attention_kind="gqa"), "qwen2", None, SimpleNamespace(kind="byte", vocab_size=32)) == 1
