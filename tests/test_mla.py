@@ -228,6 +228,15 @@ def test_greedy_speculative_equals_plain_with_an_mla_trunk_full_matrix(model, pr
 
 
 @pytest.mark.slow
+def test_an_mla_draft_model_for_an_mla_target_keeps_greedy_output(model):
+    """proposer="model": the draft model's own cache is an MLA latent cache too."""
+    draft = _randomized(build_model(_cfg(n_layers=1, mtp_depth=0), seed=3), 7)
+    base = generate(model, PROMPTS, max_new_tokens=16)
+    out = generate(model, PROMPTS, max_new_tokens=16, num_draft=2, proposer="model", draft=draft)
+    assert out.tokens == base.tokens and sum(out.stats["reached"]) > 0
+
+
+@pytest.mark.slow
 def test_scanned_mla_trunk_decodes_exactly():
     cfg = _cfg(scan_layers=True, **YARN)
     m = _randomized(build_model(cfg, seed=1), 6)
