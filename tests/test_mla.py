@@ -270,12 +270,20 @@ def test_latent_cache_after_rejections_equals_a_fresh_prefill(model):
     (["model.q_lora_rank=100"], "model.q_lora_rank"),
     (["model.qk_rope_head_dim=5"], "model.qk_rope_head_dim"),
     (["model.attention_kind=gqa", "model.rope_scaling=yarn"], "model.rope_scaling"),
+    (["model.rope_scaling=yarn", "model.rope_beta_fast=1", "model.rope_beta_slow=2"], "model.rope_beta_fast"),
 ])
 def test_bad_mla_settings_are_refused_in_one_line(over, needle):
     base = ["model.d_model=64"] + [f"model.{k}={v}" for k, v in MLA.items()]
     with pytest.raises(ConfigError) as e:
         load_config(None, base + over)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_gqa_kv_head_rule_on_the_tensor_axis_does_not_apply_to_mla():
+    base = ["model.d_model=64", "model.head_dim=8", "model.n_heads=6", "model.n_kv_heads=3", "mesh.tensor=2"]
+    with pytest.raises(ConfigError, match="mesh.tensor"):
+        load_config(None, base)  # GQA: 2 neither divides 3 KV heads nor is a multiple of them
+    assert load_config(None, base + ["model.attention_kind=mla"]).mesh.tensor == 2
 
 
 def test_a_bad_mla_setting_exits_2_from_the_command_line():
