@@ -7,7 +7,7 @@ import jax
 import pytest
 from flax import nnx
 
-from mtpjax.decode.cache import GQACache, cache_bytes, rows
+from mtpjax.decode.cache import AttentionCaches, cache_bytes, rows
 from mtpjax.decode.host import make_loop, request
 from mtpjax.decode.proposers import PROPOSERS, MTPProposer, Plain
 from mtpjax.decode.protocol import Models, Proposer, chain
@@ -64,11 +64,14 @@ def _allocated_bytes(model, loop, prompts) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((st.trunk, st.proposer)))
 
 
-@pytest.mark.parametrize("mtp_depth,num_draft", [(2, 2), (2, 3), (0, 0)])
-def test_one_rule_sizes_the_caches_the_loop_allocates(model_cfg, mtp_depth, num_draft):
+MLA = dict(attention_kind="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=8)
+
+
+@pytest.mark.parametrize("mtp_depth,num_draft,attention", [(2, 2, {}), (2, 3, {}), (0, 0, {}), (2, 2, MLA)])
+def test_one_rule_sizes_the_caches_the_loop_allocates(model_cfg, mtp_depth, num_draft, attention):
     """make_loop's capacity and decode.py's memory check come from cache.rows and cache.cache_bytes, which count
     exactly what the loop allocates (trunk keys/values, each module's, the trunk's hidden rows MTP drafting keeps)."""
-    model = build_model(model_cfg(mtp_depth=mtp_depth))
+    model = build_model(model_cfg(mtp_depth=mtp_depth, **attention))
     prompts = [[1, 2, 3], [4] * 20]
     loop = make_loop(model, prompts, max_new_tokens=7, num_draft=num_draft, proposer="mtp" if mtp_depth else "ngram")
     size = rows(20, 7, num_draft)
@@ -80,7 +83,7 @@ def test_companion_a_layout_that_forgets_a_part_misses_the_allocation(model_cfg)
     """Counting the trunk's keys and values alone (modules and hidden rows forgotten) misses what is allocated."""
 
     @dataclasses.dataclass(frozen=True)
-    class TrunkOnly(GQACache):
+    class TrunkOnly(AttentionCaches):
         def bytes_per_row(self, cfg) -> int:
             return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.resolved_head_dim * 4
 

@@ -53,7 +53,8 @@ def key(default: Any, doc: str, *, gt: float | None = None, ge: float | None = N
     return field(default=default, metadata=meta)
 
 
-RopeScaling = Literal["none", "llama3"]
+RopeScaling = Literal["none", "llama3", "yarn"]
+AttentionKind = Literal["gqa", "mla"]
 MtpKind = Literal["sequential", "parallel"]
 MtpInit = Literal["random", "last_block"]
 Remat = Literal["none", "full", "dots"]
@@ -79,14 +80,33 @@ class ModelConfig:
     d_ff: int = key(0, "SwiGLU width; 0 = 8/3 · `d_model` rounded up to a multiple of 64", ge=0)
     rope_theta: float = key(10000.0, "RoPE base", gt=0)
     rope_scaling: RopeScaling = key("none", "RoPE frequency scaling", choices={
-        "none": "plain RoPE", "llama3": "Llama 3.1's long-context rule, with the four `rope_*` keys below"})
+        "none": "plain RoPE", "llama3": "Llama 3.1's long-context rule, with the four `rope_*` keys below",
+        "yarn": "YaRN as DeepSeek-V3 defines it (`attention_kind: mla`): `rope_scaling_factor`, "
+                "`rope_original_max_len`, `rope_beta_*`, `rope_mscale*`"})
     rope_scaling_factor: float = key(8.0, "llama3: how much long wavelengths are slowed", ge=1)
     rope_low_freq_factor: float = key(
         1.0, "llama3: wavelengths above `rope_original_max_len / low` are scaled by the factor", gt=0)
     rope_high_freq_factor: float = key(
         4.0, "llama3: wavelengths below `rope_original_max_len / high` are kept; between, interpolated "
         "(must be > `rope_low_freq_factor`)")
-    rope_original_max_len: int = key(8192, "llama3: the context length the model was pretrained at", gt=0)
+    rope_original_max_len: int = key(8192, "llama3, yarn: the context length the model was pretrained at", gt=0)
+    rope_beta_fast: float = key(32.0, "yarn: rotations per original context above which a frequency is kept", gt=0)
+    rope_beta_slow: float = key(1.0, "yarn: rotations below which a frequency is divided by the factor; between, "
+                                "ramped (must be < `rope_beta_fast`)", gt=0)
+    rope_mscale: float = key(1.0, "yarn: the cos/sin scale is mscale(factor, this) / mscale(factor, "
+                             "`rope_mscale_all_dim`), mscale(s, m) = 0.1·m·ln s + 1", ge=0)
+    rope_mscale_all_dim: float = key(1.0, "yarn: the softmax scale is multiplied by mscale(factor, this)² (0: not, "
+                                     "and the cos/sin scale is mscale(factor, 1))", ge=0)
+    attention_kind: AttentionKind = key("gqa", "what attention computes (trunk and MTP modules)", choices={
+        "gqa": "grouped-query attention (`n_kv_heads`, `head_dim`)",
+        "mla": "DeepSeek-V3's multi-head latent attention (`q_lora_rank`, `kv_lora_rank`, `qk_*_head_dim`, "
+               "`v_head_dim`); decoding caches the latent and the RoPE key"})
+    q_lora_rank: int = key(0, "mla: query latent rank (≤ `d_model`); 0 = no query compression", ge=0)
+    kv_lora_rank: int = key(64, "mla: key/value latent rank, the cached numbers per token besides the RoPE key "
+                            "(≤ `d_model`)", gt=0)
+    qk_nope_head_dim: int = key(32, "mla: per-head query/key width without position", gt=0)
+    qk_rope_head_dim: int = key(16, "mla: width of the RoPE part (one key shared by every head; even)", gt=0)
+    v_head_dim: int = key(32, "mla: per-head value width", gt=0)
     norm_eps: float = key(1e-6, "RMSNorm epsilon")
     qkv_bias: bool = key(False, "biases on the q/k/v projections (Qwen2), zero-initialised")
     tie_embeddings: bool = key(True, "output head = embedding transposed")
@@ -123,6 +143,14 @@ class ModelConfig:
             return None
         return (self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
                 float(self.rope_original_max_len))
+
+    @property
+    def yarn_rope(self) -> tuple | None:
+        """(factor, original_max_len, beta_fast, beta_slow, mscale, mscale_all_dim) when rope_scaling is yarn."""
+        if self.rope_scaling != "yarn":
+            return None
+        return (self.rope_scaling_factor, float(self.rope_original_max_len), self.rope_beta_fast,
+                self.rope_beta_slow, self.rope_mscale, self.rope_mscale_all_dim)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ def _check_rules(cfg: Config) -> None:
     _check(m.resolved_head_dim % 2 == 0, "model.head_dim", m.resolved_head_dim, "must be even (RoPE rotates pairs)")
     _check(m.rope_high_freq_factor > m.rope_low_freq_factor, "model.rope_high_freq_factor", m.rope_high_freq_factor,
            f"must be > model.rope_low_freq_factor={m.rope_low_freq_factor}")
+    _check_mla(m)
     _check(cfg.loss.chunk_size == 0 or d.seq_len % cfg.loss.chunk_size == 0, "loss.chunk_size",
            cfg.loss.chunk_size, f"must divide data.seq_len={d.seq_len} (or be 0)")
 
@@ -76,8 +77,24 @@ def _check_rules(cfg: Config) -> None:
     _check(not t.keep_mtp or bool(t.init_from), "train.keep_mtp", t.keep_mtp,
            "needs train.init_from=RUN_DIR (the run whose MTP modules to keep)")
 
-    _check(m.n_kv_heads % cfg.mesh.tensor == 0 or cfg.mesh.tensor % m.n_kv_heads == 0, "mesh.tensor",
-           cfg.mesh.tensor, f"must divide model.n_kv_heads={m.n_kv_heads} (or be a multiple of it)")
+    gqa_ok = m.n_kv_heads % cfg.mesh.tensor == 0 or cfg.mesh.tensor % m.n_kv_heads == 0
+    _check(m.attention_kind == "mla" or gqa_ok, "mesh.tensor", cfg.mesh.tensor,
+           f"must divide model.n_kv_heads={m.n_kv_heads} (or be a multiple of it)")
+
+
+def _check_mla(m) -> None:
+    """Latent ranks within the width, a rotatable RoPE part, YaRN only where its softmax scale is defined."""
+    _check(m.rope_scaling != "yarn" or m.attention_kind == "mla", "model.rope_scaling", m.rope_scaling,
+           "yarn is defined here for model.attention_kind=mla; use llama3, or set model.attention_kind=mla")
+    _check(m.rope_beta_fast > m.rope_beta_slow, "model.rope_beta_fast", m.rope_beta_fast,
+           f"must be > model.rope_beta_slow={m.rope_beta_slow}")
+    if m.attention_kind != "mla":
+        return
+    for name in ("kv_lora_rank", "q_lora_rank"):
+        _check(getattr(m, name) <= m.d_model, f"model.{name}", getattr(m, name),
+               f"a latent rank above the width compresses nothing; use <= model.d_model={m.d_model}")
+    _check(m.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim", m.qk_rope_head_dim,
+           "must be even (RoPE rotates pairs)")
 
 
 def _check_objective(cfg: Config) -> None:

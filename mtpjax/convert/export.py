@@ -70,6 +70,9 @@ class RunCheckpoint:
 def _check(cfg: Config, fmt: str, mtp_modules: int | None, tokenizer) -> int:
     """The number of MTP modules to write; ConvertError if the run or the format cannot give them."""
     m = cfg.model
+    if m.attention_kind == "mla":
+        raise ConvertError("the run uses model.attention_kind=mla, which the llama/qwen2/MiMo layouts cannot "
+                           "express (their attention is GQA); export an attention_kind=gqa run")
     if fmt not in layout.FORMATS:
         raise ConvertError(f"--format {fmt} is unknown; use one of {', '.join(layout.FORMATS)}")
     if fmt == "llama":

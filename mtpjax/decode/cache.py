@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from mtpjax.config import ModelConfig
+from mtpjax.nn.flops import cache_numbers_per_token
 from mtpjax.nn.layers import KV, dtype_of
+from mtpjax.nn.mla import mla_cache
 
 
 PROMPT_ROUND = 16  # prompts are padded to a multiple of this: nearby lengths share one compiled loop
@@ -41,22 +43,27 @@ def rows(longest_prompt: int, max_new: int, nodes: int) -> Rows:
 
 
 @dataclass(frozen=True)
-class GQACache:
-    """Keys and values of the key/value heads, per trunk layer and per MTP module; an MTP model's drafting also
-    keeps the trunk's hidden state per row. Another layout (a latent attention cache) is another bytes_per_row."""
+class AttentionCaches:
+    """Each trunk layer's and MTP module's attention cache (GQA keys and values, or MLA's latent and RoPE key: the
+    numbers nn.flops.cache_numbers_per_token counts); an MTP model's drafting also keeps the trunk's hidden state per
+    row. A cache of another shape (tree rows, a draft model's own) is another layout with its own bytes_per_row."""
+
+    def attention_bytes_per_row(self, cfg: ModelConfig) -> int:
+        return (cfg.n_layers + cfg.mtp_depth) * cache_numbers_per_token(cfg) * dtype_of(cfg.dtype).itemsize
 
     def bytes_per_row(self, cfg: ModelConfig) -> int:
-        kv = 2 * (cfg.n_layers + cfg.mtp_depth) * cfg.n_kv_heads * cfg.resolved_head_dim
         hidden = cfg.d_model if cfg.mtp_depth else 0
-        return (kv + hidden) * dtype_of(cfg.dtype).itemsize
+        return self.attention_bytes_per_row(cfg) + hidden * dtype_of(cfg.dtype).itemsize
 
 
-def cache_bytes(cfg: ModelConfig, batch: int, capacity: int, layout: GQACache = GQACache()) -> int:
+def cache_bytes(cfg: ModelConfig, batch: int, capacity: int, layout: AttentionCaches = AttentionCaches()) -> int:
     """Bytes the decode caches of `batch` rows of `capacity` positions take (mtpjax.decode.host allocates them)."""
     return batch * capacity * layout.bytes_per_row(cfg)
 
 
 def _kv(cfg: ModelConfig, batch: int, capacity: int, lead=()) -> KV:
+    if cfg.attention_kind == "mla":
+        return mla_cache(cfg, batch, capacity, lead)
     shape = lead + (batch, cfg.n_kv_heads, capacity, cfg.resolved_head_dim)
     dt = dtype_of(cfg.dtype)
     return KV(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
@@ -80,8 +87,8 @@ def module_caches(cfg: ModelConfig, batch: int, capacity: int) -> tuple:
 
 def layer(cache, i: int) -> KV:
     """The cache of layer/module i (of a tuple of KVs or of a stacked KV)."""
-    if isinstance(cache, KV):
-        return KV(cache.k_BKSH[i], cache.v_BKSH[i])
+    if hasattr(cache, "_fields"):  # a stacked KV or MLACache
+        return type(cache)(*(x[i] for x in cache))
     return cache[i]
 
 
@@ -92,9 +99,9 @@ def set_layer(cache: tuple, i: int, new: KV) -> tuple:
 
 def stacked(cache) -> KV:
     """All layers as one [L, B, K, S, H] KV (for inspection and tests)."""
-    if isinstance(cache, KV):
+    if hasattr(cache, "_fields"):
         return cache
-    return KV(jnp.stack([c.k_BKSH for c in cache]), jnp.stack([c.v_BKSH for c in cache]))
+    return type(cache[0])(*(jnp.stack(xs) for xs in zip(*cache)))
 
 
 def write_rows(buf_BS, upd_BT, start_B):

@@ -12,6 +12,7 @@ import optax
 from flax import nnx
 
 from mtpjax.config import Config
+from mtpjax.decode.cache import AttentionCaches
 from mtpjax.decode.proposers import MTPProposer
 from mtpjax.nn.flops import flops_per_token
 from mtpjax.nn.model import build_model, param_counts
@@ -50,8 +51,9 @@ def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None,
         spec.append({"gamma": g, "tokens_per_round": expected_tokens([alpha], g), **r,
                      "speedup": ceiling([alpha], g, r["floor_ratio"])})
     return {"params": counts, "param_bytes": tree_bytes(params), "optimizer_bytes": tree_bytes(opt_state),
-            "param_dtype": cfg.model.param_dtype, "flops": fl, "alpha": alpha, "draft_cost": draft_cost,
-            "speculation": spec}
+            "param_dtype": cfg.model.param_dtype, "flops": fl,
+            "cache_bytes_per_token": AttentionCaches().attention_bytes_per_row(cfg.model), "alpha": alpha,
+            "draft_cost": draft_cost, "speculation": spec}
 
 
 def _h(n: float) -> str:
@@ -79,6 +81,8 @@ def format_plan(plan: dict, cfg: Config) -> str:
               f"  parameters  {pb:>16,d} B  ({pb / 2**30:.3f} GiB)",
               f"  optimizer   {ob:>16,d} B  ({ob / 2**30:.3f} GiB)",
               f"  total       {pb + ob:>16,d} B  ({(pb + ob) / 2**30:.3f} GiB)",
+              f"decode cache per token ({m.attention_kind}, trunk layers + MTP modules, {m.dtype}): "
+              f"{plan['cache_bytes_per_token']:,d} B",
               "FLOPs per token (matmuls 2mnk, full TxT attention; train = 3 x forward):",
               f"  trunk fwd {_h(fl['trunk'])}  mtp module fwd {_h(fl['mtp_module'])}  head fwd {_h(fl['head'])}",
               "  depth   forward      train        +train vs depth-1"]

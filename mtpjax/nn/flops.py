@@ -24,7 +24,20 @@ def _block_flops(m: ModelConfig, seq_len: int) -> dict[str, float]:
     proj = 2 * d * (h * hd) + 2 * 2 * d * (kv * hd) + 2 * (h * hd) * d  # wq, wk, wv, wo
     mlp = 3 * 2 * d * f  # gate, up, down
     attn = 2 * (2 * seq_len * hd * h)  # scores and values over all T keys, every query head
+    if m.attention_kind == "mla":  # the expanded form training runs: q (through its latent), kv_a, kv_b, wo
+        ql, c, qk, v = m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+        q = 2 * d * ql + 2 * ql * h * qk if ql else 2 * d * h * qk
+        proj = q + 2 * d * (c + m.qk_rope_head_dim) + 2 * c * h * (m.qk_nope_head_dim + v) + 2 * h * v * d
+        attn = 2 * seq_len * h * (qk + v)
     return {"matmul": float(proj + mlp), "attention": float(attn), "total": float(proj + mlp + attn)}
+
+
+def cache_numbers_per_token(m: ModelConfig) -> int:
+    """Numbers one attention layer caches per token for decoding: GQA's keys and values of every KV head, or
+    MLA's latent and shared RoPE key."""
+    if m.attention_kind == "mla":
+        return m.kv_lora_rank + m.qk_rope_head_dim
+    return 2 * m.n_kv_heads * m.resolved_head_dim
 
 
 def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> dict:

@@ -83,13 +83,13 @@ def rope_frequencies(head_dim: int, theta: float, llama3: tuple | None = None):
     return jnp.where(wavelen > original / low, freq / factor, jnp.where(wavelen < original / high, freq, between))
 
 
-def rope_tables(pos_BT, head_dim: int, theta: float, llama3: tuple | None = None):
+def rope_tables(pos_BT, head_dim: int, theta: float, llama3: tuple | None = None, freq=None):
     """(cos, sin) of shape [B, T, 1, H/2], materialized once per attention call.
 
     The barrier stops XLA from fusing sin/cos into every consumer, where they were recomputed for
     each head and each half of the rotation (profiled: ~5% of a tiny-config train step).
     """
-    freq = rope_frequencies(head_dim, theta, llama3)
+    freq = rope_frequencies(head_dim, theta, llama3) if freq is None else freq  # freq: another rule's (YaRN)
     ang_BTH = pos_BT.astype(jnp.float32)[..., None] * freq[None, None, :]  # H/2 frequencies
     cos, sin = jax.lax.optimization_barrier((jnp.cos(ang_BTH), jnp.sin(ang_BTH)))
     return cos[:, :, None, :], sin[:, :, None, :]
@@ -169,7 +169,7 @@ def attend(q_BTKRH, k_BSKH, v_BSKH, bias_BTS, causal_blocks: int = 1):
         S = T if n == 1 else (i + 1) * Tb
         q_BKRTH = q_BTKRH[:, i * Tb:(i + 1) * Tb].transpose(0, 2, 3, 1, 4).reshape(B, K, R * Tb, H)
         o_BKRTH = _attend_hm(q_BKRTH, k_BKSH[:, :, :S], v_BKSH[:, :, :S], bias_BTS[:, i * Tb:(i + 1) * Tb, :S])
-        outs.append(o_BKRTH.reshape(B, K, R, Tb, H))
+        outs.append(o_BKRTH.reshape(B, K, R, Tb, v_BKSH.shape[-1]))  # values may be narrower (MLA's v_head_dim)
     o_BKRTH = outs[0] if n == 1 else jnp.concatenate(outs, axis=3)
     return o_BKRTH.transpose(0, 3, 1, 2, 4)
 
@@ -314,6 +314,10 @@ class Attention(nnx.Module):
         return self.wo(o.astype(x_BTD.dtype).reshape(B, T, self.n_heads * self.head_dim)), new_cache
 
 
+# model.attention_kind -> its module; mtpjax/nn/mla.py adds "mla" (it builds on this module, which cannot import it).
+ATTENTIONS: dict[str, type[nnx.Module]] = {"gqa": Attention}
+
+
 class MLP(nnx.Module):
     """SwiGLU feed-forward."""
 
@@ -332,7 +336,7 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, cfg, rngs)
-        self.attn = Attention(cfg, rngs)
+        self.attn = ATTENTIONS[cfg.attention_kind](cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg, rngs)
         self.mlp = MLP(cfg, rngs)
 

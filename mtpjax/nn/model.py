@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from mtpjax.config import Config, ModelConfig
+from mtpjax.nn import mla  # noqa: F401  (registers model.attention_kind=mla in layers.ATTENTIONS)
 from mtpjax.nn.layers import KV, Block, Dense, RMSNorm, dtype_of, param
 
 

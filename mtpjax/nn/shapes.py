@@ -30,5 +30,5 @@ ALPHABET = {
     "W": "rows an MTP module recomputes per round",
     "X": "experts chosen per token (top-k) (reserved)",
     "Y": "tokens verified per round (G + 1)",
-    "Z": "latent (compressed key/value) rank (reserved)",
+    "Z": "latent (compressed key/value) rank",
 }

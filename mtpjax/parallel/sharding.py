@@ -24,6 +24,7 @@ LOGICAL_RULES: dict[str | None, str | None] = {
     "mlp": "tensor",
     "layers": None,
     "head_dim": None,
+    "latent": None,  # MLA's query/key-value latents: small, replicated; their heads-side projections split heads
     None: None,
 }
 
