@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import test_speculative
 from flax import nnx
-from test_speculative import PROMPTS, _cfg, _check_greedy_equal, _exact_joint, _sharpen, _train
+from test_speculative import PROMPTS, _cfg, _check_greedy_equal, _context_logits, _exact_joint, _sharpen, _train
 
 from mtpjax.decode import DecodeError, DraftModelProposer, generate, make_loop, run, summarize
 from mtpjax.decode.cache import stacked, trunk_cache
@@ -79,7 +79,7 @@ def test_stochastic_draft_model_preserves_target_distribution():
     _sharpen(dm)  # a random draft: far from the target, so rejections and resampling are exercised
     sampler = make_sampler(1.0, 0, None)
     prompt, n_tok, N = [1, 2, 3], 3, 6000
-    exact = _exact_joint(model, prompt, sampler, n_tok)
+    exact = _exact_joint(_context_logits(model, prompt, n_tok))  # the float64 numpy reference, T=1, no filter
     loop = make_loop(model, [prompt] * N, max_new_tokens=n_tok, num_draft=2, proposer="model", sampler=sampler,
                      draft=dm)
     res = summarize(run(model, [prompt] * N, loop, seed=7, draft=dm))
