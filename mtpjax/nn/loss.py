@@ -111,11 +111,12 @@ def add_expected_lengths(metrics: dict, depth: int) -> dict:
 
 
 def mtp_loss(model: MTPTransformer, out: MTPOutput, tokens_BT, segment_ids_BT=None, *, step,
-             cfg: LossConfig = LossConfig(), counts=None, with_accept_prob: bool = False):
+             cfg: LossConfig = LossConfig(), counts=None, with_accept_prob: bool = False, rows=None):
     """(loss, metrics) of docs/design.md §2 with λ from cfg.mtp_lambda at `step` and depth targets from cfg.mtp_target.
 
     `counts` (float[M]) overrides the per-depth normalizers, so that micro-batches of one batch can be
-    normalized by the whole batch's token counts and sum to the full-batch loss exactly. `accept_prob/mtp_k`
+    normalized by the whole batch's token counts and sum to the full-batch loss exactly (`rows`, the whole batch's
+    rows, does the same for the MoE balance loss). `accept_prob/mtp_k`
     needs the main head on shifted states; it is computed when the self target needs them or when asked.
     """
     depth = out.hidden.shape[0] - 1
@@ -137,6 +138,10 @@ def mtp_loss(model: MTPTransformer, out: MTPOutput, tokens_BT, segment_ids_BT=No
     lam = jnp.asarray(lambda_schedule(cfg.mtp_lambda)(step), jnp.float32)
     loss = loss_M[0] + (lam / depth) * loss_M[1:].sum() if depth else loss_M[0]
     metrics = {"loss/total": loss, "loss/main": loss_M[0], "accuracy/main": acc_M[0], "lambda": lam}
+    if out.routing and cfg.moe_seq_aux_loss > 0:
+        balance = balance_loss(out.routing, tokens_BT.shape[0] if rows is None else rows)
+        metrics["loss/total"] = loss = loss + cfg.moe_seq_aux_loss * balance
+        metrics["loss/moe_balance"] = balance
     if teach:
         accept_J = depth_mean(per[3], valid_MBT[1:])
     for k in range(1, depth + 1):
@@ -148,6 +153,11 @@ def mtp_loss(model: MTPTransformer, out: MTPOutput, tokens_BT, segment_ids_BT=No
         if teach:
             metrics[f"accept_prob/mtp_{k}"] = accept_J[k - 1]
     return loss, add_expected_lengths(metrics, depth)
+
+
+def balance_loss(routing: dict, rows) -> jax.Array:
+    """DeepSeek-V3's sequence-wise balance loss (unweighted): summed over the MoE layers, averaged over the rows."""
+    return sum(aux["balance"].sum() for aux in routing.values()) / rows
 
 
 def token_counts(tokens_BT, segment_ids_BT, depth: int):
