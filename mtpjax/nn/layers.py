@@ -275,13 +275,12 @@ class Block(nnx.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP a SwiGLU or (`moe`) a mixture
     of experts, whose routing info (expert loads, balance statistic) is returned beside the hidden state."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
-        from mtpjax.nn.moe import MoE  # moe.py builds on this module's MLP
-
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mlp: nnx.Module | None = None):
+        """`mlp`: the feed-forward (model.py passes a mixture of experts); None builds the SwiGLU."""
         self.attn_norm = RMSNorm(cfg.d_model, cfg, rngs)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg, rngs)
-        self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
+        self.mlp = MLP(cfg, rngs) if mlp is None else mlp
 
     def __call__(self, x_BTD, pos_BT, seg_BT=None, cache: KV | None = None):
         """(x, updated cache, routing info: {} for a dense MLP)."""

@@ -13,6 +13,7 @@ from flax import nnx, struct
 
 from mtpjax.config import Config, ModelConfig
 from mtpjax.nn.layers import KV, Block, Dense, RMSNorm, dtype_of, param
+from mtpjax.nn.moe import MoE
 
 
 @struct.dataclass
@@ -51,7 +52,7 @@ class MTPModule(nnx.Module):
             self.enorm = RMSNorm(d, cfg, rngs)
             self.hnorm = RMSNorm(d, cfg, rngs)
             self.eh_proj = Dense(2 * d, d, (None, "embed"), cfg, rngs)
-        self.block = Block(cfg, rngs, moe=cfg.mlp_kind == "moe")  # DeepSeek-V3's module block is of the trunk's kind
+        self.block = make_block(cfg, rngs, cfg.mlp_kind == "moe")  # DeepSeek-V3's module block is of the trunk's kind
         self.norm = RMSNorm(d, cfg, rngs)
 
     def __call__(self, h_prev_BTD, emb_next_BTD, pos_BT, seg_BT, kv, remat: str):
@@ -73,11 +74,11 @@ class MTPTransformer(nnx.Module):
             @nnx.split_rngs(splits=L)
             @nnx.vmap(in_axes=(0,), out_axes=0)
             def make(r):
-                return Block(cfg, r, moe=cfg.mlp_kind == "moe")  # validated: no dense-first blocks when scanned
+                return make_block(cfg, r, cfg.mlp_kind == "moe")  # validated: no dense-first blocks when scanned
 
             self.blocks = make(rngs)
         else:
-            self.blocks = nnx.List([Block(cfg, rngs, moe=is_moe_layer(cfg, i)) for i in range(L)])
+            self.blocks = nnx.List([make_block(cfg, rngs, is_moe_layer(cfg, i)) for i in range(L)])
         self.final_norm = RMSNorm(d, cfg, rngs)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (d, V), cfg.init_std, ("embed", "vocab"), pdt)
@@ -159,6 +160,13 @@ class MTPTransformer(nnx.Module):
             if aux:
                 routing[f"mtp.{k - 1}"] = aux
         return MTPOutput(hidden=jnp.stack(hidden), routing=routing)
+
+
+def make_block(cfg: ModelConfig, rngs: nnx.Rngs, moe: bool) -> Block:
+    """A transformer block whose MLP is a mixture of experts when `moe`, else the SwiGLU."""
+    if not moe:
+        return Block(cfg, rngs)
+    return Block(cfg, rngs, mlp=MoE(cfg, rngs))
 
 
 def is_moe_layer(cfg: ModelConfig, i: int) -> bool:

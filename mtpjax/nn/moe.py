@@ -84,7 +84,7 @@ def default_grouping() -> str:
 
 
 class MoE(nnx.Module):
-    """Routed SwiGLU experts plus always-on shared experts; returns (y, {"load": int[E], "balance": float[]})."""
+    """Routed and always-on shared SwiGLU experts: (y, {"load": int[E] slots per expert, "balance": float[]})."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f, E = cfg.d_model, cfg.moe_d_ff, cfg.n_routed_experts
