@@ -84,6 +84,7 @@ def main(argv=None) -> None:
     print(f"per-round ratio MoE/dense: median {np.median(ratios):.2f} (min {min(ratios):.2f}, max {max(ratios):.2f})")
     print(f"expert load max/mean (worst layer): warm-up start {warm[0]:.2f}, end {warm[-1]:.2f}; "
           f"timed steps {np.mean(balance):.2f}")
+    print("warm-up trace (every 10th step): " + " ".join(f"{v:.2f}" for v in warm[::10]))
     print("per layer (timed steps): " + ", ".join(f"{k} {np.mean(v):.2f}" for k, v in layers.items()))
 
 

@@ -215,7 +215,7 @@ def test_expert_sharded_equals_one_device(tmp_path):
     for name, r in out.items():
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5), name
         assert r["grad_err"] < 1e-4, name
-        assert r["spec"].startswith("PartitionSpec('expert'"), (name, r["spec"])
+        assert r["spec"].startswith("P('expert'"), (name, r["spec"])
 
 
 # ----------------------------------------------------------------------------- decoding
