@@ -16,7 +16,9 @@ from test_speculative import PROMPTS, _check_greedy_equal, _train
 from train_helpers import step_losses, synthetic_batches, tiny_cfg
 
 from mtpjax.config import ConfigError, ModelConfig, load_config, replace
-from mtpjax.nn.model import build_model, moe_layers
+from mtpjax.eval.plan import build_plan, format_plan
+from mtpjax.nn.flops import flops_per_token
+from mtpjax.nn.model import build_model, moe_layers, param_counts
 from mtpjax.nn.moe import MoE
 from mtpjax.parallel.sharding import make_mesh
 from mtpjax.train.checkpoint import Checkpointer
@@ -227,6 +229,23 @@ def test_greedy_speculative_equals_plain_with_an_moe_trunk():
     model = build_model(cfg, seed=0)
     _train(model, cfg, steps=4)
     _check_greedy_equal(model, "mtp", (2,), (PROMPTS,))
+
+
+# ----------------------------------------------------------------------------- counts
+
+def test_total_and_active_parameters_and_flops():
+    """Active = total less the routed experts a token does not reach; trunk matmul FLOPs = 2 x the weights it reads."""
+    cfg = load_config(None, MOE + ["model.n_layers=3", "model.mtp_depth=1", "model.d_model=32", "model.vocab_size=64"])
+    m = cfg.model
+    model = nnx.eval_shape(lambda: build_model(cfg))
+    counts = param_counts(model)
+    expert = 3 * m.d_model * m.moe_d_ff  # gate, up, down
+    unreached = (m.n_routed_experts - m.num_experts_per_tok) * expert
+    assert counts["total"] - counts["active"] == (m.n_layers - 1 + m.mtp_depth) * unreached
+    weights = sum(x.size for x in jax.tree.leaves(nnx.state(model.blocks, nnx.Param)) if x.ndim >= 2)
+    assert flops_per_token(m, 32)["trunk_matmul"] == 2 * (weights - (m.n_layers - 1) * unreached)
+    text = format_plan(build_plan(cfg), cfg)
+    assert f"active per token             {counts['active']:>14,d}" in text
 
 
 # ----------------------------------------------------------------------------- settings refused
