@@ -4,6 +4,7 @@ The packages are layers, listed in LAYERS from the bottom up; a module imports o
 the ones below it (tests/test_imports.py holds this for module-level, function-level and TYPE_CHECKING
 imports). A package's `__main__` is an entry point and counts as the command shell.
 
+    errors    MtpjaxError, the base of every error a command reports as one line (with its exit status)
     config    the typed schema every layer reads its own section of
     nn        layers (the shape alphabet), model, kernels, loss, FLOPs, speculation arithmetic: pure, no I/O
     parallel  mesh and sharding rules, the multi-process runtime, compilation cache and profiler
@@ -17,4 +18,4 @@ imports). A package's `__main__` is an entry point and counts as the command she
 
 __version__ = "0.1.0"
 
-LAYERS = ("config", "nn", "parallel", "data", "decode", "eval", "train", "convert", "cli")
+LAYERS = ("errors", "config", "nn", "parallel", "data", "decode", "eval", "train", "convert", "cli")

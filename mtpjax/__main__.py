@@ -1,18 +1,24 @@
 """`python -m mtpjax COMMAND [args...]`: one of mtpjax.cli's commands (train, decode, plan, convert, ...)."""
 
+import argparse
 import importlib
 import sys
 
 from mtpjax.cli import COMMANDS
+from mtpjax.cli.args import Parser, command
 
 
-def main(argv: list[str]) -> int:
+@command
+def main(argv: list[str] | None = None) -> int:
     """Dispatch to mtpjax.cli.COMMAND.main; a missing or unknown command is one line, exit 2."""
-    if not argv or argv[0] not in COMMANDS:
-        got = f"unknown command {argv[0]!r}" if argv else "no command given"
-        print(f"error: {got}; use one of: {', '.join(COMMANDS)} (python -m mtpjax COMMAND --help)", file=sys.stderr)
-        return 2
-    return importlib.import_module(f"mtpjax.cli.{argv[0]}").main(argv[1:])
+    argv = sys.argv[1:] if argv is None else argv
+    p = Parser(prog="python -m mtpjax", description=__doc__)
+    p.add_argument("command", choices=COMMANDS, help="python -m mtpjax COMMAND --help tells more")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the command's arguments")
+    if not argv:  # argparse would also call the command's arguments missing
+        p.error(f"no command given; use one of: {', '.join(COMMANDS)}")
+    args = p.parse_args(argv)
+    return importlib.import_module(f"mtpjax.cli.{args.command}").main(args.args)
 
 
 if __name__ == "__main__":

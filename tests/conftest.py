@@ -57,6 +57,23 @@ def release_compiled_programs() -> None:
     gc.collect()
 
 
+def record_builds(monkeypatch) -> list[str]:
+    """From here on, one entry per corpus build (tokenizing a source into a cache entry): the thread that ran it."""
+    import threading
+
+    from mtpjax.data import corpus
+
+    builds, real = [], corpus._build
+    monkeypatch.setattr(corpus, "_build", lambda *a: (builds.append(threading.current_thread().name), real(*a))[1])
+    return builds
+
+
+@pytest.fixture
+def corpus_builds(monkeypatch) -> list[str]:
+    """The corpus builds during the test (see record_builds): a cache hit adds none."""
+    return record_builds(monkeypatch)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_module_of_programs_at_a_time():
     """Free a module's compiled programs when it ends. XLA:CPU maps ~6 regions per executable and keeps them while a

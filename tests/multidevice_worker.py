@@ -1,8 +1,8 @@
 """Runs in a subprocess with 8 simulated CPU devices (the pytest process stays single-device).
 
-argv: <in.json> <out.json>. Writes step losses on three meshes, the shardings parameters really got,
-the histories of a run saved on (2,2,2) and resumed on (8,1,1), and main()'s answer to a batch that
-data parallelism does not divide.
+argv: <in.json> <out.json>. Writes step losses on three meshes (and on (2,2,2) with a wrong batch split), the
+shardings parameters really got, the histories of a run saved on (2,2,2) and resumed on (8,1,1), and main()'s
+answer to a batch that data parallelism does not divide.
 """
 
 import os
@@ -80,6 +80,10 @@ def main_worker(inp: dict) -> dict:
 
     # Save on (2,2,2) at n/2, keep a copy for a single-device resume, resume here on (8,1,1).
     c222 = replace(cfg, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
+    # Companion: on (2,2,2), data shard 1 given shard 0's rows (a batch split that reads the wrong rows).
+    half = cfg.train.batch_size // 2
+    wrong = [tuple(np.concatenate([x[:half], x[:half]]) for x in b) for b in batches]
+    out["losses_wrong_split"] = step_losses(c222, wrong)[0]
     first = train(c222, max_steps=n // 2)
     shutil.copytree(c222.train.run_dir, tmp / "mesh-run-copy")
     second = train(replace(cfg, ["mesh.data=8"]))

@@ -188,10 +188,13 @@ def test_invalid_value_names_key(overrides, key):
 
 
 def test_boundaries_that_are_valid():
-    load_config(None, ["model.mtp_depth=3", "data.seq_len=5"])  # exactly mtp_depth + 2
-    # head_dim given
-    load_config(None, ["model.d_model=30", "model.n_heads=3", "model.n_kv_heads=3", "model.head_dim=8"])
-    load_config(None, ["model.mtp_depth=0"])
+    cfg = load_config(None, ["model.mtp_depth=3", "data.seq_len=5"])  # exactly mtp_depth + 2
+    assert (cfg.model.mtp_depth, cfg.data.seq_len) == (3, 5)
+    assert "config key 'data.seq_len' = 4" in error_of(["model.mtp_depth=3", "data.seq_len=4"])  # one below
+    # head_dim given: it wins over d_model / n_heads (10)
+    cfg = load_config(None, ["model.d_model=30", "model.n_heads=3", "model.n_kv_heads=3", "model.head_dim=8"])
+    assert cfg.model.resolved_head_dim == 8
+    assert load_config(None, ["model.mtp_depth=0"]).model.mtp_depth == 0
 
 
 @pytest.mark.parametrize("spec", [

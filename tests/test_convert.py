@@ -381,6 +381,30 @@ def test_export_import_roundtrip_is_bitwise(tmp_path, overrides, back):
         assert gen[0] == gen[1]
 
 
+def test_companion_an_export_that_changes_one_tensor_fails_the_roundtrip(tmp_path, monkeypatch):
+    """The bitwise comparison above can fail: one bit of one element of MTP module 2's MLP down projection,
+    flipped on the way out, survives the import and is caught."""
+    from mtpjax.convert import export
+
+    real = export.write_checkpoint
+
+    def flip_one_bit(directory, specs, max_bytes):
+        last = [s.name for s in specs].index("model.mtp_layers.1.mlp.down_proj.weight")
+
+        def produce(spec=specs[last]):
+            x = np.array(spec.produce(), order="C")  # a copy reshape(-1) views
+            x.reshape(-1).view(np.uint32)[0] ^= 1  # float32: the last mantissa bit
+            return x
+        return real(directory, [*specs[:last], specs[last]._replace(produce=produce), *specs[last + 1:]], max_bytes)
+
+    monkeypatch.setattr(export, "write_checkpoint", flip_one_bit)
+    run = make_run(tmp_path, "run", "model.tie_embeddings=false")
+    assert cli("export", "--run-dir", run, "--out", tmp_path / "hf", "--mtp-modules", "2") == 0
+    assert cli("import", "--hf", tmp_path / "hf", "--out", tmp_path / "back") == 0
+    with pytest.raises(AssertionError):
+        _assert_same_params(params_of(load_model(run)[1]), params_of(load_model(tmp_path / "back")[1]))
+
+
 def test_default_export_writes_module_1_only(tmp_path):
     run = make_run(tmp_path, "run")
     assert cli("export", "--run-dir", run, "--out", tmp_path / "hf") == 0

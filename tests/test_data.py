@@ -1,5 +1,6 @@
 """Data package: packing, determinism, shards, iterator state, splits, sources, tokenizers, cache, CLI, errors."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -190,13 +191,14 @@ def stdlib_prepared(tmp_path_factory):
     return prepare(DataConfig(cache_dir=str(tmp_path_factory.mktemp("stdlib"))))
 
 
-def test_stdlib_excludes_dirs_and_hash_is_stable(stdlib_prepared, tmp_path):
+def test_stdlib_excludes_dirs_and_hash_is_stable(stdlib_prepared, tmp_path, corpus_builds):
     keys = [k for _, k in sources.stdlib_files()]
     assert "os.py" in keys and "json/__init__.py" in keys
     for k in keys:
         assert not sources.STDLIB_EXCLUDE & set(k.split("/")[:-1]), k
     assert not any(k.startswith("lib2to3/tests") for k in keys)
     again = prepare(DataConfig(cache_dir=str(tmp_path)))  # built afresh in another cache
+    assert len(corpus_builds) == 1  # (the build counter sees a build)
     assert again.content_hash == stdlib_prepared.content_hash and len(again.content_hash) == 64
     np.testing.assert_array_equal(again.val_tokens, stdlib_prepared.val_tokens)
     m = stdlib_prepared.meta
@@ -213,9 +215,10 @@ def test_stdlib_split_follows_key_hash(stdlib_prepared):
     assert _docs(stdlib_prepared, "val")[0] == first_val.read_text(encoding="utf-8").replace("\x00", "")
 
 
-def test_second_prepare_uses_the_cache(stdlib_prepared):
+def test_second_prepare_uses_the_cache(stdlib_prepared, corpus_builds):
     again = prepare(DataConfig(cache_dir=str(stdlib_prepared.dir.parent)))
     assert again.dir == stdlib_prepared.dir and again.meta == stdlib_prepared.meta
+    assert corpus_builds == []  # read from the cache, not tokenized again
 
 
 # ----------------------------------------------------------------------------- text sources and split
@@ -588,14 +591,20 @@ def test_concurrent_preparations_agree(tmp_path):
     assert [d.name for d in (tmp_path / "c").iterdir()] == [Path(outs[0].split()[0]).name]
 
 
-def test_final_dir_without_meta_is_rebuilt(tmp_path):
+def test_final_dir_without_meta_is_rebuilt(tmp_path, corpus_builds):
     from mtpjax.data import cache_path
 
     (tmp_path / "a.txt").write_text("some text " * 20)
     cfg = _cfg(tmp_path, source="text", paths=(str(tmp_path / "a.txt"),))
     cache_path(cfg).mkdir(parents=True)
     (cache_path(cfg) / "train.npy").write_bytes(b"junk")
-    assert len(prepare(cfg).train_tokens) > 0
+    rebuilt = prepare(cfg)
+    fresh = prepare(dataclasses.replace(cfg, cache_dir=str(tmp_path / "fresh")))
+    assert len(corpus_builds) == 2 and rebuilt.dir == cache_path(cfg)  # built again, not trusted
+    np.testing.assert_array_equal(rebuilt.train_tokens, fresh.train_tokens)
+    np.testing.assert_array_equal(rebuilt.val_tokens, fresh.val_tokens)
+    same = lambda meta: {k: v for k, v in meta.items() if k != "seconds"}  # all but the time it took
+    assert same(rebuilt.meta) == same(fresh.meta) and len(rebuilt.train_tokens) > 0
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import record_builds
 
 from mtpjax.config import ConfigError, DataConfig, MixtureSource, load_config
 from mtpjax.data import (
@@ -143,14 +144,16 @@ def _write_sources(tmp_path):
              f"{{name: code, paths: [{tmp_path / 'code'}], weight: 0.2}}]")]
 
 
-def test_each_source_is_prepared_and_cached_on_its_own(tmp_path):
+def test_each_source_is_prepared_and_cached_on_its_own(tmp_path, corpus_builds):
     cfg = load_config(None, _write_sources(tmp_path))
     mix = prepare(cfg.data)
+    assert len(corpus_builds) == 2  # one build per source
     assert isinstance(mix, PreparedMixture) and mix.names == ["web", "code"] and mix.weights == [0.8, 0.2]
     assert mix.part("web").dir != mix.part("code").dir
     reweighed = dataclasses.replace(cfg.data, mixture=(MixtureSource("web", "text", (str(tmp_path / "web"),), 1.0),
                                                        MixtureSource("code", "text", (str(tmp_path / "code"),), 3.0)))
     again = prepare(reweighed)  # new weights: the same cache entries, no re-tokenizing
+    assert len(corpus_builds) == 2
     assert [p.dir for p in again.parts] == [p.dir for p in mix.parts] and again.weights == [0.25, 0.75]
     assert again.content_hash != mix.content_hash
     batch = next(make_iterator(mix, split="train", seq_len=32, batch_size=10, seed=0))
@@ -238,10 +241,7 @@ def _on_two_processes(cfg, monkeypatch, shared=True):
 
     Not shared: process 1 has its own data.cache_dir, where it cannot see process 0's probe file.
     """
-    from mtpjax.data import corpus
-
-    builds, real = [], corpus._build
-    monkeypatch.setattr(corpus, "_build", lambda *a: (builds.append(threading.current_thread().name), real(*a))[1])
+    builds = record_builds(monkeypatch)
     if not shared:
         monkeypatch.setattr(hosts, "_probe_visible", lambda path: False)
     store, out, ns = FakeCoordinator(), {}, f"test/{uuid.uuid4().hex}"

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from pyarrow import feather
+from train_helpers import WORKER_LOG, started_worker
 
 from mtpjax.config import DataConfig
 from mtpjax.data import DataError, cache_path, encode, prepare, sources, train_bpe
@@ -148,6 +149,7 @@ def hf_tokenizer(tmp_path_factory):
 @pytest.mark.parametrize("tokenizer", ["byte", "hf", "bpe"])
 def test_worker_processes_write_identical_arrays(tmp_path, monkeypatch, hf_tokenizer, tokenizer):
     monkeypatch.setattr(encode, "TASK_BYTES", 300)  # many small tasks, so that workers interleave
+    monkeypatch.setattr(encode, "_init_worker", started_worker)  # each worker process notes its id
     d = tmp_path / "mixed"
     d.mkdir()
     for i in range(6):
@@ -161,7 +163,12 @@ def test_worker_processes_write_identical_arrays(tmp_path, monkeypatch, hf_token
         cfg = _cfg(tmp_path / "w", **kw, prepare_workers=2)
         assert len(encode.tasks_of(sources.units(source, _files(cfg), "text"))) >= 4
         assert cache_path(cfg).name == here.dir.name  # worker counts are not part of the cache key
+        started = tmp_path / f"workers-{source}"
+        started.mkdir()
+        monkeypatch.setenv(WORKER_LOG, str(started))
         there = prepare(cfg)
+        pids = {int(p.name) for p in started.iterdir()}
+        assert len(pids) == 2 and os.getpid() not in pids  # both worker processes started, not this one
         np.testing.assert_array_equal(there.train_tokens, here.train_tokens)
         np.testing.assert_array_equal(there.val_tokens, here.val_tokens)
         assert there.meta["content_hash"] == here.meta["content_hash"]

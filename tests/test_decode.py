@@ -118,15 +118,7 @@ def test_eval_report_json_and_tensorboard(runs, tmp_path, capsys):
     assert len(d["agreement_on_generated"]) == 2 and len(d["forced_acceptance_by_position"]) == 2
     # Walking held-out text, the decoder's depth-1 acceptance is the teacher-forced agreement on that text.
     assert abs(d["forced_acceptance_by_position"][0] - d["agreement_on_heldout"][0]) < 1e-6
-    for k in ("plain_tokens_per_sec", "mtp_tokens_per_sec", "ngram_tokens_per_sec", "speedup", "predicted_speedup",
-              "verify_cost_v", "draft_cost_c", "tokens_per_round", "expected_tokens_per_round"):
-        assert d[k] >= 0, k
-    from mtpjax.train.checkpoint import load_model
-    from mtpjax.decode import MTPProposer
-    from mtpjax.nn.speed import expected_tokens, floor_ratio
-
-    r = floor_ratio(MTPProposer(2), load_model(str(runs["mtp"]))[0].model, 32 + 24 // 2)  # prompts of 32, 24 new
-    assert d["speedup_ceiling"] == pytest.approx(expected_tokens(d["acceptance_by_position"], 2) / (1 + 2 * r))
+    _check_speed_report(d, runs["mtp"])
     assert {"loss/main", "loss/mtp_1", "loss/mtp_2", "agreement/mtp_1"} <= set(rep["validation"])
     assert "predicted_speedup" in screen.out and "val agreement/mtp_1" in screen.out
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -135,6 +127,31 @@ def test_eval_report_json_and_tensorboard(runs, tmp_path, capsys):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"decode_eval/speedup", "decode_eval/acceptance_by_position/1", "decode_eval/val/loss/main"} <= tags
+
+
+def _check_speed_report(d: dict, run) -> None:
+    """The report's derived numbers recomputed by hand from its measurements (γ = 2, prompts of 32, 24 new)."""
+    from mtpjax.nn.flops import flops_per_token
+    from mtpjax.train.checkpoint import load_model
+
+    for k in ("plain_tokens_per_sec", "mtp_tokens_per_sec", "ngram_tokens_per_sec", "verify_cost_v", "round_cost"):
+        assert 0 < d[k] < float("inf"), k
+    assert d["speedup"] == pytest.approx(d["mtp_tokens_per_sec"] / d["plain_tokens_per_sec"])
+    assert d["ngram_speedup"] == pytest.approx(d["ngram_tokens_per_sec"] / d["plain_tokens_per_sec"])
+    assert 0 < d["speedup"] < 3  # a round commits at most γ+1 = 3 tokens and costs about a plain step or more
+    assert 1 <= d["tokens_per_round"] <= 3 and 1 <= d["ngram_tokens_per_round"] <= 3  # every round commits one
+    a1, a2 = d["acceptance_by_position"]
+    e = 1 + a1 + a1 * a2  # E(2): the first token always, the drafts while accepted
+    assert d["expected_tokens_per_round"] == pytest.approx(e)
+    assert d["predicted_speedup"] == pytest.approx(e / d["round_cost"])
+    assert d["draft_cost_c"] == pytest.approx(max(0.0, (d["round_cost"] - d["verify_cost_v"]) / 2))
+    # r: per draft, module 1 and 2 each recompute a window of 3 rows and the head runs once (FLOPs), or each
+    # call reads one module and the head (weights); over a plain step's trunk and head
+    f = flops_per_token(load_model(str(run))[0].model, 32 + 24 // 2)
+    work = (2 * 3 * f["mtp_module"] + 2 * f["head"]) / (2 * (f["trunk"] + f["head"]))
+    reads = (f["mtp_module_matmul"] + f["head"]) / (f["trunk_matmul"] + f["head"])
+    assert (d["work_ratio_r"], d["weight_ratio_r"]) == pytest.approx((work, reads))
+    assert d["speedup_ceiling"] == pytest.approx(e / (1 + 2 * min(work, reads)))
 
 
 @pytest.mark.parametrize("case,argv,text", [

@@ -58,3 +58,12 @@ def test_each_depth_adds_one_module_and_one_head(model_cfg):
 def test_attention_grows_with_seq_len(model_cfg):
     a, b = flops_per_token(model_cfg(), 10), flops_per_token(model_cfg(), 20)
     assert b["block"] - a["block"] == a["block_attention"]  # linear in T per token (full TxT counted)
+
+
+def test_each_unrolled_application_costs_one_more_depth(model_cfg):
+    for frozen in (False, True):
+        base = [train_flops_per_token(model_cfg(mtp_depth=d), 16, frozen) for d in (1, 2, 3)]
+        unrolled = [train_flops_per_token(model_cfg(mtp_depth=1), 16, frozen, unroll=u) for u in (0, 1, 2)]
+        assert unrolled == base
+    plain = model_cfg(mtp_depth=0)
+    assert train_flops_per_token(plain, 16, unroll=2) == train_flops_per_token(plain, 16)  # nothing to unroll

@@ -193,10 +193,11 @@ def test_non_utf8_and_binary_text_is_read_with_replacement(tmp_path):
 # ----------------------------------------------------------------------------- decode requests
 
 
-DECODE = [  # (argv after --run-dir, expected exit status, words in the error)
-    (["--prompt", "\x00\x01\x7f🙂 漢字 \ufffd"], 0, ""),
-    (["--prompt", "\udcff\udcfe abc"], 0, ""),  # non-UTF-8 command-line bytes
-    (["--prompts-file", "{latin}"], 0, ""),
+DECODE = [  # (argv after --run-dir, expected exit status, words in the error or the prompts it decodes)
+    (["--prompt", "\x00\x01\x7f🙂 漢字 \ufffd"], 0, ["\x00\x01\x7f🙂 漢字 \ufffd"]),
+    (["--prompt", "\udcff\udcfe abc"], 0, ["\ufffd\ufffd abc"]),  # non-UTF-8 command-line bytes
+    # latin.txt below: invalid bytes become U+FFFD, only the \n, \t and \\ escapes are read
+    (["--prompts-file", "{latin}"], 0, ["caf\ufffd", "\\x\\u12 \n ok", "\ufffd\ufffd"]),
     (["--prompts-file", "{empty}"], 2, "no prompts"),
     (["--prompt", "x", "--max-new-tokens", str(10**12)], 2, "exceeds the cache"),
     (["--prompt", "x", "--max-new-tokens", str(10**10), "--max-len", str(10**12)], 2, "KV cache"),
@@ -226,8 +227,22 @@ def test_decode_requests_error_in_one_line_or_work(trained, tmp_path, capsys, ar
         assert words in _one_line_error(capsys, decode_cli.main, argv)
     else:
         assert decode_cli.main(argv) == 0
-        assert "Traceback" not in capsys.readouterr().err
+        out = capsys.readouterr()
+        assert "Traceback" not in out.err
+        assert out.out == _greedy_output(run, words)  # each prompt, continued as generate continues it
     assert tree_hash(run) == before
+
+
+def _greedy_output(run, prompts: list[str]) -> str:
+    """What decode.py prints for these prompts at 4 new tokens, greedy: one prompt streamed, several in blocks."""
+    from mtpjax.decode import generate
+    from mtpjax.train.checkpoint import load_model
+
+    _, model, tok = load_model(run)
+    outs = generate(model, [tok.encode(p) for p in prompts], max_new_tokens=4, eos_id=tok.eos_id).tokens
+    if len(prompts) == 1:
+        return f"{prompts[0]}{tok.decode(outs[0])}\n"
+    return "".join(f"### {p!r}\n{p}{tok.decode(o)}\n" for p, o in zip(prompts, outs))
 
 
 def test_decode_of_a_run_with_a_corrupt_tokenizer(trained, tmp_path, capsys):

@@ -19,9 +19,10 @@ def _softmax(row, t=1.0):
     return e / e.sum()
 
 
-def reference(logits, tokens, seg, lam, w_self=0.0, temp=1.0, accept=False):
+def reference(logits, tokens, seg, lam, w_self=0.0, temp=1.0, accept=False, w_tv=0.0):
     """Loss and metrics of docs/design.md §2 with loops over depths, rows and positions (float64); depth k's loss
-    is (1-w_self) data CE + w_self soft CE against the main head at i+k (temperature temp, times temp²)."""
+    is (1-w_self-w_tv) data CE + w_self soft CE against the main head at i+k (temperature temp, times temp²)
+    + w_tv (1 − Σ min(p, q)) against it at temperature 1."""
     logits = np.asarray(logits, np.float64)
     K, B, _, _ = logits.shape
     D = K - 1
@@ -43,8 +44,8 @@ def reference(logits, tokens, seg, lam, w_self=0.0, temp=1.0, accept=False):
                 soft_sum += -(p * np.log(q)).sum() * temp**2
                 accept_sum += np.minimum(_softmax(logits[0, b, i + k]), _softmax(row)).sum()
                 n += 1
-        w = w_self if k else 0.0
-        loss_k.append(((1 - w) * ce_sum + w * soft_sum) / max(1.0, n))
+        w, wt = (w_self, w_tv) if k else (0.0, 0.0)
+        loss_k.append(((1 - w - wt) * ce_sum + w * soft_sum + wt * (n - accept_sum)) / max(1.0, n))
         acc_k.append(acc_sum / max(1.0, n))
         agree_k.append(agree_sum / max(1.0, n))
         accept_k.append(accept_sum / max(1.0, n))
@@ -53,6 +54,7 @@ def reference(logits, tokens, seg, lam, w_self=0.0, temp=1.0, accept=False):
     run, eal, run_s, eal_s = 1.0, 1.0, 1.0, 1.0
     for k in range(1, K):
         ref[f"loss/mtp_{k}"], ref[f"accuracy/mtp_{k}"], ref[f"agreement/mtp_{k}"] = loss_k[k], acc_k[k], agree_k[k]
+        ref[f"lambda/mtp_{k}"] = lam
         run *= agree_k[k]
         eal += run
         run_s *= accept_k[k]
@@ -79,9 +81,9 @@ def check_against_reference(model, toks, seg, cfg, step, lam, accept=False):
     out = model(jnp.asarray(toks), jnp.asarray(seg))
     loss, metrics = mtp_loss(model, out, jnp.asarray(toks), jnp.asarray(seg), step=step, cfg=cfg,
                              with_accept_prob=accept)
-    w_self = cfg.mtp_target.weight("self")
+    w_self, w_tv = cfg.mtp_target.weight("self"), cfg.mtp_target.weight("tv")
     ref = reference(model.logits(out.hidden), toks, seg, lam, w_self, cfg.distill_temperature,
-                    accept=accept or w_self > 0)
+                    accept=accept or w_self > 0 or w_tv > 0, w_tv=w_tv)
     assert set(metrics) == set(ref)
     for name, want in ref.items():
         np.testing.assert_allclose(float(metrics[name]), want, rtol=2e-6, atol=1e-7, err_msg=name)
@@ -100,7 +102,7 @@ def test_loss_matches_loop_reference(model_cfg, kind, chunk):
 
 @pytest.mark.parametrize("kind, chunk, target, temp", [
     ("sequential", 0, "self", 1.0), ("sequential", 4, "self", 2.0), ("parallel", 4, "mix:0.25", 0.5),
-    ("sequential", 3, "data", 1.0)])
+    ("sequential", 3, "data", 1.0), ("sequential", 4, "tv", 2.0), ("parallel", 0, "mix:data=0.2,self=0.3,tv=0.5", 0.5)])
 def test_self_targets_and_accept_prob_match_loop_reference(model_cfg, kind, chunk, target, temp):
     """Depth k at i against the main head's softmax at i+k, chunked; accept_prob = Σ min(p, q) at temperature 1."""
     model = build_model(model_cfg(mtp_depth=3, mtp_kind=kind, init_std=0.3), seed=2)
@@ -118,7 +120,8 @@ def test_mix_endpoints_are_data_and_self(model_cfg):
     assert loss("mix:0") == loss("data") and loss("mix:1") == loss("self") and loss("self") != loss("data")
 
 
-def test_self_target_sends_no_gradient_into_the_teacher(model_cfg, monkeypatch):
+@pytest.mark.parametrize("target", ["self", "tv"])
+def test_self_target_sends_no_gradient_into_the_teacher(model_cfg, monkeypatch, target):
     """The trunk's final norm feeds only the main head: its gradient is L_0's alone, whatever the MTP target."""
     model = build_model(model_cfg(mtp_depth=2, init_std=0.3), seed=4)
     toks, seg = map(jnp.asarray, packed_batch(32, seed=7))
@@ -128,10 +131,10 @@ def test_self_target_sends_no_gradient_into_the_teacher(model_cfg, monkeypatch):
         return np.asarray(nnx.jit(nnx.grad(f))(model)["final_norm"]["scale"][...])
 
     data = final_norm_grad("data")
-    np.testing.assert_array_equal(final_norm_grad("self"), data)
+    np.testing.assert_array_equal(final_norm_grad(target), data)
     # Companion: without the stop-gradient the distillation term pulls the teacher toward the drafts.
     monkeypatch.setattr(jax.lax, "stop_gradient", lambda x: x)
-    assert np.abs(final_norm_grad("self") - data).max() > 1e-6
+    assert np.abs(final_norm_grad(target) - data).max() > 1e-6
 
 
 def test_plain_lm_loss(model_cfg):
@@ -150,22 +153,47 @@ def test_no_segments_means_one_document(model_cfg):
     np.testing.assert_allclose(float(loss), ref["loss/total"], rtol=2e-6)
 
 
-def test_chunked_equals_unchunked_with_gradients(model_cfg):
-    model = build_model(model_cfg(mtp_depth=2, init_std=0.3), seed=1)
-    toks, seg = map(jnp.asarray, packed_batch(32, seed=3))
+def _loss_metrics_grads(model, toks, seg, chunk):
+    def f(m):
+        return mtp_loss(m, m(toks, seg), toks, seg, step=0, cfg=LossConfig(chunk_size=chunk))
+    (loss, metrics), g = nnx.value_and_grad(f, has_aux=True)(model)
+    return loss, metrics, nnx.to_pure_dict(g)
 
-    def run(chunk):
-        def f(m):
-            return mtp_loss(m, m(toks, seg), toks, seg, step=0, cfg=LossConfig(chunk_size=chunk))
-        (loss, metrics), g = nnx.value_and_grad(f, has_aux=True)(model)
-        return loss, metrics, nnx.to_pure_dict(g)
 
-    (l0, m0, g0), (l1, m1, g1) = run(0), run(3)
+def _assert_same_loss(chunked, whole):
+    (l1, m1, g1), (l0, m0, g0) = chunked, whole
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
     for k in m0:
         np.testing.assert_allclose(m1[k], m0[k], rtol=1e-6, err_msg=k)
     # float32 summation order differs between chunkings: absolute slack relative to each tensor's scale
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max()), g1, g0)
+
+
+def test_chunked_equals_unchunked_with_gradients(model_cfg):
+    model = build_model(model_cfg(mtp_depth=2, init_std=0.3), seed=1)
+    toks, seg = map(jnp.asarray, packed_batch(32, seed=3))
+    _assert_same_loss(_loss_metrics_grads(model, toks, seg, 3), _loss_metrics_grads(model, toks, seg, 0))
+
+
+def test_companion_a_chunk_boundary_off_by_one_is_caught(model_cfg, monkeypatch):
+    """The comparison above can fail: chunks after the first starting one hidden row early (row 3u-1 meets
+    the target of row 3u) change the loss."""
+    import mtpjax.nn.loss as loss_module
+
+    real = loss_module.per_position
+
+    def off_by_one(model, hidden_MBTD, tgt_MBT, chunk_size=0, *args, **kw):
+        rows = np.arange(hidden_MBTD.shape[2])
+        if chunk_size:
+            rows[chunk_size::chunk_size] -= 1
+        return real(model, hidden_MBTD[:, :, rows], tgt_MBT, chunk_size, *args, **kw)
+
+    model = build_model(model_cfg(mtp_depth=2, init_std=0.3), seed=1)
+    toks, seg = map(jnp.asarray, packed_batch(32, seed=3))
+    whole = _loss_metrics_grads(model, toks, seg, 0)
+    monkeypatch.setattr(loss_module, "per_position", off_by_one)
+    with pytest.raises(AssertionError):
+        _assert_same_loss(_loss_metrics_grads(model, toks, seg, 3), whole)
 
 
 def test_empty_depth_gives_no_nan(model_cfg):

@@ -191,6 +191,49 @@ def test_remat_changes_nothing(model_cfg, remat, scan):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g2, g1)
 
 
+def test_companion_a_remat_that_drops_the_segment_ids_is_told_apart(model_cfg, monkeypatch):
+    """The equality above can fail: rematerialized blocks that lose their segment ids change logits and grads."""
+    import mtpjax.nn.model as model_module
+
+    real = model_module._run_block
+    monkeypatch.setattr(model_module, "_run_block", lambda blk, x, pos, seg, kv, remat: real(
+        blk, x, pos, seg if remat == "none" else None, kv, remat))
+    toks, seg = batch(32)
+    ref = build_model(model_cfg(n_layers=3, mtp_depth=1), seed=6)  # 3 layers: not the programs traced above
+    rem = build_model(model_cfg(n_layers=3, mtp_depth=1, remat="full"), seed=6)
+    assert not np.array_equal(all_logits(rem, toks, seg), all_logits(ref, toks, seg))
+    (_, g1), (_, g2) = loss_and_grads(ref, toks, seg), loss_and_grads(rem, toks, seg)
+    assert not all(jax.tree.leaves(jax.tree.map(lambda a, b: np.allclose(a, b, rtol=1e-5, atol=1e-7), g2, g1)))
+
+
+def _grad_program(model, toks, seg) -> str:
+    """The program jit compiles for the model's loss and gradients, as lowered (StableHLO) text."""
+    gdef, state = nnx.split(model)
+
+    def loss_and_grad(state, toks, seg):
+        def loss(state):
+            m = nnx.merge(gdef, state)
+            return mtp_loss(m, m(toks, seg), toks, seg, step=0)[0]
+        return jax.value_and_grad(loss)(state)
+
+    return jax.jit(loss_and_grad).lower(state, toks, seg).as_text()
+
+
+@pytest.mark.parametrize("remat, scan", [("full", False), ("dots", False), ("full", True), ("dots", True)])
+def test_remat_rematerializes_in_the_compiled_program(model_cfg, remat, scan):
+    """Values cannot show remat: the program can. Each rematerialized block's recompute is fenced off by
+    optimization barriers; "full" recomputes the forward matmuls in the backward pass, "dots" saves them."""
+    toks, seg = batch(32)
+    text = {r: _grad_program(build_model(model_cfg(scan_layers=scan, mtp_depth=1, remat=r), seed=6), toks, seg)
+            for r in ("none", remat)}
+    count = lambda r, op: text[r].count(op)
+    assert count(remat, "optimization_barrier") > count("none", "optimization_barrier")
+    if remat == "full":
+        assert count(remat, "dot_general") > count("none", "dot_general")
+    else:
+        assert count(remat, "dot_general") == count("none", "dot_general")
+
+
 def test_plain_lm_and_output_shapes(model_cfg):
     for D in (0, 2):
         model = build_model(model_cfg(mtp_depth=D))

@@ -58,6 +58,18 @@ def test_frozen_trunk_stays_bitwise_and_only_mtp_has_optimizer_state(tiny_run, t
     assert any(not np.array_equal(before[k], moved[k]) for k in trunk)
 
 
+def test_frozen_trunk_stays_bitwise_with_tv_unrolled_and_a_curriculum(tiny_run, tmp_path):
+    """Issue 24's objectives post-train on a frozen trunk too: tv target, the last module unrolled, λ per depth."""
+    src = _source(tiny_run, tmp_path)
+    cfg = tiny_cfg(tmp_path, f"train.init_from={src}", *POST, "loss.mtp_target=tv", "loss.mtp_unroll=1",
+                   "loss.mtp_unroll_module=last", "loss.mtp_lambda_depths=forward:1", run="post")
+    out = train(cfg)
+    assert out["step"] == 4 and 0 < out["eval/accept_prob/unroll_1"] < 1 and out["lambda/unroll_1"] > 0
+    before, after = _flat(load_model(src)[1]), _flat(load_model(tmp_path / "post")[1])
+    assert all(np.array_equal(before[k], after[k]) for k in before if k[0] != "mtp")  # bitwise
+    assert all(not np.array_equal(before[k], after[k]) for k in before if k[0] == "mtp" and k[-1] == "kernel")
+
+
 def test_parallel_modules_of_another_depth_post_train_on_a_sequential_trunk(tiny_run, tmp_path):
     """model.mtp_kind and model.mtp_depth may differ from the source's: fresh parallel modules, the trunk kept."""
     cfg = tiny_cfg(tmp_path, f"train.init_from={tiny_run[1]}", *POST, "train.steps=2", "train.eval_every=2",

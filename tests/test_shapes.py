@@ -13,7 +13,7 @@ SUFFIXED = re.compile(r"^_*[a-z][a-z0-9]*(?:_[a-z0-9]+)*_([A-Z][A-Z0-9]*)$")  # 
 RESERVED = {c for c, doc in ALPHABET.items() if "(reserved)" in doc}
 # Arrays are batch-major; only an axis that stacks whole batches (micro-batches, depths, layers, loss chunks)
 # comes before B. A depth axis written K (the old loss.py's x_KBCV) breaks this.
-STACKS = set("AJLMQ")
+STACKS = set("AJLMQU")
 # nn/loss.py works on hidden states and logits, never on attention heads or cache positions: one of these
 # letters there is a depth axis in the wrong letter (the old self_K).
 ATTENTION = set("KNRHS")
@@ -167,7 +167,7 @@ def test_the_alphabet_is_written_once():
 
 
 def test_reserved_letters_are_marked_and_repeats_are_real():
-    assert RESERVED == set("OUZ")  # E, X: the mixture of experts (issue 25)
+    assert RESERVED == set("OZ")  # E, X: the mixture of experts (issue 25); U: unrolled applications
     assert all(len(set(s)) < len(s) for _, s in REPEATS)
 
 
@@ -180,7 +180,7 @@ def test_one_letter_one_meaning():
 
 @pytest.mark.parametrize("path, source, rule", [
     ("mtpjax/nn/x.py", "def f(x_BTW2): pass", "no letter"),  # a literal size is not an axis
-    ("mtpjax/nn/x.py", "y_BUD = 0", "reserved"),
+    ("mtpjax/nn/x.py", "y_BOD = 0", "reserved"),
     ("mtpjax/nn/x.py", "y_BTT = 0", "repeats a letter"),
     ("mtpjax/nn/x.py", "y_KBCV = 0", "before B"),  # the old loss.py's depth-first logits
     ("mtpjax/nn/loss.py", "self_K = 0", "no attention axis"),  # the old loss.py's per-depth means
@@ -195,7 +195,7 @@ def test_suffix_rules_bite(path, source, rule):
     ("B = info['batch_size']\nT = info['seq_len']\nK = info['mtp_depth']", "which is J"),
     ("M, B, T, K = hidden_MBTD.shape", "which is D"),
     ("P = ctx.h_BTD.shape[1]", "which is T"),
-    ("U = T // C", "reserved"),
+    ("O = T // C", "reserved"),
     ("def f(Z): pass", "reserved"),
 ])
 def test_capital_rules_bite(source, rule):

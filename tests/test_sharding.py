@@ -76,6 +76,9 @@ def test_sharded_meshes_match_single_device(eight):
     for shape, losses in out["losses"].items():
         np.testing.assert_allclose(losses, ref, rtol=2e-6, err_msg=shape)
     assert ref[2] < ref[0]
+    # companion: the (2,2,2) run whose second data shard read the first shard's rows is told apart
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(out["losses_wrong_split"], ref, rtol=2e-6)
 
 
 @pytest.mark.slow

@@ -6,14 +6,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from train_helpers import cli_args, one_line_error, tiny_cfg, write_corpus
+from train_helpers import HANG, cli_args, one_line_error, spawn, tiny_cfg, wait_for, write_corpus
 
+from mtpjax.data.pipeline import BatchIterator
 from mtpjax.train.checkpoint import Checkpointer, load_model
 from mtpjax.config import replace
 from mtpjax.cli.train import main
@@ -22,12 +22,13 @@ from mtpjax.train.loop import NonFiniteError, train
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_resume_equals_straight_run(tmp_path):
+def test_resume_equals_straight_run(tmp_path, monkeypatch):
     """8 steps straight == 4 steps, stop, re-run to 8: same losses, data batches and parameters."""
     corpus = write_corpus(tmp_path)
     straight = train(tiny_cfg(tmp_path, corpus=corpus, run="a"))
     cfg_b = tiny_cfg(tmp_path, corpus=corpus, run="b")
     first = train(cfg_b, max_steps=4)
+    shutil.copytree(tmp_path / "b", tmp_path / "c")  # stopped at 4, for the companion below
     assert first["step"] == 4 and Checkpointer(tmp_path / "b", cfg_b.checkpoint).latest_step() == 4
     second = train(cfg_b)
     assert [s for s, _ in second["history"]] == [5, 6, 7, 8]
@@ -39,6 +40,10 @@ def test_resume_equals_straight_run(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     again = train(cfg_b)  # nothing left to do: no step runs, nothing breaks
     assert again["step"] == 8 and again["history"] == []
+    # Companion: the same resume with the data iterator's saved state ignored (it starts over) differs.
+    monkeypatch.setattr(BatchIterator, "set_state", lambda self, state: None)
+    lost = train(tiny_cfg(tmp_path, corpus=corpus, run="c"))
+    assert [s for s, _ in lost["history"]] == [5, 6, 7, 8] and lost["history"] != second["history"]
 
 
 def test_tensorboard_has_every_tag(tmp_path):
@@ -53,7 +58,7 @@ def test_tensorboard_has_every_tag(tmp_path):
             "eval/loss/main"}
     for k in (1, 2):
         want |= {f"loss/mtp_{k}", f"accuracy/mtp_{k}", f"agreement/mtp_{k}", f"eval/loss/mtp_{k}",
-                 f"eval/agreement/mtp_{k}"}
+                 f"eval/agreement/mtp_{k}", f"lambda/mtp_{k}"}
     assert want <= tags, want - tags
     texts = {t.split("/text_summary")[0] for t in acc.Tags()["tensors"]}
     assert {"config", "samples/0"} <= texts
@@ -177,13 +182,12 @@ def test_cli_error_has_no_traceback(tmp_path):
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path):
     cfg = tiny_cfg(tmp_path, "train.steps=100000", "checkpoint.every=5", "train.eval_every=100000")
-    proc = _run_cli(cli_args(cfg))
+    log = tmp_path / "train.log"
+    proc = spawn(cli_args(cfg), log)
     ck = tmp_path / "run" / "checkpoints"
-    deadline = time.time() + 120
-    while not (ck / "5" / "commit_success.txt").exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)
+    assert wait_for(lambda: (ck / "5" / "commit_success.txt").exists(), proc), log.read_text()[-2000:]
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-2000:]
+    assert proc.wait(timeout=HANG) == 0, log.read_text()[-2000:]
+    err = log.read_text()
     step = int(err.strip().splitlines()[-1].split("step ")[-1])
     assert step >= 5 and Checkpointer(tmp_path / "run", cfg.checkpoint).latest_step() == step

@@ -18,8 +18,10 @@ from mtpjax.train.step import TrainState, loss_and_grads, make_programs, split_t
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(cfg, programs) of the tiny config, compiled once for this file; λ and lr change at every early step."""
-    cfg = tiny_cfg(tmp_path_factory.mktemp("step"), "optim.warmup_steps=4", "loss.mtp_lambda=linear:0.3->0.1@8")
+    """(cfg, programs) of the tiny config, compiled once for this file; λ, λ per depth (a forward curriculum) and lr
+    change at every early step."""
+    cfg = tiny_cfg(tmp_path_factory.mktemp("step"), "optim.warmup_steps=4", "loss.mtp_lambda=linear:0.3->0.1@8",
+                   "loss.mtp_lambda_depths=forward:1~2")
     return cfg, make_programs(cfg, make_mesh(cfg.mesh))
 
 
@@ -51,10 +53,11 @@ def test_skipped_step_advances_the_one_counter_of_lambda_and_lr(tiny):
             for a, b in zip(_leaves((state.params, state.opt)), kept, strict=True):
                 np.testing.assert_array_equal(a, b)
     assert [int(m["skipped"]) for m in got] == [0, 1, 0, 0] and int(state.step) == 4
+    names = ("lr", "lambda", "lambda/mtp_1", "lambda/mtp_2")
     for c in (2, 3):
-        assert got[c]["lr"] == ref[c]["lr"] and got[c]["lambda"] == ref[c]["lambda"], c
-    # λ and lr really move with the counter here, so equal values mean equal counters
-    assert len({float(m["lr"]) for m in ref}) == 4 and len({float(m["lambda"]) for m in ref}) == 4
+        assert all(got[c][n] == ref[c][n] for n in names), c
+    # λ, λ per depth and lr really move with the counter here, so equal values mean equal counters
+    assert [len({float(m[n]) for m in ref}) for n in names] == [4, 4, 3, 2]
     # Companion: the optimizer's own count (optax's; the old step read its twin, nnx.Optimizer.step) does
     # not advance on a skipped update, so a schedule read from it is one step behind from then on.
     lr = lr_schedule(cfg.optim, cfg.train.steps)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import sysconfig
+import time
 from pathlib import Path
 
 from mtpjax.config import Config, load_config
@@ -79,3 +84,43 @@ def one_line_error(capsys, main, argv) -> str:
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
     return err
+
+
+REPO = Path(__file__).resolve().parent.parent
+HANG = 900.0  # seconds: only a hung run takes this long, and that fails the test (no step depends on it)
+
+
+def spawn(args: list[str], log: Path, script: str = "train.py") -> subprocess.Popen:
+    """A `python train.py ARGS` process; stderr goes to `log` (a file, so it never blocks on a full pipe)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, str(REPO / script), *args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=log.open("w"))
+
+
+def wait_for(cond, proc: subprocess.Popen, timeout: float = HANG, poll: float = 0.002) -> bool:
+    """Poll `cond()` until it holds (True) or the process exits first (False); `timeout` guards against a hang."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if cond():
+            return True
+        time.sleep(poll)
+    return bool(cond())
+
+
+def evaluated_at(run_dir: Path, step: int) -> bool:
+    """Whether the run has logged an eval (a complete eval.jsonl line) at `step` or later: progress seen on disk."""
+    path = Path(run_dir) / "eval.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.is_file() else []  # the last piece may be half-written
+    return any(json.loads(ln)["step"] >= step for ln in lines)
+
+
+WORKER_LOG = "MTPJAX_TEST_WORKER_LOG"
+
+
+def started_worker(*args) -> None:
+    """Stands in for data.encode's worker initializer: notes the worker's process id as a file in the directory
+    $MTPJAX_TEST_WORKER_LOG, then runs the real one (a spawned worker imports this module by name)."""
+    from mtpjax.data import encode
+
+    (Path(os.environ[WORKER_LOG]) / str(os.getpid())).touch()
+    encode._init_worker(*args)

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
 from pathlib import Path
 
 from bench.ablation import grid, report, sweep, timing
-from mtpjax import data
-from mtpjax.parallel import distributed
-from mtpjax.train.checkpoint import CheckpointError
+from mtpjax.cli.args import Parser, command
 from mtpjax.config import ConfigError, load_config
-from mtpjax.train.loop import NonFiniteError, TrainError
+from mtpjax.parallel import distributed
 
 # --smoke: a few seconds of training per variant on a 2-layer, 32-wide model (what the tests run)
 SMOKE = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64",
@@ -23,13 +20,8 @@ SMOKE = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_
 SMOKE_STEPS, SMOKE_ROUNDS = 8, 2
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, no usage dump
-        raise ConfigError(f"{message}; see python -m bench.ablation --help")
-
-
 def parse_args(argv):
-    ap = _Parser(prog="python -m bench.ablation", description=__doc__)
+    ap = Parser(prog="python -m bench.ablation", description=__doc__)
     ap.add_argument("--config", default="configs/ablation.yaml", help="base config of every run")
     ap.add_argument("--depths", default="0,1,2", help="MTP depths, 0 = the plain model every variant is compared to")
     ap.add_argument("--kinds", default="sequential,parallel@2",
@@ -83,28 +75,21 @@ def setup(args):
     return base, vs, seeds, steps, runs, rounds
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     """Run (or resume) the sweep, then write the report; exit 2 on bad input, 1 on divergence."""
-    try:
-        args = parse_args(argv)
-        distributed.initialize()
-        base, vs, seeds, steps, runs, rounds = setup(args)
-        print(f"ablation: {len(vs)} variants x {len(seeds)} seed(s), {steps} steps each, {len(runs)} runs "
-              f"({grid.mode(base)} mode: lr schedule {base.optim.schedule}); run dirs under {args.out}", flush=True)
-        if not sweep.run_all(runs):
-            return 0
-        out = Path(args.report or args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        cfgs = {v.name: next(r.cfg for r in runs if r.variant == v and steps in r.stops) for v in vs}
-        times = timing.cached_measure(Path(args.out), cfgs, rounds)
-        res = report.collect(base, runs, vs, seeds, steps, times)
-    except NonFiniteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except (ConfigError, data.DataError, CheckpointError, TrainError, sweep.SweepError, report.ReportError,
-            distributed.DistributedError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = parse_args(argv)
+    distributed.initialize()
+    base, vs, seeds, steps, runs, rounds = setup(args)
+    print(f"ablation: {len(vs)} variants x {len(seeds)} seed(s), {steps} steps each, {len(runs)} runs "
+          f"({grid.mode(base)} mode: lr schedule {base.optim.schedule}); run dirs under {args.out}", flush=True)
+    if not sweep.run_all(runs):
+        return 0
+    out = Path(args.report or args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfgs = {v.name: next(r.cfg for r in runs if r.variant == v and steps in r.stops) for v in vs}
+    times = timing.cached_measure(Path(args.out), cfgs, rounds)
+    res = report.collect(base, runs, vs, seeds, steps, times)
     res["command"] = "python -m bench.ablation " + shlex.join(sys.argv[1:] if argv is None else argv)
     res["summary"] = report.summary(res)
     from bench.ablation.plots import make_plots

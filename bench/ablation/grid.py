@@ -115,8 +115,10 @@ def variant_config(base: Config, v: Variant, seed: int, steps: int, run_dir: Pat
 
 
 def flops_per_token(cfg: Config) -> float:
-    """Training FLOPs per token of a run (trunk, MTP modules, every head application; 3 × forward)."""
-    return train_flops_per_token(cfg.model, cfg.data.seq_len)
+    """Training FLOPs per token of a run (trunk, MTP modules and their unrolled reuses, every head application;
+    3 × forward). It is the same at every step of a λ schedule or curriculum: a depth whose λ is 0 is still computed
+    (tests/test_objectives.py compiles both and compares), so the FLOPs spent over the schedule are steps × this."""
+    return train_flops_per_token(cfg.model, cfg.data.seq_len, unroll=cfg.loss.mtp_unroll)
 
 
 def mode(base: Config) -> str:

@@ -19,12 +19,13 @@ from bench.ablation.grid import (
     mode,
 )
 from mtpjax.config import Config, replace
+from mtpjax.errors import MtpjaxError
 from mtpjax.eval.log import read_evals
 from mtpjax.nn.loss import expected_accept_length
 from mtpjax.nn.model import build_model, param_counts
 
 
-class ReportError(RuntimeError):
+class ReportError(MtpjaxError, RuntimeError):
     """A run lacks an eval it should have; one line naming the fix."""
 
 

@@ -9,11 +9,12 @@ from bench.ablation.grid import Run, flops_per_token
 from mtpjax.train import loop as train_loop
 from mtpjax.train.checkpoint import ckpt_dir, read_run_config
 from mtpjax.eval.log import read_evals
+from mtpjax.errors import MtpjaxError
 
 IGNORED = {("train", "progress"), ("train", "peak_flops"), ("train", "run_dir")}  # may differ between invocations
 
 
-class SweepError(RuntimeError):
+class SweepError(MtpjaxError, RuntimeError):
     """The out directory holds runs of another sweep; one line naming the fix."""
 
 

@@ -1,24 +1,18 @@
-"""`python -m mtpjax.convert export|import`: Hugging Face export of a run, import of a Llama / Qwen2 checkpoint."""
+"""`python -m mtpjax convert export|import`: Hugging Face export of a run, import of a Llama / Qwen2 checkpoint."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
+from mtpjax.cli.args import Parser, command
 from mtpjax.convert import ConvertError
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, like every other bad input
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m mtpjax.convert", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+def parser() -> Parser:
+    p = Parser(prog="python -m mtpjax convert", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory")
     e.add_argument("--run-dir", required=True, help="a run directory written by train.py")
     e.add_argument("--out", required=True, help="the directory to create (must not exist)")
@@ -37,7 +31,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str]) -> int:
+@command
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; prints a JSON summary, returns the exit status (2 for bad input, with a one-line message)."""
     args = parser().parse_args(argv)
     import absl.logging
 
@@ -53,16 +49,11 @@ def main(argv: list[str]) -> int:
                                  fmt=args.format, max_shard_bytes=args.shard_mb * 1e6)
         else:
             summary = import_hf(args.hf, args.out, args.overrides)
-    except ConvertError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except OSError as e:  # disk full, permissions: the temporary directory is already removed
-        print(f"error: writing {args.out} failed ({e.strerror or e}); nothing was written", file=sys.stderr)
-        return 2
+        raise ConvertError(f"writing {args.out} failed ({e.strerror or e}); nothing was written") from None
     summary["seconds"] = round(time.perf_counter() - start, 2)
     print(json.dumps(summary))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""`python -m mtpjax.data prepare|inspect --config X [section.key=value ...]`: build the cached corpus; show its use.
+"""`python -m mtpjax data prepare|inspect --config X [section.key=value ...]`: build the cached corpus; show its use.
 
 prepare: tokenize and cache the corpus (every source of a mixture) and summarise it.
 inspect: per source, documents and tokens, the first documents and sample training windows with their
@@ -7,13 +7,15 @@ segment ids decoded: what the model will be fed.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from mtpjax.cli.args import Parser, command
 
+
+@command
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (2 for bad input, with a one-line message)."""
-    parser = argparse.ArgumentParser(prog="python -m mtpjax.data", description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m mtpjax data", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("prepare", "tokenize and cache the corpus of a config"),
                        ("inspect", "show documents, tokens and decoded sample windows per source")):
@@ -26,24 +28,19 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--width", type=int, default=120, help="characters shown per text")
     args = parser.parse_args(argv)
 
-    from mtpjax.config import ConfigError, load_config
-    from mtpjax.data import DataError, check_vocab, check_vocab_early, prepare, summary
+    from mtpjax.config import load_config
+    from mtpjax.data import check_vocab, check_vocab_early, prepare, summary
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        check_vocab_early(cfg.data, cfg.model.vocab_size)
-        prepared = prepare(cfg.data, progress=sys.stderr.isatty())
-        check_vocab(prepared.tokenizer, cfg.model.vocab_size)
-        if args.command == "inspect":
-            from mtpjax.data.inspection import report
+    cfg = load_config(args.config, args.overrides)
+    check_vocab_early(cfg.data, cfg.model.vocab_size)
+    prepared = prepare(cfg.data, progress=sys.stderr.isatty())
+    check_vocab(prepared.tokenizer, cfg.model.vocab_size)
+    if args.command == "inspect":
+        from mtpjax.data.inspection import report
 
-            text = report(cfg, docs=args.docs, windows=args.windows, width=args.width)
-        else:
-            text = summary(prepared)
-    except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(text)
+        print(report(cfg, docs=args.docs, windows=args.windows, width=args.width))
+    else:
+        print(summary(prepared))
     return 0
 
 

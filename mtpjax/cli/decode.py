@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from mtpjax.cli.args import Parser, command
 from mtpjax.config import DecodeConfig, choices
 from mtpjax.decode import api, autodraft
 from mtpjax.decode.host import DecodeError
@@ -19,14 +20,8 @@ MAX_DRAFT = 16  # more drafts per round than this is never accepted in practice;
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, like every other bad input
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="decode.py", description=__doc__)
+def parser() -> Parser:
+    p = Parser(prog="decode.py", description=__doc__)
     p.add_argument("--run-dir", required=True, help="a run directory written by train.py")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     src = p.add_mutually_exclusive_group()
@@ -80,11 +75,11 @@ def _prompts(args) -> list[str]:
         return [args.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace")]
     path = Path(args.prompts_file)
     if not path.is_file():
-        raise FileNotFoundError(f"prompts file '{path}' does not exist")
+        raise DecodeError(f"prompts file '{path}' does not exist")
     lines = [re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m[1]], ln)  # only \n, \t and \\
              for ln in path.read_text(errors="replace").splitlines()]
     if not lines:
-        raise ValueError(f"prompts file '{path}' has no prompts; write one prompt per line")
+        raise DecodeError(f"prompts file '{path}' has no prompts; write one prompt per line")
     return lines
 
 
@@ -92,27 +87,27 @@ def _proposer(args, cfg) -> str:
     """The proposer a request uses: --proposer, else the draft model if given, else the config's."""
     if args.draft_run_dir is not None:
         if args.proposer not in (None, "model"):
-            raise ValueError(f"--draft-run-dir drafts with --proposer model, not {args.proposer}; drop one of them")
+            raise DecodeError(f"--draft-run-dir drafts with --proposer model, not {args.proposer}; drop one of them")
         return "model"
     if (args.proposer or cfg.decode.proposer) == "model":
         said = "--proposer model" if args.proposer else "decode.proposer=model"
-        raise ValueError(f"{said} needs --draft-run-dir RUN (a run trained with the same tokenizer, "
-                         "e.g. configs/draft_tiny.yaml)")
+        raise DecodeError(f"{said} needs --draft-run-dir RUN (a run trained with the same tokenizer, "
+                          "e.g. configs/draft_tiny.yaml)")
     if args.proposer is None and cfg.model.mtp_depth == 0:
         return "ngram"  # speculative by default only where the model has a proposer
     return args.proposer or cfg.decode.proposer
 
 
 def _load_draft(args, tok, run_dir: Path):
-    """(draft model, tag) of --draft-run-dir, or (None, ""); ValueError if it tokenizes differently."""
+    """(draft model, tag) of --draft-run-dir, or (None, ""); DecodeError if it tokenizes differently."""
     from mtpjax.train.checkpoint import load_model_step
 
     if args.draft_run_dir is None:
         return None, ""
     _, draft, dtok, dstep = load_model_step(args.draft_run_dir)
     if _tokenizer_identity(Path(args.draft_run_dir), dtok) != _tokenizer_identity(run_dir, tok):
-        raise ValueError(f"the draft run '{args.draft_run_dir}' uses another tokenizer than '{run_dir}' ({dtok!r} vs "
-                         f"{tok!r}); train the draft with the same data.tokenizer")
+        raise DecodeError(f"the draft run '{args.draft_run_dir}' uses another tokenizer than '{run_dir}' ({dtok!r} vs "
+                          f"{tok!r}); train the draft with the same data.tokenizer")
     return draft, f" draft {Path(args.draft_run_dir).resolve()} step {dstep}"
 
 
@@ -132,13 +127,13 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
     texts = _prompts(args)
     prompts = [tok.encode(t) for t in texts]
     if any(len(p) == 0 for p in prompts):
-        raise ValueError("empty prompt: give at least one character of text")
+        raise DecodeError("empty prompt: give at least one character of text")
     max_new = args.max_new_tokens or d.max_new_tokens
     # the largest γ that may run
     most = max(autodraft.candidates(model, proposer)) if num_draft == "auto" else num_draft
     _check_size(cfg.model, prompts, max_new, most, args.max_len or d.max_len)
     if args.temperature is not None and not math.isfinite(args.temperature):
-        raise ValueError(f"--temperature {args.temperature} must be a finite number >= 0 (0 = greedy)")
+        raise DecodeError(f"--temperature {args.temperature} must be a finite number >= 0 (0 = greedy)")
     stream = len(prompts) == 1  # one prompt streams as it decodes; several print when done
     # Kept outside the run directory: decoding never changes a run (it may be shared or read-only).
     saved = autodraft.SavedCalibrations(args.calibration_file or autodraft.default_calibration_file(),
@@ -231,17 +226,17 @@ def _memory_bytes() -> int:
 
 
 def _check_size(mcfg, prompts, max_new: int, num_draft: int, max_len: int) -> None:
-    """ValueError for requests that could only hang compiling or run out of memory."""
+    """DecodeError for requests that could only hang compiling or run out of memory."""
     if num_draft > MAX_DRAFT:
-        raise ValueError(f"--num-draft {num_draft} is above {MAX_DRAFT}; use at most {MAX_DRAFT} drafts per round")
+        raise DecodeError(f"--num-draft {num_draft} is above {MAX_DRAFT}; use at most {MAX_DRAFT} drafts per round")
     if max(map(len, prompts)) + max_new > max_len:
         return  # generate() names the cache capacity, the better advice
     per_token = 2 * (mcfg.n_layers + mcfg.mtp_depth) * mcfg.n_kv_heads * mcfg.resolved_head_dim * 4
     need = len(prompts) * (max(map(len, prompts)) + max_new + 3 * num_draft + 64) * per_token
     have = _memory_bytes()
     if have and need > have // 2:
-        raise ValueError(f"--max-new-tokens {max_new} needs ~{need / 2**30:.1f} GiB of KV cache, more than half of "
-                         f"the {have / 2**30:.1f} GiB memory; lower --max-new-tokens")
+        raise DecodeError(f"--max-new-tokens {max_new} needs ~{need / 2**30:.1f} GiB of KV cache, more than half of "
+                          f"the {have / 2**30:.1f} GiB memory; lower --max-new-tokens")
 
 
 def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
@@ -254,7 +249,7 @@ def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
                        seed=cfg.train.seed, shuffle=False, num_epochs=1)
     batches = [b for _, b in zip(range(args.eval_batches), it)]
     if not batches:
-        raise ValueError("the validation split holds less than one batch; lower train.batch_size or data.seq_len")
+        raise DecodeError("the validation split holds less than one batch; lower train.batch_size or data.seq_len")
     _progress(f"eval: validation metrics on {len(batches)} batches")
     val = validation_metrics(cfg, model, batches)
     num_draft = args.num_draft if isinstance(args.num_draft, int) else max(1, cfg.model.mtp_depth)
@@ -307,27 +302,23 @@ def _to_tensorboard(run_dir: Path, step: int, r: dict) -> None:
                 w.add_scalar(f"decode_eval/{k}", v, step)
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     """Entry point of decode.py; returns the exit status (2 for bad input, one line on stderr)."""
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     if not args.eval and args.prompt is None and args.prompts_file is None:
-        print("error: give --prompt TEXT, --prompts-file FILE or --eval", file=sys.stderr)
-        return 2
+        p.error("give --prompt TEXT, --prompts-file FILE or --eval")
     import absl.logging
 
     absl.logging.set_verbosity(absl.logging.ERROR)  # orbax's read-only notice is not news to a reader
     from mtpjax.parallel import runtime
-    from mtpjax.train.checkpoint import CheckpointError, load_model_step
-    from mtpjax.data import DataError
+    from mtpjax.train.checkpoint import load_model_step
 
-    try:
-        cfg, model, tok, step = load_model_step(args.run_dir, args.step)
-        runtime.enable_compilation_cache(cfg.train.compilation_cache)  # under $MTPJAX_CACHE_DIR, not the run
-        _proposer(args, cfg)  # flag conflicts before loading a draft
-        draft, draft_tag = _load_draft(args, tok, Path(args.run_dir))
-        if args.eval:
-            return _eval(args, cfg, model, tok, Path(args.run_dir), step, draft)
-        return _generate(args, cfg, model, tok, Path(args.run_dir), step, draft, draft_tag)
-    except (CheckpointError, DataError, DecodeError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg, model, tok, step = load_model_step(args.run_dir, args.step)
+    runtime.enable_compilation_cache(cfg.train.compilation_cache)  # under $MTPJAX_CACHE_DIR, not the run
+    _proposer(args, cfg)  # flag conflicts before loading a draft
+    draft, draft_tag = _load_draft(args, tok, Path(args.run_dir))
+    if args.eval:
+        return _eval(args, cfg, model, tok, Path(args.run_dir), step, draft)
+    return _generate(args, cfg, model, tok, Path(args.run_dir), step, draft, draft_tag)

@@ -6,16 +6,15 @@ import sys
 
 import jax
 
-from mtpjax.parallel.distributed import EXIT_STATUS, DistributedError, initialize
+from mtpjax.cli.args import Parser, command
+from mtpjax.parallel.distributed import initialize
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     """`python -m mtpjax distributed`: join, all-reduce one number per device, print what each process sees."""
-    try:
-        launch = initialize()
-    except DistributedError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_STATUS
+    Parser(prog="python -m mtpjax distributed", description=__doc__).parse_args(argv)
+    launch = initialize()
     import numpy as np
     from jax.experimental import multihost_utils
 

@@ -27,12 +27,12 @@ from mtpjax.config.schema import (
     field_doc,
     identity,
 )
-from mtpjax.config.specs import MTP_TARGETS, LambdaSchedule, TargetMix, parse_profile
+from mtpjax.config.specs import MTP_TARGETS, DepthLambdas, LambdaSchedule, TargetMix, parse_profile
 from mtpjax.config.validate import validate
 
 __all__ = [
     "RUNTIME_KEYS", "MTP_TARGETS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DecodeConfig",
-    "LambdaSchedule", "LossConfig", "MeshConfig", "MixtureSource", "ModelConfig", "OptimConfig", "Proposer",
-    "TargetMix", "TrainConfig", "choices", "field_doc", "from_dict", "identity", "load_config", "parse_profile",
-    "replace", "validate",
+    "DepthLambdas", "LambdaSchedule", "LossConfig", "MeshConfig", "MixtureSource", "ModelConfig", "OptimConfig",
+    "Proposer", "TargetMix", "TrainConfig", "choices", "field_doc", "from_dict", "identity", "load_config",
+    "parse_profile", "replace", "validate",
 ]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from mtpjax.errors import MtpjaxError
 
-class ConfigError(ValueError):
+
+class ConfigError(MtpjaxError, ValueError):
     """A config value is wrong; the message is one line naming the key, the value and what is allowed."""
 
 

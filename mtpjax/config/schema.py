@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import yaml
 
-from mtpjax.config.specs import LambdaSchedule, Spec, TargetMix
+from mtpjax.config.specs import DepthLambdas, LambdaSchedule, Spec, TargetMix
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ NanPolicy = Literal["stop", "skip"]
 Freeze = Literal["none", "trunk"]
 Proposer = Literal["mtp", "mtp1", "ngram", "model"]
 MlpKind = Literal["dense", "moe"]
+UnrollModule = Literal["first", "last"]
 
 
 @dataclass(frozen=True)
@@ -149,10 +150,21 @@ class LossConfig:
                           "once)", ge=0)
     mtp_target: TargetMix = key(
         TargetMix.parse("data"), "what depth k learns: the token x[i+k+1] (data), the main head's distribution "
-        "at i+k (self: soft cross-entropy, no gradient into the target), or a mix of the two")
+        "at i+k (self: soft cross-entropy; tv: 1 − Σ min(p, q), the chance a sampled draft is rejected; no gradient "
+        "into the target either way), or a mix of them")
     distill_temperature: float = key(
         1.0, "temperature of both distributions in the `self` target's soft cross-entropy (scaled by its square)",
         gt=0)
+    mtp_unroll: int = key(0, "U: the module `mtp_unroll_module` names is also applied U more times, each on its own "
+                          "previous output and the next true token, each application scored as one more depth", ge=0)
+    mtp_unroll_module: UnrollModule = key("first", "which module `mtp_unroll` reuses", choices={
+        "first": "module 1 (the chain `decode.proposer=mtp1` and the engines run)",
+        "last": "module D (the chain `decode.proposer=mtp` runs beyond D)"})
+    mtp_lambda_depths: DepthLambdas = key(
+        DepthLambdas.parse(""), "λ per scored application (depths 1..D, then the unrolled ones): empty = "
+        "`mtp_lambda` for all; `forward:<n>[~<r>]` = application a gets `mtp_lambda` from step a·n on (ramped in "
+        "over r steps); `reverse:<n>[~<r>]` = application a keeps it until step (A+1−a)·n (ramped out over the r "
+        "steps before), A applications in all; or one `mtp_lambda` form per application separated by `;`")
     moe_seq_aux_loss: float = key(0.0, "`model.mlp_kind=moe`: weight of DeepSeek-V3's sequence-wise balance loss "
                                   "(summed over MoE layers, averaged over rows); 0 = bias balancing alone", ge=0)
 

@@ -86,8 +86,9 @@ class LambdaSchedule(Spec):
         return f"{self.kind}:{v[0]!r}->{v[1]!r}@{self.steps[0]}"
 
 
-MtpTarget = Literal["data", "self"]
+MtpTarget = Literal["data", "self", "tv"]
 MTP_TARGETS: tuple[MtpTarget, ...] = typing.get_args(MtpTarget)
+_WEIGHT = r"[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?"
 
 
 @dataclass(frozen=True)
@@ -97,26 +98,86 @@ class TargetMix(Spec):
     weights: tuple[float, ...]
 
     KEY: ClassVar[str] = "loss.mtp_target"
-    FORMS: ClassVar[str] = "data | self | mix:<w> with 0 <= w <= 1 (w self + (1-w) data)"
+    FORMS: ClassVar[str] = ("data | self | tv | mix:<w> with 0 <= w <= 1 (w self + (1-w) data) | "
+                            "mix:data=<w>,self=<w>,tv=<w> (weights >= 0 summing to 1; a name left out weighs 0)")
 
     def weight(self, target: MtpTarget) -> float:
         return self.weights[MTP_TARGETS.index(target)]
 
     @classmethod
     def parse(cls, text: str, key: str | None = None) -> TargetMix:
-        """A target's name (all weight on it) or mix:<w>; ConfigError otherwise."""
+        """A target's name (all weight on it), mix:<w> or mix:name=<w>,...; ConfigError otherwise."""
         if text in MTP_TARGETS:
             return cls(tuple(float(t == text) for t in MTP_TARGETS))
-        m = re.fullmatch(r"mix:\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)", text.strip())
-        if not m or not 0 <= float(m[1]) <= 1:
-            raise fail(key or cls.KEY, text, f"expected {cls.FORMS}")
-        return cls((1 - float(m[1]), float(m[1])))
+        bad = fail(key or cls.KEY, text, f"expected {cls.FORMS}")
+        body = text.replace(" ", "")
+        if m := re.fullmatch(rf"mix:({_WEIGHT})", body):
+            if not 0 <= float(m[1]) <= 1:
+                raise bad
+            return cls((1 - float(m[1]), float(m[1]), 0.0))
+        names = "|".join(MTP_TARGETS)
+        if not re.fullmatch(rf"mix:(?:(?:{names})={_WEIGHT},)*(?:{names})={_WEIGHT}", body):
+            raise bad
+        pairs = [p.split("=") for p in body[4:].split(",")]
+        given = {n: float(w) for n, w in pairs}
+        if len(given) < len(pairs) or not math.isclose(sum(given.values()), 1.0, abs_tol=1e-9):
+            raise bad  # a name twice, or weights that do not sum to 1
+        return cls(tuple(given.get(t, 0.0) for t in MTP_TARGETS))
 
     def __str__(self) -> str:
         for t in MTP_TARGETS:
             if self.weight(t) == 1:
                 return t
-        return f"mix:{self.weight('self')!r}"
+        if self.weight("tv") == 0:
+            return f"mix:{self.weight('self')!r}"
+        return "mix:" + ",".join(f"{t}={self.weight(t)!r}" for t in MTP_TARGETS if self.weight(t))
+
+
+CurriculumKind = Literal["same", "forward", "reverse", "each"]
+
+
+@dataclass(frozen=True)
+class DepthLambdas(Spec):
+    """λ per scored MTP application (depths 1..D, then the unrolled ones): the same for all, a curriculum, or a list."""
+
+    kind: CurriculumKind
+    every: int = 0  # forward, reverse: application a switches on (off) at a·every (at (A+1-a)·every)
+    ramp: int = 0  # forward, reverse: steps over which it ramps in (out) linearly; 0 switches at once
+    each: tuple[LambdaSchedule, ...] = ()  # each: one schedule per application
+
+    KEY: ClassVar[str] = "loss.mtp_lambda_depths"
+    FORMS: ClassVar[str] = ("empty (every application follows loss.mtp_lambda) | forward:<n>[~<ramp>] | "
+                            "reverse:<n>[~<ramp>] | one loss.mtp_lambda form per application, separated by ';'")
+
+    @classmethod
+    def parse(cls, text: str, key: str | None = None) -> DepthLambdas:
+        """The curriculum `text` writes; ConfigError unless one of FORMS (steps > 0)."""
+        key = key or cls.KEY
+        body = text.replace(" ", "")
+        if not body:
+            return cls("same")
+        if m := re.fullmatch(r"(forward|reverse):(\d+)(?:~(\d+))?", body):
+            if int(m[2]) <= 0:
+                raise fail(key, text, f"expected {cls.FORMS}: the step <n> must be > 0")
+            return cls(m[1], int(m[2]), int(m[3] or 0))
+        if body.partition(":")[0] in ("forward", "reverse"):
+            raise fail(key, text, f"expected {cls.FORMS}")
+        return cls("each", each=tuple(LambdaSchedule.parse(s, key) for s in body.split(";")))
+
+    def __str__(self) -> str:
+        if self.kind == "same":
+            return ""
+        if self.kind == "each":
+            return ";".join(map(str, self.each))
+        return f"{self.kind}:{self.every}" + (f"~{self.ramp}" if self.ramp else "")
+
+    def switch_steps(self, apps: int) -> list[int]:
+        """The step each of `apps` applications switches on (forward) or off (reverse); [] for other kinds."""
+        if self.kind == "forward":
+            return [a * self.every for a in range(1, apps + 1)]
+        if self.kind == "reverse":
+            return [(apps + 1 - a) * self.every for a in range(1, apps + 1)]
+        return []
 
 
 def parse_profile(spec: str) -> tuple[int, int] | None:

@@ -58,6 +58,7 @@ def _check_rules(cfg: Config) -> None:
     _check(bool(d.text_field), "data.text_field", d.text_field, "must name a column / JSON field")
     _check(d.seq_len >= m.mtp_depth + 2, "data.seq_len", d.seq_len,
            f"must be >= model.mtp_depth + 2 = {m.mtp_depth + 2} so every depth has a target")
+    _check_objective(cfg)
     if d.mixture:
         _check_mixture(d)
     else:
@@ -79,6 +80,24 @@ def _check_rules(cfg: Config) -> None:
         _check_moe(cfg)
     _check(m.n_kv_heads % cfg.mesh.tensor == 0 or cfg.mesh.tensor % m.n_kv_heads == 0, "mesh.tensor",
            cfg.mesh.tensor, f"must divide model.n_kv_heads={m.n_kv_heads} (or be a multiple of it)")
+
+
+def _check_objective(cfg: Config) -> None:
+    """Unrolling needs a module and room for its deepest target; a per-depth λ covers every application in time."""
+    lo, J, steps = cfg.loss, cfg.model.mtp_depth, cfg.train.steps
+    _check(lo.mtp_unroll == 0 or J > 0, "loss.mtp_unroll", lo.mtp_unroll,
+           "needs an MTP module to reuse; set model.mtp_depth >= 1 or loss.mtp_unroll=0")
+    deepest = (1 if lo.mtp_unroll_module == "first" else J) + lo.mtp_unroll
+    _check(lo.mtp_unroll == 0 or cfg.data.seq_len >= deepest + 2, "loss.mtp_unroll", lo.mtp_unroll,
+           f"its deepest application predicts {deepest + 1} tokens ahead; data.seq_len={cfg.data.seq_len} must be "
+           f">= {deepest + 2}")
+    apps, lam = (J + lo.mtp_unroll) if J else 0, lo.mtp_lambda_depths
+    if lam.kind == "each":
+        _check(len(lam.each) == apps, "loss.mtp_lambda_depths", str(lam), f"has {len(lam.each)} schedules; give one "
+               f"per scored application: {apps} (model.mtp_depth={J} + loss.mtp_unroll={lo.mtp_unroll})")
+    for at in [*lam.switch_steps(apps), *(s for x in lam.each if x.kind == "piecewise" for s in x.steps)]:
+        _check(at < steps, "loss.mtp_lambda_depths", str(lam),
+               f"switches at step {at}, not before train.steps={steps}; use a smaller step or more train.steps")
 
 
 def _check_moe(cfg: Config) -> None:

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 
-from mtpjax.train.checkpoint import ckpt_dir
-from mtpjax.config import Config, ConfigError, from_dict
+from mtpjax.train.checkpoint import SavedRun
+from mtpjax.config import Config
 from mtpjax.convert import layout
 from mtpjax.convert.errors import ConvertError
 from mtpjax.convert.hf_config import export_config
@@ -38,66 +37,34 @@ def shape_tree(shapes: dict) -> dict:
     return jax.tree.map(lambda a: tuple(a.shape), shapes)
 
 
-def _first_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__
-
-
 class RunCheckpoint:
-    """A run's checkpoint opened read-only: its config, tokenizer, step, and its parameters one leaf at a time."""
+    """A run's checkpoint opened read-only (train.checkpoint.SavedRun): its config, tokenizer, step, and its
+    parameters one leaf at a time."""
 
     def __init__(self, run_dir: str | Path, step: int | None = None):
-        from mtpjax.data import DataError, tokenizer_from_dir
-
-        run = Path(run_dir)
-        if not ckpt_dir(run).is_dir():
-            raise ConvertError(f"'{run}' is not a run directory with checkpoints; pass the train.run_dir of a "
-                               "trained run")
-        self.mngr = ocp.CheckpointManager(ckpt_dir(run), options=ocp.CheckpointManagerOptions(
-            read_only=True, create=False, save_interval_steps=0))
-        steps = sorted(self.mngr.all_steps())
-        if not steps:
-            raise ConvertError(f"run directory '{run}' holds no complete checkpoint; train it first")
-        if step is not None and step not in steps:
-            raise ConvertError(f"run '{run}' has no checkpoint at step {step}; available: {steps}")
-        self.step = steps[-1] if step is None else step
+        self.saved = SavedRun(run_dir)
         try:
-            meta = self.mngr.restore(self.step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-            self.cfg = from_dict(meta["config"])
-        except ConfigError as e:
-            raise ConvertError(f"checkpoint {self.step} of '{run}' has an invalid config ({e})") from None
-        except Exception as e:  # noqa: BLE001 (orbax raises many types; the user needs one line)
-            raise ConvertError(f"checkpoint {self.step} of '{run}' is unreadable ({_first_line(e)})") from None
-        try:
-            self.tokenizer = tokenizer_from_dir(run / "tokenizer")
-        except DataError as e:
-            raise ConvertError(f"run '{run}' has no usable tokenizer ({e})") from None
-        self.run, self._cached = run, (None, None)
+            self.step = self.saved.step(step)
+            self.cfg, self.tokenizer = self.saved.config(self.step), self.saved.tokenizer()
+        except BaseException:
+            self.saved.close()
+            raise
+        self.run, self._cached = self.saved.dir, (None, None)
 
     def leaf(self, path: tuple) -> np.ndarray:
         """One parameter as a host array (the last one read is kept: a stacked trunk leaf serves every layer)."""
         if self._cached[0] == path:
             return self._cached[1]
         self.release()  # the previous leaf goes before the next is read
-        item, args = 0, ocp.RestoreArgs(restore_type=np.ndarray)
-        for p in reversed(path):
-            item, args = {p: item}, {p: args}
-        try:
-            out = self.mngr.restore(self.step, args=ocp.args.Composite(model=ocp.args.PyTreeRestore(
-                item=item, restore_args=args, partial_restore=True)))["model"]
-        except Exception as e:  # noqa: BLE001 (orbax raises many types)
-            raise ConvertError(f"parameter {'.'.join(map(str, path))} of checkpoint {self.step} in '{self.run}' "
-                               f"is unreadable ({_first_line(e)})") from None
-        for p in path:
-            out = out[p] if p in out else out[str(p)]
-        self._cached = (path, out)
-        return out
+        self._cached = (path, self.saved.leaf(self.step, path))
+        return self._cached[1]
 
     def release(self) -> None:
         """Forget the kept leaf."""
         self._cached = (None, None)
 
     def close(self) -> None:
-        self.mngr.close()
+        self.saved.close()
 
 
 def _check(cfg: Config, fmt: str, mtp_modules: int | None, tokenizer) -> int:
@@ -174,7 +141,8 @@ def commit(tmp: Path, out: Path) -> None:
 
 def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None, mtp_modules: int | None = None,
                fmt: str = "qwen2", max_shard_bytes: float = DEFAULT_SHARD_BYTES) -> dict:
-    """Write the run's checkpoint as a Hugging Face directory at `out`; a summary. ConvertError on bad input."""
+    """Write the run's checkpoint as a Hugging Face directory at `out`; a summary. ConvertError on bad input,
+    CheckpointError for a missing or unreadable run."""
     out = Path(out)
     ck = RunCheckpoint(run_dir, step)
     try:

@@ -14,15 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from mtpjax.data.errors import DataError
+from mtpjax.errors import first_line
 
 PARQUET_SUFFIXES = (".parquet",)
 ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
 _READ_ROWS = 8192  # rows per record batch read from a Parquet row group
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
 
 
 def _is_text(tp) -> bool:
@@ -59,7 +55,7 @@ def _ipc_reader(f: Path, src, field: str):
         src.seek(0)  # other columns are never read (nor decompressed)
         options = pa.ipc.IpcReadOptions(included_fields=[schema.get_field_index(field)])
         return opener(src, options=options), random_access
-    raise DataError(f"'{f}' is not a readable Arrow IPC / Feather v2 file ({_first_line(error)}); "
+    raise DataError(f"'{f}' is not a readable Arrow IPC / Feather v2 file ({first_line(error)}); "
                     "write it with pyarrow.feather.write_feather or pyarrow.ipc")
 
 
@@ -74,7 +70,7 @@ def parts(f: Path, kind: str, field: str) -> list[tuple[int, int, int]]:
             meta = pq.ParquetFile(f).metadata
             schema = meta.schema.to_arrow_schema()
         except (pa.ArrowException, OSError) as e:
-            raise DataError(f"'{f}' is not a readable Parquet file ({_first_line(e)}); check the file or "
+            raise DataError(f"'{f}' is not a readable Parquet file ({first_line(e)}); check the file or "
                             "remove it from data.paths") from None
         _check_column(schema, field, f)
         out, row = [], 0
@@ -124,7 +120,7 @@ def _batches(f: Path, kind: str, part: int, field: str) -> Iterator:
             reader, random_access = _ipc_reader(f, src, field)
             yield from (b.column(0) for b in ([reader.get_batch(part)] if random_access else reader))
     except (pa.ArrowException, OSError) as e:
-        raise DataError(f"'{f}' could not be read ({_first_line(e)}); check the file or remove it from "
+        raise DataError(f"'{f}' could not be read ({first_line(e)}); check the file or remove it from "
                         "data.paths") from None
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from mtpjax.data.errors import DataError
+from mtpjax.errors import first_line
 
 EOS_TOKEN = "<|eos|>"
 _EOS_CANDIDATES = (EOS_TOKEN, "<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
@@ -114,8 +115,7 @@ class HFTokenizer(Tokenizer):
         try:
             tok = _Tok.from_file(str(p))
         except Exception as e:  # noqa: BLE001 - the Rust error has no public type; keep its first line
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise DataError(f"tokenizer file '{p}' does not parse as a tokenizers JSON ({first}); "
+            raise DataError(f"tokenizer file '{p}' does not parse as a tokenizers JSON ({first_line(e)}); "
                             "pass a valid tokenizer.json") from None
         return cls(tok, str(p))
 

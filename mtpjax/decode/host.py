@@ -13,12 +13,13 @@ from mtpjax.decode import stream
 from mtpjax.decode.loop import DecodeState, Loop, Request, execute
 from mtpjax.decode.proposers import PROPOSERS, make_proposer
 from mtpjax.decode.sampling import Sampler
+from mtpjax.errors import MtpjaxError
 from mtpjax.nn.model import MTPTransformer
 
 GREEDY = Sampler()  # the default sampler (a frozen dataclass, shared safely)
 
 
-class DecodeError(ValueError):
+class DecodeError(MtpjaxError, ValueError):
     """Bad generation request (one line naming the problem and the fix)."""
 
 

@@ -21,7 +21,7 @@ from mtpjax.decode.cache import read_rows
 from mtpjax.decode.host import execute_request, make_loop, request, run, summarize
 from mtpjax.decode.loop import DecodeState, Loop, Request
 from mtpjax.decode.proposers import DraftModelProposer, MTPProposer
-from mtpjax.nn.loss import mtp_loss
+from mtpjax.nn.loss import forward, mtp_loss
 from mtpjax.nn.model import MTPTransformer
 from mtpjax.nn.speed import ceiling, expected_tokens, floor_ratio, predicted_speedup, weight_ratio, work_ratio
 
@@ -30,7 +30,7 @@ def validation_metrics(cfg: Config, model: MTPTransformer, batches) -> dict:
     """Mean loss/accuracy/agreement per depth over validation batches."""
     @nnx.jit
     def step(model, toks, seg):
-        return mtp_loss(model, model(toks, seg), toks, seg, step=0, cfg=cfg.loss)[1]
+        return mtp_loss(model, forward(model, toks, seg, cfg.loss), toks, seg, step=0, cfg=cfg.loss)[1]
 
     sums, n = {}, 0
     for b in batches:
@@ -38,7 +38,7 @@ def validation_metrics(cfg: Config, model: MTPTransformer, batches) -> dict:
         for k, v in met.items():
             sums[k] = sums.get(k, 0.0) + float(v)
         n += 1
-    return {k: v / max(n, 1) for k, v in sums.items() if k != "lambda"}
+    return {k: v / max(n, 1) for k, v in sums.items() if k.split("/")[0] != "lambda"}
 
 
 def heldout_prompts(val_tokens, n: int, length: int, eos_id: int) -> list[list[int]]:

@@ -59,15 +59,18 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> dict:
     }
 
 
-def train_flops_per_token(model_cfg: ModelConfig, seq_len: int, frozen_trunk: bool = False) -> float:
-    """Training (forward + backward) FLOPs per token, MTP modules and every head application included.
+def train_flops_per_token(model_cfg: ModelConfig, seq_len: int, frozen_trunk: bool = False, unroll: int = 0) -> float:
+    """Training (forward + backward) FLOPs per token, MTP modules and every head application included, and `unroll`
+    (loss.mtp_unroll) more applications of one module with their heads, costed like one more depth each.
 
     With a frozen trunk (train.freeze=trunk) the trunk and the main head run forward only, the MTP modules forward
     and backward, and their head applications forward plus the input gradient (the head's weights are frozen).
+    λ does not enter: every application is computed in the one jitted step, whatever its weight at that step.
     """
     f = flops_per_token(model_cfg, seq_len)
-    if not frozen_trunk:
-        return f["train"]
     J = model_cfg.mtp_depth
-    return f["trunk"] + f["head"] + J * (3 * f["mtp_module"] + 2 * f["head"])
+    apps = J + (unroll if J else 0)
+    if not frozen_trunk:
+        return f["train"] + 3.0 * (apps - J) * (f["mtp_module"] + f["head"])
+    return f["trunk"] + f["head"] + apps * (3 * f["mtp_module"] + 2 * f["head"])
 

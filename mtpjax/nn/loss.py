@@ -25,16 +25,21 @@ def lambda_schedule(lam: LambdaSchedule) -> optax.Schedule:
     return lambda step: b + (a - b) * 0.5 * (1 + jnp.cos(jnp.pi * jnp.minimum(step, n) / n))
 
 
-def valid_masks(tokens_BT, segment_ids_BT, depth: int):
-    """bool[M, B, T]: depth k at i has a real target x[i+k+1] in the same document."""
+def depth_masks(tokens_BT, segment_ids_BT, depths):
+    """bool[len(depths), B, T]: depth k at i has a real target x[i+k+1] in the same document."""
     B, T = tokens_BT.shape
     seg = jnp.ones((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT
     pos = jnp.arange(T)
     masks = []
-    for k in range(depth + 1):
+    for k in depths:
         tgt_seg = shift_left(seg, k + 1)  # 0 past the end, like padding
         masks.append((pos[None, :] + k + 1 < T) & (tgt_seg != 0) & (seg == tgt_seg))
     return jnp.stack(masks)
+
+
+def valid_masks(tokens_BT, segment_ids_BT, depth: int):
+    """bool[M, B, T]: the masks of depths 0..depth."""
+    return depth_masks(tokens_BT, segment_ids_BT, range(depth + 1))
 
 
 def targets(tokens_BT, depth: int):
@@ -42,10 +47,21 @@ def targets(tokens_BT, depth: int):
     return jnp.stack([shift_left(tokens_BT, k + 1) for k in range(depth + 1)])
 
 
-def teacher_hidden(hidden_MBTD):
-    """hidden[0] at i+k for k = 1..J (float[J,B,T,D]): what depth k at i is compared with; no gradient flows into it."""
-    h0_BTD = jax.lax.stop_gradient(hidden_MBTD[0])
-    return jnp.stack([shift_left(h0_BTD, k) for k in range(1, hidden_MBTD.shape[0])])
+def scored_depths(cfg: LossConfig, depth: int) -> tuple[int, ...]:
+    """The depth each scored MTP application plays: modules 1..D, then module m's u-th reuse as depth m+u."""
+    if not depth:
+        return ()
+    m = 1 if cfg.mtp_unroll_module == "first" else depth
+    return (*range(1, depth + 1), *(m + u for u in range(1, cfg.mtp_unroll + 1)))
+
+
+def forward(model: MTPTransformer, tokens_BT, segment_ids_BT, cfg: LossConfig) -> MTPOutput:
+    """The model's forward with the unrolled applications cfg scores (loss.mtp_unroll)."""
+    depth = model.cfg.mtp_depth
+    if not (depth and cfg.mtp_unroll):
+        return model(tokens_BT, segment_ids_BT)
+    return model(tokens_BT, segment_ids_BT, unroll=cfg.mtp_unroll,
+                 unroll_module=1 if cfg.mtp_unroll_module == "first" else depth)
 
 
 def soft_ce(student_JBCV, teacher_JBCV, temperature: float):
@@ -53,6 +69,14 @@ def soft_ce(student_JBCV, teacher_JBCV, temperature: float):
     p_JBCV = jax.nn.softmax(jax.lax.stop_gradient(teacher_JBCV) / temperature, axis=-1)
     logq_JBCV = jax.nn.log_softmax(student_JBCV / temperature, axis=-1)
     return -(p_JBCV * logq_JBCV).sum(-1) * temperature**2
+
+
+def tv_distance(student_JBCV, teacher_JBCV):
+    """1 − Σ_v min(p, q) at temperature 1 (the total variation distance): the chance stochastic verification rejects
+    a draft sampled from q; its gradient reaches q only (p is stop-gradient)."""
+    q_JBCV = jax.nn.softmax(student_JBCV, axis=-1)
+    p_JBCV = jax.nn.softmax(jax.lax.stop_gradient(teacher_JBCV), axis=-1)
+    return 1 - jnp.minimum(p_JBCV, q_JBCV).sum(-1)
 
 
 def accept_prob(student_JBCV, teacher_JBCV):
@@ -70,15 +94,18 @@ def _ce_chunk(model: MTPTransformer, h_MBCD, tgt_MBC, teach_JBCD=None, temperatu
     if teach_JBCD is None:
         return out
     # The main head again on hidden[0] shifted by k, inside the chunk: [J,B,T,V] teacher logits are never all held.
+    # The teachers pair with the last J rows: depths 1..J of hidden, or every row of an unrolled stack.
     teach_JBCV = jax.lax.stop_gradient(model.logits(teach_JBCD))
-    return (*out, soft_ce(logits_MBCV[1:], teach_JBCV, temperature), accept_prob(logits_MBCV[1:], teach_JBCV))
+    student_JBCV = logits_MBCV[logits_MBCV.shape[0] - teach_JBCV.shape[0]:]
+    tv_JBC = tv_distance(student_JBCV, teach_JBCV)
+    return (*out, soft_ce(student_JBCV, teach_JBCV, temperature), jax.lax.stop_gradient(1 - tv_JBC), tv_JBC)
 
 
 def per_position(model: MTPTransformer, hidden_MBTD, tgt_MBT, chunk_size: int = 0, teach_JBTD=None,
                  temperature: float = 1.0):
-    """Cross-entropy and argmax per depth and position ([M,B,T] each), and with teacher hidden states ([J,B,T,D])
-    also the soft cross-entropy and acceptance probability of depths 1..J ([J,B,T] each); [M,B,T,V] logits are
-    never all held at once."""
+    """Cross-entropy and argmax per depth and position ([M,B,T] each), and with teacher hidden states ([J,B,T,D],
+    for the last J of the M rows) also the soft cross-entropy, acceptance probability and TV distance of those
+    ([J,B,T] each); [M,B,T,V] logits are never all held at once."""
     M, B, T, D = hidden_MBTD.shape
     C = T if chunk_size in (0, T) else chunk_size
     chunk = lambda args: _ce_chunk(model, *args, temperature=temperature)
@@ -110,48 +137,91 @@ def add_expected_lengths(metrics: dict, depth: int) -> dict:
     return metrics
 
 
+def depth_lambdas(cfg: LossConfig, apps: int, step) -> jax.Array:
+    """float32[apps]: λ of each scored application at `step` (loss.mtp_lambda_depths over loss.mtp_lambda)."""
+    lam = cfg.mtp_lambda_depths
+    if not apps:
+        return jnp.zeros((0,), jnp.float32)
+    if lam.kind == "each":
+        return jnp.stack([jnp.asarray(lambda_schedule(x)(step), jnp.float32) for x in lam.each])
+    base = jnp.asarray(lambda_schedule(cfg.mtp_lambda)(step), jnp.float32)
+    if lam.kind == "same":
+        return jnp.broadcast_to(base, (apps,))
+    at = jnp.asarray(lam.switch_steps(apps), jnp.float32)
+    # forward: off before the switch, then (ramping to) on; reverse: on, then (ramping to) off at the switch.
+    ahead = (step - at) if lam.kind == "forward" else (at - step)
+    gate = jnp.clip(ahead / lam.ramp, 0, 1) if lam.ramp else (ahead >= 0 if lam.kind == "forward" else ahead > 0)
+    return base * gate.astype(jnp.float32)
+
+
+def _names(depth: int, apps: int) -> list[str]:
+    """Metric names of the scored applications: mtp_k for depth k, unroll_u for the u-th reuse."""
+    return [f"mtp_{k}" for k in range(1, depth + 1)] + [f"unroll_{u}" for u in range(1, apps - depth + 1)]
+
+
 def mtp_loss(model: MTPTransformer, out: MTPOutput, tokens_BT, segment_ids_BT=None, *, step,
              cfg: LossConfig = LossConfig(), counts=None, with_accept_prob: bool = False, rows=None):
-    """(loss, metrics) of docs/design.md §2 with λ from cfg.mtp_lambda at `step` and depth targets from cfg.mtp_target.
+    """(loss, metrics) of docs/design.md §2 with λ per application at `step` (loss.mtp_lambda, mtp_lambda_depths),
+    depth targets from cfg.mtp_target and the unrolled applications of `out` (from forward(..., cfg)) scored too.
 
-    `counts` (float[M]) overrides the per-depth normalizers, so that micro-batches of one batch can be
+    `counts` (float[1 + D + U]) overrides the per-depth normalizers, so that micro-batches of one batch can be
     normalized by the whole batch's token counts and sum to the full-batch loss exactly (`rows`, the whole batch's
     rows, does the same for the MoE balance loss). `accept_prob/mtp_k`
-    needs the main head on shifted states; it is computed when the self target needs them or when asked.
+    needs the main head on shifted states; it is computed when a self or tv target needs them or when asked.
     """
     depth = out.hidden.shape[0] - 1
-    w_self = cfg.mtp_target.weight("self") if depth else 0.0
-    valid_MBT = valid_masks(tokens_BT, segment_ids_BT, depth).astype(jnp.float32)
-    tgt_MBT = targets(tokens_BT, depth)
-    teach = depth > 0 and (w_self > 0 or with_accept_prob)
-    per = per_position(model, out.hidden, tgt_MBT, cfg.chunk_size, teacher_hidden(out.hidden) if teach else None,
-                       cfg.distill_temperature)
-    ce_MBT, am_MBT = per[:2]
-    n_M = valid_MBT.sum(axis=(1, 2)) if counts is None else counts
-    denom_M = jnp.maximum(1.0, n_M)
-    depth_mean = lambda x_MBT, valid_MBT: (x_MBT * valid_MBT).sum(axis=(1, 2)) / denom_M[-x_MBT.shape[0]:]
-    loss_M = depth_mean(ce_MBT, valid_MBT)
-    if w_self > 0:  # depth k at i learns the main head's distribution at i+k (a position valid for both)
-        self_J = depth_mean(per[2], valid_MBT[1:])
-        loss_M = loss_M.at[1:].set((1 - w_self) * loss_M[1:] + w_self * self_J)
-    acc_M = depth_mean((am_MBT == tgt_MBT).astype(jnp.float32), valid_MBT)
+    depths = (0, *scored_depths(cfg, depth))
+    apps = len(depths) - 1
+    got = 0 if out.unrolled is None else out.unrolled.shape[0]
+    if got != apps - depth:
+        raise ValueError(f"loss.mtp_unroll scores {apps - depth} unrolled applications, the output has {got}: "
+                         "run the model through nn.loss.forward(model, tokens, segments, cfg)")
+    w_data, w_self, w_tv = cfg.mtp_target.weights if depth else (1.0, 0.0, 0.0)
+    valid = depth_masks(tokens_BT, segment_ids_BT, depths).astype(jnp.float32)  # [1 + apps, B, T]
+    tgt = jnp.stack([shift_left(tokens_BT, k + 1) for k in depths])
+    teach = depth > 0 and (w_self > 0 or w_tv > 0 or with_accept_prob)
+    h0_BTD = jax.lax.stop_gradient(out.hidden[0])
+    shifted = lambda ks: jnp.stack([shift_left(h0_BTD, k) for k in ks]) if teach else None
+    pers = [per_position(model, out.hidden, tgt[:depth + 1], cfg.chunk_size, shifted(depths[1:depth + 1]),
+                         cfg.distill_temperature)]
+    if got:
+        pers.append(per_position(model, out.unrolled, tgt[depth + 1:], cfg.chunk_size, shifted(depths[depth + 1:]),
+                                 cfg.distill_temperature))
+    ce, am, *teacher_terms = (jnp.concatenate(x) for x in zip(*pers))  # the data terms [1 + apps, B, T], the rest
+    n = valid.sum(axis=(1, 2)) if counts is None else counts
+    denom = jnp.maximum(1.0, n)
+    depth_mean = lambda x, valid: (x * valid).sum(axis=(1, 2)) / denom[-x.shape[0]:]
+    losses = depth_mean(ce, valid)
+    if w_data < 1:  # depth k at i learns the main head's distribution at i+k (a position valid for both)
+        mixed = w_data * losses[1:]
+        if w_self > 0:
+            mixed = mixed + w_self * depth_mean(teacher_terms[0], valid[1:])
+        if w_tv > 0:
+            mixed = mixed + w_tv * depth_mean(teacher_terms[2], valid[1:])
+        losses = losses.at[1:].set(mixed)
+    accs = depth_mean((am == tgt).astype(jnp.float32), valid)
     lam = jnp.asarray(lambda_schedule(cfg.mtp_lambda)(step), jnp.float32)
-    loss = loss_M[0] + (lam / depth) * loss_M[1:].sum() if depth else loss_M[0]
-    metrics = {"loss/total": loss, "loss/main": loss_M[0], "accuracy/main": acc_M[0], "lambda": lam}
+    lams = depth_lambdas(cfg, apps, step)
+    if cfg.mtp_lambda_depths.kind == "same":  # written as before, so runs without a curriculum sum in the same order
+        loss = losses[0] + (lam / apps) * losses[1:].sum() if apps else losses[0]
+    else:
+        loss = losses[0] + (lams * losses[1:]).sum() / apps if apps else losses[0]
+    metrics = {"loss/total": loss, "loss/main": losses[0], "accuracy/main": accs[0], "lambda": lam}
     if out.routing and cfg.moe_seq_aux_loss > 0:
         balance = balance_loss(out.routing, tokens_BT.shape[0] if rows is None else rows)
         metrics["loss/total"] = loss = loss + cfg.moe_seq_aux_loss * balance
         metrics["loss/moe_balance"] = balance
     if teach:
-        accept_J = depth_mean(per[3], valid_MBT[1:])
-    for k in range(1, depth + 1):
-        # Greedy acceptance, teacher-forced: depth k's argmax at i vs the main head's argmax at i+k.
-        agree = ((am_MBT[k] == shift_left(am_MBT[0], k, fill=-1)) * valid_MBT[k]).sum() / denom_M[k]
-        metrics[f"loss/mtp_{k}"] = loss_M[k]
-        metrics[f"accuracy/mtp_{k}"] = acc_M[k]
-        metrics[f"agreement/mtp_{k}"] = agree
+        accepts = depth_mean(teacher_terms[1], valid[1:])
+    for a, name in enumerate(_names(depth, apps), start=1):
+        # Greedy acceptance, teacher-forced: the application's argmax at i vs the main head's argmax at i+k.
+        agree = ((am[a] == shift_left(am[0], depths[a], fill=-1)) * valid[a]).sum() / denom[a]
+        metrics[f"loss/{name}"] = losses[a]
+        metrics[f"accuracy/{name}"] = accs[a]
+        metrics[f"agreement/{name}"] = agree
+        metrics[f"lambda/{name}"] = lams[a - 1]
         if teach:
-            metrics[f"accept_prob/mtp_{k}"] = accept_J[k - 1]
+            metrics[f"accept_prob/{name}"] = accepts[a - 1]
     return loss, add_expected_lengths(metrics, depth)
 
 
@@ -160,6 +230,7 @@ def balance_loss(routing: dict, rows) -> jax.Array:
     return sum(aux["balance"].sum() for aux in routing.values()) / rows
 
 
-def token_counts(tokens_BT, segment_ids_BT, depth: int):
-    """float[M]: number of valid targets per depth (the normalizers mtp_loss uses)."""
-    return valid_masks(tokens_BT, segment_ids_BT, depth).astype(jnp.float32).sum(axis=(1, 2))
+def token_counts(tokens_BT, segment_ids_BT, depth: int, cfg: LossConfig | None = None):
+    """float[1 + D + U]: number of valid targets per depth and unrolled application (the normalizers mtp_loss uses)."""
+    depths = (0, *scored_depths(cfg, depth)) if cfg is not None else range(depth + 1)
+    return depth_masks(tokens_BT, segment_ids_BT, depths).astype(jnp.float32).sum(axis=(1, 2))

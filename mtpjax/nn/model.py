@@ -19,6 +19,7 @@ from mtpjax.nn.moe import MoE
 @struct.dataclass
 class MTPOutput:
     hidden: jax.Array  # hidden_MBTD: index 0 the trunk, k the MTP depth k, each normed for the head
+    unrolled: jax.Array | None = None  # unrolled_UBTD: a module's reuses on its own output (MTPTransformer.unroll)
     # model.mlp_kind=moe: per MoE layer (moe_layers' names) {"load": int[E] token-slots per expert (int[L, E] for a
     # scanned trunk), "balance": the sequence-wise balance statistic summed over rows}; {} for a dense model
     routing: dict = struct.field(default_factory=dict)
@@ -146,10 +147,11 @@ class MTPTransformer(nnx.Module):
 
     # ------------------------------------------------------------------ training forward
 
-    def __call__(self, tokens_BT, segment_ids_BT=None) -> MTPOutput:
-        """All depths over a batch; hidden[k] at position i is ready to predict x[i+k+1]."""
+    def __call__(self, tokens_BT, segment_ids_BT=None, unroll: int = 0, unroll_module: int = 1) -> MTPOutput:
+        """All depths over a batch; hidden[k] at position i is ready to predict x[i+k+1]. With `unroll` > 0, also
+        module `unroll_module`'s reuses (unrolled[u-1] predicts x[i+unroll_module+u+1])."""
         h, _, routing = self.trunk_routed(tokens_BT, seg_BT=segment_ids_BT)
-        hidden = [self.final_norm(h)]
+        hidden, raw = [self.final_norm(h)], [h]
         h0 = h
         for k in range(1, self.cfg.mtp_depth + 1):
             # Positions past the end read token 0; their targets are masked in the loss and causal
@@ -159,7 +161,22 @@ class MTPTransformer(nnx.Module):
             hidden.append(self.mtp[k - 1].norm(h))
             if aux:
                 routing[f"mtp.{k - 1}"] = aux
-        return MTPOutput(hidden=jnp.stack(hidden), routing=routing)
+            raw.append(h)
+        unrolled = None
+        if unroll:  # the unrolled applications' routing is not collected: their loads do not move the biases
+            unrolled = self.unroll(unroll_module, raw[unroll_module], tokens_BT, unroll, segment_ids_BT)
+        return MTPOutput(hidden=jnp.stack(hidden), unrolled=unrolled, routing=routing)
+
+    def unroll(self, k: int, h_raw_BTD, tokens_BT, n: int, seg_BT=None):
+        """Module k applied n more times after its own depth, each on its previous raw output and the true next
+        token (the chain a proposer runs when it reuses module k on accepted drafts): normed [n,B,T,D]."""
+        out = []
+        for u in range(1, n + 1):
+            # Its own output, never mtp_input's trunk state: the proposers' reuse steps feed it back the same way.
+            h_raw_BTD, _ = self.mtp_forward(k, h_raw_BTD, shift_left(tokens_BT, k + u), seg_BT=seg_BT)
+            out.append(self.mtp[k - 1].norm(h_raw_BTD))
+        unrolled_UBTD = jnp.stack(out)
+        return unrolled_UBTD
 
 
 def make_block(cfg: ModelConfig, rngs: nnx.Rngs, moe: bool) -> Block:

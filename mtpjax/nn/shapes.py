@@ -25,7 +25,7 @@ ALPHABET = {
     "R": "query heads per key/value head (N / K)",
     "S": "cache / key positions (capacity)",
     "T": "positions of this call (window)",
-    "U": "unrolled applications of one MTP module (reserved)",
+    "U": "unrolled applications of one MTP module (loss.mtp_unroll)",
     "V": "vocabulary",
     "W": "rows an MTP module recomputes per round",
     "X": "experts chosen per token (top-k)",

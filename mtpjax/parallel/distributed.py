@@ -28,13 +28,14 @@ from dataclasses import dataclass
 
 import jax
 
+from mtpjax.errors import MtpjaxError, first_line
+
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "MTPJAX_COORDINATOR", "MTPJAX_NUM_PROCESSES", "MTPJAX_PROCESS_ID"
 LOCAL_DEVICES, INIT_TIMEOUT, CLUSTER = "MTPJAX_LOCAL_DEVICES", "MTPJAX_INIT_TIMEOUT", "MTPJAX_CLUSTER"
 DEFAULT_TIMEOUT = 300
-EXIT_STATUS = 2
 
 
-class DistributedError(RuntimeError):
+class DistributedError(MtpjaxError, RuntimeError):
     """A bad multi-process launch; the message is one line naming the problem and the fix."""
 
 
@@ -174,7 +175,7 @@ class _Watchdog:
     def _run(self):
         if not self.done.wait(self.launch.timeout):
             print(f"error: {_stuck_message(self.launch)}", file=sys.stderr, flush=True)
-            os._exit(EXIT_STATUS)
+            os._exit(DistributedError.exit_status)
 
     def __enter__(self):
         self.thread.start()
@@ -238,7 +239,7 @@ def initialize() -> Launch | None:
             if _backends_started(e):
                 raise DistributedError("JAX was used before mtpjax.parallel.distributed.initialize(); call it first, "
                                        "before any other JAX use") from None
-            raise DistributedError(f"jax.distributed.initialize failed ({str(e).splitlines()[0][:200]}); check "
+            raise DistributedError(f"jax.distributed.initialize failed ({first_line(e)}); check "
                                    f"the {launch.method} launch settings") from None
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # backends start after this
         _check_agreement(launch)

@@ -10,6 +10,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mtpjax.config import MeshConfig
+from mtpjax.errors import MtpjaxError
 
 AXES = ("data", "fsdp", "expert", "tensor")
 # The expert axis splits the batch too: outside the MoE layers its devices are data-parallel (DeepSeek-V3's EP).
@@ -29,7 +30,7 @@ LOGICAL_RULES: dict[str | None, str | None] = {
 }
 
 
-class MeshError(ValueError):
+class MeshError(MtpjaxError, ValueError):
     """The mesh shape does not fit the devices; the message names the numbers and the fix."""
 
 

@@ -1,4 +1,7 @@
-"""Orbax checkpoints of a run: the TrainState, the data-iterator position and the resolved config.
+"""Orbax checkpoints of a run: saving and resuming its TrainState (Checkpointer), and reading a saved run (SavedRun).
+
+SavedRun is the one reader of run directories: decode.py (load_model), post-training (train.init_from) and
+export open a run through it. `read_run_config` reads the config.yaml a run directory starts with.
 
 Run directory layout: `config.yaml`, `tokenizer/`, `tensorboard/`, and `checkpoints/<step>/` with the items
 - `model`: `nnx.to_pure_dict` of the model state: all that `load_model` (decoding, export) reads;
@@ -16,14 +19,16 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
 from mtpjax.config import CheckpointConfig, Config, ConfigError, from_dict
+from mtpjax.errors import MtpjaxError, first_line
 from mtpjax.nn.model import build_model
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(MtpjaxError, RuntimeError):
     """A run directory or checkpoint is missing or unreadable; the message is one line naming the fix."""
 
 
@@ -35,12 +40,9 @@ def ckpt_dir(run_dir: str | Path) -> Path:
 class Checkpointer:
     """CheckpointManager of one run: saves every `every` steps (and forced ones), keeps the last `keep`."""
 
-    def __init__(self, run_dir: str | Path, ccfg: CheckpointConfig = CheckpointConfig(), *, read_only=False):
-        if read_only:
-            opts = ocp.CheckpointManagerOptions(save_interval_steps=0, create=False, read_only=True)
-        else:
-            opts = ocp.CheckpointManagerOptions(save_interval_steps=ccfg.every, max_to_keep=ccfg.keep,
-                                                enable_async_checkpointing=ccfg.async_save)
+    def __init__(self, run_dir: str | Path, ccfg: CheckpointConfig = CheckpointConfig()):
+        opts = ocp.CheckpointManagerOptions(save_interval_steps=ccfg.every, max_to_keep=ccfg.keep,
+                                            enable_async_checkpointing=ccfg.async_save)
         self.dir = ckpt_dir(run_dir)
         self.mngr = ocp.CheckpointManager(self.dir, options=opts)
 
@@ -78,7 +80,8 @@ class Checkpointer:
         try:
             out = self.mngr.restore(step, args=args)
         except Exception as e:  # orbax raises many types; the user needs one line
-            raise CheckpointError(f"checkpoint {step} in {self.dir} could not be restored ({_first_line(e)})") from None
+            raise CheckpointError(f"checkpoint {step} in {self.dir} could not be restored "
+                                  f"({first_line(e, typed=True)})") from None
         train = out["train"]
         state = target.replace(params=_fill(target.params, out["model"]), opt=_fill_vars(target.opt, train["opt"]),
                                step=train["step"], rng=train["rng"])
@@ -119,13 +122,9 @@ class Checkpointer:
         self.mngr.reload()
 
     def _save_error(self, e: Exception) -> CheckpointError:
-        return CheckpointError(f"saving a checkpoint to {self.dir} failed ({_first_line(e)}); "
+        return CheckpointError(f"saving a checkpoint to {self.dir} failed ({first_line(e, typed=True)}); "
                                "free disk space or fix the directory's permissions, then re-run to resume from "
                                "the last complete checkpoint")
-
-    def restore_meta(self, step: int) -> dict:
-        """Only the JSON metadata (step, rng, config) of a checkpoint."""
-        return self.mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
     def wait(self) -> None:
         """Block until async saves are on disk; CheckpointError if one failed."""
@@ -148,6 +147,101 @@ def warn(message: str) -> None:
         print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+def complete_steps(run_dir: str | Path) -> list[int]:
+    """A run directory's complete checkpoint steps, oldest first (orbax renames a finished save to its bare step)."""
+    d = ckpt_dir(run_dir)
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+
+class SavedRun:
+    """A run directory opened read-only (steps, a checkpoint's config, tokenizer, parameters); errors name it `name`."""
+
+    def __init__(self, run_dir: str | Path, name: str | None = None):
+        self.dir = Path(run_dir)
+        self.name = name or f"'{self.dir}'"
+        if not self.dir.is_dir():
+            raise CheckpointError(f"{self.name} is not a run directory (it does not exist or is not a directory); "
+                                  "pass the train.run_dir of a trained run or the --out of `python -m mtpjax convert "
+                                  "import`")
+        self.steps = complete_steps(self.dir)
+        if not self.steps:
+            none = "" if ckpt_dir(self.dir).is_dir() else " (no checkpoints/ directory)"
+            raise CheckpointError(f"{self.name} holds no complete checkpoint{none}; train it first (python train.py "
+                                  "...) or pass another run directory")
+        self.mngr = ocp.CheckpointManager(ckpt_dir(self.dir), options=ocp.CheckpointManagerOptions(
+            save_interval_steps=0, create=False, read_only=True))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def step(self, step: int | None = None) -> int:
+        """`step` if the run has that checkpoint, else CheckpointError; the latest step for None."""
+        if step is None:
+            return self.steps[-1]
+        if step not in self.steps:
+            raise CheckpointError(f"{self.name} has no checkpoint at step {step}; available: {self.steps}")
+        return step
+
+    def config(self, step: int) -> Config:
+        """The resolved config a checkpoint was saved with."""
+        meta = self._restore(step, meta=ocp.args.JsonRestore())["meta"]
+        try:
+            return from_dict(meta["config"])
+        except ConfigError as e:
+            raise CheckpointError(f"checkpoint {step} of {self.name} has an invalid config ({e})") from None
+        except (KeyError, TypeError) as e:  # a meta item without a config
+            raise CheckpointError(f"checkpoint {step} of {self.name} is unreadable ({first_line(e, typed=True)})"
+                                  ) from None
+
+    def tokenizer(self):
+        """The tokenizer the run saved (tokenizer/)."""
+        from mtpjax.data import DataError, tokenizer_from_dir
+
+        try:
+            return tokenizer_from_dir(self.dir / "tokenizer")
+        except DataError as e:
+            raise CheckpointError(f"{self.name} has no usable tokenizer ({e})") from None
+
+    def model(self, step: int):
+        """(cfg, model) of a checkpoint, the model on one device."""
+        cfg = self.config(step)
+        graphdef, abs_state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), abs_state)
+        out = self._restore(step, model=ocp.args.StandardRestore(nnx.to_pure_dict(target)))
+        return cfg, nnx.merge(graphdef, _fill(target, out["model"]))
+
+    def params(self, step: int, cfg: Config) -> dict:
+        """A checkpoint's model parameters as a pure dict of host numpy arrays (every process reads them all)."""
+        abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(cfg))))
+        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), abstract)
+        return _int_keys(self._restore(step, model=ocp.args.PyTreeRestore(item=abstract, restore_args=args))["model"])
+
+    def leaf(self, step: int, path: tuple) -> np.ndarray:
+        """One parameter of a checkpoint as a host array, read alone."""
+        item, args = 0, ocp.RestoreArgs(restore_type=np.ndarray)
+        for p in reversed(path):
+            item, args = {p: item}, {p: args}
+        out = self._restore(step, f"parameter {'.'.join(map(str, path))} of ", model=ocp.args.PyTreeRestore(
+            item=item, restore_args=args, partial_restore=True))["model"]
+        for p in path:
+            out = out[p] if p in out else out[str(p)]
+        return out
+
+    def _restore(self, step: int, what: str = "", **items) -> dict:
+        try:
+            return self.mngr.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:  # orbax raises many types; the user needs one line
+            raise CheckpointError(f"{what}checkpoint {step} of {self.name} is unreadable "
+                                  f"({first_line(e, typed=True)})") from None
+
+    def close(self) -> None:
+        self.mngr.close()
+
+
 def load_model(run_dir: str | Path, step: int | None = None):
     """(cfg, model, tokenizer) of a trained run on one device (latest step by default); CheckpointError if absent."""
     cfg, model, tok, _ = load_model_step(run_dir, step)
@@ -156,59 +250,26 @@ def load_model(run_dir: str | Path, step: int | None = None):
 
 def load_model_step(run_dir: str | Path, step: int | None = None):
     """(cfg, model, tokenizer, step); step is the checkpoint actually restored (older if the latest is unreadable)."""
-    from mtpjax.data import DataError, tokenizer_from_dir
-
-    run = Path(run_dir)
-    if not run.is_dir():
-        raise CheckpointError(f"run directory '{run}' does not exist; pass the train.run_dir of a trained run")
-    if not ckpt_dir(run).is_dir():
-        raise CheckpointError(f"run directory '{run}' holds no checkpoints; train it first (python train.py ...)")
-    ck = Checkpointer(run, read_only=True)
-    steps = ck.mngr.all_steps()
-    if not steps:
-        raise CheckpointError(f"run directory '{run}' holds no complete checkpoint; train it first")
-    if step is not None and step not in steps:
-        raise CheckpointError(f"run '{run}' has no checkpoint at step {step}; available: {sorted(steps)}")
-    try:
-        tok = tokenizer_from_dir(run / "tokenizer")
-    except DataError as e:
-        raise CheckpointError(f"run '{run}' has no usable tokenizer ({e})") from None
-    # The latest by default; an unreadable one is reported and the next older one is tried.
-    for s in [step] if step is not None else sorted(steps, reverse=True):
-        try:
-            cfg, model = _load_step(ck, run, s)
-            ck.mngr.close()
-            return cfg, model, tok, s
-        except CheckpointError as e:
-            if step is not None:
-                raise
-            warn(f"{e}; falling back to the previous checkpoint")
-    raise CheckpointError(f"no checkpoint of run '{run}' is readable (tried {sorted(steps, reverse=True)}); "
-                          "train it again with --fresh")
+    with SavedRun(run_dir) as run:
+        tried = [run.step(step)] if step is not None else run.steps[::-1]
+        tok = run.tokenizer()
+        # The latest by default; an unreadable one is reported and the next older one is tried.
+        for s in tried:
+            try:
+                return (*run.model(s), tok, s)
+            except CheckpointError as e:
+                if step is not None:
+                    raise
+                warn(f"{e}; falling back to the previous checkpoint")
+        raise CheckpointError(f"no checkpoint of run {run.name} is readable (tried {tried}); "
+                              "train it again with --fresh")
 
 
-def _load_step(ck: Checkpointer, run: Path, step: int):
-    """(cfg, model) of one checkpoint; CheckpointError if it is unreadable."""
-    try:
-        cfg = from_dict(ck.restore_meta(step)["config"])
-    except ConfigError as e:
-        raise CheckpointError(f"checkpoint {step} of '{run}' has an invalid config ({e})") from None
-    except Exception as e:  # orbax raises many types
-        raise CheckpointError(f"checkpoint {step} of '{run}' is unreadable ({_first_line(e)})") from None
-    abstract = nnx.eval_shape(lambda: build_model(cfg))
-    graphdef, abs_state = nnx.split(abstract)
-    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), abs_state)
-    args = ocp.args.Composite(model=ocp.args.StandardRestore(nnx.to_pure_dict(target)))
-    try:
-        out = ck.mngr.restore(step, args=args)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {step} of '{run}' is unreadable ({_first_line(e)})") from None
-    return cfg, nnx.merge(graphdef, _fill(target, out["model"]))
-
-
-def _first_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__
+def _int_keys(tree):
+    """orbax may return a list's indices as string keys; nnx's pure dicts use ints."""
+    if not isinstance(tree, dict):
+        return tree
+    return {(int(k) if isinstance(k, str) and k.isdigit() else k): _int_keys(v) for k, v in tree.items()}
 
 
 def _train_item(state) -> dict:

@@ -28,7 +28,8 @@ def validation(progs, state, val: list, to_global, tokenizer=None) -> dict:
     mets = jax.device_get([progs.eval_step(state, *to_global(b)) for b in val])
     keep = [k for k in mets[0] if k.startswith(("loss/", "agreement/", "accuracy/", "accept_prob/"))]
     means = {k: float(np.mean([m[k] for m in mets])) for k in keep}
-    out = {k: float(v) for k, v in add_expected_lengths(means, sum(k.startswith("agreement/") for k in keep)).items()}
+    depth = sum(k.startswith("agreement/mtp_") for k in keep)  # the unrolled applications (agreement/unroll_u) are none
+    out = {k: float(v) for k, v in add_expected_lengths(means, depth).items()}
     return out | ({} if tokenizer is None else eval_bits_per_byte(val, [m["loss/main"] for m in mets], tokenizer))
 
 

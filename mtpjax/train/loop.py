@@ -1,7 +1,8 @@
-"""Training loop (docs/design.md §5): build once, jit once, loop; eval, checkpoints, NaN guard, preemption hang off it.
+"""Training loop (docs/design.md §5): set up in stages (train/setup.py), jit once, loop; eval, checkpoints, NaN
+guard and preemption hang off it.
 
-Around the loop: `rundir` (the run directory's lifecycle), `train_step` (TrainState and the jitted step),
-`train_eval` (the eval hook), `train_report` (banner, metrics, summary), `checkpoint`.
+Around the loop: `setup` (mesh, run directory and data, programs, first state), `step` (TrainState and the
+jitted step), `evals` (the eval hook), `report` (banner, metrics, summary), `checkpoint`.
 """
 
 from __future__ import annotations
@@ -10,48 +11,26 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
-from mtpjax import data
-from mtpjax.parallel import distributed, runtime
-from mtpjax.train import posttrain, rundir
-from mtpjax.train.checkpoint import Checkpointer
 from mtpjax.config import Config
-from mtpjax.train.metrics import Writer, measure_peak_flops
-from mtpjax.parallel.sharding import batch_sharding, data_parallelism, make_mesh
+from mtpjax.parallel import distributed, runtime
+from mtpjax.train import posttrain, setup
+from mtpjax.train.checkpoint import Checkpointer
 from mtpjax.train.evals import run_eval
-from mtpjax.train.report import Logger, banner, summary
+from mtpjax.train.metrics import Writer, measure_peak_flops
+from mtpjax.train.report import Logger, banner, say, summary
+from mtpjax.train.setup import TrainError
 from mtpjax.train.step import Programs, make_programs
-
-
-class TrainError(RuntimeError):
-    """Bad training setup (batch vs mesh); the message is one line naming the problem and the fix."""
 
 
 class NonFiniteError(TrainError):
     """The loss or gradient became non-finite beyond what train.nan_policy allows."""
 
-
-def check_parallelism(cfg: Config, mesh) -> None:
-    """The batch must split evenly over data parallelism, micro-batches and processes."""
-    dp, B, A = data_parallelism(mesh), cfg.train.batch_size, cfg.train.micro_batches
-    if B % (dp * A):
-        raise TrainError(f"train.batch_size={B} is not divisible by data parallelism mesh.data*mesh.fsdp={dp} "
-                         f"times train.micro_batches={A}; use a multiple of {dp * A}")
-    if B % jax.process_count():
-        raise TrainError(f"train.batch_size={B} is not divisible by the {jax.process_count()} processes")
-
-
-# ----------------------------------------------------------------------------- data
-
-
-def open_data(cfg: Config, mesh):
-    """(prepared corpus, train iterator, validation batches, per-source validation batches); DataError on bad input."""
-    return data.open_run_data(cfg, batch_sharding(mesh))  # each process reads its rows of every global batch
+    exit_status = 1  # a divergence, not bad input
 
 
 def to_global(progs: Programs, batch: dict):
@@ -114,11 +93,6 @@ class NonFiniteGuard:
         return False
 
 
-def _say(text: str) -> None:
-    if distributed.is_primary():
-        tqdm.write(text, file=sys.stderr)
-
-
 def _meta(cfg: Config, step: int, last: dict) -> dict:
     return {"step": step, "config": cfg.to_dict(), "metrics": last}
 
@@ -136,31 +110,20 @@ def train(cfg: Config, *, fresh: bool = False, max_steps: int | None = None) -> 
 def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) -> dict:
     t_start = time.perf_counter()
     runtime.enable_compilation_cache(cfg.train.compilation_cache)
-    mesh = make_mesh(cfg.mesh)
-    check_parallelism(cfg, mesh)
-    source = posttrain.source_config(cfg, fresh)  # checked before anything is written
-    if not fresh:
-        rundir.check_identity(cfg)
-    created = rundir.probe_writable(Path(cfg.train.run_dir))
-    try:
-        prepared, train_it, val, val_sources = open_data(cfg, mesh)
-        posttrain.check_tokenizer(cfg, source, prepared.tokenizer)
-    except BaseException:
-        rundir.remove_created(created)
-        raise
-    run = rundir.setup(cfg, prepared.tokenizer, fresh)
+    mesh = setup.open_mesh(cfg)
+    source = posttrain.source_config(cfg, fresh)  # a new run's init_from, checked before anything is written
+    run_dir, run_data = setup.open_run_dir(cfg, mesh, fresh, source)
+    run = setup.Run(cfg, mesh, run_dir, run_data, make_programs(cfg, mesh), Checkpointer(run_dir, cfg.checkpoint))
+    return _loop(run, setup.open_state(run, source), pre, max_steps, t_start)
 
-    progs = make_programs(cfg, mesh)
-    ck = Checkpointer(run, cfg.checkpoint)
-    restored = ck.restore_latest(progs.target)  # the newest readable checkpoint; unreadable ones are reported
-    if restored:
-        start, state, data_state, _ = restored
-        train_it.set_state(data_state)
-        _say(f"resuming from checkpoint {start} in {ck.dir}")
-    else:  # a new run: from init_from's trunk when it is set (read only now, before the first checkpoint)
-        start, state = 0, progs.init() if source is None else posttrain.initial_state(cfg, source, progs)
+
+def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | None, t_start: float) -> dict:
+    """The loop from `first` up to train.steps or max_steps; the final metrics."""
+    cfg, mesh, run, progs, ck = r.cfg, r.mesh, r.dir, r.progs, r.ck
+    prepared, train_it, val, val_sources = r.data.prepared, r.data.train, r.data.val, r.data.val_sources
+    start, state = first.step, first.state
     end = min(cfg.train.steps, cfg.train.steps if max_steps is None else max_steps)
-    _say(banner(cfg, mesh, run, start, prepared))
+    say(banner(cfg, mesh, run, start, prepared))
 
     writer = Writer(run, enabled=jax.process_index() == 0)
     if start == 0:
@@ -195,7 +158,7 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
                               writer, step, cfg.train.num_samples, run)
                 result.update(ev)
                 if ev:
-                    _say(f"step {step}: eval loss/main {ev['eval/loss/main']:.4f}" + "".join(
+                    say(f"step {step}: eval loss/main {ev['eval/loss/main']:.4f}" + "".join(
                         f", mtp_{k} {ev[f'eval/loss/mtp_{k}']:.4f}" for k in range(1, cfg.model.mtp_depth + 1)))
                 log.restart_clock(step)
             if ck.save(step, state, train_it.get_state(), _meta(cfg, step, log.last), force=step == end):
@@ -213,5 +176,5 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
     out = {**log.last, **result, "step": step, "skipped_steps": guard.skipped, "history": log.history,
            "seconds": time.perf_counter() - t_start}
     last = ck.dir / str(step)
-    _say(summary(cfg, run, out, last if last.is_dir() else None))
+    say(summary(cfg, run, out, last if last.is_dir() else None))
     return out

@@ -7,67 +7,62 @@ head come from the source; the MTP modules are fresh (model.mtp_init) unless tra
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 
-from mtpjax.train.checkpoint import ckpt_dir
-from mtpjax.config import Config, ConfigError, from_dict
-from mtpjax.nn.model import build_model, mtp_from_last_block
+from mtpjax.config import Config
+from mtpjax.errors import MtpjaxError
+from mtpjax.nn.model import mtp_from_last_block
+from mtpjax.train.checkpoint import SavedRun, complete_steps
 
 # Model keys that decide the trunk's parameters and what they compute; the MTP keys, the layer layout (scanned or
 # not), dtypes, remat and the attention backend may differ between the source and the new run.
 TRUNK_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "resolved_head_dim", "resolved_d_ff",
               "rope_theta", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
               "rope_original_max_len", "norm_eps", "qkv_bias", "tie_embeddings")
-_READ_ONLY = ocp.CheckpointManagerOptions(save_interval_steps=0, create=False, read_only=True)
 PROBE_TEXT = "def f(x):\n    return {'é': x ** 2}  # 你好, tokenizers\n"
 
 
-class InitFromError(RuntimeError):
+class InitFromError(MtpjaxError, RuntimeError):
     """train.init_from cannot start this run; the message is one line naming the problem and the fix."""
 
 
-def _steps(run: Path) -> list[int]:
-    """Complete checkpoint steps of a run directory (orbax renames a finished save to its bare step number)."""
-    d = ckpt_dir(run)
-    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+@dataclass(frozen=True)
+class Source:
+    """The run a new run starts from (train.init_from): its directory, the checkpoint read, and its config."""
+
+    dir: Path
+    step: int
+    cfg: Config
+
+    @property
+    def name(self) -> str:
+        return f"train.init_from '{self.dir}'"
 
 
 def _key(k: str) -> str:
     return "model." + k.removeprefix("resolved_")
 
 
-def source_config(cfg: Config, fresh: bool = False) -> Config | None:
-    """The init_from run's config after checking it can start `cfg`; None when init_from is unset or not read
-    (the new run directory already has a checkpoint and is not --fresh). InitFromError otherwise; nothing written."""
+def source_config(cfg: Config, fresh: bool = False) -> Source | None:
+    """The init_from run (its latest checkpoint) after checking it can start `cfg`; None when init_from is unset or
+    not read (the new run directory already has a checkpoint and is not --fresh). InitFromError, or CheckpointError
+    for an unreadable run, otherwise; nothing written."""
     t = cfg.train
     src = Path(t.init_from).expanduser()
     where = f"train.init_from '{t.init_from}'"
     if t.init_from and src.resolve() == Path(t.run_dir).expanduser().resolve():
         raise InitFromError(f"{where} is this run's own train.run_dir; post-training starts a new run: set another "
                             "train.run_dir")
-    if not t.init_from or (not fresh and _steps(Path(t.run_dir).expanduser())):
+    if not t.init_from or (not fresh and complete_steps(Path(t.run_dir).expanduser())):
         return None
-    if not src.is_dir():
-        raise InitFromError(f"{where} is not a directory; pass the train.run_dir of a trained run or the --out of "
-                            "`python -m mtpjax.convert import`")
-    steps = _steps(src)
-    if not steps:
-        raise InitFromError(f"{where} holds no complete checkpoint; train it first or pass another run directory")
-    try:
-        mngr = ocp.CheckpointManager(ckpt_dir(src), options=_READ_ONLY)
-        meta = mngr.restore(steps[-1], args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        mngr.close()
-        scfg = from_dict(meta["config"])
-    except ConfigError as e:
-        raise InitFromError(f"{where}: its checkpoint {steps[-1]} holds an invalid config ({e})") from None
-    except Exception as e:  # orbax raises many types
-        raise InitFromError(f"{where}: checkpoint {steps[-1]} is unreadable ({type(e).__name__}); pass another "
-                            "run directory") from None
+    with SavedRun(src, where) as run:
+        step = run.step()
+        scfg = run.config(step)
     diffs = [f"{_key(k)} {getattr(scfg.model, k)!r} there, {getattr(cfg.model, k)!r} here" for k in TRUNK_KEYS
              if getattr(scfg.model, k) != getattr(cfg.model, k)]
     if diffs:
@@ -77,49 +72,21 @@ def source_config(cfg: Config, fresh: bool = False) -> Config | None:
         raise InitFromError(f"train.keep_mtp=true needs the init_from run's MTP modules, but it has "
                             f"{scfg.model.mtp_depth} {scfg.model.mtp_kind} module(s) and this run "
                             f"{cfg.model.mtp_depth} {cfg.model.mtp_kind}; set train.keep_mtp=false for fresh ones")
-    return scfg
+    return Source(src, step, scfg)
 
 
-def check_tokenizer(cfg: Config, scfg: Config | None, tokenizer) -> None:
+def check_tokenizer(cfg: Config, source: Source | None, tokenizer) -> None:
     """InitFromError unless the new run's tokenizer gives the init_from run's token ids (its embedding's rows)."""
-    if scfg is None:
+    if source is None:
         return
-    from mtpjax.data import DataError, tokenizer_from_dir
-
-    src = Path(cfg.train.init_from).expanduser()
-    try:
-        theirs = tokenizer_from_dir(src / "tokenizer")
-    except DataError as e:
-        raise InitFromError(f"train.init_from '{src}' has no usable tokenizer ({e})") from None
+    with SavedRun(source.dir, source.name) as run:
+        theirs = run.tokenizer()
     if theirs.vocab_size != tokenizer.vocab_size or theirs.encode(PROBE_TEXT) != tokenizer.encode(PROBE_TEXT):
-        spec = scfg.data.tokenizer
+        spec = source.cfg.data.tokenizer
         if spec == "bpe":  # trained on that run's data: point at the file it saved
-            spec = str(src.absolute() / "tokenizer" / "tokenizer.json")
+            spec = str(source.dir.absolute() / "tokenizer" / "tokenizer.json")
         raise InitFromError(f"data.tokenizer={cfg.data.tokenizer} gives other token ids than the tokenizer of "
-                            f"train.init_from '{src}'; set data.tokenizer={spec}")
-
-
-def _source_params(src: Path, scfg: Config) -> dict:
-    """The source's newest model parameters as a pure dict of host numpy arrays (every process reads them)."""
-    abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(scfg))))
-    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), abstract)
-    mngr = ocp.CheckpointManager(ckpt_dir(src), options=_READ_ONLY)
-    try:
-        out = mngr.restore(_steps(src)[-1], args=ocp.args.Composite(
-            model=ocp.args.PyTreeRestore(item=abstract, restore_args=args)))["model"]
-    except Exception as e:
-        raise InitFromError(f"train.init_from '{src}': its parameters are unreadable ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:200] if str(e) else ''}); pass another run") from None
-    finally:
-        mngr.close()
-    return _int_keys(out)
-
-
-def _int_keys(tree):
-    """orbax may return a list's indices as string keys; nnx's pure dicts use ints."""
-    if not isinstance(tree, dict):
-        return tree
-    return {(int(k) if isinstance(k, str) and k.isdigit() else k): _int_keys(v) for k, v in tree.items()}
+                            f"{source.name}; set data.tokenizer={spec}")
 
 
 def _relayout_blocks(blocks, src_scanned: bool, n_layers: int, scanned: bool):
@@ -131,13 +98,15 @@ def _relayout_blocks(blocks, src_scanned: bool, n_layers: int, scanned: bool):
     return jax.tree.map(lambda *xs: np.stack(xs), *[blocks[i] for i in range(n_layers)])
 
 
-def initial_state(cfg: Config, scfg: Config, progs):
+def initial_state(cfg: Config, source: Source, progs):
     """The first TrainState of a run started from init_from: a fresh optimizer over the trainable part (the MTP
     modules when the trunk is frozen), step 0, the source's trunk/embedding/head, MTP modules as configured."""
     state = progs.init()
     fresh = nnx.to_pure_dict(state.params)
-    src = _source_params(Path(cfg.train.init_from).expanduser(), scfg)
-    src["blocks"] = _relayout_blocks(src["blocks"], scfg.model.scan_layers, cfg.model.n_layers, cfg.model.scan_layers)
+    with SavedRun(source.dir, source.name) as run:
+        src = run.params(source.step, source.cfg)
+    src["blocks"] = _relayout_blocks(src["blocks"], source.cfg.model.scan_layers, cfg.model.n_layers,
+                                     cfg.model.scan_layers)
     new = {**{k: v for k, v in src.items() if k != "mtp"}, "mtp": fresh["mtp"]}
     if cfg.train.keep_mtp:
         new["mtp"] = {k: src["mtp"][k] for k in fresh["mtp"]}

@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import shlex
+import sys
 import time
 from pathlib import Path
 
 import jax
 from flax import nnx
+from tqdm import tqdm
 
 from mtpjax.config import Config
+from mtpjax.parallel import distributed
 from mtpjax.nn.flops import train_flops_per_token
 from mtpjax.train.metrics import Writer, mfu
 from mtpjax.nn.model import build_model, param_counts
 
 NEXT_PROMPT = "def fibonacci(n):"  # the prompt of the decode command the summary suggests
+
+
+def say(text: str) -> None:
+    """A line on stderr from process 0 (above the progress bar)."""
+    if distributed.is_primary():
+        tqdm.write(text, file=sys.stderr)
 
 
 def _millions(n: int) -> str:
@@ -78,7 +87,8 @@ class Logger:
     def __init__(self, cfg: Config, writer: Writer, bar, n_devices: int, peak: float):
         self.cfg, self.writer, self.bar = cfg, writer, bar
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-        self.flops = train_flops_per_token(cfg.model, cfg.data.seq_len, frozen_trunk=cfg.train.freeze == "trunk")
+        self.flops = train_flops_per_token(cfg.model, cfg.data.seq_len, frozen_trunk=cfg.train.freeze == "trunk",
+                                           unroll=cfg.loss.mtp_unroll)
         self.n_devices, self.peak = n_devices, peak
         self.history, self.last = [], {}
         self.t0, self.s0 = None, None

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import jax
@@ -14,13 +16,14 @@ import jax
 from mtpjax.parallel import distributed
 from mtpjax.train.checkpoint import read_run_config
 from mtpjax.config import Config, identity
+from mtpjax.errors import MtpjaxError
 
 IDENTITY_SECTIONS = ("model", "data")  # what makes a run dir "the same run"; other sections may change on resume
 # ...and single keys elsewhere that fix a checkpoint's layout (the optimizer state covers only what trains)
 IDENTITY_KEYS = ("train.freeze",)
 
 
-class RunDirError(RuntimeError):
+class RunDirError(MtpjaxError, RuntimeError):
     """The run directory cannot be used; the message is one line naming the problem and the fix."""
 
 
@@ -70,6 +73,17 @@ def remove_created(created: list[Path]) -> None:
             d.rmdir()
         except OSError:  # not empty (another process's run, or written meanwhile): keep it and its parents
             return
+
+
+@contextmanager
+def probed(run: Path) -> Iterator[None]:
+    """probe_writable for a block of checks: if one refuses the run, remove_created (a refused run leaves none)."""
+    created = probe_writable(run)
+    try:
+        yield
+    except BaseException:
+        remove_created(created)
+        raise
 
 
 def setup(cfg: Config, tokenizer, fresh: bool) -> Path:

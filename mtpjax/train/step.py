@@ -18,7 +18,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from mtpjax.config import Config, LossConfig
-from mtpjax.nn.loss import add_expected_lengths, mtp_loss, token_counts
+from mtpjax.nn.loss import add_expected_lengths, forward, mtp_loss, token_counts
 from mtpjax.nn.model import MTPTransformer, build_model, moe_layers
 from mtpjax.nn.moe import load_metrics, next_bias
 from mtpjax.train.optim import decay_mask, global_norm, lr_schedule, make_tx, trainable, with_lr
@@ -51,7 +51,7 @@ def new_state(params: nnx.State, tx: optax.GradientTransformation, seed: int, st
 def _sum_micro_metrics(metrics: dict, depth: int) -> dict:
     """Micro-batch metrics were normalized by whole-batch counts, so sums are exact except nonlinear ones."""
     out = {k: v.sum(0) for k, v in metrics.items()}
-    out["lambda"] = metrics["lambda"][0]
+    out |= {k: v[0] for k, v in metrics.items() if k.split("/")[0] == "lambda"}  # one value per step, not a sum
     return add_expected_lengths(out, depth)
 
 
@@ -59,13 +59,13 @@ def loss_and_grads(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step,
                    micro_batches: int, batch_sharding=None):
     """(gradient of the trainable parameters, metrics) of one batch, summed over its micro-batches."""
     depth = nnx.merge(graphdef, train, frozen).cfg.mtp_depth
-    counts = token_counts(tokens_BT, seg_BT, depth)
+    counts = token_counts(tokens_BT, seg_BT, depth, loss_cfg)
     B, T = tokens_BT.shape
     A = micro_batches
 
     def loss_fn(train, tok_BT, seg_BT):
         model = nnx.merge(graphdef, train, frozen)
-        out = model(tok_BT, seg_BT)
+        out = forward(model, tok_BT, seg_BT, loss_cfg)
         loss, met = mtp_loss(model, out, tok_BT, seg_BT, step=step, cfg=loss_cfg, counts=counts, rows=B)
         # Expert loads ride with the metrics, which the micro-batch scan sums: the whole batch's loads.
         return loss, {**met, **{f"{LOAD}{k}": aux["load"] for k, aux in out.routing.items()}}
@@ -136,8 +136,8 @@ def train_step(state: TrainState, tokens_BT, seg_BT, *, graphdef, tx: optax.Grad
 def eval_step(state: TrainState, tokens_BT, seg_BT, *, graphdef, loss_cfg: LossConfig) -> dict:
     """Metrics of one batch at the state's step, without gradients."""
     model = nnx.merge(graphdef, state.params)
-    return mtp_loss(model, model(tokens_BT, seg_BT), tokens_BT, seg_BT, step=state.step, cfg=loss_cfg,
-                    with_accept_prob=True)[1]
+    out = forward(model, tokens_BT, seg_BT, loss_cfg)
+    return mtp_loss(model, out, tokens_BT, seg_BT, step=state.step, cfg=loss_cfg, with_accept_prob=True)[1]
 
 
 @dataclasses.dataclass(frozen=True)

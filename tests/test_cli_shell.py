@@ -1,0 +1,112 @@
+"""The command shell: every command parses with the shared Parser and reports an MtpjaxError once, as one line."""
+
+import argparse
+import importlib
+from pathlib import Path
+
+import pytest
+
+import mtpjax.config
+import mtpjax.convert
+import mtpjax.train.checkpoint
+from mtpjax.__main__ import main as mtpjax_main
+from mtpjax.cli import COMMANDS
+from mtpjax.cli.args import Parser
+from mtpjax.errors import MtpjaxError
+from mtpjax.train.loop import NonFiniteError
+
+TINY = str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml")
+
+
+def _main(name: str):
+    return importlib.import_module(f"mtpjax.cli.{name}").main
+
+
+def _run(capsys, fn, argv) -> tuple[int, list[str]]:
+    """(exit status, stderr lines) of a command's main; a SystemExit counts as its code."""
+    capsys.readouterr()
+    try:
+        code = fn(argv)
+    except SystemExit as e:
+        code = e.code
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    return code, cap.err.strip().splitlines()
+
+
+def _is_one_line_usage_error(code, err: list[str]) -> bool:
+    return code == 2 and len(err) == 1 and err[0].startswith("error: ") and err[0].endswith(" --help)")
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_bad_arguments_are_one_line_exit_2_through_the_shared_parser(capsys, name):
+    code, err = _run(capsys, _main(name), ["--no-such-option"])
+    assert _is_one_line_usage_error(code, err), err
+    assert "--no-such-option" in err[0] or "required" in err[0]
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_companion_argparse_s_own_error_prints_a_usage_block(capsys, monkeypatch, name):
+    """Companion: with argparse's own error() the same input prints a usage block, which the check refuses."""
+    monkeypatch.setattr(Parser, "error", argparse.ArgumentParser.error)
+    code, err = _run(capsys, _main(name), ["--no-such-option"])
+    assert code == 2 and err[0].startswith("usage: ")
+    assert not _is_one_line_usage_error(code, err)
+
+
+def test_python_m_mtpjax_answers_a_missing_or_unknown_command_in_one_line(capsys):
+    for argv, words in (([], "no command given"), (["nope"], "invalid choice: 'nope'")):
+        code, err = _run(capsys, mtpjax_main, argv)
+        assert _is_one_line_usage_error(code, err) and words in err[0], err
+
+
+def test_help_returns_0(capsys):
+    for name in COMMANDS:
+        assert _main(name)(["--help"]) == 0
+        assert "usage: " in capsys.readouterr().out
+
+
+class _Refused(MtpjaxError):
+    exit_status = 3
+
+
+# Where each command's work starts: (module, attribute) replaced by a function that raises.
+WORK = {
+    "train": ("mtpjax.cli.train", "train"),
+    "decode": (mtpjax.train.checkpoint, "load_model_step"),
+    "plan": ("mtpjax.cli.plan", "load_config"),
+    "convert": (mtpjax.convert, "export_run"),
+    "data": (mtpjax.config, "load_config"),
+    "distributed": ("mtpjax.cli.distributed", "initialize"),
+}
+ARGV = {
+    "train": ["--config", TINY], "decode": ["--run-dir", "r", "--prompt", "x"], "plan": ["--config", "x.yaml"],
+    "convert": ["export", "--run-dir", "r", "--out", "o"], "data": ["prepare"], "distributed": [],
+}
+
+
+def _raise_in_work(monkeypatch, name: str, error: Exception) -> None:
+    def fail(*args, **kwargs):
+        raise error
+
+    module, attr = WORK[name]
+    monkeypatch.setattr(importlib.import_module(module) if isinstance(module, str) else module, attr, fail)
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_an_mtpjax_error_in_a_command_s_work_is_one_line_with_its_exit_status(capsys, monkeypatch, name):
+    _raise_in_work(monkeypatch, name, _Refused("refused: the problem and its fix\nmore detail"))
+    assert _run(capsys, _main(name), ARGV[name]) == (3, ["error: refused: the problem and its fix"])
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_companion_another_error_in_a_command_s_work_escapes(capsys, monkeypatch, name):
+    """Companion: an error that is not an MtpjaxError is a bug and keeps its traceback."""
+    _raise_in_work(monkeypatch, name, KeyError("a bug"))
+    with pytest.raises(KeyError, match="a bug"):
+        _main(name)(ARGV[name])
+
+
+def test_a_divergence_exits_1(capsys, monkeypatch):
+    _raise_in_work(monkeypatch, "train", NonFiniteError("non-finite loss at step 3; stopped"))
+    assert _run(capsys, _main("train"), ARGV["train"]) == (1, ["error: non-finite loss at step 3; stopped"])
