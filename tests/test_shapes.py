@@ -20,7 +20,8 @@ ATTENTION = set("KNRHS")
 # A single capital bound straight to one of these config fields is that field's axis.
 FIELD_LETTERS = {"mtp_depth": "J", "micro_batches": "A", "batch_size": "B", "seq_len": "T", "n_layers": "L",
                  "vocab_size": "V", "d_model": "D", "n_heads": "N", "n_kv_heads": "K", "num_draft": "G",
-                 "head_dim": "H", "resolved_head_dim": "H", "d_ff": "F", "resolved_d_ff": "F"}
+                 "head_dim": "H", "resolved_head_dim": "H", "d_ff": "F", "resolved_d_ff": "F",
+                 "n_routed_experts": "E", "num_experts_per_tok": "X"}
 # A letter twice in one suffix only where the shape really has that axis twice.
 REPEATS = {
     ("mtpjax/nn/layers.py", "BKRTT"): "cached attention's scores of the R*T query rows over this call's T keys",
@@ -166,7 +167,7 @@ def test_the_alphabet_is_written_once():
 
 
 def test_reserved_letters_are_marked_and_repeats_are_real():
-    assert RESERVED == set("EOX")  # Z: MLA's latent rank (mtpjax/nn/mla.py)
+    assert RESERVED == set("O")  # Z: MLA's latent rank; E, X: the mixture of experts; U: unrolled applications
     assert all(len(set(s)) < len(s) for _, s in REPEATS)
 
 
@@ -195,7 +196,7 @@ def test_suffix_rules_bite(path, source, rule):
     ("M, B, T, K = hidden_MBTD.shape", "which is D"),
     ("P = ctx.h_BTD.shape[1]", "which is T"),
     ("O = T // C", "reserved"),
-    ("def f(E): pass", "reserved"),
+    ("def f(O): pass", "reserved"),
 ])
 def test_capital_rules_bite(source, rule):
     assert any(r == "capital" and rule in what for _, r, what in violations({"mtpjax/nn/x.py": source})), rule

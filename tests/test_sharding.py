@@ -42,9 +42,9 @@ def test_mesh_mismatch_names_numbers_and_fix():
     assert "2*2*1 = 4" in msg and "1 device" in msg and "mesh.data" in msg and "\n" not in msg
 
 
-def test_batch_sharding_over_data_and_fsdp():
+def test_batch_sharding_over_data_fsdp_and_expert():
     mesh = make_mesh(MeshConfig())
-    assert batch_sharding(mesh).spec == P(("data", "fsdp"), None)
+    assert batch_sharding(mesh).spec == P(("data", "fsdp", "expert"), None)
 
 
 # ----------------------------------------------------------------------------- 8 simulated devices

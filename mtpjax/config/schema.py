@@ -66,6 +66,7 @@ LrSchedule = Literal["cosine", "linear", "constant"]
 NanPolicy = Literal["stop", "skip"]
 Freeze = Literal["none", "trunk"]
 Proposer = Literal["mtp", "mtp1", "ngram", "model"]
+MlpKind = Literal["dense", "moe"]
 UnrollModule = Literal["first", "last"]
 
 
@@ -122,6 +123,20 @@ class ModelConfig:
     dtype: Dtype = key("float32", "activation / compute dtype")
     param_dtype: ParamDtype = key("float32", "parameter dtype")
     init_std: float = key(0.02, "init standard deviation (output projections scaled by 1/√(2L))", gt=0)
+    mlp_kind: MlpKind = key("dense", "the blocks' feed-forward (MTP modules' blocks follow the trunk's)", choices={
+        "dense": "one SwiGLU of width `d_ff`",
+        "moe": "DeepSeek-V3's mixture of experts: sigmoid-routed SwiGLU experts of width `moe_d_ff`, group-limited "
+               "top-k, shared experts, the first `first_k_dense_replace` trunk blocks dense"})
+    n_routed_experts: int = key(8, "moe: routed experts (E)", gt=0)
+    num_experts_per_tok: int = key(2, "moe: experts chosen per token (top-k; ≤ `n_routed_experts`)", gt=0)
+    n_shared_experts: int = key(1, "moe: shared experts every token passes through (one SwiGLU of "
+                                "`n_shared_experts` · `moe_d_ff`)", ge=0)
+    moe_d_ff: int = key(256, "moe: each expert's SwiGLU width", gt=0)
+    n_group: int = key(1, "moe: expert groups (must divide `n_routed_experts`, ≥ 2 experts each when > 1); a group's "
+                       "score is the sum of its top-2 biased scores", gt=0)
+    topk_group: int = key(1, "moe: groups a token's experts are chosen from (≤ `n_group`)", gt=0)
+    routed_scaling_factor: float = key(1.0, "moe: the chosen experts' normalized weights are multiplied by this", gt=0)
+    first_k_dense_replace: int = key(0, "moe: the first k trunk blocks keep the dense MLP (< `n_layers`)", ge=0)
     attention: Attention = key(
         "auto", "how attention is computed, not what", runtime=True, choices={
             "auto": "splash on TPU, cuDNN on GPU with bf16/fp16, else XLA", "xla": "the reference",
@@ -178,6 +193,8 @@ class LossConfig:
         "`mtp_lambda` for all; `forward:<n>[~<r>]` = application a gets `mtp_lambda` from step a·n on (ramped in "
         "over r steps); `reverse:<n>[~<r>]` = application a keeps it until step (A+1−a)·n (ramped out over the r "
         "steps before), A applications in all; or one `mtp_lambda` form per application separated by `;`")
+    moe_seq_aux_loss: float = key(0.0, "`model.mlp_kind=moe`: weight of DeepSeek-V3's sequence-wise balance loss "
+                                  "(summed over MoE layers, averaged over rows); 0 = bias balancing alone", ge=0)
 
     def __post_init__(self):
         # Python callers may pass the YAML strings; code past this point sees only the parsed values.
@@ -273,6 +290,8 @@ class TrainConfig:
         "none": "everything trains",
         "trunk": "only the MTP modules train and have optimizer state (needs `train.init_from` and "
                  "`model.mtp_depth` ≥ 1)"})
+    bias_update_speed: float = key(0.001, "`model.mlp_kind=moe`: each step moves every expert's routing bias by "
+                                   "± this toward the mean load of the global batch (0: no balancing)", ge=0)
     keep_mtp: bool = key(False, "with `train.init_from`: keep its MTP modules (same kind, at least as many) "
                          "instead of fresh ones (`model.mtp_init`)")
 
@@ -281,6 +300,8 @@ class TrainConfig:
 class MeshConfig:
     data: int = key(1, "data-parallel mesh axis", gt=0)
     fsdp: int = key(1, "fully-sharded data-parallel axis (parameters sharded, batch split)", gt=0)
+    expert: int = key(1, "expert-parallel axis: routed experts' weights split over it, the batch too (must divide "
+                      "`model.n_routed_experts`)", gt=0)
     tensor: int = key(1, "tensor-parallel axis (heads, MLP and vocabulary split; divides `model.n_kv_heads` or "
                       "is a multiple of it)", gt=0)
 

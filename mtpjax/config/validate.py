@@ -77,6 +77,8 @@ def _check_rules(cfg: Config) -> None:
     _check(not t.keep_mtp or bool(t.init_from), "train.keep_mtp", t.keep_mtp,
            "needs train.init_from=RUN_DIR (the run whose MTP modules to keep)")
 
+    if m.mlp_kind == "moe":
+        _check_moe(cfg)
     gqa_ok = m.n_kv_heads % cfg.mesh.tensor == 0 or cfg.mesh.tensor % m.n_kv_heads == 0
     _check(m.attention_kind == "mla" or gqa_ok, "mesh.tensor", cfg.mesh.tensor,
            f"must divide model.n_kv_heads={m.n_kv_heads} (or be a multiple of it)")
@@ -113,6 +115,24 @@ def _check_objective(cfg: Config) -> None:
     for at in [*lam.switch_steps(apps), *(s for x in lam.each if x.kind == "piecewise" for s in x.steps)]:
         _check(at < steps, "loss.mtp_lambda_depths", str(lam),
                f"switches at step {at}, not before train.steps={steps}; use a smaller step or more train.steps")
+
+
+def _check_moe(cfg: Config) -> None:
+    m, E = cfg.model, cfg.model.n_routed_experts
+    _check(m.num_experts_per_tok <= E, "model.num_experts_per_tok", m.num_experts_per_tok,
+           f"must be <= model.n_routed_experts={E}")
+    _check(E % m.n_group == 0, "model.n_group", m.n_group, f"must divide model.n_routed_experts={E}")
+    _check(m.n_group == 1 or E // m.n_group >= 2, "model.n_group", m.n_group,
+           f"leaves one expert per group (a group's score is its top-2 sum); use <= {E // 2} groups or 1")
+    _check(m.topk_group <= m.n_group, "model.topk_group", m.topk_group, f"must be <= model.n_group={m.n_group}")
+    _check(m.num_experts_per_tok <= m.topk_group * (E // m.n_group), "model.num_experts_per_tok",
+           m.num_experts_per_tok, f"must be <= the experts of model.topk_group={m.topk_group} groups "
+           f"({m.topk_group * (E // m.n_group)})")
+    _check(m.first_k_dense_replace < m.n_layers, "model.first_k_dense_replace", m.first_k_dense_replace,
+           f"must be < model.n_layers={m.n_layers} (else use model.mlp_kind=dense)")
+    _check(not m.scan_layers or m.first_k_dense_replace == 0, "model.first_k_dense_replace",
+           m.first_k_dense_replace, "must be 0 with model.scan_layers=true (a scanned trunk stacks one block kind)")
+    _check(E % cfg.mesh.expert == 0, "mesh.expert", cfg.mesh.expert, f"must divide model.n_routed_experts={E}")
 
 
 def _check_mixture(d: DataConfig) -> None:

@@ -76,6 +76,9 @@ def format_plan(plan: dict, cfg: Config) -> str:
     for k, n in enumerate(p["mtp"], 1):
         lines.append(f"  mtp module {k:<17d} {n:>14,d}  ({n / trunk:.4f} of trunk)")
     lines.append(f"  total                        {p['total']:>14,d}")
+    if p["active"] != p["total"]:
+        lines.append(f"  active per token             {p['active']:>14,d}  (the routed experts a token does not reach "
+                     f"left out)")
     pb, ob = plan["param_bytes"], plan["optimizer_bytes"]
     lines += [f"memory ({plan['param_dtype']} params, AdamW state):",
               f"  parameters  {pb:>16,d} B  ({pb / 2**30:.3f} GiB)",

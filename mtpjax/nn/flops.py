@@ -7,6 +7,8 @@ Conventions, chosen once and used everywhere:
 - The embedding lookup is a gather: 0 FLOPs. Norms, RoPE, softmax and SwiGLU's elementwise product
   are not matmuls and are not counted.
 - The shared head runs once per prediction depth (M = J + 1 times per token), tied or not.
+- A mixture of experts counts what a token computes (active): the router, its k routed experts and the shared
+  experts; the experts it does not reach are parameters (param_counts' total), not FLOPs.
 - Training = 3 × forward (backward ≈ 2 × forward); rematerialization's recompute is not counted, so
   MFU stays comparable across remat settings.
 """
@@ -18,11 +20,14 @@ from dataclasses import dataclass
 from mtpjax.config import ModelConfig
 
 
-def _block_flops(m: ModelConfig, seq_len: int) -> dict[str, float]:
-    """Forward FLOPs per token of one transformer block, split into weight matmuls and attention."""
+def _block_flops(m: ModelConfig, seq_len: int, moe: bool = False) -> dict[str, float]:
+    """Forward FLOPs per token of one transformer block (`moe`: its MLP a mixture of experts), split into weight
+    matmuls and attention."""
     d, h, kv, hd, f = m.d_model, m.n_heads, m.n_kv_heads, m.resolved_head_dim, m.resolved_d_ff
     proj = 2 * d * (h * hd) + 2 * 2 * d * (kv * hd) + 2 * (h * hd) * d  # wq, wk, wv, wo
     mlp = 3 * 2 * d * f  # gate, up, down
+    if moe:  # router, then k routed and every shared expert (gate, up, down each)
+        mlp = 2 * d * m.n_routed_experts + 3 * 2 * d * m.moe_d_ff * (m.num_experts_per_tok + m.n_shared_experts)
     attn = 2 * (2 * seq_len * hd * h)  # scores and values over all T keys, every query head
     if m.attention_kind == "mla":  # the expanded form training runs: q (through its latent), kv_a, kv_b, wo
         ql, c, qk, v = m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
@@ -43,9 +48,12 @@ def cache_numbers_per_token(m: ModelConfig) -> int:
 def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> dict:
     """Forward FLOPs per token: trunk, each MTP module, each head application, and totals (train = 3× fwd)."""
     m, J = model_cfg, model_cfg.mtp_depth
-    blk = _block_flops(m, seq_len)
+    moe = m.mlp_kind == "moe"
+    blk, dense = _block_flops(m, seq_len, moe), _block_flops(m, seq_len)
     eh_proj = 2 * (2 * m.d_model) * m.d_model if m.mtp_kind == "sequential" else 0
-    trunk = m.n_layers * blk["total"]
+    n_dense = m.first_k_dense_replace if moe else m.n_layers  # the rest are blk (MoE)
+    trunk = n_dense * dense["total"] + (m.n_layers - n_dense) * blk["total"]
+    trunk_matmul = n_dense * dense["matmul"] + (m.n_layers - n_dense) * blk["matmul"]
     module = eh_proj + blk["total"]
     head = 2.0 * m.d_model * m.vocab_size
     forward = trunk + head + J * (module + head)
@@ -54,7 +62,7 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> dict:
         "block_matmul": blk["matmul"],
         "block_attention": blk["attention"],
         "trunk": trunk,
-        "trunk_matmul": m.n_layers * blk["matmul"],  # 2 x the weights a row reads (the head apart)
+        "trunk_matmul": trunk_matmul,  # 2 x the weights a row reads (the head apart)
         "mtp_module": float(module),
         "mtp_module_matmul": float(eh_proj + blk["matmul"]),
         "mtp": [float(module)] * J,

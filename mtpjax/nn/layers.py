@@ -321,8 +321,8 @@ ATTENTIONS: dict[str, type[nnx.Module]] = {"gqa": Attention}
 class MLP(nnx.Module):
     """SwiGLU feed-forward."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        d, f = cfg.d_model, cfg.resolved_d_ff
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None):
+        d, f = cfg.d_model, cfg.resolved_d_ff if d_ff is None else d_ff
         self.gate = Dense(d, f, ("embed", "mlp"), cfg, rngs)
         self.up = Dense(d, f, ("embed", "mlp"), cfg, rngs)
         self.down = Dense(f, d, ("mlp", "embed"), cfg, rngs, std=cfg.init_std / math.sqrt(2 * max(1, cfg.n_layers)))
@@ -332,15 +332,20 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP a SwiGLU or (`moe`) a mixture
+    of experts, whose routing info (expert loads, balance statistic) is returned beside the hidden state."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mlp: nnx.Module | None = None):
+        """`mlp`: the feed-forward (model.py passes a mixture of experts); None builds the SwiGLU."""
         self.attn_norm = RMSNorm(cfg.d_model, cfg, rngs)
         self.attn = ATTENTIONS[cfg.attention_kind](cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg, rngs)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MLP(cfg, rngs) if mlp is None else mlp
 
     def __call__(self, x_BTD, pos_BT, seg_BT=None, cache: KV | None = None):
+        """(x, updated cache, routing info: {} for a dense MLP)."""
         a, new_cache = self.attn(self.attn_norm(x_BTD), pos_BT, seg_BT, cache)
         x_BTD = x_BTD + a
-        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), new_cache
+        y = self.mlp(self.mlp_norm(x_BTD))
+        y, aux = y if isinstance(y, tuple) else (y, {})
+        return x_BTD + y, new_cache, aux

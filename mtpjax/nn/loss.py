@@ -171,12 +171,13 @@ def _names(depth: int, apps: int) -> list[str]:
 
 
 def mtp_loss(model: MTPTransformer, out: MTPOutput, tokens_BT, segment_ids_BT=None, *, step,
-             cfg: LossConfig = LossConfig(), counts=None, with_accept_prob: bool = False):
+             cfg: LossConfig = LossConfig(), counts=None, with_accept_prob: bool = False, rows=None):
     """(loss, metrics) of docs/design.md §2 with λ per application at `step` (loss.mtp_lambda, mtp_lambda_depths),
     depth targets from cfg.mtp_target and the unrolled applications of `out` (from forward(..., cfg)) scored too.
 
     `counts` (float[1 + D + U]) overrides the per-depth normalizers, so that micro-batches of one batch can be
-    normalized by the whole batch's token counts and sum to the full-batch loss exactly. `accept_prob/mtp_k`
+    normalized by the whole batch's token counts and sum to the full-batch loss exactly (`rows`, the whole batch's
+    rows, does the same for the MoE balance loss). `accept_prob/mtp_k`
     needs the main head on shifted states; it is computed when a self or tv target needs them or when asked.
     """
     depth = out.hidden.shape[0] - 1
@@ -217,6 +218,10 @@ def mtp_loss(model: MTPTransformer, out: MTPOutput, tokens_BT, segment_ids_BT=No
     else:
         loss = losses[0] + (lams * losses[1:]).sum() / apps if apps else losses[0]
     metrics = {"loss/total": loss, "loss/main": losses[0], "accuracy/main": accs[0], "lambda": lam}
+    if out.routing and cfg.moe_seq_aux_loss > 0:
+        balance = balance_loss(out.routing, tokens_BT.shape[0] if rows is None else rows)
+        metrics["loss/total"] = loss = loss + cfg.moe_seq_aux_loss * balance
+        metrics["loss/moe_balance"] = balance
     if teach:
         accepts = depth_mean(teacher_terms[1], valid[1:])
     for a, name in enumerate(_names(depth, apps), start=1):
@@ -229,6 +234,11 @@ def mtp_loss(model: MTPTransformer, out: MTPOutput, tokens_BT, segment_ids_BT=No
         if teach:
             metrics[f"accept_prob/{name}"] = accepts[a - 1]
     return loss, add_expected_lengths(metrics, depth)
+
+
+def balance_loss(routing: dict, rows) -> jax.Array:
+    """DeepSeek-V3's sequence-wise balance loss (unweighted): summed over the MoE layers, averaged over the rows."""
+    return sum(aux["balance"].sum() for aux in routing.values()) / rows
 
 
 def token_counts(tokens_BT, segment_ids_BT, depth: int, cfg: LossConfig | None = None):

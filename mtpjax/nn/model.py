@@ -14,12 +14,16 @@ from flax import nnx, struct
 from mtpjax.config import Config, ModelConfig
 from mtpjax.nn import mla  # noqa: F401  (registers model.attention_kind=mla in layers.ATTENTIONS)
 from mtpjax.nn.layers import KV, Block, Dense, RMSNorm, dtype_of, param
+from mtpjax.nn.moe import MoE
 
 
 @struct.dataclass
 class MTPOutput:
     hidden: jax.Array  # hidden_MBTD: index 0 the trunk, k the MTP depth k, each normed for the head
     unrolled: jax.Array | None = None  # unrolled_UBTD: a module's reuses on its own output (MTPTransformer.unroll)
+    # model.mlp_kind=moe: per MoE layer (moe_layers' names) {"load": int[E] token-slots per expert (int[L, E] for a
+    # scanned trunk), "balance": the sequence-wise balance statistic summed over rows}; {} for a dense model
+    routing: dict = struct.field(default_factory=dict)
 
 
 _REMAT = {
@@ -29,7 +33,7 @@ _REMAT = {
 
 
 def _run_block(block: Block, x, pos, seg, kv, remat: str):
-    """Apply one block functionally, rematerialized if configured."""
+    """Apply one block functionally, rematerialized if configured: (x, cache, routing info)."""
     gdef, st = nnx.split(block)
 
     def f(st, x, kv):
@@ -50,7 +54,7 @@ class MTPModule(nnx.Module):
             self.enorm = RMSNorm(d, cfg, rngs)
             self.hnorm = RMSNorm(d, cfg, rngs)
             self.eh_proj = Dense(2 * d, d, (None, "embed"), cfg, rngs)
-        self.block = Block(cfg, rngs)
+        self.block = make_block(cfg, rngs, cfg.mlp_kind == "moe")  # DeepSeek-V3's module block is of the trunk's kind
         self.norm = RMSNorm(d, cfg, rngs)
 
     def __call__(self, h_prev_BTD, emb_next_BTD, pos_BT, seg_BT, kv, remat: str):
@@ -72,11 +76,11 @@ class MTPTransformer(nnx.Module):
             @nnx.split_rngs(splits=L)
             @nnx.vmap(in_axes=(0,), out_axes=0)
             def make(r):
-                return Block(cfg, r)
+                return make_block(cfg, r, cfg.mlp_kind == "moe")  # validated: no dense-first blocks when scanned
 
             self.blocks = make(rngs)
         else:
-            self.blocks = nnx.List([Block(cfg, rngs) for _ in range(L)])
+            self.blocks = nnx.List([make_block(cfg, rngs, is_moe_layer(cfg, i)) for i in range(L)])
         self.final_norm = RMSNorm(d, cfg, rngs)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (d, V), cfg.init_std, ("embed", "vocab"), pdt)
@@ -102,6 +106,10 @@ class MTPTransformer(nnx.Module):
 
     def trunk(self, tokens_BT, pos_BT=None, seg_BT=None, cache=None):
         """Trunk forward; raw hidden states [B,T,D] and the updated cache (per-layer tuple, or stacked if scanned)."""
+        return self.trunk_routed(tokens_BT, pos_BT, seg_BT, cache)[:2]
+
+    def trunk_routed(self, tokens_BT, pos_BT=None, seg_BT=None, cache=None):
+        """trunk's (hidden, cache) and the MoE layers' routing info (MTPOutput.routing's trunk entries)."""
         pos_BT = _positions(tokens_BT) if pos_BT is None else pos_BT
         x = self.embed_tokens(tokens_BT)
         remat = self.cfg.remat
@@ -110,15 +118,18 @@ class MTPTransformer(nnx.Module):
 
             def body(x, xs):
                 st_l, kv_l = xs
-                return _run_block(nnx.merge(gdef, st_l), x, pos_BT, seg_BT, kv_l, remat)
+                x, kv, aux = _run_block(nnx.merge(gdef, st_l), x, pos_BT, seg_BT, kv_l, remat)
+                return x, (kv, aux)
 
-            x, new = jax.lax.scan(body, x, (st, cache))
-            return x, new
-        news = []
+            x, (new, aux) = jax.lax.scan(body, x, (st, cache))
+            return x, new, {"blocks": aux} if aux else {}
+        news, routing = [], {}
         for i, blk in enumerate(self.blocks):
-            x, nkv = _run_block(blk, x, pos_BT, seg_BT, None if cache is None else cache[i], remat)
+            x, nkv, aux = _run_block(blk, x, pos_BT, seg_BT, None if cache is None else cache[i], remat)
             news.append(nkv)
-        return x, None if cache is None else tuple(news)
+            if aux:
+                routing[f"blocks.{i}"] = aux
+        return x, None if cache is None else tuple(news), routing
 
     def mtp_input(self, h_prev, h0):
         """What MTP module k reads: the raw h_{k-1} (sequential: the chain) or the trunk's h0 (parallel heads)."""
@@ -126,6 +137,10 @@ class MTPTransformer(nnx.Module):
 
     def mtp_forward(self, k: int, h_prev_BTD, next_tokens_BT, pos_BT=None, seg_BT=None, cache: KV | None = None):
         """MTP depth k (1-based): raw h_{k-1}[i] and token x[i+k] -> raw h_k[i], updated cache."""
+        return self.mtp_routed(k, h_prev_BTD, next_tokens_BT, pos_BT, seg_BT, cache)[:2]
+
+    def mtp_routed(self, k: int, h_prev_BTD, next_tokens_BT, pos_BT=None, seg_BT=None, cache: KV | None = None):
+        """mtp_forward's (hidden, cache) and its block's routing info ({} when dense)."""
         pos_BT = _positions(next_tokens_BT) if pos_BT is None else pos_BT
         mod = self.mtp[k - 1]
         emb = self.embed_tokens(next_tokens_BT) if mod.sequential else None
@@ -136,20 +151,22 @@ class MTPTransformer(nnx.Module):
     def __call__(self, tokens_BT, segment_ids_BT=None, unroll: int = 0, unroll_module: int = 1) -> MTPOutput:
         """All depths over a batch; hidden[k] at position i is ready to predict x[i+k+1]. With `unroll` > 0, also
         module `unroll_module`'s reuses (unrolled[u-1] predicts x[i+unroll_module+u+1])."""
-        h, _ = self.trunk(tokens_BT, seg_BT=segment_ids_BT)
+        h, _, routing = self.trunk_routed(tokens_BT, seg_BT=segment_ids_BT)
         hidden, raw = [self.final_norm(h)], [h]
         h0 = h
         for k in range(1, self.cfg.mtp_depth + 1):
             # Positions past the end read token 0; their targets are masked in the loss and causal
             # attention keeps them from touching earlier positions.
             nxt = shift_left(tokens_BT, k)
-            h, _ = self.mtp_forward(k, self.mtp_input(h, h0), nxt, seg_BT=segment_ids_BT)
+            h, _, aux = self.mtp_routed(k, self.mtp_input(h, h0), nxt, seg_BT=segment_ids_BT)
             hidden.append(self.mtp[k - 1].norm(h))
+            if aux:
+                routing[f"mtp.{k - 1}"] = aux
             raw.append(h)
         unrolled = None
-        if unroll:
+        if unroll:  # the unrolled applications' routing is not collected: their loads do not move the biases
             unrolled = self.unroll(unroll_module, raw[unroll_module], tokens_BT, unroll, segment_ids_BT)
-        return MTPOutput(hidden=jnp.stack(hidden), unrolled=unrolled)
+        return MTPOutput(hidden=jnp.stack(hidden), unrolled=unrolled, routing=routing)
 
     def unroll(self, k: int, h_raw_BTD, tokens_BT, n: int, seg_BT=None):
         """Module k applied n more times after its own depth, each on its previous raw output and the true next
@@ -161,6 +178,31 @@ class MTPTransformer(nnx.Module):
             out.append(self.mtp[k - 1].norm(h_raw_BTD))
         unrolled_UBTD = jnp.stack(out)
         return unrolled_UBTD
+
+
+def make_block(cfg: ModelConfig, rngs: nnx.Rngs, moe: bool) -> Block:
+    """A transformer block whose MLP is a mixture of experts when `moe`, else the SwiGLU."""
+    if not moe:
+        return Block(cfg, rngs)
+    return Block(cfg, rngs, mlp=MoE(cfg, rngs))
+
+
+def is_moe_layer(cfg: ModelConfig, i: int) -> bool:
+    """Whether trunk block i is a mixture of experts (model.mlp_kind=moe past the first_k_dense_replace)."""
+    return cfg.mlp_kind == "moe" and i >= cfg.first_k_dense_replace
+
+
+def moe_layers(model: MTPTransformer) -> dict:
+    """The MoE modules by MTPOutput.routing's names: `blocks.i` (`blocks`, stacked, when scanned) and `mtp.k`."""
+    out = {}
+    if model.cfg.mlp_kind != "moe":
+        return out
+    if model.cfg.scan_layers:
+        out["blocks"] = model.blocks.mlp
+    else:
+        out.update({f"blocks.{i}": b.mlp for i, b in enumerate(model.blocks) if is_moe_layer(model.cfg, i)})
+    out.update({f"mtp.{k}": m.block.mlp for k, m in enumerate(model.mtp)})
+    return out
 
 
 def shift_left(x_BT, k: int, fill=0):
@@ -214,11 +256,15 @@ def init_mtp_from_last_block(model: MTPTransformer) -> None:
 
 
 def param_counts(model: MTPTransformer) -> dict[str, int]:
-    """Parameter counts: total, shared embedding/head, trunk blocks+norm, and each MTP module."""
+    """Parameter counts: total, active (per token), shared embedding/head, trunk blocks+norm, and each MTP module."""
     def count(node) -> int:
         return sum(int(x.size) for x in jax.tree.leaves(nnx.state(node, nnx.Param)))
 
     shared = int(model.embed.size) + (0 if model.cfg.tie_embeddings else int(model.head.size))
     mtp = [count(m) for m in model.mtp]
     total = count(model)
-    return {"total": total, "shared_embed_head": shared, "trunk": total - shared - sum(mtp), "mtp": mtp}
+    # active: what one token reads, the routed experts it does not reach left out (model.mlp_kind=moe)
+    unused = sum((int(m.w_gate.size) + int(m.w_up.size) + int(m.w_down.size)) // m.w_gate.shape[-3]
+                 * (m.w_gate.shape[-3] - m.k) for m in moe_layers(model).values())
+    return {"total": total, "active": total - unused, "shared_embed_head": shared, "trunk": total - shared - sum(mtp),
+            "mtp": mtp}

@@ -9,7 +9,7 @@ ALPHABET = {
     "B": "batch rows",
     "C": "positions per loss chunk",
     "D": "model width (d_model)",
-    "E": "routed experts (reserved)",
+    "E": "routed experts",
     "F": "MLP width (d_ff)",
     "G": "drafts per round (gamma)",
     "H": "head dimension",
@@ -28,7 +28,7 @@ ALPHABET = {
     "U": "unrolled applications of one MTP module (loss.mtp_unroll)",
     "V": "vocabulary",
     "W": "rows an MTP module recomputes per round",
-    "X": "experts chosen per token (top-k) (reserved)",
+    "X": "experts chosen per token (top-k)",
     "Y": "tokens verified per round (G + 1)",
     "Z": "latent (compressed key/value) rank",
 }

@@ -12,8 +12,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mtpjax.config import MeshConfig
 from mtpjax.errors import MtpjaxError
 
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+AXES = ("data", "fsdp", "expert", "tensor")
+# The expert axis splits the batch too: outside the MoE layers its devices are data-parallel (DeepSeek-V3's EP).
+BATCH_AXES = ("data", "fsdp", "expert")
 
 # One table maps every logical axis name onto a mesh axis (None: replicated).
 LOGICAL_RULES: dict[str | None, str | None] = {
@@ -22,6 +23,7 @@ LOGICAL_RULES: dict[str | None, str | None] = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
+    "expert": "expert",  # routed experts' weights [E, ...]
     "layers": None,
     "head_dim": None,
     "latent": None,  # MLA's query/key-value latents: small, replicated; their heads-side projections split heads
@@ -34,15 +36,17 @@ class MeshError(MtpjaxError, ValueError):
 
 
 def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Mesh ('data','fsdp','tensor') from cfg.mesh over `devices` (default: all); raises MeshError."""
+    """Mesh ('data','fsdp','expert','tensor') from cfg.mesh over `devices` (default: all); raises MeshError."""
     devices = list(jax.devices() if devices is None else devices)
-    shape = (mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
+    shape = (mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.expert, mesh_cfg.tensor)
     n = int(np.prod(shape))
     if n != len(devices):
+        names = [a for a, k in zip(AXES, shape) if a != "expert" or k > 1]  # expert named only when used
         raise MeshError(
-            f"mesh data*fsdp*tensor = {shape[0]}*{shape[1]}*{shape[2]} = {n} but {len(devices)} device(s) "
-            f"are available; set mesh.data/mesh.fsdp/mesh.tensor so their product is {len(devices)}")
-    return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices)
+            f"mesh {'*'.join(names)} = {'*'.join(str(getattr(mesh_cfg, a)) for a in names)} = {n} but "
+            f"{len(devices)} device(s) are available; set {'/'.join('mesh.' + a for a in names)} so their product "
+            f"is {len(devices)}")
+    return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4, devices=devices)
 
 
 def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
@@ -82,7 +86,7 @@ def state_shardings(state, mesh: Mesh):
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Batch arrays [B, ...]: the batch axis over ('data','fsdp'), the rest replicated."""
+    """Batch arrays [B, ...]: the batch axis over ('data','fsdp','expert'), the rest replicated."""
     return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 
 
@@ -92,5 +96,5 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def data_parallelism(mesh: Mesh) -> int:
-    """Number of batch shards: mesh.data * mesh.fsdp."""
-    return mesh.shape["data"] * mesh.shape["fsdp"]
+    """Number of batch shards: mesh.data * mesh.fsdp * mesh.expert."""
+    return mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]

@@ -20,7 +20,8 @@ from jax.sharding import Mesh
 from mtpjax.config import Config, LossConfig
 from mtpjax.eval.validation import batch_metrics
 from mtpjax.nn.loss import add_expected_lengths, forward, mtp_loss, token_counts
-from mtpjax.nn.model import build_model
+from mtpjax.nn.model import MTPTransformer, build_model, moe_layers
+from mtpjax.nn.moe import load_metrics, next_bias
 from mtpjax.train.optim import decay_mask, global_norm, lr_schedule, make_tx, trainable, with_lr
 from mtpjax.parallel.sharding import batch_sharding, replicated, state_shardings
 
@@ -65,8 +66,10 @@ def loss_and_grads(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step,
 
     def loss_fn(train, tok_BT, seg_BT):
         model = nnx.merge(graphdef, train, frozen)
-        return mtp_loss(model, forward(model, tok_BT, seg_BT, loss_cfg), tok_BT, seg_BT, step=step, cfg=loss_cfg,
-                        counts=counts)
+        out = forward(model, tok_BT, seg_BT, loss_cfg)
+        loss, met = mtp_loss(model, out, tok_BT, seg_BT, step=step, cfg=loss_cfg, counts=counts, rows=B)
+        # Expert loads ride with the metrics, which the micro-batch scan sums: the whole batch's loads.
+        return loss, {**met, **{f"{LOAD}{k}": aux["load"] for k, aux in out.routing.items()}}
 
     def body(acc, xs):
         if batch_sharding is not None:
@@ -80,9 +83,32 @@ def loss_and_grads(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step,
     return grads, _sum_micro_metrics(mets, depth)
 
 
+LOAD = "expert_load/"  # metrics keys of the per-layer expert loads loss_and_grads returns
+
+
+def balance_experts(model: MTPTransformer, loads: dict, speed, frozen_trunk: bool) -> dict:
+    """Move the MoE layers' routing biases in place from their loads (a frozen trunk's stay); their metrics.
+
+    Inside the jitted step the batch is the global one (every process's rows, every micro-batch summed), so these
+    loads are already global: no collective is written here, the compiler inserts it.
+    """
+    metrics, layers = {}, moe_layers(model)
+    for name, load in loads.items():
+        bias = layers[name].bias
+        if not (frozen_trunk and name.startswith("blocks")):
+            bias[...] = next_bias(bias[...], load, speed)
+        metrics |= load_metrics(name, load, bias[...])
+    if metrics:
+        metrics["moe/load_max_over_mean"] = jnp.max(jnp.stack([v for k, v in metrics.items()
+                                                               if k.endswith("load_max_over_mean")]))
+    return metrics
+
+
 def train_step(state: TrainState, tokens_BT, seg_BT, *, graphdef, tx: optax.GradientTransformation,
-               lr: optax.Schedule, loss_cfg: LossConfig, micro_batches: int, batch_sharding=None, what=nnx.Param):
-    """(next state, metrics) of one batch; a non-finite loss or gradient skips the update, not the counter."""
+               lr: optax.Schedule, loss_cfg: LossConfig, micro_batches: int, batch_sharding=None, what=nnx.Param,
+               bias_update_speed: float = 0.0, frozen_trunk: bool = False):
+    """(next state, metrics) of one batch; a non-finite loss or gradient skips the update (the expert biases' too),
+    not the counter."""
     # Frozen parameters are closed over, not differentiated: a frozen trunk's forward builds no backward.
     train, frozen = split_trainable(state.params, what)
     grads, metrics = loss_and_grads(train, frozen, tokens_BT, seg_BT, state.step, graphdef=graphdef,
@@ -98,7 +124,13 @@ def train_step(state: TrainState, tokens_BT, seg_BT, *, graphdef, tx: optax.Grad
     # The skip happens inside the program, so XLA updates parameters and moments in place either way
     # (a select between new and old state would need both alive); the host decides to stop or go on.
     train, opt = jax.lax.cond(ok, update, lambda train, opt: (train, opt), train, state.opt)
-    new = state.replace(params=nnx.merge_state(train, frozen), opt=opt, step=state.step + 1)
+    params = nnx.merge_state(train, frozen)
+    loads = {k.removeprefix(LOAD): metrics.pop(k) for k in list(metrics) if k.startswith(LOAD)}
+    if loads:
+        model = nnx.merge(graphdef, params)
+        metrics |= balance_experts(model, loads, jnp.where(ok, bias_update_speed, 0.0), frozen_trunk)
+        params = nnx.state(model)
+    new = state.replace(params=params, opt=opt, step=state.step + 1)
     return new, {**metrics, "lr": lr_now, "grad_norm": gnorm, "skipped": (~ok).astype(jnp.int32)}
 
 
@@ -135,7 +167,8 @@ def make_programs(cfg: Config, mesh: Mesh) -> Programs:
                           shardings)
     bsh, rep = batch_sharding(mesh), replicated(mesh)
     step = functools.partial(train_step, graphdef=graphdef, tx=tx, lr=lr_schedule(cfg.optim, cfg.train.steps),
-                             loss_cfg=cfg.loss, micro_batches=cfg.train.micro_batches, batch_sharding=bsh, what=what)
+                             loss_cfg=cfg.loss, micro_batches=cfg.train.micro_batches, batch_sharding=bsh, what=what,
+                             bias_update_speed=cfg.train.bias_update_speed, frozen_trunk=cfg.train.freeze == "trunk")
     evaluate = functools.partial(eval_step, graphdef=graphdef, loss_cfg=cfg.loss)
     return Programs(
         graphdef=graphdef, tx=tx, shardings=shardings, target=target, batch_sharding=bsh,

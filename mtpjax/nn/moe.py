@@ -1,0 +1,145 @@
+"""DeepSeek-V3's mixture of experts: sigmoid routing with a selection-only bias, group-limited top-k, shared experts.
+
+Dropless: every token reaches its k experts, and a token's output depends on no other token (decoding and
+speculation see the same function as training). Token-slots are sorted by expert and multiplied group by group:
+`jax.lax.ragged_dot` on GPU/TPU; on CPU (where jax 0.10.2's ragged_dot computes every expert for every row) the
+sorted rows are cut into blocks of one expert each and multiplied by that expert's gathered weights
+(docs/benchmarks.md has the measurement).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtpjax.config import ModelConfig
+from mtpjax.nn.layers import MLP, dtype_of, param
+
+
+class ExpertBias(nnx.Variable):
+    """The per-expert routing bias: used for selection only, moved by the train step from the expert loads,
+    never by the optimizer (it is not an nnx.Param, so no optimizer filter sees it)."""
+
+
+def route(logits_IE, bias_E, *, k: int, n_group: int, topk_group: int, scale: float):
+    """(chosen experts int[I, X], their weights float32[I, X], scores float32[I, E]) of DeepSeek-V3's router.
+
+    Scores are sigmoids; the bias is added for the choice only; a token chooses among its `topk_group` best groups
+    (a group's score: the sum of its top-2 biased scores); the weights are the chosen unbiased scores normalized over
+    the k, times `scale`.
+    """
+    s_IE = jax.nn.sigmoid(logits_IE.astype(jnp.float32))
+    b_IE = s_IE + bias_E.astype(jnp.float32)[None, :]
+    if n_group > 1:
+        rows, E = b_IE.shape
+        grouped = b_IE.reshape(rows, n_group, E // n_group)
+        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [rows, groups]
+        keep = jnp.zeros_like(group_score, bool)
+        keep = keep.at[jnp.arange(rows)[:, None], jax.lax.top_k(group_score, topk_group)[1]].set(True)
+        b_IE = jnp.where(jnp.repeat(keep, E // n_group, axis=1), b_IE, -jnp.inf)
+    idx_IX = jax.lax.top_k(jax.lax.stop_gradient(b_IE), k)[1]
+    w_IX = jnp.take_along_axis(s_IE, idx_IX, axis=1)
+    w_IX = w_IX / (w_IX.sum(-1, keepdims=True) + 1e-20) * scale
+    return idx_IX, w_IX, s_IE
+
+
+def block_rows(n_slots: int, n_experts: int) -> int:
+    """Rows per block of the CPU grouping: padding at most a quarter of the slots, 1 (no padding) for few rows."""
+    b = n_slots // (4 * n_experts)
+    return 1 if b < 8 else 1 << (b.bit_length() - 1)
+
+
+def grouped_swiglu(x_ND, e_N, counts_E, w_gate_EDF, w_up_EDF, w_down_EFD, grouping: str):
+    """SwiGLU of each row by its expert: rows sorted by expert (e_N ascending), counts_E rows per expert."""
+    if grouping == "ragged":
+        gs = counts_E.astype(jnp.int32)
+        h_NF = jax.nn.silu(jax.lax.ragged_dot(x_ND, w_gate_EDF, gs)) * jax.lax.ragged_dot(x_ND, w_up_EDF, gs)
+        return jax.lax.ragged_dot(h_NF.astype(x_ND.dtype), w_down_EFD, gs)
+    N, D = x_ND.shape
+    E = w_gate_EDF.shape[0]
+    b = block_rows(N, E)
+    if b == 1:  # one block per row: each row reads exactly its expert's weights (decode's shape)
+        pos_N, blocks, block_e = jnp.arange(N), N, e_N
+    else:
+        # Each expert's rows start a fresh block: sum_e ceil(n_e / b) <= N // b + E blocks.
+        blocks = N // b + E
+        nb_E = (counts_E + b - 1) // b
+        start_E = jnp.cumsum(nb_E) - nb_E  # first block of each expert
+        first_E = jnp.cumsum(counts_E) - counts_E  # first sorted row of each expert
+        pos_N = start_E[e_N] * b + jnp.arange(N) - first_E[e_N]
+        block_e = jnp.minimum(jnp.searchsorted(jnp.cumsum(nb_E), jnp.arange(blocks), side="right"), E - 1)
+    xp = jnp.zeros((blocks * b, D), x_ND.dtype).at[pos_N].set(x_ND).reshape(blocks, b, D)  # padding rows: zeros
+    gate = jnp.einsum("nbd,ndf->nbf", xp, w_gate_EDF[block_e])
+    up = jnp.einsum("nbd,ndf->nbf", xp, w_up_EDF[block_e])
+    y = jnp.einsum("nbf,nfd->nbd", (jax.nn.silu(gate) * up).astype(x_ND.dtype), w_down_EFD[block_e])
+    return y.reshape(blocks * b, D)[pos_N]
+
+
+def default_grouping() -> str:
+    """ragged_dot where it is a grouped matmul (GPU, TPU), expert blocks on CPU."""
+    return "ragged" if jax.default_backend() in ("gpu", "tpu") else "blocks"
+
+
+class MoE(nnx.Module):
+    """Routed and always-on shared SwiGLU experts: (y, {"load": int[E] slots per expert, "balance": float[]})."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f, E = cfg.d_model, cfg.moe_d_ff, cfg.n_routed_experts
+        pdt = dtype_of(cfg.param_dtype)
+        out_std = cfg.init_std / math.sqrt(2 * max(1, cfg.n_layers))
+        self.k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.scale, self.dtype = cfg.routed_scaling_factor, dtype_of(cfg.dtype)
+        self.router = param(rngs, (d, E), cfg.init_std, ("embed", None), pdt)
+        self.bias = ExpertBias(jnp.zeros((E,), jnp.float32), logical_axes=(None,))
+        self.w_gate = param(rngs, (E, d, f), cfg.init_std, ("expert", "embed", "mlp"), pdt)
+        self.w_up = param(rngs, (E, d, f), cfg.init_std, ("expert", "embed", "mlp"), pdt)
+        self.w_down = param(rngs, (E, f, d), out_std, ("expert", "mlp", "embed"), pdt)
+        if cfg.n_shared_experts:
+            self.shared = MLP(cfg, rngs, d_ff=cfg.n_shared_experts * f)
+        self.grouping = default_grouping()  # how, not what: both are exact
+
+    def __call__(self, x_BTD):
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(B * T, D).astype(self.dtype)
+        logits_NE = jnp.dot(x_ND, self.router[...].astype(self.dtype), preferred_element_type=jnp.float32)
+        idx_NX, w_NX, s_NE = route(logits_NE, self.bias[...], k=self.k, n_group=self.n_group,
+                                   topk_group=self.topk_group, scale=self.scale)
+        E, k = s_NE.shape[1], self.k
+        e_S = idx_NX.reshape(-1)  # S = N·k token-slots, slot n*k + j
+        order = jnp.argsort(e_S, stable=True)
+        counts_E = jnp.bincount(e_S, length=E)
+        y_S = grouped_swiglu(x_ND[order // k], e_S[order], counts_E, *(w[...].astype(self.dtype) for w in
+                                                                         (self.w_gate, self.w_up, self.w_down)),
+                             self.grouping)
+        y_NXD = jnp.zeros_like(y_S).at[order].set(y_S).reshape(B * T, k, D)
+        y_ND = jnp.einsum("nxd,nx->nd", y_NXD.astype(jnp.float32), w_NX).astype(self.dtype)
+        if hasattr(self, "shared"):
+            y_ND = y_ND + self.shared(x_ND)
+        # Sequence-wise balance (DeepSeek-V3 eq. 17-20), summed over rows: f_i = E/(kT)·(row's slots on i),
+        # P_i = the row's mean of the scores normalized over all experts.
+        f_BE = jax.nn.one_hot(idx_NX, E, dtype=jnp.float32).sum(1).reshape(B, T, E).sum(1) * (E / (k * T))
+        p_BE = (s_NE / s_NE.sum(-1, keepdims=True)).reshape(B, T, E).mean(1)
+        aux = {"load": counts_E.astype(jnp.int32), "balance": (f_BE * p_BE).sum()}
+        return y_ND.reshape(B, T, D), aux
+
+
+def next_bias(bias_E, load_E, speed: float):
+    """The aux-loss-free balancing step: every expert's bias moves by `speed` toward the mean load (up when under it).
+
+    load may be stacked ([L, E], a scanned trunk); the mean is each layer's own.
+    """
+    load = load_E.astype(jnp.float32)
+    return bias_E + speed * jnp.sign(load.mean(-1, keepdims=True) - load)
+
+
+def load_metrics(name: str, load_E, bias_E) -> dict:
+    """Per-layer scalars: max/mean expert load and the bias range (a stacked [L, E] entry gives one per layer)."""
+    if load_E.ndim == 2:
+        return {k: v for i in range(load_E.shape[0]) for k, v in load_metrics(f"{name}.{i}", load_E[i],
+                                                                               bias_E[i]).items()}
+    load = load_E.astype(jnp.float32)
+    return {f"moe/{name}/load_max_over_mean": load.max() / jnp.maximum(load.mean(), 1e-9),
+            f"moe/{name}/bias_range": bias_E.max() - bias_E.min()}

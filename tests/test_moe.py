@@ -1,0 +1,277 @@
+"""The mixture of experts (issue 25): routing against a float64 numpy forward, aux-loss-free balancing in the train
+step, expert-parallel sharding, speculative decoding on an MoE trunk, and the settings refused."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_speculative import PROMPTS, _check_greedy_equal, _train
+from train_helpers import step_losses, synthetic_batches, tiny_cfg
+
+from mtpjax.config import ConfigError, ModelConfig, load_config, replace
+from mtpjax.eval.plan import build_plan, format_plan
+from mtpjax.nn.flops import flops_per_token
+from mtpjax.nn.model import build_model, moe_layers, param_counts
+from mtpjax.nn.moe import MoE
+from mtpjax.parallel.sharding import make_mesh
+from mtpjax.train.checkpoint import Checkpointer
+from mtpjax.train.step import make_programs
+
+MOE = ["model.mlp_kind=moe", "model.n_routed_experts=8", "model.num_experts_per_tok=2", "model.n_group=4",
+       "model.topk_group=2", "model.moe_d_ff=16", "model.n_shared_experts=1", "model.first_k_dense_replace=1",
+       "model.routed_scaling_factor=2.0"]
+
+
+# ----------------------------------------------------------------------------- the block's MLP against numpy
+
+def _swiglu(x, g, u, d):
+    a = x @ g
+    return (a / (1 + np.exp(-a)) * (x @ u)) @ d
+
+
+def reference_moe(x_ND, p, m: ModelConfig, *, normalize=True, bias_in_weights=False, group_limit=True):
+    """DeepSeek-V3's MoE MLP in float64, token by token; the flags break one rule each (the companions)."""
+    E, G, k = m.n_routed_experts, m.n_group, m.num_experts_per_tok
+    s_NE = 1 / (1 + np.exp(-(x_ND @ p["router"])))
+    b_NE = s_NE + p["bias"][None]
+    y, chosen = np.zeros_like(x_ND), []
+    for n in range(len(x_ND)):
+        allowed = np.ones(E, bool)
+        if group_limit and G > 1:
+            group_score = np.sort(b_NE[n].reshape(G, E // G), axis=1)[:, -2:].sum(1)
+            allowed = np.repeat(np.isin(np.arange(G), np.argsort(-group_score)[:m.topk_group]), E // G)
+        top = np.argsort(-np.where(allowed, b_NE[n], -np.inf))[:k]
+        w = (b_NE if bias_in_weights else s_NE)[n, top]
+        w = (w / w.sum() if normalize else w) * m.routed_scaling_factor
+        for e, we in zip(top, w):
+            y[n] += we * _swiglu(x_ND[n], p["w_gate"][e], p["w_up"][e], p["w_down"][e])
+        chosen.append(top)
+    y += _swiglu(x_ND, p["shared"]["gate"]["kernel"], p["shared"]["up"]["kernel"], p["shared"]["down"]["kernel"])
+    return y, np.asarray(chosen)
+
+
+@pytest.fixture(scope="module")
+def block():
+    """An MoE MLP with large weights and a bias that changes choices, its float64 parameters and 64 or 160 tokens."""
+    m = load_config(None, MOE + ["model.d_model=16", "model.init_std=0.5", "model.num_experts_per_tok=3"]).model
+    moe = MoE(m, nnx.Rngs(params=1))
+    moe.bias[...] = jnp.asarray(np.random.default_rng(2).normal(0, 0.3, 8), jnp.float32)
+    p = jax.tree.map(lambda v: np.asarray(v, np.float64), nnx.to_pure_dict(nnx.state(moe)))
+    rng = np.random.default_rng(3)
+    return m, moe, p, {n: rng.normal(size=(n, 16)) for n in (5, 160)}
+
+
+@pytest.mark.parametrize("tokens, grouping", [(160, "blocks"), (5, "blocks"), (160, "ragged")])
+def test_moe_matches_float64_numpy(block, tokens, grouping):
+    """Sigmoid scores, the bias for selection only, the group limit, top-k normalization, scaling, shared experts;
+    160 tokens take the CPU's expert blocks, 5 tokens its one-row blocks, `ragged` jax.lax.ragged_dot."""
+    m, moe, p, xs = block
+    moe.grouping = grouping
+    x = xs[tokens]
+    y, aux = moe(jnp.asarray(x, jnp.float32)[None])
+    ref, chosen = reference_moe(x, p, m)
+    np.testing.assert_allclose(np.asarray(y[0], np.float64), ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(aux["load"]), np.bincount(chosen.ravel(), minlength=8))
+
+
+@pytest.mark.parametrize("broken", ["normalize", "bias_in_weights", "group_limit"])
+def test_moe_reference_companions_fail(block, broken):
+    """Each rule matters on this input: the reference without it is far from ours."""
+    m, moe, p, xs = block
+    moe.grouping = "blocks"
+    y = np.asarray(moe(jnp.asarray(xs[160], jnp.float32)[None])[0][0], np.float64)
+    flags = {"normalize": True, "bias_in_weights": False, "group_limit": True}
+    flags[broken] = not flags[broken]
+    assert np.max(np.abs(y - reference_moe(xs[160], p, m, **flags)[0])) > 1e-2
+
+
+def test_sequence_balance_statistic(block):
+    """DeepSeek-V3's f_i·P_i summed over experts and rows: f from the chosen experts, P from normalized scores."""
+    m, moe, p, xs = block
+    x = xs[160].reshape(2, 80, 16)
+    _, aux = moe(jnp.asarray(x, jnp.float32))
+    s = 1 / (1 + np.exp(-(x @ p["router"])))
+    want = 0.0
+    for r in range(2):
+        _, chosen = reference_moe(x[r], p, m)
+        f = np.bincount(chosen.ravel(), minlength=8) * 8 / (3 * 80)
+        want += (f * (s[r] / s[r].sum(-1, keepdims=True)).mean(0)).sum()
+    np.testing.assert_allclose(float(aux["balance"]), want, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- balancing in the train step
+
+def _biases(state, graphdef) -> dict:
+    return {k: np.asarray(v.bias[...]) for k, v in moe_layers(nnx.merge(graphdef, state.params)).items()}
+
+
+def _loads(progs, state, tok, seg) -> dict:
+    out = nnx.merge(progs.graphdef, state.params)(jnp.asarray(tok), jnp.asarray(seg))
+    return {k: np.asarray(a["load"]) for k, a in out.routing.items()}
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    cfg = tiny_cfg(tmp_path_factory.mktemp("moe"), *MOE, "train.bias_update_speed=0.01")
+    return cfg, make_programs(cfg, make_mesh(cfg.mesh))
+
+
+def test_bias_moves_toward_underloaded_experts(moe_run):
+    cfg, progs = moe_run
+    state = progs.init()
+    tok, seg = synthetic_batches(1, 8, 32)[0]
+    loads = _loads(progs, state, tok, seg)
+    assert set(loads) == {"blocks.1", "mtp.0", "mtp.1"}  # block 0 dense (first_k_dense_replace=1)
+    state, met = progs.train_step(state, tok, seg)
+    for name, bias in _biases(state, progs.graphdef).items():
+        load = loads[name]
+        np.testing.assert_array_equal(bias, np.float32(0.01) * np.sign(load.mean() - load), err_msg=name)
+        assert (bias[load < load.mean()] > 0).all() and (bias[load > load.mean()] < 0).all()
+        assert float(met[f"moe/{name}/load_max_over_mean"]) == pytest.approx(load.max() / load.mean())
+        assert float(met[f"moe/{name}/bias_range"]) == pytest.approx(np.ptp(bias))
+    assert int(met["skipped"]) == 0 and "expert_load/blocks.1" not in met
+
+
+@pytest.mark.slow
+def test_micro_batches_balance_on_the_whole_batch(moe_run):
+    """train.micro_batches=2 moves the biases as one batch does: the loads are summed before the sign."""
+    cfg, progs = moe_run
+    tok, seg = synthetic_batches(1, 8, 32)[0]
+    one = _biases(progs.train_step(progs.init(), tok, seg)[0], progs.graphdef)
+    cfg2 = replace(cfg, ["train.micro_batches=2"])
+    progs2 = make_programs(cfg2, make_mesh(cfg2.mesh))
+    two = _biases(progs2.train_step(progs2.init(), tok, seg)[0], progs2.graphdef)
+    for k in one:
+        np.testing.assert_array_equal(one[k], two[k], err_msg=k)
+
+
+def test_skipped_step_does_not_move_the_bias(moe_run):
+    cfg, progs = moe_run
+    state = progs.init()
+    scale = state.params["final_norm"]["scale"]
+    scale[...] = jnp.full_like(scale[...], jnp.inf)
+    state, met = progs.train_step(state, *synthetic_batches(1, 8, 32)[0])
+    assert int(met["skipped"]) == 1
+    assert all((b == 0).all() for b in _biases(state, progs.graphdef).values())
+
+
+@pytest.mark.slow
+def test_frozen_trunk_keeps_its_biases_while_the_modules_move(moe_run):
+    cfg = replace(moe_run[0], ["train.init_from=unused", "train.freeze=trunk"])
+    progs = make_programs(cfg, make_mesh(cfg.mesh))
+    state, _ = progs.train_step(progs.init(), *synthetic_batches(1, 8, 32)[0])
+    biases = _biases(state, progs.graphdef)
+    assert (biases["blocks.1"] == 0).all()
+    assert all(np.abs(biases[k]).sum() > 0 for k in ("mtp.0", "mtp.1"))
+
+
+def test_bias_is_outside_the_optimizer(moe_run):
+    """The optimizer's moments cover no bias: it is an ExpertBias variable, not a parameter."""
+    state = moe_run[1].init()
+    paths = ["/".join(map(str, k)) for k, _ in nnx.to_flat_state(state.opt.inner_state[1][0].mu)]
+    assert paths and not any(p.endswith("mlp/bias") for p in paths)
+
+
+@pytest.mark.slow
+def test_resumed_biases_equal_a_straight_run(moe_run, tmp_path):
+    """Save after 2 steps, restore, 2 more: the biases equal 4 straight steps'."""
+    cfg, progs = moe_run
+    batches = synthetic_batches(4, 8, 32, seed=5)
+    straight, state = step_losses(cfg, batches)
+    state2 = progs.init()
+    for tok, seg in batches[:2]:
+        state2, _ = progs.train_step(state2, tok, seg)
+    ck = Checkpointer(tmp_path / "ck", cfg.checkpoint)
+    ck.save(2, state2, {}, {"config": cfg.to_dict()}, force=True)
+    ck.close()
+    restored, _, _ = Checkpointer(tmp_path / "ck", cfg.checkpoint).restore(2, progs.target)
+    for tok, seg in batches[2:]:
+        restored, _ = progs.train_step(restored, tok, seg)
+    a, b = _biases(state, progs.graphdef), _biases(restored, progs.graphdef)
+    assert any(np.abs(v).sum() > 0 for v in a.values())
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+
+@pytest.mark.slow
+def test_expert_sharded_equals_one_device(tmp_path):
+    overrides = MOE + ["model.vocab_size=256", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
+                       "model.n_kv_heads=2", "model.mtp_depth=1", "data.seq_len=32", "train.batch_size=8",
+                       "loss.moe_seq_aux_loss=0.01"]
+    (tmp_path / "in.json").write_text(json.dumps({"overrides": overrides}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "moe_worker.py"), str(tmp_path / "in.json"),
+                           str(tmp_path / "out.json")], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    for name, r in out.items():
+        assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5), name
+        assert r["grad_err"] < 1e-4, name
+        assert r["spec"].startswith("P('expert'"), (name, r["spec"])
+
+
+# ----------------------------------------------------------------------------- decoding
+
+def test_greedy_speculative_equals_plain_with_an_moe_trunk():
+    cfg = load_config(None, [f"model.{k}={v}" for k, v in dict(
+        vocab_size=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mtp_depth=2).items()]
+        + MOE + ["data.seq_len=32"])
+    model = build_model(cfg, seed=0)
+    _train(model, cfg, steps=4)
+    _check_greedy_equal(model, "mtp", (2,), (PROMPTS,))
+
+
+# ----------------------------------------------------------------------------- counts
+
+def test_total_and_active_parameters_and_flops():
+    """Active = total less the routed experts a token does not reach; trunk matmul FLOPs = 2 x the weights it reads."""
+    cfg = load_config(None, MOE + ["model.n_layers=3", "model.mtp_depth=1", "model.d_model=32", "model.vocab_size=64"])
+    m = cfg.model
+    model = nnx.eval_shape(lambda: build_model(cfg))
+    counts = param_counts(model)
+    expert = 3 * m.d_model * m.moe_d_ff  # gate, up, down
+    unreached = (m.n_routed_experts - m.num_experts_per_tok) * expert
+    assert counts["total"] - counts["active"] == (m.n_layers - 1 + m.mtp_depth) * unreached
+    weights = sum(x.size for x in jax.tree.leaves(nnx.state(model.blocks, nnx.Param)) if x.ndim >= 2)
+    assert flops_per_token(m, 32)["trunk_matmul"] == 2 * (weights - (m.n_layers - 1) * unreached)
+    text = format_plan(build_plan(cfg), cfg)
+    assert f"active per token             {counts['active']:>14,d}" in text
+
+
+# ----------------------------------------------------------------------------- settings refused
+
+@pytest.mark.parametrize("overrides, key", [
+    (["model.num_experts_per_tok=9"], "model.num_experts_per_tok"),
+    (["model.n_group=3"], "model.n_group"),
+    (["model.n_group=8", "model.topk_group=4"], "model.n_group"),
+    (["model.topk_group=5"], "model.topk_group"),
+    (["model.n_group=4", "model.topk_group=1", "model.num_experts_per_tok=3"], "model.num_experts_per_tok"),
+    (["model.first_k_dense_replace=2"], "model.first_k_dense_replace"),
+    (["model.scan_layers=true"], "model.first_k_dense_replace"),
+    (["mesh.expert=3"], "mesh.expert"),
+    (["model.mlp_kind=sparse"], "model.mlp_kind"),
+])
+def test_bad_moe_settings_are_one_line(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, MOE + ["model.n_layers=2"] + overrides)
+    assert f"config key '{key}'" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_moe_setting_exits_2_from_train(tmp_path, capsys):
+    from mtpjax.cli.train import main
+
+    cfg = Path(__file__).parent.parent / "configs" / "moe_tiny.yaml"
+    assert main(["--config", str(cfg), "model.num_experts_per_tok=9", f"train.run_dir={tmp_path / 'r'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model.num_experts_per_tok" in err
+    assert not (tmp_path / "r").exists()
