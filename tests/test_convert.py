@@ -161,7 +161,7 @@ def _module1_engine(model, tokens_BT, zero_first: bool):
     if zero_first:
         emb = emb.at[:, 0].set(0.0)
     pos = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1] - 1), emb.shape[:2])
-    h1, _ = model.mtp[0](h[:, :-1], emb, pos, None, None, "none")
+    h1 = model.mtp[0](h[:, :-1], emb, pos, None, None, "none")[0]  # (hidden, cache, routing)
     return model.logits(model.mtp[0].norm(h1))
 
 

@@ -102,7 +102,7 @@ def test_banner_and_summary(tiny_run, tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     head = err[err.index(next(ln for ln in err if ln.startswith("mtpjax train: "))):][:5]
     assert head[0].startswith("mtpjax train: 49,632 parameters (trunk 18,592, embedding/head 8,192, 2 MTP modules")
-    assert head[1] == "  devices: 1 x cpu on 1 process(es); mesh data=1 fsdp=1 tensor=1", head
+    assert head[1] == "  devices: 1 x cpu on 1 process(es); mesh data=1 fsdp=1 expert=1 tensor=1", head
     assert head[2] == f"  run dir: {run} (resuming from step 7)"
     assert re.fullmatch(r"  data: text \(1 file\), [\d,]+ train / [\d,]+ val tokens, byte tokenizer \(vocab 256\), "
                         r"content [0-9a-f]{12}", head[3]), head[3]
