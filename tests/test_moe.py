@@ -222,6 +222,7 @@ def test_expert_sharded_equals_one_device(tmp_path):
 
 # ----------------------------------------------------------------------------- decoding
 
+@pytest.mark.slow  # default tier under 10 minutes; CI runs it
 def test_greedy_speculative_equals_plain_with_an_moe_trunk():
     cfg = load_config(None, [f"model.{k}={v}" for k, v in dict(
         vocab_size=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mtp_depth=2).items()]

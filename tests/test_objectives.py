@@ -246,6 +246,7 @@ def test_bad_objective_values_are_one_line_exit_2(tmp_path, capsys, over, needle
     assert not (tmp_path / "run").exists()  # nothing written
 
 
+@pytest.mark.slow  # default tier under 10 minutes; CI runs it
 def test_lambda_per_depth_continues_across_a_resume(tmp_path, monkeypatch):
     """Stopped at 4 and resumed, the run logs the same λ per depth at every step as a straight run: one counter."""
     seen = {}
@@ -268,6 +269,7 @@ def test_lambda_per_depth_continues_across_a_resume(tmp_path, monkeypatch):
     assert len({lam for _, lam, _ in straight}) == 4  # 0, then ramping in, then λ: the check is not vacuous
 
 
+@pytest.mark.slow  # default tier under 10 minutes; CI runs it
 def test_a_depth_whose_lambda_is_0_is_still_computed(tmp_path):
     """The compiled train step costs the same with a forward curriculum (depth 2 at λ 0 for most steps) as with
     constant λ: the equal-FLOPs accounting charges every depth at every step. Companion: one depth fewer is cheaper."""
