@@ -53,6 +53,8 @@ def make_plots(res: dict, out_dir: Path) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for name, t in res["train"].items():
+        if "depths" not in t:  # the PyTorch peer comparison (`<name>_peer`) has no per-depth rows
+            continue
         rows = t["depths"]
         ds = sorted(int(d) for d in rows)
         if len(ds) > 1:
