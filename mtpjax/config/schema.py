@@ -300,10 +300,12 @@ class TrainConfig:
 class MeshConfig:
     data: int = key(1, "data-parallel mesh axis", gt=0)
     fsdp: int = key(1, "fully-sharded data-parallel axis (parameters sharded, batch split)", gt=0)
-    expert: int = key(1, "expert-parallel axis: routed experts' weights split over it, the batch too (must divide "
-                      "`model.n_routed_experts`)", gt=0)
     tensor: int = key(1, "tensor-parallel axis (heads, MLP and vocabulary split; divides `model.n_kv_heads` or "
                       "is a multiple of it)", gt=0)
+    # expert is last among the fields (positional MeshConfig(data, fsdp, tensor) keeps its meaning); the mesh's
+    # axis order is parallel.sharding.AXES
+    expert: int = key(1, "expert-parallel axis: routed experts' weights split over it, the batch too (must divide "
+                      "`model.n_routed_experts`)", gt=0)
 
 
 @dataclass(frozen=True)
