@@ -298,10 +298,10 @@ def test_a_bad_mla_setting_exits_2_from_the_command_line():
 def test_mla_matmul_flops_are_twice_the_block_kernels(q_lora_rank):
     """flops.py's MLA projections count every kernel a token multiplies once (2 FLOPs a weight)."""
     from mtpjax.nn.flops import flops_per_token
-    from mtpjax.nn.layers import Block
+    from mtpjax.nn.model import make_block
 
     cfg = _cfg(q_lora_rank=q_lora_rank).model
-    st = nnx.state(Block(cfg, nnx.Rngs(params=0)), nnx.Param)
+    st = nnx.state(make_block(cfg, nnx.Rngs(params=0), moe=False), nnx.Param)
     kernels = sum(int(x.size) for path, x in jax.tree.leaves_with_path(st) if "kernel" in jax.tree_util.keystr(path))
     assert flops_per_token(cfg, 16)["block_matmul"] == 2 * kernels
 

@@ -314,10 +314,6 @@ class Attention(nnx.Module):
         return self.wo(o.astype(x_BTD.dtype).reshape(B, T, self.n_heads * self.head_dim)), new_cache
 
 
-# model.attention_kind -> its module; mtpjax/nn/mla.py adds "mla" (it builds on this module, which cannot import it).
-ATTENTIONS: dict[str, type[nnx.Module]] = {"gqa": Attention}
-
-
 class MLP(nnx.Module):
     """SwiGLU feed-forward."""
 
@@ -335,10 +331,11 @@ class Block(nnx.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP a SwiGLU or (`moe`) a mixture
     of experts, whose routing info (expert loads, balance statistic) is returned beside the hidden state."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mlp: nnx.Module | None = None):
-        """`mlp`: the feed-forward (model.py passes a mixture of experts); None builds the SwiGLU."""
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attn: nnx.Module | None = None, mlp: nnx.Module | None = None):
+        """`attn`, `mlp`: the attention and feed-forward model.make_block chose (latent attention, a mixture of
+        experts); None builds GQA attention and the SwiGLU."""
         self.attn_norm = RMSNorm(cfg.d_model, cfg, rngs)
-        self.attn = ATTENTIONS[cfg.attention_kind](cfg, rngs)
+        self.attn = Attention(cfg, rngs) if attn is None else attn
         self.mlp_norm = RMSNorm(cfg.d_model, cfg, rngs)
         self.mlp = MLP(cfg, rngs) if mlp is None else mlp
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtpjax.config import ModelConfig
-from mtpjax.nn.layers import ATTENTIONS, Dense, RMSNorm, apply_rope, dtype_of, param, rope_frequencies, rope_tables, \
+from mtpjax.nn.layers import Dense, RMSNorm, apply_rope, dtype_of, param, rope_frequencies, rope_tables, \
     self_attention
 
 
@@ -181,5 +181,3 @@ class MLAttention(nnx.Module):
             new_cache = write_after(cache, c, kr, pos_BT[:, 0], o)
         return self.wo(o.astype(x_BTD.dtype).reshape(B, T, self.n_heads * self.v_dim)), new_cache
 
-
-ATTENTIONS["mla"] = MLAttention

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from mtpjax.config import Config, ModelConfig
-from mtpjax.nn import mla  # noqa: F401  (registers model.attention_kind=mla in layers.ATTENTIONS)
 from mtpjax.nn.layers import KV, Block, Dense, RMSNorm, dtype_of, param
+from mtpjax.nn.mla import MLAttention
 from mtpjax.nn.moe import MoE
 
 
@@ -181,10 +181,10 @@ class MTPTransformer(nnx.Module):
 
 
 def make_block(cfg: ModelConfig, rngs: nnx.Rngs, moe: bool) -> Block:
-    """A transformer block whose MLP is a mixture of experts when `moe`, else the SwiGLU."""
-    if not moe:
-        return Block(cfg, rngs)
-    return Block(cfg, rngs, mlp=MoE(cfg, rngs))
+    """A transformer block: latent attention when model.attention_kind=mla (else GQA), and a mixture of experts as
+    its MLP when `moe` (else the SwiGLU). The one place a block's parts are chosen."""
+    attn = MLAttention(cfg, rngs) if cfg.attention_kind == "mla" else None
+    return Block(cfg, rngs, attn=attn, mlp=MoE(cfg, rngs) if moe else None)
 
 
 def is_moe_layer(cfg: ModelConfig, i: int) -> bool:
