@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_distributed import REPO
 from test_speculative import PROMPTS, _check_greedy_equal, _train
 from train_helpers import step_losses, synthetic_batches, tiny_cfg
 
@@ -90,6 +91,19 @@ def test_moe_reference_companions_fail(block, broken):
     flags = {"normalize": True, "bias_in_weights": False, "group_limit": True}
     flags[broken] = not flags[broken]
     assert np.max(np.abs(y - reference_moe(xs[160], p, m, **flags)[0])) > 1e-2
+
+
+def test_expert_load_leaves_padding_out(block):
+    """Segment id 0 is padding: its tokens are routed (the output is per token) but not counted in the load."""
+    m, moe, p, xs = block
+    moe.grouping = "blocks"
+    seg = np.ones((2, 80), np.int32)
+    seg[1, 30:] = 0
+    _, aux = moe(jnp.asarray(xs[160].reshape(2, 80, 16), jnp.float32), jnp.asarray(seg))
+    _, chosen = reference_moe(xs[160], p, m)
+    real = np.bincount(chosen[seg.ravel() != 0].ravel(), minlength=8)
+    np.testing.assert_array_equal(np.asarray(aux["load"]), real)
+    assert (real != np.bincount(chosen.ravel(), minlength=8)).any()  # counting the padding would differ
 
 
 def test_sequence_balance_statistic(block):
@@ -204,6 +218,7 @@ def test_resumed_biases_equal_a_straight_run(moe_run, tmp_path):
 
 @pytest.mark.slow
 def test_expert_sharded_equals_one_device(tmp_path):
+    """Expert-parallel (all-to-all) loss and gradients on 8 devices equal one device's; the wrong dispatch fails."""
     overrides = MOE + ["model.vocab_size=256", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
                        "model.n_kv_heads=2", "model.mtp_depth=1", "data.seq_len=32", "train.batch_size=8",
                        "loss.moe_seq_aux_loss=0.01"]
@@ -214,10 +229,18 @@ def test_expert_sharded_equals_one_device(tmp_path):
                            str(tmp_path / "out.json")], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads((tmp_path / "out.json").read_text())
-    for name, r in out.items():
+    for name in ("data2-expert4", "fsdp2-expert2-tensor2"):
+        r = out[name]
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5), name
         assert r["grad_err"] < 1e-4, name
         assert r["spec"].startswith("P('expert'"), (name, r["spec"])
+    # the companion: slots sent one shard too far meet the wrong experts
+    wrong = out["wrong-dispatch"]
+    assert wrong["grad_err"] > 0.1
+    # dispatch and combine are all-to-alls and the expert weights stay on their shards; left to the partitioner, they
+    # travel to the tokens (an all-reduce of every row-block's gathered weights)
+    assert out["expert-parallel"]["all_to_all"] > 0 and out["expert-parallel"]["expert_weight_moves"] == 0
+    assert out["gspmd"]["all_to_all"] == 0 and out["gspmd"]["expert_weight_moves"] > 0
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -247,6 +270,19 @@ def test_total_and_active_parameters_and_flops():
     assert flops_per_token(m, 32)["trunk_matmul"] == 2 * (weights - (m.n_layers - 1) * unreached)
     text = format_plan(build_plan(cfg), cfg)
     assert f"active per token             {counts['active']:>14,d}" in text
+
+
+def test_gpu_moe_is_deepseek_shaped_at_1b_active():
+    """configs/gpu_moe.yaml: MLA + MoE trunk and MTP module, ~1B active of 4.66B; its comment's plan numbers hold."""
+    cfg = load_config(REPO / "configs" / "gpu_moe.yaml")
+    m = cfg.model
+    assert (m.attention_kind, m.mlp_kind, m.mtp_depth, m.dtype, cfg.data.seq_len) == ("mla", "moe", 1, "bfloat16", 4096)
+    plan = build_plan(cfg)
+    assert (plan["params"]["total"], plan["params"]["active"]) == (4_657_662_720, 958_286_592)
+    assert plan["cache_bytes_per_token"] == 18_560
+    assert round((plan["param_bytes"] + plan["optimizer_bytes"]) / 2**30, 1) == 52.1
+    header = (REPO / "configs" / "gpu_moe.yaml").read_text()
+    assert "4,657,662,720 parameters, 958,286,592 active" in header and "52.1 GiB" in header
 
 
 # ----------------------------------------------------------------------------- settings refused

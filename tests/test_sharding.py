@@ -10,13 +10,14 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AbstractMesh, PartitionSpec as P
 from train_helpers import step_losses, synthetic_batches, tiny_cfg, write_corpus
 
 from mtpjax.train.checkpoint import Checkpointer, load_model
-from mtpjax.config import MeshConfig
-from mtpjax.parallel.sharding import MeshError, batch_sharding, logical_to_spec, make_mesh
+from mtpjax.config import MeshConfig, load_config
+from mtpjax.parallel.sharding import AXES, MeshError, batch_sharding, logical_to_spec, make_mesh
 from mtpjax.train.loop import train
+from mtpjax.train.setup import TrainError, check_parallelism
 from mtpjax.train.step import make_programs
 
 FAKE = SimpleNamespace(shape={"data": 2, "fsdp": 4, "tensor": 2})
@@ -137,3 +138,13 @@ def test_batch_not_divisible_by_data_parallelism(eight):
     assert bad["rc"] == 2
     lines = bad["stderr"].strip().splitlines()
     assert len(lines) == 1 and "train.batch_size=12" in lines[0] and "mesh.data*mesh.fsdp=8" in lines[0]
+
+
+@pytest.mark.parametrize("shape, named", [((2, 1, 3, 1), "mesh.data*mesh.fsdp*mesh.expert=6"),
+                                          ((2, 3, 1, 1), "mesh.data*mesh.fsdp=6")])
+def test_batch_split_message_names_the_expert_axis_when_it_splits(shape, named):
+    """The expert axis splits the batch too: the message names it when it is used, and only then."""
+    cfg = load_config(None, ["train.batch_size=8"])
+    with pytest.raises(TrainError) as e:
+        check_parallelism(cfg, AbstractMesh(shape, AXES))
+    assert f"train.batch_size=8 is not divisible by data parallelism {named} " in str(e.value)

@@ -343,6 +343,6 @@ class Block(nnx.Module):
         """(x, updated cache, routing info: {} for a dense MLP)."""
         a, new_cache = self.attn(self.attn_norm(x_BTD), pos_BT, seg_BT, cache)
         x_BTD = x_BTD + a
-        y = self.mlp(self.mlp_norm(x_BTD))
-        y, aux = y if isinstance(y, tuple) else (y, {})
+        h_BTD = self.mlp_norm(x_BTD)
+        y, aux = (self.mlp(h_BTD), {}) if isinstance(self.mlp, MLP) else self.mlp(h_BTD, seg_BT)
         return x_BTD + y, new_cache, aux

@@ -5,15 +5,22 @@ speculation see the same function as training). Token-slots are sorted by expert
 `jax.lax.ragged_dot` on GPU/TPU; on CPU (where jax 0.10.2's ragged_dot computes every expert for every row) the
 sorted rows are cut into blocks of one expert each and multiplied by that expert's gathered weights
 (docs/benchmarks.md has the measurement).
+
+Expert parallelism (`ExpertParallel`, set by the train programs when mesh.expert > 1): inside a shard_map each
+device sends its token-slots to the expert-axis shard holding their experts (an all-to-all), that shard multiplies
+them by its own experts, and a second all-to-all brings them back; expert weights never leave their shard.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
 
 from mtpjax.config import ModelConfig
 from mtpjax.nn.layers import MLP, dtype_of, param
@@ -78,13 +85,79 @@ def grouped_swiglu(x_ND, e_N, counts_E, w_gate_EDF, w_up_EDF, w_down_EFD, groupi
     return y.reshape(blocks * b, D)[pos_N]
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """Where the routed experts run: the mesh, its expert axis, the axes that split the batch and the FFN's axis."""
+
+    mesh: Mesh
+    batch_axes: tuple[str, ...]
+    expert_axis: str = "expert"
+    tensor_axis: str = "tensor"
+
+    def applies(self, batch: int) -> bool:
+        """Whether a batch of this many rows splits evenly over the batch axes (else the MoE runs unsharded)."""
+        return self.mesh.shape[self.expert_axis] > 1 and batch % math.prod(self.mesh.shape[a]
+                                                                          for a in self.batch_axes) == 0
+
+
+def dispatch_positions(e_S, experts_per_shard: int, shards: int):
+    """(slot order sorted by expert, each sorted slot's destination shard, its row in the buffer sent there)."""
+    order = jnp.argsort(e_S, stable=True)
+    dest = e_S[order] // experts_per_shard
+    counts_R = jnp.bincount(dest, length=shards)
+    return order, dest, jnp.arange(e_S.shape[0]) - (jnp.cumsum(counts_R) - counts_R)[dest]
+
+
+def _routed_on_shard(x_ND, idx_NX, w_NX, w_gate, w_up, w_down, *, ep: ExpertParallel, grouping: str):
+    """One device's routed output: its slots all-to-all'd to their experts' shards, multiplied there, sent back.
+
+    Dropless: a shard can receive from each other shard at most every one of its tokens on each of its local
+    experts (C = N·min(k, E_local) rows), so the buffers hold the worst case; padding rows are zeros, whose
+    SwiGLU and gradients are zero.
+    """
+    (N, D), k = x_ND.shape, idx_NX.shape[1]
+    R, E_l = ep.mesh.shape[ep.expert_axis], w_gate.shape[0]
+    C = N * min(k, E_l)
+    e_S = idx_NX.reshape(-1)
+    order, dest, pos = dispatch_positions(e_S, E_l, R)
+    send_x = jnp.zeros((R, C, D), x_ND.dtype).at[dest, pos].set(x_ND[order // k])
+    send_e = jnp.full((R, C), E_l, jnp.int32).at[dest, pos].set(e_S[order] % E_l)
+    a2a = functools.partial(jax.lax.all_to_all, axis_name=ep.expert_axis, split_axis=0, concat_axis=0)
+    recv_e = a2a(send_e).reshape(-1)  # [R·C]: local expert of each received row, E_l for padding
+    o = jnp.argsort(recv_e, stable=True)
+    counts = jnp.bincount(recv_e, length=E_l + 1)
+    counts = counts[:E_l].at[-1].add(counts[E_l])  # padding rides with the last expert: zeros in, zeros out
+    y = grouped_swiglu(a2a(send_x).reshape(R * C, D)[o], jnp.minimum(recv_e[o], E_l - 1), counts,
+                       w_gate, w_up, w_down, grouping)
+    back = a2a(jnp.zeros_like(y).at[o].set(y).reshape(R, C, D))
+    y_S = jnp.zeros((N * k, D), y.dtype).at[order].set(back[dest, pos])
+    y_ND = jnp.einsum("nxd,nx->nd", y_S.reshape(N, k, D).astype(jnp.float32), w_NX)
+    return y_ND
+
+
+def expert_parallel_routed(x_ND, idx_NX, w_NX, w_gate, w_up, w_down, ep: ExpertParallel, grouping: str):
+    """The routed experts' weighted output [N, D] (float32) with experts sharded over ep.expert_axis (shard_map)."""
+    F, t = w_gate.shape[2], ep.tensor_axis
+    tp = t if ep.mesh.shape[t] > 1 and F % ep.mesh.shape[t] == 0 else None  # the FFN split over tensor, psum'd
+
+    def body(*args):
+        y = _routed_on_shard(*args, ep=ep, grouping=grouping)
+        return y if tp is None else jax.lax.psum(y, tp)
+
+    rows = P(ep.batch_axes, None)
+    return jax.shard_map(body, mesh=ep.mesh, in_specs=(rows, rows, rows, P(ep.expert_axis, None, tp),
+                                                       P(ep.expert_axis, None, tp), P(ep.expert_axis, tp, None)),
+                         out_specs=rows)(x_ND, idx_NX, w_NX, w_gate, w_up, w_down)
+
+
 def default_grouping() -> str:
     """ragged_dot where it is a grouped matmul (GPU, TPU), expert blocks on CPU."""
     return "ragged" if jax.default_backend() in ("gpu", "tpu") else "blocks"
 
 
 class MoE(nnx.Module):
-    """Routed and always-on shared SwiGLU experts: (y, {"load": int[E] slots per expert, "balance": float[]})."""
+    """Routed and always-on shared SwiGLU experts: (y, {"load": int[E] non-padding slots per expert (segment id 0 is
+    padding), "balance": float[]})."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f, E = cfg.d_model, cfg.moe_d_ff, cfg.n_routed_experts
@@ -100,8 +173,9 @@ class MoE(nnx.Module):
         if cfg.n_shared_experts:
             self.shared = MLP(cfg, rngs, d_ff=cfg.n_shared_experts * f)
         self.grouping = default_grouping()  # how, not what: both are exact
+        self.ep: ExpertParallel | None = None  # set by the train programs on a mesh with an expert axis
 
-    def __call__(self, x_BTD):
+    def __call__(self, x_BTD, seg_BT=None):
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D).astype(self.dtype)
         logits_NE = jnp.dot(x_ND, self.router[...].astype(self.dtype), preferred_element_type=jnp.float32)
@@ -109,20 +183,23 @@ class MoE(nnx.Module):
                                    topk_group=self.topk_group, scale=self.scale)
         E, k = s_NE.shape[1], self.k
         e_S = idx_NX.reshape(-1)  # S = N·k token-slots, slot n*k + j
-        order = jnp.argsort(e_S, stable=True)
-        counts_E = jnp.bincount(e_S, length=E)
-        y_S = grouped_swiglu(x_ND[order // k], e_S[order], counts_E, *(w[...].astype(self.dtype) for w in
-                                                                         (self.w_gate, self.w_up, self.w_down)),
-                             self.grouping)
-        y_NXD = jnp.zeros_like(y_S).at[order].set(y_S).reshape(B * T, k, D)
-        y_ND = jnp.einsum("nxd,nx->nd", y_NXD.astype(jnp.float32), w_NX).astype(self.dtype)
+        weights = tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        if self.ep is not None and self.ep.applies(B):
+            y_ND = expert_parallel_routed(x_ND, idx_NX, w_NX, *weights, self.ep, self.grouping)
+        else:
+            order = jnp.argsort(e_S, stable=True)
+            y_S = grouped_swiglu(x_ND[order // k], e_S[order], jnp.bincount(e_S, length=E), *weights, self.grouping)
+            y_NXD = jnp.zeros_like(y_S).at[order].set(y_S).reshape(B * T, k, D)
+            y_ND = jnp.einsum("nxd,nx->nd", y_NXD.astype(jnp.float32), w_NX)
+        y_ND = y_ND.astype(self.dtype)
         if hasattr(self, "shared"):
             y_ND = y_ND + self.shared(x_ND)
         # Sequence-wise balance (DeepSeek-V3 eq. 17-20), summed over rows: f_i = E/(kT)·(row's slots on i),
         # P_i = the row's mean of the scores normalized over all experts.
         f_BE = jax.nn.one_hot(idx_NX, E, dtype=jnp.float32).sum(1).reshape(B, T, E).sum(1) * (E / (k * T))
         p_BE = (s_NE / s_NE.sum(-1, keepdims=True)).reshape(B, T, E).mean(1)
-        aux = {"load": counts_E.astype(jnp.int32), "balance": (f_BE * p_BE).sum()}
+        real_S = jnp.ones_like(e_S) if seg_BT is None else jnp.repeat((seg_BT != 0).reshape(-1).astype(e_S.dtype), k)
+        aux = {"load": jnp.zeros((E,), jnp.int32).at[e_S].add(real_S.astype(jnp.int32)), "balance": (f_BE * p_BE).sum()}
         return y_ND.reshape(B, T, D), aux
 
 

@@ -11,6 +11,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mtpjax.config import MeshConfig
 from mtpjax.errors import MtpjaxError
+from mtpjax.nn.model import moe_layers
+from mtpjax.nn.moe import ExpertParallel
 
 AXES = ("data", "fsdp", "expert", "tensor")
 # The expert axis splits the batch too: outside the MoE layers its devices are data-parallel (DeepSeek-V3's EP).
@@ -35,13 +37,18 @@ class MeshError(MtpjaxError, ValueError):
     """The mesh shape does not fit the devices; the message names the numbers and the fix."""
 
 
+def named_axes(axes: Sequence[str], shape: dict) -> list[str]:
+    """The axes a message names: `expert` only when it is used (> 1), so a dense run never hears of it."""
+    return [a for a in axes if a != "expert" or shape[a] > 1]
+
+
 def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """Mesh ('data','fsdp','expert','tensor') from cfg.mesh over `devices` (default: all); raises MeshError."""
     devices = list(jax.devices() if devices is None else devices)
     shape = (mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.expert, mesh_cfg.tensor)
     n = int(np.prod(shape))
     if n != len(devices):
-        names = [a for a, k in zip(AXES, shape) if a != "expert" or k > 1]  # expert named only when used
+        names = named_axes(AXES, dict(zip(AXES, shape)))
         raise MeshError(
             f"mesh {'*'.join(names)} = {'*'.join(str(getattr(mesh_cfg, a)) for a in names)} = {n} but "
             f"{len(devices)} device(s) are available; set {'/'.join('mesh.' + a for a in names)} so their product "
@@ -98,3 +105,10 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def data_parallelism(mesh: Mesh) -> int:
     """Number of batch shards: mesh.data * mesh.fsdp * mesh.expert."""
     return mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
+
+
+def place_experts(model, mesh: Mesh) -> None:
+    """Run the model's MoE layers expert-parallel (all-to-all dispatch) when the mesh has an expert axis."""
+    if mesh.shape["expert"] > 1:
+        for layer in moe_layers(model).values():
+            layer.ep = ExpertParallel(mesh, BATCH_AXES)

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from mtpjax import data
 from mtpjax.config import Config
 from mtpjax.errors import MtpjaxError
-from mtpjax.parallel.sharding import batch_sharding, data_parallelism, make_mesh
+from mtpjax.parallel.sharding import BATCH_AXES, batch_sharding, data_parallelism, make_mesh, named_axes
 from mtpjax.train import posttrain, rundir
 from mtpjax.train.checkpoint import Checkpointer
 from mtpjax.train.report import say
@@ -33,7 +33,8 @@ def check_parallelism(cfg: Config, mesh: Mesh) -> None:
     """The batch must split evenly over data parallelism, micro-batches and processes."""
     dp, B, A = data_parallelism(mesh), cfg.train.batch_size, cfg.train.micro_batches
     if B % (dp * A):
-        raise TrainError(f"train.batch_size={B} is not divisible by data parallelism mesh.data*mesh.fsdp={dp} "
+        split = "*".join(f"mesh.{a}" for a in named_axes(BATCH_AXES, mesh.shape))
+        raise TrainError(f"train.batch_size={B} is not divisible by data parallelism {split}={dp} "
                          f"times train.micro_batches={A}; use a multiple of {dp * A}")
     if B % jax.process_count():
         raise TrainError(f"train.batch_size={B} is not divisible by the {jax.process_count()} processes")
