@@ -12,17 +12,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_distributed import REPO
+from test_distributed import LAUNCH, REPO, SHRINK, sub_env
 from test_speculative import PROMPTS, _check_greedy_equal, _train
-from train_helpers import step_losses, synthetic_batches, tiny_cfg
+from train_helpers import step_losses, synthetic_batches, tiny_cfg, write_corpus
 
+from mtpjax import data
 from mtpjax.config import ConfigError, ModelConfig, load_config, replace
 from mtpjax.eval.plan import build_plan, format_plan
 from mtpjax.nn.flops import flops_per_token
 from mtpjax.nn.model import build_model, moe_layers, param_counts
-from mtpjax.nn.moe import MoE
+from mtpjax.nn.moe import MoE, next_bias
 from mtpjax.parallel.sharding import make_mesh
-from mtpjax.train.checkpoint import Checkpointer
+from mtpjax.train.checkpoint import Checkpointer, load_model
 from mtpjax.train.step import make_programs
 
 MOE = ["model.mlp_kind=moe", "model.n_routed_experts=8", "model.num_experts_per_tok=2", "model.n_group=4",
@@ -241,6 +242,36 @@ def test_expert_sharded_equals_one_device(tmp_path):
     # travel to the tokens (an all-reduce of every row-block's gathered weights)
     assert out["expert-parallel"]["all_to_all"] > 0 and out["expert-parallel"]["expert_weight_moves"] == 0
     assert out["gspmd"]["all_to_all"] == 0 and out["gspmd"]["expert_weight_moves"] > 0
+
+
+@pytest.mark.slow
+def test_two_processes_balance_on_the_global_batch(tmp_path):
+    """mesh.expert=4 over 2 processes x 2 CPU devices (the all-to-all crosses processes) moves the biases as 1 process
+    x 4 devices does: by the loads of both processes' rows (batch 8, 4 each), not by one process's (the companion)."""
+    overrides = [o for o in SHRINK if not o.startswith(("mesh.", "train.steps", "checkpoint.every"))] + MOE + [
+        "mesh.expert=4", "train.steps=1", "checkpoint.every=1", "train.bias_update_speed=0.01",
+        f"data.paths={write_corpus(tmp_path)}", f"data.cache_dir={tmp_path / 'cache'}"]
+    models = {}
+    for n in (2, 1):
+        p = subprocess.run(["bash", str(LAUNCH / "local.sh"), str(n), "--config", str(REPO / "configs/tiny.yaml"),
+                            *overrides, f"train.run_dir={tmp_path / f'run{n}'}"],
+                           env=sub_env(MTPJAX_LOCAL_DEVICES=4 // n, MTPJAX_INIT_TIMEOUT=120),
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        cfg, models[n], _ = load_model(tmp_path / f"run{n}")
+    # the expected biases: one step from zero by the first global batch's loads (one device, no expert axis)
+    batch = next(data.make_iterator(data.prepare(cfg.data), split="train", seq_len=cfg.data.seq_len,
+                                    batch_size=cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle))
+    tok, seg = (jnp.asarray(batch[k], jnp.int32) for k in ("tokens", "segment_ids"))
+    start = build_model(cfg, seed=cfg.train.seed)
+    loads, own = start(tok, seg).routing, start(tok[:4], seg[:4]).routing  # own: process 0's rows alone
+    differs = False
+    for name, layer in moe_layers(models[2]).items():
+        want = np.asarray(next_bias(0.0, loads[name]["load"], 0.01))
+        np.testing.assert_array_equal(np.asarray(layer.bias[...]), want, name)
+        np.testing.assert_array_equal(np.asarray(moe_layers(models[1])[name].bias[...]), want, name)
+        differs |= bool((np.asarray(next_bias(0.0, own[name]["load"], 0.01)) != want).any())
+    assert differs
 
 
 # ----------------------------------------------------------------------------- decoding

@@ -145,8 +145,14 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
     try:
         while step < end and not pre.check(step):
             prof.step(step, state)
+            batch = to_global(progs, next(train_it))
+            if step == start and jax.process_count() > 1:
+                # Compile, then meet: on CPU, gloo gives up on a collective's first use after 30 s, which a process
+                # whose compile ran longer than another's would otherwise miss.
+                progs.train_step.lower(state, *batch).compile()
+                distributed.barrier("train_step compiled")
             with prof.annotate(step + 1):
-                state, met = progs.train_step(state, *to_global(progs, next(train_it)))
+                state, met = progs.train_step(state, *batch)
             step += 1  # the host's mirror of state.step: one batch, one step, skipped or not
             if pending is not None:
                 consume(*pending)
