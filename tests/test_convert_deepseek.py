@@ -156,6 +156,20 @@ def test_export_logits_equal_transformers(exported):
 
 
 @pytest.mark.slow
+def test_yarn_export_equals_transformers_and_imports_back(tmp_path):
+    """YaRN's keys (factor, original context, betas, both mscales) reach transformers' DeepSeek-V3 and come back."""
+    run = make_ds_run(tmp_path, "run", "model.rope_scaling=yarn", "model.rope_scaling_factor=4.0",
+                      "model.rope_original_max_len=8", "model.rope_mscale=0.707", "model.rope_mscale_all_dim=0.707",
+                      "model.rope_beta_fast=8")
+    out = export(run, tmp_path / "hf")
+    _, model, _ = load_model(run)
+    toks = batch()  # 24 positions, past the original 8
+    assert np.abs(our_logits(model, toks)[0] - transformers_logits(out, toks)[0]).max() <= TOL
+    assert cli("import", "--hf", out, "--out", tmp_path / "back") == 0
+    assert load_model(tmp_path / "back")[0].model == model.cfg
+
+
+@pytest.mark.slow
 def test_engine_deepseek_mtp_forward_equals_module_1(exported):
     """The engines' DeepSeek MTP layer (interleaved RoPE, normed trunk state), loaded from the exported files only,
     computes our module 1; against our own convention only the engines' position-0 mask differs."""
