@@ -327,3 +327,7 @@ def test_export_bad_deepseek_input(tmp_path, capsys):
     export(raw, tmp_path / "trunk", "--mtp-modules", "0")  # the trunk alone is what the engines compute
     export(mla, tmp_path / "dense")  # a dense MLA model: every layer (the MTP one too) before the first MoE one
     assert json.loads((tmp_path / "dense" / "config.json").read_text())["first_k_dense_replace"] == 3
+    assert cli("import", "--hf", tmp_path / "dense", "--out", tmp_path / "back") == 0  # and reads back dense
+    cfg, back, _ = load_model(tmp_path / "back")
+    assert (cfg.model.mlp_kind, cfg.model.attention_kind) == ("dense", "mla")
+    _assert_same_params(state_of(load_model(mla)[1]), state_of(back))
