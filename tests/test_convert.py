@@ -50,12 +50,13 @@ def params_of(model) -> dict:
 
 
 def make_run(tmp: Path, name: str, *overrides: str, seed: int = 0) -> Path:
-    """A model-only run directory (the items load_model reads) holding a randomly perturbed init."""
+    """A model-only run directory (the items load_model reads) holding a randomly perturbed init (MoE routing
+    biases, the state beside the parameters, included)."""
     run = tmp / name
     cfg = load_config(None, [*BASE, f"train.run_dir={run}", *overrides])
     rng = np.random.default_rng(seed)
     params = jax.tree.map(lambda x: (np.asarray(x, np.float32) + 0.1 * rng.standard_normal(x.shape)).astype(x.dtype),
-                          params_of(build_model(cfg, seed=seed)))
+                          nnx.to_pure_dict(nnx.state(build_model(cfg, seed=seed))))
     run.mkdir(parents=True)
     save_model_checkpoint(run, lazy_tree(params), {"step": 0, "config": cfg.to_dict()})
     (run / "config.yaml").write_text(cfg.to_yaml())
@@ -161,12 +162,12 @@ def _module1_engine(model, tokens_BT, zero_first: bool):
     if zero_first:
         emb = emb.at[:, 0].set(0.0)
     pos = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1] - 1), emb.shape[:2])
-    h1 = model.mtp[0](h[:, :-1], emb, pos, None, None, "none")[0]  # (hidden, cache, routing)
+    h1 = model.mtp[0](model.trunk_state(h[:, :-1]), emb, pos, None, None, "none")[0]  # (hidden, cache, routing)
     return model.logits(model.mtp[0].norm(h1))
 
 
 def _module1_with_engine_inputs(model, tokens, zero_first: bool) -> np.ndarray:
-    """Our module 1 at positions 0..T-2 fed as the engine feeds it: raw trunk state at i and token x[i+1]
+    """Our module 1 at positions 0..T-2 fed as the engine feeds it: the trunk state at i and token x[i+1]
     (with zero_first, the embedding at position 0 zeroed, as vLLM and SGLang do)."""
     return np.asarray(_module1_engine(model, jnp.asarray(tokens), zero_first))
 

@@ -34,6 +34,26 @@ def perturbed_batch(V, seed=0):
     return np.stack(rows).astype(np.int32)
 
 
+@nnx.jit
+def _depth1_three_ways(model, toks):
+    h0, _ = model.trunk(toks)
+    nxt = jnp.concatenate([toks[:, 1:], 0 * toks[:, :1]], 1)
+    fed = [model.mtp[0].norm(model.mtp_forward(1, h, nxt)[0]) for h in (model.trunk_state(h0), h0)]
+    return model(toks).hidden[1], *fed
+
+
+def test_mtp_hidden_normed_feeds_module_1_the_final_normed_state(model_cfg):
+    """model.mtp_hidden=normed: the training forward's depth 1 is module 1 on the trunk's final-normed state
+    (trunk_state, what the MTP proposer stores); the companion: fed the raw state, module 1 computes otherwise."""
+    model = build_model(model_cfg(mtp_depth=1, n_layers=1, init_std=0.2, mtp_hidden="normed"), seed=3)
+    # a final norm of scale 1 is undone by the module's hnorm: only a trained (here random) scale tells them apart
+    model.final_norm.scale[...] = jnp.asarray(np.random.default_rng(1).uniform(0.5, 1.5, model.cfg.d_model))
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, model.cfg.vocab_size, (2, T)), jnp.int32)
+    fwd, normed, raw = _depth1_three_ways(model, toks)
+    np.testing.assert_allclose(fwd, normed, atol=1e-6)
+    assert np.abs(fwd - raw).max() > 1e-3
+
+
 @pytest.mark.parametrize("kind", ["sequential", "parallel"])
 def test_no_leakage_any_depth(model_cfg, kind):
     D = 3

@@ -238,10 +238,37 @@ def _cached_vs_full(model, toks):
     kv, parts = layer(module_caches(model.cfg, 2, 32), 0), []
     for s, e in ((0, 11), (11, 20)):
         pos = jnp.broadcast_to(jnp.arange(s, e), (2, e - s))
-        h1, kv = model.mtp_forward(1, h0[:, s:e], nxt[:, s:e], pos, cache=kv)
+        h1, kv = model.mtp_forward(1, model.trunk_state(h0[:, s:e]), nxt[:, s:e], pos, cache=kv)
         parts.append(h1)
     h1 = jnp.concatenate(parts, axis=1)
     return full, model.logits(model.final_norm(h0)), model.logits(model.head_norm(1, h1))
+
+
+def _as_normed(model):
+    """The same parameters with module 1 reading the trunk's final-normed state (model.mtp_hidden=normed)."""
+    m = nnx.clone(model)
+    m.cfg = dataclasses.replace(m.cfg, mtp_hidden="normed")
+    return m
+
+
+@pytest.mark.slow
+def test_normed_mtp_hidden_cached_equals_full(half_trained):
+    """model.mtp_hidden=normed: cached == full forward at depth 1; the companion: the same weights reading the raw
+    state give other depth-1 logits, so the setting reaches the module."""
+    model = _as_normed(half_trained)
+    toks = jnp.asarray(np.random.default_rng(3).integers(0, 32, (2, 20)), jnp.int32)
+    full, cached0, cached1 = _cached_vs_full(model, toks)
+    np.testing.assert_allclose(cached0, full[0], atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(cached1, full[1], atol=2e-5, rtol=1e-5)
+    raw = _cached_vs_full(half_trained, toks)[0]
+    assert not np.allclose(raw[1], full[1], atol=1e-3)
+    np.testing.assert_array_equal(raw[0], full[0])  # the trunk itself is untouched
+
+
+@pytest.mark.slow
+def test_normed_mtp_hidden_speculative_equals_plain(half_trained):
+    """The MTP proposer stores the state module 1 reads (trunk_state): normed drafting stays exact."""
+    _check_greedy_equal(_as_normed(half_trained), "mtp", (2,), (PROMPTS,))
 
 
 def _sharpen(model, factor=20.0):

@@ -1,4 +1,5 @@
-"""`python -m mtpjax convert export|import`: Hugging Face export of a run, import of a Llama / Qwen2 checkpoint."""
+"""`python -m mtpjax convert export|import`: Hugging Face export of a run, import of a Llama / Qwen2 / DeepSeek-V3
+checkpoint."""
 
 from __future__ import annotations
 
@@ -18,13 +19,15 @@ def parser() -> Parser:
     e.add_argument("--out", required=True, help="the directory to create (must not exist)")
     e.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     e.add_argument("--mtp-modules", type=int, default=None,
-                   help="MTP modules to write in the MiMo layout (default 1, or 0 for a run without any): "
-                        "vLLM and SGLang draft every step with module 1")
-    e.add_argument("--format", default="qwen2", choices=("qwen2", "llama"),
-                   help="qwen2: Qwen2 trunk (+ MiMo MTP modules); llama: a plain LlamaForCausalLM trunk")
+                   help="MTP modules to write (default 1, or 0 for a run without any): vLLM and SGLang draft every "
+                        "step with module 1 of the MiMo layout")
+    e.add_argument("--format", default="qwen2", choices=("qwen2", "llama", "deepseek_v3"),
+                   help="qwen2: Qwen2 trunk (+ MiMo MTP modules); llama: a plain LlamaForCausalLM trunk; "
+                        "deepseek_v3: DeepseekV3ForCausalLM (MLA, dense or MoE) with its MTP layers")
     e.add_argument("--shard-mb", type=float, default=2000.0,
                    help="largest safetensors file in MB before the weights are split into shards (default 2000)")
-    i = sub.add_parser("import", help="turn a local Llama / Qwen2 safetensors checkpoint into a run directory")
+    i = sub.add_parser("import", help="turn a local Llama / Qwen2 / DeepSeek-V3 safetensors checkpoint into a run "
+                                      "directory")
     i.add_argument("--hf", required=True, help="a Hugging Face model directory (config.json, safetensors, tokenizer)")
     i.add_argument("--out", required=True, help="the run directory to create (must not exist)")
     i.add_argument("overrides", nargs="*", help="config overrides, e.g. model.mtp_depth=2 model.mtp_init=last_block")
@@ -51,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
             summary = import_hf(args.hf, args.out, args.overrides)
     except OSError as e:  # disk full, permissions: the temporary directory is already removed
         raise ConvertError(f"writing {args.out} failed ({e.strerror or e}); nothing was written") from None
+    for note in summary.pop("notes", ()):
+        print(f"note: {note}", file=sys.stderr)
     summary["seconds"] = round(time.perf_counter() - start, 2)
     print(json.dumps(summary))
     return 0

@@ -57,6 +57,7 @@ RopeScaling = Literal["none", "llama3", "yarn"]
 AttentionKind = Literal["gqa", "mla"]
 MtpKind = Literal["sequential", "parallel"]
 MtpInit = Literal["random", "last_block"]
+MtpHidden = Literal["raw", "normed"]
 Remat = Literal["none", "full", "dots"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 ParamDtype = Literal["float32", "bfloat16"]
@@ -114,6 +115,10 @@ class ModelConfig:
     mtp_depth: int = key(1, "D, the number of MTP modules (0 = plain LM)", ge=0)
     mtp_kind: MtpKind = key("sequential", "how the MTP modules are wired", choices={
         "sequential": "the DeepSeek-V3 chain", "parallel": "independent heads on the trunk, as in Gloeckle et al."})
+    mtp_hidden: MtpHidden = key("raw", "the trunk state MTP module 1 reads (every module, when parallel)", choices={
+        "raw": "the residual stream before the trunk's final norm",
+        "normed": "after the trunk's final norm, as DeepSeek-V3's reference code, its engines and Megatron feed it "
+                  "(needed by `convert export --format deepseek_v3`)"})
     mtp_init: MtpInit = key("random", "MTP modules' initialization (on import, from the imported trunk)", choices={
         "random": "fresh weights",
         "last_block": "each module's block starts as a copy of the last trunk block; its norms and `eh_proj` fresh"})

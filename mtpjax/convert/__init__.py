@@ -1,8 +1,9 @@
 """Hugging Face export and import (`python -m mtpjax.convert export|import --help`).
 
 export: a run's checkpoint as a Qwen2 model that `transformers` loads with no custom code, with MTP modules
-in the MiMo layout that vLLM and SGLang draft with (or a plain Llama). import: a Llama / Qwen2 safetensors
-checkpoint as a model-only run directory that `load_model` and decode.py read. Both stream tensor by tensor.
+in the MiMo layout that vLLM and SGLang draft with (or a plain Llama), or an MLA (+ MoE) run as DeepSeek-V3 with
+its MTP layers. import: a Llama / Qwen2 / DeepSeek-V3 safetensors checkpoint as a model-only run directory that
+`load_model` and decode.py read. Both stream tensor by tensor.
 """
 
 from mtpjax.convert.errors import ConvertError  # noqa: F401  (its own module: submodules import it without a cycle)

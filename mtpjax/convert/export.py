@@ -27,9 +27,10 @@ DEFAULT_SHARD_BYTES = 2e9
 
 
 def param_shapes(cfg: Config) -> dict:
-    """The model's pure-dict parameter tree with each leaf's shape and dtype (nothing allocated)."""
+    """The model's pure-dict state tree (parameters and MoE routing biases, as checkpoints hold it) with each
+    leaf's shape and dtype (nothing allocated)."""
     abstract = nnx.eval_shape(lambda: build_model(cfg))
-    return nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+    return nnx.to_pure_dict(nnx.state(abstract))
 
 
 def shape_tree(shapes: dict) -> dict:
@@ -70,11 +71,14 @@ class RunCheckpoint:
 def _check(cfg: Config, fmt: str, mtp_modules: int | None, tokenizer) -> int:
     """The number of MTP modules to write; ConvertError if the run or the format cannot give them."""
     m = cfg.model
-    if m.attention_kind == "mla":
-        raise ConvertError("the run uses model.attention_kind=mla, which the llama/qwen2/MiMo layouts cannot "
-                           "express (their attention is GQA); export an attention_kind=gqa run")
     if fmt not in layout.FORMATS:
         raise ConvertError(f"--format {fmt} is unknown; use one of {', '.join(layout.FORMATS)}")
+    if fmt != "deepseek_v3" and (m.attention_kind == "mla" or m.mlp_kind == "moe"):
+        raise ConvertError(f"the run uses model.attention_kind={m.attention_kind} and model.mlp_kind={m.mlp_kind}, "
+                           "which the llama/qwen2/MiMo layouts cannot express; use --format deepseek_v3")
+    if fmt == "deepseek_v3" and m.attention_kind != "mla":
+        raise ConvertError("--format deepseek_v3 needs model.attention_kind=mla (DeepSeek-V3's attention); "
+                           "export a GQA run with --format qwen2")
     if fmt == "llama":
         if mtp_modules:
             raise ConvertError("--format llama writes the trunk only (Llama has no MTP layout); "
@@ -90,6 +94,14 @@ def _check(cfg: Config, fmt: str, mtp_modules: int | None, tokenizer) -> int:
     if mtp_modules and m.mtp_kind != "sequential":
         raise ConvertError(f"the run's MTP modules are model.mtp_kind={m.mtp_kind}, which the MiMo layout cannot "
                            "express (it chains [hidden; embedding]); pass --mtp-modules 0 for the trunk alone")
+    if mtp_modules and fmt == "qwen2" and m.mtp_hidden != "raw":
+        raise ConvertError("MiMo's engines feed the MTP layer the trunk's raw (pre-norm) state, but this run's module "
+                           "1 reads the final-normed one; use --format deepseek_v3, or pass --mtp-modules 0")
+    if mtp_modules and fmt == "deepseek_v3" and m.mtp_hidden != "normed":
+        # DeepSeek's engines feed MTP layer L the trunk's final-normed state: a raw-trained module would draft
+        # from another input than it learned on, silently.
+        raise ConvertError("DeepSeek-V3's engines feed the MTP layer the trunk's final-normed state, but this run's "
+                           "module 1 reads the raw one; train with model.mtp_hidden=normed, or pass --mtp-modules 0")
     if tokenizer.kind not in ("byte", "hf"):
         raise ConvertError(f"a {tokenizer.kind} tokenizer cannot be exported as tokenizer.json; "
                            "export runs trained with data.tokenizer=byte, bpe or a tokenizer.json")
@@ -108,14 +120,17 @@ def _specs(ck: RunCheckpoint, cfg: Config, fmt: str, mtp_modules: int) -> list[S
 
         def produce():
             x = ck.leaf(t.path)
-            if t.layer is None:  # only a stacked (scanned) leaf is read again, for its next layer
+            if not t.index:  # only a stacked leaf (scanned trunk, experts) is read again, for its next part
                 ck.release()
                 return layout.to_hf(t, x)
-            return layout.to_hf(t, x[t.layer])
+            return layout.to_hf(t, x[t.index])
         return produce
 
-    return [Spec(t.hf, t.shape, dtype, producer(t)) for t in layout.tensors(cfg.model, shape_tree(shapes), fmt,
-                                                                            mtp_modules)]
+    def leaf_dtype(t: layout.Tensor):  # a MoE routing bias stays float32 whatever the parameters' dtype
+        return dtype if t.path is None else np.dtype(layout.leaf(shapes, t.path).dtype)
+
+    return [Spec(t.hf, t.shape, leaf_dtype(t), producer(t))
+            for t in layout.tensors(cfg.model, shape_tree(shapes), fmt, mtp_modules)]
 
 
 def fresh_dir(out: Path) -> Path:

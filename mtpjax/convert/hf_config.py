@@ -1,8 +1,11 @@
-"""config.json both ways: our model section as a Qwen2 / MiMo / Llama config, and a Llama / Qwen2 config as overrides.
+"""config.json both ways: our model section as a Qwen2 / MiMo / Llama / DeepSeek-V3 config, and such a config as
+overrides.
 
 Import refuses, with one line naming it, what our model cannot compute: another architecture (Qwen3's
-per-head q/k norms, MoE, ...), sliding-window attention, biases beyond q/k/v, another activation, a RoPE
-scaling other than Llama 3's, partial rotary embeddings.
+per-head q/k norms, Mixtral's softmax routing, ...), sliding-window attention, biases beyond q/k/v, another
+activation, a RoPE scaling other than Llama 3's (and YaRN for DeepSeek-V3), partial rotary embeddings,
+DeepSeek routing other than V3's (sigmoid scores, noaux_tc, normalized top-k, every layer past the dense ones
+MoE), FP8-quantized weights.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ _DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32", "f
 _KNOWN = {  # model types people bring, and why they do not fit
     "qwen3": "per-head q/k RMSNorms", "qwen3_moe": "mixture of experts and q/k norms",
     "qwen2_moe": "mixture of experts",
-    "mixtral": "mixture of experts", "deepseek_v3": "MLA attention and mixture of experts", "gemma": "GeGLU and "
+    "mixtral": "mixture of experts", "deepseek_v2": "softmax-routed experts", "gemma": "GeGLU and "
     "offset norms", "gemma2": "soft-capping and sliding windows", "mistral": "sliding-window attention",
     "phi3": "fused projections", "mimo": "custom code",
 }
@@ -33,7 +36,32 @@ def rope_fields(cfg: ModelConfig) -> dict:
                    "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
                    "original_max_position_embeddings": cfg.rope_original_max_len}
         params.update(scaling)
+    elif cfg.rope_scaling == "yarn":
+        scaling = {"rope_type": "yarn", "type": "yarn", "factor": cfg.rope_scaling_factor,
+                   "original_max_position_embeddings": cfg.rope_original_max_len, "beta_fast": cfg.rope_beta_fast,
+                   "beta_slow": cfg.rope_beta_slow, "mscale": cfg.rope_mscale,
+                   "mscale_all_dim": cfg.rope_mscale_all_dim}
+        params.update(scaling)
     return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": params}
+
+
+def deepseek_config(cfg: ModelConfig, mtp_modules: int) -> dict:
+    """The DeepSeek-V3 keys of config.json: MLA, the routing the engines read, and the MTP layers."""
+    moe = cfg.mlp_kind == "moe"
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "num_nextn_predict_layers": mtp_modules, "num_key_value_heads": cfg.n_heads,
+        "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim, "rope_interleave": True, "attention_bias": False,
+        "moe_intermediate_size": cfg.moe_d_ff, "n_routed_experts": cfg.n_routed_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok, "n_shared_experts": cfg.n_shared_experts,
+        "routed_scaling_factor": cfg.routed_scaling_factor, "n_group": cfg.n_group, "topk_group": cfg.topk_group,
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True, "moe_layer_freq": 1, "ep_size": 1,
+        # a dense model: every layer, the MTP ones included, before the first MoE one
+        "first_k_dense_replace": cfg.first_k_dense_replace if moe else cfg.n_layers + mtp_modules,
+        "tie_word_embeddings": False,  # the head is written out (DeepSeek's engines do not tie)
+    }
 
 
 def export_config(cfg: ModelConfig, fmt: str, mtp_modules: int, eos_id: int, max_positions: int) -> dict:
@@ -54,6 +82,9 @@ def export_config(cfg: ModelConfig, fmt: str, mtp_modules: int, eos_id: int, max
     }
     if fmt == "llama":
         out.update(attention_bias=cfg.qkv_bias, mlp_bias=False)
+    elif fmt == "deepseek_v3":
+        del out["head_dim"]  # transformers derives it (qk_rope_head_dim)
+        out.update(deepseek_config(cfg, mtp_modules))
     else:
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
         if mtp_modules:
@@ -78,15 +109,22 @@ def read_config(directory: Path) -> dict:
 def architecture(hf: dict) -> str:
     """qwen2 or llama (the layout of the checkpoint); ConvertError naming anything else."""
     mt, arch = hf.get("model_type"), (hf.get("architectures") or ["?"])[0]
-    if mt in ("qwen2", "llama"):
+    if mt in ("qwen2", "llama", "deepseek_v3"):
         return mt
     why = _KNOWN.get(mt, "not a Llama or Qwen2 model")
     raise ConvertError(f"unsupported architecture {arch} (model_type {mt!r}: {why}); "
-                        "import takes LlamaForCausalLM or Qwen2ForCausalLM checkpoints")
+                        "import takes LlamaForCausalLM, Qwen2ForCausalLM or DeepseekV3ForCausalLM checkpoints")
 
 
 def _refuse(hf: dict, fmt: str) -> None:
-    """ConvertError for the first feature of a Llama / Qwen2 config our model cannot compute."""
+    """ConvertError for the first feature of a Llama / Qwen2 / DeepSeek-V3 config our model cannot compute."""
+    if hf.get("quantization_config"):
+        q = hf["quantization_config"]
+        raise ConvertError(f"the checkpoint is quantized ({q.get('quant_method', '?')} {q.get('fmt', '')}, block "
+                           f"{q.get('weight_block_size', '?')}); dequantize it to bfloat16 first (DeepSeek's "
+                           "fp8_cast_bf16.py) and import that")
+    if fmt == "deepseek_v3":
+        return _refuse_deepseek(hf)
     if any(k in hf for k in ("num_experts", "num_local_experts", "moe_intermediate_size")):
         raise ConvertError("the config describes a mixture-of-experts model, which mtpjax cannot represent")
     types = set(hf.get("layer_types") or [])
@@ -102,6 +140,38 @@ def _refuse(hf: dict, fmt: str) -> None:
                            "represent")
 
 
+_DS_ROUTING = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True, "moe_layer_freq": 1,
+               "attention_bias": False, "hidden_act": "silu"}
+
+
+def _refuse_deepseek(hf: dict) -> None:
+    for key, want in _DS_ROUTING.items():
+        if hf.get(key, want) != want:
+            raise ConvertError(f"the config has {key}={hf[key]!r}; mtpjax computes DeepSeek-V3's {key}={want!r} "
+                               "only, so it cannot represent this model")
+
+
+def _deepseek(hf: dict) -> list[str]:
+    """DeepSeek-V3's MLA, MoE and MTP keys as overrides (the module reads the final-normed state, as its engines)."""
+    L, J = int(hf["num_hidden_layers"]), int(hf.get("num_nextn_predict_layers") or 0)
+    first = int(hf.get("first_k_dense_replace") or 0)
+    out = ["model.attention_kind=mla", f"model.q_lora_rank={int(hf.get('q_lora_rank') or 0)}",
+           *(f"model.{k}={int(hf[k])}" for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")),
+           "model.mtp_hidden=normed", f"model.mtp_depth={J}"]
+    if first >= L:  # dense
+        if first < L + J:
+            raise ConvertError(f"the config's MTP layers are MoE (first_k_dense_replace={first}) but its trunk is "
+                               "dense; mtpjax's MTP blocks are of the trunk's kind")
+        return out
+    return [*out, "model.mlp_kind=moe", f"model.first_k_dense_replace={first}",
+            f"model.moe_d_ff={int(hf['moe_intermediate_size'])}",
+            f"model.n_routed_experts={int(hf['n_routed_experts'])}",
+            f"model.num_experts_per_tok={int(hf['num_experts_per_tok'])}",
+            f"model.n_shared_experts={int(hf.get('n_shared_experts') or 0)}",
+            f"model.n_group={int(hf.get('n_group') or 1)}", f"model.topk_group={int(hf.get('topk_group') or 1)}",
+            f"model.routed_scaling_factor={float(hf.get('routed_scaling_factor', 1.0))}"]
+
+
 def _rope(hf: dict) -> list[str]:
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
@@ -110,8 +180,15 @@ def _rope(hf: dict) -> list[str]:
     merged = {**scaling, **params}
     if kind == "default":
         return [f"model.rope_theta={float(theta)}"]
+    if kind == "yarn" and hf.get("model_type") == "deepseek_v3":
+        return [f"model.rope_theta={float(theta)}", "model.rope_scaling=yarn",
+                f"model.rope_scaling_factor={float(merged['factor'])}",
+                f"model.rope_original_max_len={int(merged['original_max_position_embeddings'])}",
+                *(f"model.rope_{k}={float(merged.get(k, d))}" for k, d in (
+                    ("beta_fast", 32.0), ("beta_slow", 1.0), ("mscale", 1.0), ("mscale_all_dim", 0.0)))]
     if kind != "llama3":
-        raise ConvertError(f"the config uses RoPE scaling {kind!r}; mtpjax implements only llama3 scaling")
+        raise ConvertError(f"the config uses RoPE scaling {kind!r}; mtpjax implements llama3 scaling (and YaRN for "
+                           "DeepSeek-V3)")
     return [f"model.rope_theta={float(theta)}", "model.rope_scaling=llama3",
             f"model.rope_scaling_factor={float(merged['factor'])}",
             f"model.rope_low_freq_factor={float(merged['low_freq_factor'])}",
@@ -120,12 +197,13 @@ def _rope(hf: dict) -> list[str]:
 
 
 def model_overrides(hf: dict) -> tuple[str, list[str]]:
-    """(format, dotted model.* overrides) reproducing a Llama / Qwen2 config; ConvertError if it cannot."""
+    """(format, dotted model.* overrides) reproducing a Llama / Qwen2 / DeepSeek-V3 config; ConvertError if it
+    cannot."""
     fmt = architecture(hf)
     _refuse(hf, fmt)
     try:
         d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        head_dim = int(hf.get("head_dim") or d // heads)
+        head_dim = d // heads if fmt == "deepseek_v3" else int(hf.get("head_dim") or d // heads)
         dtype = _DTYPE.get(str(hf.get("torch_dtype") or hf.get("dtype") or "float32"), "float32")
         out = [f"model.vocab_size={int(hf['vocab_size'])}", f"model.d_model={d}",
                f"model.n_layers={int(hf['num_hidden_layers'])}", f"model.n_heads={heads}",
@@ -135,6 +213,8 @@ def model_overrides(hf: dict) -> tuple[str, list[str]]:
                f"model.tie_embeddings={str(bool(hf.get('tie_word_embeddings', False))).lower()}",
                f"model.init_std={float(hf.get('initializer_range', 0.02))}",
                f"model.param_dtype={dtype}", *_rope(hf)]
+        if fmt == "deepseek_v3":
+            return fmt, [*out, *_deepseek(hf)]
     except (KeyError, TypeError, ValueError) as e:
         raise ConvertError(f"config.json lacks or mistypes a required field ({type(e).__name__}: {e})") from None
     if hf.get("num_nextn_predict_layers"):

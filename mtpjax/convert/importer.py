@@ -1,11 +1,11 @@
-"""Import a Llama / Qwen2 safetensors checkpoint as a model-only run directory that `load_model` reads.
+"""Import a Llama / Qwen2 / DeepSeek-V3 safetensors checkpoint as a model-only run directory that `load_model` reads.
 
 Layout written (the items `checkpoint.Checkpointer` writes, without optimizer or data state):
 `OUT/config.yaml`, `OUT/tokenizer/`, `OUT/checkpoints/0/{model,meta}`. Tensors stream from memory-mapped
 safetensors into orbax one at a time: a lazy leaf type whose handler writes leaves sequentially, so memory
 holds a few tensors, not the model (orbax's own numpy path copies every array before writing any).
-MTP modules present in the checkpoint (our own MiMo export) are read back; the others start as
-`model.mtp_init` says.
+MTP modules present in the checkpoint (our own MiMo export, DeepSeek-V3's layers past the trunk) are read back;
+the others start as `model.mtp_init` says.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from mtpjax.convert.hf_config import model_overrides, read_config
 from mtpjax.convert.safetensors_io import FLOATS, Reader
 from mtpjax.nn.model import MTPModule, mtp_from_last_block
 
-_MTP_PREFIX = re.compile(r"^model\.mtp_layers\.(\d+)\.")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 _QKV_BIAS = re.compile(r"self_attn\.[qkv]_proj\.bias$")
 _O_BIAS = re.compile(r"self_attn\.o_proj\.bias$")
@@ -42,6 +41,14 @@ class Lazy:
     @classmethod
     def stack(cls, parts: list[Lazy]) -> Lazy:
         return cls((len(parts), *parts[0].shape), parts[0].dtype, lambda: np.stack([p.produce() for p in parts]), parts)
+
+    @classmethod
+    def nest(cls, parts: dict[tuple, Lazy]) -> Lazy:
+        """One leaf from parts by their leading indices ((layer,), (expert,) or (layer, expert)), stacked in order."""
+        if len(next(iter(parts))) == 1:
+            return cls.stack([parts[i] for i in sorted(parts)])
+        outer = sorted({i[0] for i in parts})
+        return cls.stack([cls.nest({i[1:]: p for i, p in parts.items() if i[0] == o}) for o in outer])
 
     def __getitem__(self, i: int) -> Lazy:  # the last layer of a stacked trunk (mtp_init=last_block)
         return self.parts[i]
@@ -73,9 +80,9 @@ def save_model_checkpoint(run_dir: Path, params: dict, meta: dict) -> None:
         mngr.close()
 
 
-def _loaded_modules(reader: Reader) -> int:
-    """How many MTP layers the checkpoint holds (model.mtp_layers.0 .. n-1)."""
-    found = {int(m[1]) for name in reader.entries if (m := _MTP_PREFIX.match(name))}
+def _loaded_modules(reader: Reader, fmt: str, n_layers: int) -> int:
+    """How many MTP layers the checkpoint holds (model.mtp_layers.0 .. n-1, DeepSeek's model.layers.L .. L+n-1)."""
+    found = {k for name in reader.entries if (k := layout.mtp_index(fmt, n_layers, name)) is not None}
     n = 0
     while n in found:
         n += 1
@@ -102,7 +109,7 @@ def _leaf(reader: Reader, t: layout.Tensor, dtype: np.dtype) -> Lazy:
                            "the checkpoint does not match its config.json")
     if e.dtype not in FLOATS:
         raise ConvertError(f"tensor {t.hf} is {e.dtype}; import takes float checkpoints (not quantized ones)")
-    shape = t.shape[::-1] if t.kind in ("t", "eh") else t.shape
+    shape = t.shape[::-1] if t.kind in ("t", "eh", "rope") else t.shape
     # a view: cast and copied once, when written
     return Lazy(shape, dtype, lambda: layout.from_hf(t, reader.array(t.hf)))
 
@@ -113,19 +120,26 @@ def _set(tree: dict, path: tuple, value) -> None:
     tree[path[-1]] = value
 
 
-def _params(cfg, reader: Reader, fmt: str, loaded: int, has_bias: bool) -> dict:
+def _check_shared(reader: Reader, t: layout.Tensor, first: layout.Tensor) -> None:
+    """A second copy of a leaf (DeepSeek's per-module embedding and head) must equal the first: we keep one."""
+    a, b = reader.array(t.hf), reader.array(first.hf)
+    if a.shape != b.shape or not np.array_equal(a, b):
+        raise ConvertError(f"tensor {t.hf} differs from {first.hf}; mtpjax's MTP modules share the trunk's embedding "
+                           "and head, so it cannot represent this checkpoint")
+
+
+def _params(cfg, reader: Reader, fmt: str, loaded: int, has_bias: bool, interleave: bool = True) -> dict:
     """The model's pure-dict tree with Lazy leaves: HF tensors, then fresh MTP modules for the ones not loaded."""
     m = cfg.model
     if has_bias and not m.qkv_bias:
         raise ConvertError("model.qkv_bias=false would drop the checkpoint's nonzero q/k/v biases; leave it unset")
     shapes = param_shapes(cfg)
-    dtype = np.dtype(shapes["embed"].dtype)
-    tensors = layout.tensors(m, shape_tree(shapes), fmt, loaded)
+    tensors = layout.tensors(m, shape_tree(shapes), fmt, loaded, interleave)
     expected = {t.hf for t in tensors}
     extra = [n for n in reader.entries if n not in expected and not _IGNORED.search(n)
              and not _QKV_BIAS.search(n) and not _O_BIAS.search(n)  # checked to be zero
              and not (n == "lm_head.weight" and m.tie_embeddings)  # tied: transformers ignores it too
-             and not ((k := _MTP_PREFIX.match(n)) and int(k[1]) >= loaded)]
+             and not ((k := layout.mtp_index(fmt, m.n_layers, n)) is not None and k >= loaded)]
     missing = [t.hf for t in tensors if t.kind != "zeros" and t.hf not in reader]
     if missing:
         raise ConvertError(f"the checkpoint lacks tensor {missing[0]} (and {len(missing) - 1} more) that its config "
@@ -134,17 +148,22 @@ def _params(cfg, reader: Reader, fmt: str, loaded: int, has_bias: bool) -> dict:
         raise ConvertError(f"the checkpoint has tensor {extra[0]} (and {len(extra) - 1} more) that a "
                            f"{fmt} model of this config does not have; mtpjax cannot represent it")
     tree = _nested_copy(shapes)
-    stacks: dict[tuple, list] = {}
+    stacks: dict[tuple, dict] = {}
+    firsts: dict[tuple, layout.Tensor] = {}
     for t in tensors:
         if t.kind == "zeros":
             continue
-        leaf = _leaf(reader, t, dtype)
-        if t.layer is None:
-            _set(tree, t.path, leaf)
+        if t.shared:
+            _check_shared(reader, t, firsts[t.path, t.kind])
+            continue
+        firsts[t.path, t.kind] = t
+        leaf = _leaf(reader, t, np.dtype(layout.leaf(shapes, t.path).dtype))
+        if t.index:
+            stacks.setdefault(t.path, {})[t.index] = leaf
         else:
-            stacks.setdefault(t.path, []).append(leaf)
+            _set(tree, t.path, leaf)
     for path, parts in stacks.items():
-        _set(tree, path, Lazy.stack(parts))
+        _set(tree, path, Lazy.nest(parts))
     new = {k: lazy_tree(v) for k, v in _fresh_modules(m, cfg.train.seed).items() if k >= loaded} \
         if loaded < m.mtp_depth else {}
     if new and m.mtp_init == "last_block":
@@ -167,7 +186,7 @@ def _fresh_modules(m, seed: int) -> dict:
         rngs = nnx.Rngs(params=seed)
         return nnx.List([MTPModule(m, rngs) for _ in range(m.mtp_depth)])
 
-    return nnx.to_pure_dict(nnx.state(build(), nnx.Param))
+    return nnx.to_pure_dict(nnx.state(build()))  # parameters and MoE routing biases, as checkpoints hold them
 
 
 def lazy_tree(tree):
@@ -210,8 +229,12 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides=()) -> dict:
         check_vocab(tok, cfg.model.vocab_size)
     except (ConfigError, DataError) as e:
         raise ConvertError(str(e)) from None
-    loaded = min(_loaded_modules(reader), cfg.model.mtp_depth)
-    params = _params(cfg, reader, fmt, loaded, has_bias)
+    loaded = min(_loaded_modules(reader, fmt, cfg.model.n_layers), cfg.model.mtp_depth)
+    params = _params(cfg, reader, fmt, loaded, has_bias, bool(hf.get("rope_interleave", True)))
+    notes = []
+    if loaded < int(hf.get("num_nextn_predict_layers") or 0):
+        notes.append(f"config.json declares {hf['num_nextn_predict_layers']} MTP layers but the checkpoint holds "
+                     f"{loaded}; the other MTP modules start as model.mtp_init={cfg.model.mtp_init} says")
     tmp = fresh_dir(out)
     try:
         (tmp / "config.yaml").write_text(cfg.to_yaml())
@@ -224,5 +247,6 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides=()) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"out": str(out), "format": fmt, "mtp_depth": cfg.model.mtp_depth, "mtp_modules_loaded": loaded,
+            "notes": notes,
             "tensors": len(reader.entries), "bytes": sum(int(np.prod(e.shape, dtype=np.int64)) * e.dtype.itemsize
                                                          for e in reader.entries.values())}

@@ -116,7 +116,9 @@ def _read_header(path: Path) -> dict[str, Entry]:
             continue
         dt = _DTYPES.get(info.get("dtype"))
         if dt is None:
-            raise ConvertError(f"tensor {name} in '{path}' has unsupported dtype {info.get('dtype')}")
+            why = " (float8: quantized); dequantize the checkpoint to bfloat16 first" if str(
+                info.get("dtype")).startswith("F8") else ""
+            raise ConvertError(f"tensor {name} in '{path}' has unsupported dtype {info.get('dtype')}{why}")
         begin, end = info["data_offsets"]
         shape = tuple(info["shape"])
         if end - begin != int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize or 8 + n + end > size:

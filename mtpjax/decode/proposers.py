@@ -97,7 +97,7 @@ def lookup(seq_BS, n_B, G: int, max_n: int):
 
 @struct.dataclass
 class MTPState:
-    h0_BSD: jax.Array  # the trunk's raw hidden state at every committed position (what module 1 reads)
+    h0_BSD: jax.Array  # the trunk's state as module 1 reads it (trunk_state) at every committed position
     caches: tuple  # one KV per MTP module
 
 
@@ -143,12 +143,13 @@ class MTPProposer(Proposer):
     def start(self, models: Models, ctx: Context):
         cfg = models.target.cfg
         B, S = ctx.seq_BS.shape
-        h0_BSD = write_rows(jnp.zeros((B, S, cfg.d_model), ctx.h_BTD.dtype), ctx.h_BTD, ctx.h_start_B)
+        h0_BSD = write_rows(jnp.zeros((B, S, cfg.d_model), ctx.h_BTD.dtype), models.target.trunk_state(ctx.h_BTD),
+                            ctx.h_start_B)
         state = MTPState(h0_BSD=h0_BSD, caches=module_caches(cfg, B, S))
         return self._draft(models.target, state, ctx, jnp.zeros((B,), jnp.int32), ctx.h_BTD.shape[1])
 
     def step(self, models: Models, state: MTPState, ctx: Context):
-        state = state.replace(h0_BSD=write_rows(state.h0_BSD, ctx.h_BTD, ctx.h_start_B))
+        state = state.replace(h0_BSD=write_rows(state.h0_BSD, models.target.trunk_state(ctx.h_BTD), ctx.h_start_B))
         W = self.window()
         return self._draft(models.target, state, ctx, jnp.maximum(ctx.n_B - 1 - W, 0), W)
 

@@ -1,8 +1,9 @@
 """Trunk + J MTP modules (DeepSeek-V3 sequential, or parallel heads); returns hidden states, never losses.
 
-Convention: module k consumes the *raw* (pre-final-norm) hidden state of depth k-1; each depth's
-own final norm is applied only on the way to the shared head. Training and decoding use the same
-methods below, so the convention cannot drift between them.
+Convention: module k > 1 consumes the *raw* (pre-final-norm) hidden state of depth k-1; module 1 reads the
+trunk's state raw or after the trunk's final norm (`model.mtp_hidden`, `trunk_state`). Each depth's own
+final norm is applied only on the way to the shared head. Training and decoding use the same methods
+below, so the convention cannot drift between them.
 """
 
 from __future__ import annotations
@@ -131,8 +132,13 @@ class MTPTransformer(nnx.Module):
                 routing[f"blocks.{i}"] = aux
         return x, None if cache is None else tuple(news), routing
 
+    def trunk_state(self, h_raw_BTD):
+        """The trunk's state as the MTP modules read it (h0): raw, or final-normed when model.mtp_hidden=normed."""
+        return self.final_norm(h_raw_BTD) if self.cfg.mtp_hidden == "normed" else h_raw_BTD
+
     def mtp_input(self, h_prev, h0):
-        """What MTP module k reads: the raw h_{k-1} (sequential: the chain) or the trunk's h0 (parallel heads)."""
+        """What MTP module k reads: h_{k-1} (sequential: the chain, starting at h0) or h0 (parallel heads); h0 is
+        trunk_state's."""
         return h_prev if self.cfg.mtp_kind == "sequential" else h0
 
     def mtp_forward(self, k: int, h_prev_BTD, next_tokens_BT, pos_BT=None, seg_BT=None, cache: KV | None = None):
@@ -153,7 +159,7 @@ class MTPTransformer(nnx.Module):
         module `unroll_module`'s reuses (unrolled[u-1] predicts x[i+unroll_module+u+1])."""
         h, _, routing = self.trunk_routed(tokens_BT, seg_BT=segment_ids_BT)
         hidden, raw = [self.final_norm(h)], [h]
-        h0 = h
+        h = h0 = hidden[0] if self.cfg.mtp_hidden == "normed" else h  # trunk_state's, its norm computed once
         for k in range(1, self.cfg.mtp_depth + 1):
             # Positions past the end read token 0; their targets are masked in the loss and causal
             # attention keeps them from touching earlier positions.
