@@ -1,0 +1,161 @@
+"""Static draft trees: their shape (parsed from `2x2x1` or a parent list), the masks that verify them, and the rule
+that walks a verified tree to its longest accepted path.
+
+Node i (0-based, parents before children) continues node parents[i]; -1 is the last committed token, the root. In
+the verification rows the root is row 0 and node i row i+1; a row sees the committed cache and its own ancestors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtpjax.errors import MtpjaxError
+
+MAX_NODES = 64  # verifying more rows than this per round never pays; the drafting loop is unrolled per node
+
+
+class TreeError(MtpjaxError, ValueError):
+    """A draft-tree spec that cannot be built (one line naming the problem and the fix)."""
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A draft tree by its parents (node i continues node parents[i]; -1: the root)."""
+
+    parents: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @cached_property
+    def depth(self) -> tuple[int, ...]:
+        """Each node's depth (1: a child of the root)."""
+        d: list[int] = []
+        for p in self.parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return tuple(d)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth, default=0)
+
+    def children(self, node: int) -> tuple[int, ...]:
+        """The nodes continuing `node` (-1: the root), in rank order."""
+        return tuple(i for i, p in enumerate(self.parents) if p == node)
+
+    @cached_property
+    def rank(self) -> tuple[int, ...]:
+        """Each node's place among its siblings (0: drafted first, the likeliest when greedy)."""
+        return tuple(self.children(p).index(i) for i, p in enumerate(self.parents))
+
+    def at_depth(self, lo: int, hi: int) -> tuple[int, ...]:
+        """The nodes of depths lo..hi, in node order."""
+        return tuple(i for i, d in enumerate(self.depth) if lo <= d <= hi)
+
+    def is_chain(self) -> bool:
+        return self.parents == tuple(range(-1, self.size - 1))
+
+    def name(self) -> str:
+        """`2x2x1` when each depth branches evenly, else the parent list."""
+        b = self.branching()
+        return "x".join(map(str, b)) if b else ",".join(map(str, self.parents))
+
+    def branching(self) -> tuple[int, ...] | None:
+        """The branching factor per depth when every node of a depth has as many children, else None."""
+        out = []
+        for d in range(self.max_depth):
+            counts = {len(self.children(p)) for p in ((-1,) if d == 0 else self.at_depth(d, d))}
+            if len(counts) != 1:
+                return None
+            out.append(counts.pop())
+        return tuple(out)
+
+    def sees(self, nodes: tuple[int, ...]) -> np.ndarray:
+        """[T, T] bool: row r (node nodes[r]) sees row c when nodes[c] is nodes[r] or one of its ancestors."""
+        anc = [self.ancestors(v) for v in nodes]
+        return np.array([[c in anc[r] for c in nodes] for r in range(len(nodes))], bool)
+
+    def ancestors(self, node: int) -> set[int]:
+        """The node and its ancestors (the root, -1, included)."""
+        out = {node}
+        while node >= 0:
+            node = self.parents[node]
+            out.add(node)
+        return out
+
+
+def chain_tree(num_draft: int) -> Tree:
+    return Tree(tuple(range(-1, num_draft - 1)))
+
+
+def parse_tree(spec: str) -> Tree:
+    """`2x2x1` (children per node at each depth, top-b distinct when greedy) or a parent list `-1,-1,0,0,1`."""
+    spec = spec.strip()
+    try:
+        if "," in spec or spec.lstrip("-").isdigit() and spec.startswith("-"):
+            parents = tuple(int(x) for x in spec.split(","))
+            bad = [i for i, p in enumerate(parents) if not -1 <= p < i]
+            if bad:
+                raise TreeError(f"tree {spec!r}: node {bad[0]}'s parent {parents[bad[0]]} is not an earlier node or -1 "
+                                "(the root); list each node's parent, parents first, e.g. -1,-1,0,0")
+            tree = Tree(parents)
+        else:
+            branching = tuple(int(x) for x in spec.lower().split("x"))
+            if not branching or min(branching) < 1:
+                raise ValueError
+            parents, frontier = [], [-1]
+            for b in branching:
+                nxt = []
+                for p in frontier:
+                    for _ in range(b):
+                        nxt.append(len(parents))
+                        parents.append(p)
+                frontier = nxt
+            tree = Tree(tuple(parents))
+    except ValueError as e:
+        if isinstance(e, TreeError):
+            raise
+        raise TreeError(f"tree {spec!r} is not a shape; give children per depth as 2x2x1 (each >= 1) or each node's "
+                        "parent as -1,-1,0,0") from None
+    if not 0 < tree.size <= MAX_NODES:
+        raise TreeError(f"tree {spec!r} has {tree.size} nodes; use 1..{MAX_NODES} (e.g. 2x2x1, 10 nodes)")
+    return tree
+
+
+def verify_rows(tree: Tree):
+    """(depth of each verification row, [Y,Y] mask of what each row sees): the root then the nodes."""
+    nodes = (-1,) + tuple(range(tree.size))
+    return np.array((0,) + tree.depth, np.int32), tree.sees(nodes)
+
+
+def greedy_path(tree: Tree, drafts_BG, g_BY):
+    """(accepted depth a_B, path_BY: the verification row at each depth 0..D, root first): a node is accepted when
+    it and every ancestor equal the target's argmax after their parent; siblings are distinct, so one path."""
+    ok = []
+    for i, p in enumerate(tree.parents):
+        hit_B = drafts_BG[:, i] == g_BY[:, p + 1]
+        ok.append(hit_B if p < 0 else hit_B & ok[p])
+    return _path(tree, jnp.stack(ok, 1) if ok else jnp.zeros(drafts_BG.shape, bool))
+
+
+def _path(tree: Tree, on_BG):
+    """(depth reached, the row at each depth) from the accepted nodes (at most one per depth)."""
+    B = on_BG.shape[0]
+    depth_G = jnp.asarray(tree.depth, jnp.int32)
+    a_B = jnp.max(jnp.where(on_BG, depth_G[None], 0), axis=1, initial=0).astype(jnp.int32)
+    rows = [jnp.zeros((B,), jnp.int32)]
+    for d in range(1, tree.max_depth + 1):
+        at_G = (depth_G == d)[None] & on_BG
+        rows.append(jnp.where(at_G.any(1), jnp.argmax(at_G, axis=1) + 1, 0).astype(jnp.int32))
+    return a_B, jnp.stack(rows, 1)
+
+
+def along(x_BY, path_BY):
+    """x's rows along each batch row's path (x may have trailing axes)."""
+    return jax.vmap(lambda x, p: x[p])(x_BY, path_BY)
