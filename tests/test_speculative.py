@@ -365,12 +365,13 @@ def test_stochastic_companion_wrong_rule_is_detected():
     assert _tv(res, exact, 6, 3) > TV_BOUND
 
 
-def _cache_copies_per_round(model, num_draft: int) -> list[str]:
+def _cache_copies_per_round(model, num_draft: int, tree: str | None = None) -> list[str]:
     """Instructions of the compiled decode loop's body that copy or transpose a whole KV-cache buffer."""
     import functools
     import re
 
-    loop = make_loop(model, PROMPTS[:1], max_new_tokens=8, num_draft=num_draft, proposer="mtp", sampler=make_sampler())
+    loop = make_loop(model, PROMPTS[:1], max_new_tokens=8, num_draft=num_draft, proposer="mtp", sampler=make_sampler(),
+                     tree=tree)
     cfg = model.cfg
     elems = loop.capacity * cfg.n_kv_heads * cfg.resolved_head_dim  # batch 1
     gdef, params = nnx.split(model)
