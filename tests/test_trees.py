@@ -6,9 +6,11 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from test_speculative import PROMPTS, _cache_copies_per_round, _cfg, _fresh_module_caches, _train
+from test_speculative import PROMPTS, TV_BOUND, _cache_copies_per_round, _cfg, _context_logits, _exact_joint, \
+    _fresh_module_caches, _sharpen, _train, _tv
 
 import mtpjax.decode.loop as loop_module
+import mtpjax.decode.tree as tree_module
 from mtpjax.decode import DecodeError, generate, make_loop, run, summarize
 from mtpjax.decode.cache import stacked
 from mtpjax.decode.sampling import make_sampler
@@ -143,3 +145,32 @@ def test_tree_rounds_update_the_caches_in_place(half_trained, monkeypatch):
 
     monkeypatch.setattr(layers, "write_after", lambda cache, k, v, start, o: layers.write_kv(cache, k, v, start))
     assert len(_cache_copies_per_round(half_trained, 0, tree="2x2")) >= 2 * half_trained.cfg.n_layers
+
+
+def _tree_tv(tree: str, sampling: dict, proposer="mtp"):
+    """TV between sampled tree decoding's 3-token continuations and the exact joint, and the depth-1 acceptance."""
+    model = build_model(_cfg(vocab_size=6, mtp_depth=2), seed=2)
+    _sharpen(model, 5.0)  # a random model: drafts disagree with the target often, so every rule is exercised
+    sampler = make_sampler(sampling["temperature"], sampling.get("top_k"), sampling.get("top_p"))
+    prompt, n_tok, N = [1, 2, 3], 3, 6000
+    exact = _exact_joint(_context_logits(model, prompt, n_tok), **sampling)
+    loop = make_loop(model, [prompt] * N, max_new_tokens=n_tok, num_draft=0, proposer=proposer, sampler=sampler,
+                     tree=tree)
+    res = summarize(run(model, [prompt] * N, loop, seed=7))
+    return _tv(res, exact, 6, n_tok), res.stats["acceptance_by_position"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tree,sampling", [("2x2", dict(temperature=1.0, top_k=2)),
+                                           ("3x1", dict(temperature=0.7, top_p=0.8))])
+def test_sampled_trees_preserve_the_target_distribution(tree, sampling):
+    """Siblings drawn i.i.d. from q, recursive rejection with p <- norm(max(p - q, 0)): the exact joint."""
+    tv, alpha = _tree_tv(tree, sampling)
+    assert tv < TV_BOUND and alpha < 0.95  # rejections happened
+
+
+@pytest.mark.slow
+def test_sampled_tree_companion_a_wrong_sibling_rule_is_detected(monkeypatch):
+    """Testing every sibling against the unreduced p (no residual after a rejection) visibly changes the output."""
+    monkeypatch.setattr(tree_module, "residual", lambda p, q: p)
+    assert _tree_tv("3x1", dict(temperature=1.0))[0] > TV_BOUND

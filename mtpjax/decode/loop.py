@@ -176,10 +176,7 @@ class Loop:
             a_B = jnp.cumprod(u_BG * q_BG < p_BG, axis=1).sum(axis=1).astype(jnp.int32)
             p_BV = take_rows(p_BYV, a_B)
             q_BV = take_rows(jnp.concatenate([q_BGV, jnp.zeros((B, 1, V))], 1), a_B)  # q = 0 past the drafts
-            resid_BV = jnp.maximum(p_BV - q_BV, 0.0)
-            mass = resid_BV.sum(-1, keepdims=True)
-            resid_BV = jnp.where(mass > 0, resid_BV / jnp.where(mass > 0, mass, 1.0), p_BV)
-            bonus_B = draw(row_keys(st.key, 2, it, B), resid_BV)
+            bonus_B = draw(row_keys(st.key, 2, it, B), trees.residual(p_BV, q_BV))
         i = jnp.arange(Y)[None, :]
         toks_BY = jnp.where(i < a_B[:, None], jnp.pad(d_BG, ((0, 0), (0, 1))), bonus_B[:, None].astype(jnp.int32))
         return a_B, toks_BY, jnp.broadcast_to(i, (B, Y))
@@ -192,7 +189,11 @@ class Loop:
             a_B, path_BY = trees.greedy_path(tree, st.drafts_BG, g_BY)
             bonus_B = take_rows(trees.along(g_BY, path_BY), a_B)
         else:
-            raise NotImplementedError("sampled trees")
+            B, Y, V = logits_BYV.shape
+            p_BYV = probs(self.sampler, logits_BYV.reshape(B * Y, V)).reshape(B, Y, V)
+            u_BG = jax.vmap(lambda k: jax.random.uniform(k, (Y - 1,)))(row_keys(st.key, 1, it, B))
+            a_B, path_BY, left_BV = trees.sampled_path(tree, st.drafts_BG, st.q_BGV, p_BYV, u_BG)
+            bonus_B = draw(row_keys(st.key, 2, it, B), left_BV)
         d_BY = trees.along(jnp.pad(st.drafts_BG, ((0, 0), (1, 0))), path_BY)  # the root's column: never committed
         i = jnp.arange(tree.max_depth + 1)[None, :]
         toks_BY = jnp.where(i < a_B[:, None], jnp.roll(d_BY, -1, axis=1), bonus_B[:, None])

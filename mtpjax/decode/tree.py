@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtpjax.decode.cache import take_rows
 from mtpjax.errors import MtpjaxError
 
 MAX_NODES = 64  # verifying more rows than this per round never pays; the drafting loop is unrolled per node
@@ -142,6 +143,46 @@ def greedy_path(tree: Tree, drafts_BG, g_BY):
         hit_B = drafts_BG[:, i] == g_BY[:, p + 1]
         ok.append(hit_B if p < 0 else hit_B & ok[p])
     return _path(tree, jnp.stack(ok, 1) if ok else jnp.zeros(drafts_BG.shape, bool))
+
+
+def residual(p_BV, q_BV):
+    """The target left after a draft from q is rejected: norm(max(p - q, 0)) (p itself where nothing is left)."""
+    r_BV = jnp.maximum(p_BV - q_BV, 0.0)
+    mass = r_BV.sum(-1, keepdims=True)
+    return jnp.where(mass > 0, r_BV / jnp.where(mass > 0, mass, 1.0), p_BV)
+
+
+def sampled_path(tree: Tree, drafts_BG, q_BGV, p_BYV, u_BG):
+    """(a_B, path_BY, the distribution the token after the path is drawn from) by recursive rejection (SpecInfer):
+    from the root, each child in rank order is accepted with min(1, p(x)/q(x)) for the q it was drawn from (siblings
+    drawn independently); each rejection turns p into residual(p, q); accepting moves to the child and its fresh p;
+    when every child is rejected, the token comes from what is left of p. Exact for any independent drafts."""
+    B = drafts_BG.shape[0]
+    kids = [tree.children(v) for v in range(-1, tree.size)]  # by verification row
+    width = max(map(len, kids))
+    table_YC = jnp.asarray([list(k) + [-1] * (width - len(k)) for k in kids], jnp.int32)
+    cur_B, a_B = jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32)
+    stopped_B = jnp.zeros((B,), bool)
+    left_BV = take_rows(p_BYV, cur_B)
+    rows = [cur_B]
+    for _ in range(tree.max_depth):
+        p_BV, moved_B, nxt_B = take_rows(p_BYV, cur_B), jnp.zeros((B,), bool), cur_B
+        for j in range(width):
+            c_B = table_YC[cur_B, j]
+            live_B = ~stopped_B & ~moved_B & (c_B >= 0)
+            c_B = jnp.maximum(c_B, 0)
+            x_B = take_rows(drafts_BG, c_B)
+            q_BV = take_rows(q_BGV, c_B)
+            px_B, qx_B = take_rows(p_BV, x_B), take_rows(q_BV, x_B)
+            ok_B = live_B & (take_rows(u_BG, c_B) * qx_B < px_B)
+            p_BV = jnp.where((live_B & ~ok_B)[:, None], residual(p_BV, q_BV), p_BV)
+            moved_B, nxt_B = moved_B | ok_B, jnp.where(ok_B, c_B + 1, nxt_B)
+        stop_now_B = ~stopped_B & ~moved_B
+        left_BV = jnp.where(stop_now_B[:, None], p_BV, left_BV)
+        stopped_B, cur_B, a_B = stopped_B | stop_now_B, nxt_B, a_B + moved_B
+        rows.append(jnp.where(moved_B, nxt_B, 0))
+    left_BV = jnp.where(stopped_B[:, None], left_BV, take_rows(p_BYV, cur_B))
+    return a_B, jnp.stack(rows, 1), left_BV
 
 
 def _path(tree: Tree, on_BG):
