@@ -174,3 +174,11 @@ def test_sampled_tree_companion_a_wrong_sibling_rule_is_detected(monkeypatch):
     """Testing every sibling against the unreduced p (no residual after a rejection) visibly changes the output."""
     monkeypatch.setattr(tree_module, "residual", lambda p, q: p)
     assert _tree_tv("3x1", dict(temperature=1.0))[0] > TV_BOUND
+
+
+def test_a_bad_tree_flag_is_one_line_and_exit_2(capsys):
+    from mtpjax.cli.decode import main
+
+    assert main(["--run-dir", "nowhere", "--prompt", "x", "--tree", "2x0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tree" in err and "2x2x1" in err

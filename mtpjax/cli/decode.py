@@ -16,6 +16,7 @@ from mtpjax.config import DecodeConfig, choices
 from mtpjax.decode import api, autodraft
 from mtpjax.decode.cache import cache_bytes, rows
 from mtpjax.decode.host import DecodeError
+from mtpjax.decode.tree import TreeError, parse_tree
 
 MAX_DRAFT = 16  # more drafts per round than this is never accepted in practice; the round loop is unrolled
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
@@ -36,6 +37,10 @@ def parser() -> Parser:
                    help="mtp: the run's MTP modules (module k drafts token k); mtp1: module 1 drafts every token; "
                         "ngram: prompt lookup; model: the --draft-run-dir model (default: decode.proposer, or model "
                         "with --draft-run-dir)")
+    p.add_argument("--tree", type=_tree, default=None,
+                   help="draft a static tree with the MTP modules instead of a chain: children per node at each depth "
+                        "(2x2x1: top-2 at depths 1 and 2, top-1 at 3) or each node's parent (-1,-1,0,0) "
+                        "(default: decode.tree)")
     p.add_argument("--draft-run-dir", default=None,
                    help="a run trained with the same tokenizer (e.g. configs/draft_tiny.yaml) whose model drafts")
     p.add_argument("--temperature", type=float, default=None)
@@ -65,6 +70,13 @@ def _num_draft(text: str):
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be auto or an integer number of drafts, got {text!r}") from None
+
+
+def _tree(text: str):
+    try:
+        return parse_tree(text).name()
+    except TreeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _fmt(d: dict) -> str:
@@ -126,6 +138,12 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
     d = cfg.decode
     num_draft = args.num_draft if args.num_draft is not None else (d.num_draft if d.num_draft >= 0 else "auto")
     proposer = _proposer(args, cfg)
+    tree = args.tree or d.tree or None
+    if tree is not None:
+        if args.num_draft is not None:
+            raise DecodeError(f"--num-draft and a tree ({tree}) both say how much to draft; give one of them")
+        tree = parse_tree(tree)
+        num_draft = 0
     texts = _prompts(args)
     prompts = [tok.encode(t) for t in texts]
     if any(len(p) == 0 for p in prompts):
@@ -133,6 +151,7 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
     max_new = args.max_new_tokens or d.max_new_tokens
     # the largest γ that may run
     most = max(autodraft.candidates(model, proposer)) if num_draft == "auto" else num_draft
+    most = tree.size if tree is not None else most
     _check_size(cfg.model, prompts, max_new, most, args.max_len or d.max_len)
     if args.temperature is not None and not math.isfinite(args.temperature):
         raise DecodeError(f"--temperature {args.temperature} must be a finite number >= 0 (0 = greedy)")
@@ -169,7 +188,7 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
                    top_k=args.top_k if args.top_k is not None else d.top_k,
                    top_p=args.top_p if args.top_p is not None else d.top_p, seed=args.seed,
                    eos_id=tok.eos_id, max_len=args.max_len or d.max_len, on_commit=on_commit if stream else None,
-                   calibrations=saved, draft=draft, progress=progress, plain_first=True)
+                   calibrations=saved, draft=draft, progress=progress, plain_first=True, tree=tree)
     seconds = time.perf_counter() - t0
     if stream:
         if not ended[0]:
@@ -194,9 +213,11 @@ def label(proposer: str, num_draft: int) -> str:
 
 def _print_stats(s: dict, proposer: str, seconds: float, saved_path) -> None:
     """--stats: what ran and its acceptance; with auto, what was measured, what it cost, and what was chosen."""
-    line = f"[{label(proposer, s['num_draft'])}] rounds={s['rounds']} tokens/round={s['tokens_per_round']:.2f}"
+    what = f"{proposer} tree={s['tree']} ({s['num_draft']} nodes)" if "tree" in s else label(proposer, s["num_draft"])
+    line = f"[{what}] rounds={s['rounds']} tokens/round={s['tokens_per_round']:.2f}"
     if s["num_draft"]:
-        line += f" acceptance={[round(a, 3) for a in s['acceptance_by_position']]}"
+        by = "acceptance_by_depth" if "tree" in s else "acceptance"
+        line += f" {by}={[round(a, 3) for a in s['acceptance_by_position']]}"
     print(line, file=sys.stderr)
     if "calibration" in s:
         c = s["calibration"]

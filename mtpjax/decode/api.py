@@ -7,6 +7,7 @@ import numpy as np
 from mtpjax.decode import autodraft
 from mtpjax.decode.host import DecodeError, GenerateResult, check_proposer, make_loop, run, summarize
 from mtpjax.decode.sampling import make_sampler
+from mtpjax.decode.tree import Tree
 from mtpjax.nn.model import MTPTransformer
 
 
@@ -15,7 +16,7 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
              eos_id: int | None = None, max_len: int | None = None, on_commit=None,
              calibrations: autodraft.SavedCalibrations | None = None,
              draft: MTPTransformer | None = None, progress=None, plain_first: bool = False,
-             tree: str | None = None) -> GenerateResult:
+             tree: str | Tree | None = None) -> GenerateResult:
     """Generate up to max_new_tokens per prompt (lists of token ids of any lengths), speculatively if num_draft>0.
 
     proposer: "mtp" (the model's MTP modules, module k drafting token k), "mtp1" (module 1 drafting every
@@ -53,6 +54,7 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
     res.stats["num_draft"] = int(num_draft)
     if tree is not None:
         res.stats["tree"] = loop_for(0).tree.name()
+        res.stats["num_draft"] = loop_for(0).num_draft
     if after:  # measured now that the output is out, for the next request of this shape
         _, cal = autodraft.resolve(model, prompts, loop_for, proposer, seed, calibrations, draft=draft,
                                    progress=progress)
