@@ -17,6 +17,7 @@ from mtpjax.decode.sampling import make_sampler
 from mtpjax.decode.tree import Tree, TreeError, parse_tree
 from mtpjax.decode.treedraft import TreeMTPProposer
 from mtpjax.nn.model import build_model
+from mtpjax.nn.speed import tree_expected_tokens
 
 MLA = dict(attention_kind="mla", kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=6,
            v_head_dim=10)
@@ -42,6 +43,10 @@ def _check_tree_equal(model, trees, batches, proposer="mtp"):
             assert out.tokens == base.tokens, (tree, len(prompts))
             assert out.stats["tree"] == tree
             assert 0 < sum(out.stats["accepted"]) < sum(out.stats["reached"])  # accepted and rejected branches
+            # the arithmetic's tree E from the measured acceptance by depth and rank is the measured count
+            if parse_tree(tree).branching():
+                E = tree_expected_tokens(parse_tree(tree), out.stats["acceptance_by_depth_rank"])
+                assert E == pytest.approx(1 + sum(out.stats["accepted"]) / out.stats["rounds"])
 
 
 def test_greedy_tree_equals_plain(half_trained):

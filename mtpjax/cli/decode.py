@@ -216,8 +216,10 @@ def _print_stats(s: dict, proposer: str, seconds: float, saved_path) -> None:
     what = f"{proposer} tree={s['tree']} ({s['num_draft']} nodes)" if "tree" in s else label(proposer, s["num_draft"])
     line = f"[{what}] rounds={s['rounds']} tokens/round={s['tokens_per_round']:.2f}"
     if s["num_draft"]:
-        by = "acceptance_by_depth" if "tree" in s else "acceptance"
-        line += f" {by}={[round(a, 3) for a in s['acceptance_by_position']]}"
+        if "tree" in s:  # the share each rank takes at each depth (nn.speed.tree_expected_tokens reads it)
+            line += f" acceptance_by_depth_rank={[[round(a, 3) for a in row] for row in s['acceptance_by_depth_rank']]}"
+        else:
+            line += f" acceptance={[round(a, 3) for a in s['acceptance_by_position']]}"
     print(line, file=sys.stderr)
     if "calibration" in s:
         c = s["calibration"]

@@ -7,7 +7,7 @@ import numpy as np
 from mtpjax.decode import autodraft
 from mtpjax.decode.host import DecodeError, GenerateResult, check_proposer, make_loop, run, summarize
 from mtpjax.decode.sampling import make_sampler
-from mtpjax.decode.tree import Tree
+from mtpjax.decode.tree import Tree, acceptance_by_depth_rank
 from mtpjax.nn.model import MTPTransformer
 
 
@@ -53,8 +53,9 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
     res = summarize(run(model, prompts, loop_for(int(num_draft)), seed, draft=draft, on_commit=on_commit))
     res.stats["num_draft"] = int(num_draft)
     if tree is not None:
-        res.stats["tree"] = loop_for(0).tree.name()
-        res.stats["num_draft"] = loop_for(0).num_draft
+        shape = loop_for(0).tree
+        res.stats.update(tree=shape.name(), num_draft=shape.size, acceptance_by_depth_rank=acceptance_by_depth_rank(
+            shape, res.stats["accepted_by_node"], res.stats["reached"]))
     if after:  # measured now that the output is out, for the next request of this shape
         _, cal = autodraft.resolve(model, prompts, loop_for, proposer, seed, calibrations, draft=draft,
                                    progress=progress)

@@ -133,5 +133,6 @@ def summarize(st: DecodeState) -> GenerateResult:
     stats = {"rounds": rounds, "generated": generated,
              # the first token comes from the prefill, not from a round
              "tokens_per_round": (generated - len(n_B)) / rounds if rounds else 0.0,
-             "acceptance_by_position": alpha, "accepted": accepted_G.tolist(), "reached": reached_G.tolist()}
+             "acceptance_by_position": alpha, "accepted": accepted_G.tolist(), "reached": reached_G.tolist(),
+             "accepted_by_node": np.asarray(st.accepted_nodes_BG).sum(0).tolist()}
     return GenerateResult(tokens=tokens, stats=stats)

@@ -54,6 +54,7 @@ class DecodeState:
     rounds_B: jax.Array
     reached_BG: jax.Array  # rounds in which a draft at depth i+1 was evaluated (all before it accepted)
     accepted_BG: jax.Array  # rounds in which a draft at depth i+1 was accepted
+    accepted_nodes_BG: jax.Array  # rounds in which node i of the draft tree was accepted (a chain: as accepted_BG)
     key: jax.Array
     stream: jax.Array
     ref_BS: jax.Array | None = None  # the request's reference (Forced loops)
@@ -131,7 +132,8 @@ class Loop:
             trunk=trunk, seq_BS=seq_BS, n_B=n_B, prompt_len_B=req.plen_B, budget_B=req.budget_B,
             drafts_BG=draft.tokens_BG, q_BGV=draft.q_BGV, proposer=pstate,
             done_B=(first_B == self.eos_id) | (req.budget_B <= 1), rounds_B=jnp.zeros((B,), jnp.int32),
-            reached_BG=zeros_BG, accepted_BG=zeros_BG, key=req.key, stream=req.stream, ref_BS=req.ref_BS)
+            reached_BG=zeros_BG, accepted_BG=zeros_BG, accepted_nodes_BG=jnp.zeros((B, self.num_draft), jnp.int32),
+            key=req.key, stream=req.stream, ref_BS=req.ref_BS)
 
     def round(self, models: Models, st: DecodeState, it) -> DecodeState:
         """One verify → accept → commit → propose round."""
@@ -150,7 +152,8 @@ class Loop:
             h_BYD = trees.along(h_BYD, path_BY)
         st = st.replace(trunk=trunk)
         with jax.named_scope("commit"):
-            st = self.commit(st, a_B, toks_BY)
+            on_BG = ~st.done_B[:, None] & trees.accepted_nodes(tree, a_B, path_BY)
+            st = self.commit(st.replace(accepted_nodes_BG=st.accepted_nodes_BG + on_BG), a_B, toks_BY)
         with jax.named_scope("propose"):
             ctx = Context(st.seq_BS, st.n_B, h_BYD, start_B, self.sampler, st.key, it)
             pstate, draft = self.proposer.step(models, st.proposer, ctx)

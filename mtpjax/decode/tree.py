@@ -145,6 +145,23 @@ def greedy_path(tree: Tree, drafts_BG, g_BY):
     return _path(tree, jnp.stack(ok, 1) if ok else jnp.zeros(drafts_BG.shape, bool))
 
 
+def accepted_nodes(tree: Tree, a_B, path_BY):
+    """[B, G] bool: the nodes on each row's accepted path."""
+    depth_G = jnp.asarray(tree.depth, jnp.int32)
+    row_BG = jnp.take_along_axis(path_BY, jnp.broadcast_to(depth_G[None], (a_B.shape[0], tree.size)), axis=1)
+    return (depth_G[None] <= a_B[:, None]) & (row_BG == jnp.arange(1, tree.size + 1)[None])
+
+
+def acceptance_by_depth_rank(tree: Tree, accepted_by_node, reached_by_depth) -> list[list[float]]:
+    """a[d][r] as nn.speed.tree_expected_tokens reads it: the share of the rounds that reached depth d+1 in which
+    its rank-r node (summed over the parents at that depth) was the one accepted."""
+    out = [[0.0] * max(len(tree.children(p)) for p in (-1,) + tree.at_depth(d, d)) for d in range(tree.max_depth)]
+    for v in range(tree.size):
+        d, r = tree.depth[v] - 1, tree.rank[v]
+        out[d][r] += accepted_by_node[v] / reached_by_depth[d] if reached_by_depth[d] else 0.0
+    return out
+
+
 def residual(p_BV, q_BV):
     """The target left after a draft from q is rejected: norm(max(p - q, 0)) (p itself where nothing is left)."""
     r_BV = jnp.maximum(p_BV - q_BV, 0.0)
