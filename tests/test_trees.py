@@ -14,7 +14,7 @@ import mtpjax.decode.tree as tree_module
 from mtpjax.decode import DecodeError, generate, make_loop, run, summarize
 from mtpjax.decode.cache import stacked
 from mtpjax.decode.sampling import make_sampler
-from mtpjax.decode.tree import Tree, TreeError, parse_tree
+from mtpjax.decode.tree import Tree, TreeError, parse_tree, split_hybrid
 from mtpjax.decode.treedraft import TreeMTPProposer
 from mtpjax.nn.model import build_model
 from mtpjax.nn.speed import tree_expected_tokens
@@ -44,8 +44,9 @@ def _check_tree_equal(model, trees, batches, proposer="mtp"):
             assert out.stats["tree"] == tree
             assert 0 < sum(out.stats["accepted"]) < sum(out.stats["reached"])  # accepted and rejected branches
             # the arithmetic's tree E from the measured acceptance by depth and rank is the measured count
-            if parse_tree(tree).branching():
-                E = tree_expected_tokens(parse_tree(tree), out.stats["acceptance_by_depth_rank"])
+            base, ngram = split_hybrid(tree)
+            if not ngram and parse_tree(base).branching():
+                E = tree_expected_tokens(parse_tree(base), out.stats["acceptance_by_depth_rank"])
                 assert E == pytest.approx(1 + sum(out.stats["accepted"]) / out.stats["rounds"])
 
 
@@ -129,9 +130,10 @@ def test_bad_tree_specs_are_one_line_errors(half_trained):
     assert parse_tree("2x2x1").parents == (-1, -1, 0, 0, 1, 1, 2, 3, 4, 5)
     assert parse_tree("-1,-1,0").parents == (-1, -1, 0) and Tree((-1, -1, 0, 1)).name() == "2x1"
     assert Tree((-1, -1, 0, 2)).name() == "-1,-1,0,2"
-    for spec in ["2x0", "ax2", "", "-1,1", "0", "9x9"]:
+    assert split_hybrid("2x2+ngram3") == ("2x2", 3) and split_hybrid("2x2") == ("2x2", 0)
+    for spec in ["2x0", "ax2", "", "-1,1", "0", "9x9", "2x2+ngram0", "2x2+trie"]:
         with pytest.raises(TreeError) as e:
-            parse_tree(spec)
+            parse_tree(split_hybrid(spec)[0])
         assert "\n" not in str(e.value) and spec in str(e.value)
     with pytest.raises(DecodeError, match="proposer mtp or mtp1"):
         make_loop(half_trained, PROMPTS, max_new_tokens=4, num_draft=0, proposer="ngram", tree="2x2")
@@ -187,3 +189,15 @@ def test_a_bad_tree_flag_is_one_line_and_exit_2(capsys):
     assert main(["--run-dir", "nowhere", "--prompt", "x", "--tree", "2x0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--tree" in err and "2x2x1" in err
+
+
+def test_hybrid_tree_with_an_ngram_branch_equals_plain(half_trained):
+    """2x1+ngram2: the n-gram lookup's chain as the root's last branch (its first token may repeat an MTP child's)."""
+    _check_tree_equal(half_trained, ["2x1+ngram2"], [PROMPTS])
+
+
+@pytest.mark.slow
+def test_sampled_hybrid_tree_preserves_the_target_distribution():
+    """The n-gram branch is a point mass (one-hot q) beside i.i.d. MTP siblings: each rejection uses its own q."""
+    tv, alpha = _tree_tv("2x1+ngram2", dict(temperature=1.0, top_k=2))
+    assert tv < TV_BOUND and alpha < 0.95

@@ -16,7 +16,7 @@ from mtpjax.config import DecodeConfig, choices
 from mtpjax.decode import api, autodraft
 from mtpjax.decode.cache import cache_bytes, rows
 from mtpjax.decode.host import DecodeError
-from mtpjax.decode.tree import TreeError, parse_tree
+from mtpjax.decode.tree import TreeError, parse_tree, split_hybrid
 
 MAX_DRAFT = 16  # more drafts per round than this is never accepted in practice; the round loop is unrolled
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
@@ -39,8 +39,8 @@ def parser() -> Parser:
                         "with --draft-run-dir)")
     p.add_argument("--tree", type=_tree, default=None,
                    help="draft a static tree with the MTP modules instead of a chain: children per node at each depth "
-                        "(2x2x1: top-2 at depths 1 and 2, top-1 at 3) or each node's parent (-1,-1,0,0) "
-                        "(default: decode.tree)")
+                        "(2x2x1: top-2 at depths 1 and 2, top-1 at 3) or each node's parent (-1,-1,0,0); +ngramL adds "
+                        "n-gram lookup's L drafts as one more branch (2x2+ngram3) (default: decode.tree)")
     p.add_argument("--draft-run-dir", default=None,
                    help="a run trained with the same tokenizer (e.g. configs/draft_tiny.yaml) whose model drafts")
     p.add_argument("--temperature", type=float, default=None)
@@ -74,7 +74,8 @@ def _num_draft(text: str):
 
 def _tree(text: str):
     try:
-        return parse_tree(text).name()
+        base, ngram = split_hybrid(text)
+        return parse_tree(base).name() + (f"+ngram{ngram}" if ngram else "")
     except TreeError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -142,7 +143,6 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
     if tree is not None:
         if args.num_draft is not None:
             raise DecodeError(f"--num-draft and a tree ({tree}) both say how much to draft; give one of them")
-        tree = parse_tree(tree)
         num_draft = 0
     texts = _prompts(args)
     prompts = [tok.encode(t) for t in texts]
@@ -151,8 +151,11 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
     max_new = args.max_new_tokens or d.max_new_tokens
     # the largest γ that may run
     most = max(autodraft.candidates(model, proposer)) if num_draft == "auto" else num_draft
-    most = tree.size if tree is not None else most
-    _check_size(cfg.model, prompts, max_new, most, args.max_len or d.max_len)
+    if tree is None:
+        _check_size(cfg.model, prompts, max_new, most, args.max_len or d.max_len)
+    else:  # a tree's nodes are bounded by its spec (tree.MAX_NODES)
+        base, ngram = split_hybrid(tree)
+        _check_size(cfg.model, prompts, max_new, 0, args.max_len or d.max_len, parse_tree(base).size + ngram)
     if args.temperature is not None and not math.isfinite(args.temperature):
         raise DecodeError(f"--temperature {args.temperature} must be a finite number >= 0 (0 = greedy)")
     stream = len(prompts) == 1  # one prompt streams as it decodes; several print when done
@@ -250,13 +253,13 @@ def _memory_bytes() -> int:
         return 0
 
 
-def _check_size(mcfg, prompts, max_new: int, num_draft: int, max_len: int) -> None:
-    """DecodeError for requests that could only hang compiling or run out of memory."""
+def _check_size(mcfg, prompts, max_new: int, num_draft: int, max_len: int, nodes: int = 0) -> None:
+    """DecodeError for requests that could only hang compiling or run out of memory (`nodes`: a draft tree's)."""
     if num_draft > MAX_DRAFT:
         raise DecodeError(f"--num-draft {num_draft} is above {MAX_DRAFT}; use at most {MAX_DRAFT} drafts per round")
     if max(map(len, prompts)) + max_new > max_len:
         return  # generate() names the cache capacity, the better advice
-    need = cache_bytes(mcfg, len(prompts), rows(max(map(len, prompts)), max_new, num_draft).capacity)
+    need = cache_bytes(mcfg, len(prompts), rows(max(map(len, prompts)), max_new, max(num_draft, nodes)).capacity)
     have = _memory_bytes()
     if have and need > have // 2:
         raise DecodeError(f"--max-new-tokens {max_new} needs ~{need / 2**30:.1f} GiB of KV cache, more than half of "

@@ -28,7 +28,8 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
     a request shape with no measurement yet decodes plain and is measured after (stats["calibration"]["source"]
     is "after"; the next request of that shape uses it), so a first request never waits on a probe.
     tree: a static draft tree instead of a chain (`2x2x1`: children per node at each depth, or a parent list
-    `-1,-1,0,0`), drafted by the MTP modules; stats["tree"] names it.
+    `-1,-1,0,0`), drafted by the MTP modules, `+ngramL` adding n-gram lookup's L drafts as one more branch
+    (hybrid); stats["tree"] names it.
     `on_commit(tokens_BY, counts_B)` receives every round's
     committed tokens on the host (streaming); it never causes a recompilation.
     """
@@ -53,9 +54,10 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
     res = summarize(run(model, prompts, loop_for(int(num_draft)), seed, draft=draft, on_commit=on_commit))
     res.stats["num_draft"] = int(num_draft)
     if tree is not None:
-        shape = loop_for(0).tree
-        res.stats.update(tree=shape.name(), num_draft=shape.size, acceptance_by_depth_rank=acceptance_by_depth_rank(
-            shape, res.stats["accepted_by_node"], res.stats["reached"]))
+        loop = loop_for(0)
+        shape = loop.tree
+        by = acceptance_by_depth_rank(shape, res.stats["accepted_by_node"], res.stats["reached"])
+        res.stats.update(tree=loop.proposer.name(), num_draft=shape.size, acceptance_by_depth_rank=by)
     if after:  # measured now that the output is out, for the next request of this shape
         _, cal = autodraft.resolve(model, prompts, loop_for, proposer, seed, calibrations, draft=draft,
                                    progress=progress)

@@ -14,7 +14,7 @@ from mtpjax.decode.cache import rows
 from mtpjax.decode.loop import DecodeState, Loop, Request, execute
 from mtpjax.decode.proposers import PROPOSERS, make_proposer
 from mtpjax.decode.sampling import Sampler
-from mtpjax.decode.tree import Tree, TreeError, parse_tree
+from mtpjax.decode.tree import Tree, TreeError, parse_tree, split_hybrid
 from mtpjax.decode.treedraft import TreeMTPProposer
 from mtpjax.errors import MtpjaxError
 from mtpjax.nn.model import MTPTransformer
@@ -71,13 +71,16 @@ def make_loop(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft:
 
 
 def tree_proposer(model: MTPTransformer, proposer: str, num_draft: int, tree: str | Tree) -> TreeMTPProposer:
-    """The MTP modules drafting `tree`; DecodeError for a bad spec or a request that cannot draft it."""
+    """The MTP modules drafting `tree` (with `+ngramL`, and an n-gram chain as one more branch); DecodeError for a
+    bad spec or a request that cannot draft it."""
     if proposer not in ("mtp", "mtp1"):
         raise DecodeError(f"a draft tree is drafted by the MTP modules (proposer mtp or mtp1), not {proposer!r}")
     if num_draft:
         raise DecodeError(f"num_draft={num_draft} and a tree both say how much to draft; give one of them")
     try:
-        prop = TreeMTPProposer(parse_tree(tree) if isinstance(tree, str) else tree, 1 if proposer == "mtp1" else 0)
+        base, ngram = split_hybrid(tree) if isinstance(tree, str) else (tree, 0)
+        prop = TreeMTPProposer(parse_tree(base) if isinstance(base, str) else base, 1 if proposer == "mtp1" else 0,
+                               ngram)
     except TreeError as e:
         raise DecodeError(str(e)) from None
     problem = prop.problem(model, None)

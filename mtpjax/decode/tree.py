@@ -95,6 +95,18 @@ def chain_tree(num_draft: int) -> Tree:
     return Tree(tuple(range(-1, num_draft - 1)))
 
 
+def split_hybrid(spec: str) -> tuple[str, int]:
+    """(the MTP tree's spec, the n-gram branch's length) of `2x2+ngram3` (no suffix: 0)."""
+    base, plus, tail = spec.strip().partition("+")
+    if not plus:
+        return base, 0
+    n = tail.strip().lower().removeprefix("ngram")
+    if not n.isdigit() or not 0 < int(n) <= MAX_NODES:
+        raise TreeError(f"tree {spec!r}: the hybrid branch is +ngramL with L in 1..{MAX_NODES} n-gram drafts, e.g. "
+                        "2x2+ngram3")
+    return base, int(n)
+
+
 def parse_tree(spec: str) -> Tree:
     """`2x2x1` (children per node at each depth, top-b distinct when greedy) or a parent list `-1,-1,0,0,1`."""
     spec = spec.strip()
@@ -137,12 +149,27 @@ def verify_rows(tree: Tree):
 
 def greedy_path(tree: Tree, drafts_BG, g_BY):
     """(accepted depth a_B, path_BY: the verification row at each depth 0..D, root first): a node is accepted when
-    it and every ancestor equal the target's argmax after their parent; siblings are distinct, so one path."""
+    it and every ancestor equal the target's argmax after their parent; the path ends at the first deepest one
+    (siblings from different sources may repeat a token: the path is then one of the equal ones)."""
     ok = []
     for i, p in enumerate(tree.parents):
         hit_B = drafts_BG[:, i] == g_BY[:, p + 1]
         ok.append(hit_B if p < 0 else hit_B & ok[p])
-    return _path(tree, jnp.stack(ok, 1) if ok else jnp.zeros(drafts_BG.shape, bool))
+    B = drafts_BG.shape[0]
+    if not ok:
+        return jnp.zeros((B,), jnp.int32), jnp.zeros((B, 1), jnp.int32)
+    depth_G = jnp.asarray(tree.depth, jnp.int32)
+    score_BG = jnp.where(jnp.stack(ok, 1), depth_G[None], 0)
+    a_B = score_BG.max(1).astype(jnp.int32)
+    best_B = jnp.argmax(score_BG, axis=1)
+    table = np.zeros((tree.size, tree.max_depth + 1), np.int32)  # node -> its verification row at each depth
+    for v in range(tree.size):
+        u = v
+        while u >= 0:
+            table[v, tree.depth[u]] = u + 1
+            u = tree.parents[u]
+    path_BY = jnp.where(a_B[:, None] > 0, jnp.asarray(table)[best_B], 0)
+    return a_B, path_BY
 
 
 def accepted_nodes(tree: Tree, a_B, path_BY):
@@ -200,18 +227,6 @@ def sampled_path(tree: Tree, drafts_BG, q_BGV, p_BYV, u_BG):
         rows.append(jnp.where(moved_B, nxt_B, 0))
     left_BV = jnp.where(stopped_B[:, None], left_BV, take_rows(p_BYV, cur_B))
     return a_B, jnp.stack(rows, 1), left_BV
-
-
-def _path(tree: Tree, on_BG):
-    """(depth reached, the row at each depth) from the accepted nodes (at most one per depth)."""
-    B = on_BG.shape[0]
-    depth_G = jnp.asarray(tree.depth, jnp.int32)
-    a_B = jnp.max(jnp.where(on_BG, depth_G[None], 0), axis=1, initial=0).astype(jnp.int32)
-    rows = [jnp.zeros((B,), jnp.int32)]
-    for d in range(1, tree.max_depth + 1):
-        at_G = (depth_G == d)[None] & on_BG
-        rows.append(jnp.where(at_G.any(1), jnp.argmax(at_G, axis=1) + 1, 0).astype(jnp.int32))
-    return a_B, jnp.stack(rows, 1)
 
 
 def along(x_BY, path_BY):

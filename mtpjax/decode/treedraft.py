@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from mtpjax.decode.cache import module_caches, read_rows, set_layer, take_rows, write_rows
 from mtpjax.decode.protocol import Context, Draft, Models, Proposer
-from mtpjax.decode.proposers import MTPState
+from mtpjax.decode.proposers import MTPState, NgramProposer, lookup
 from mtpjax.decode.sampling import choose, probs, row_keys
 from mtpjax.decode.tree import Tree
 from mtpjax.nn.flops import TokenFlops
@@ -31,13 +31,18 @@ class TreeMTPProposer(Proposer):
 
     tree: Tree
     modules: int = 0
+    ngram: int = 0  # hybrid: a chain of this many n-gram lookup drafts as the root's last branch
 
     @property
     def num_draft(self) -> int:
-        return self.tree.size
+        return self.tree.size + self.ngram
 
     def parents(self) -> tuple[int, ...]:
-        return self.tree.parents
+        G = self.tree.size
+        return self.tree.parents + tuple(-1 if i == 0 else G + i - 1 for i in range(self.ngram))
+
+    def name(self) -> str:
+        return self.tree.name() + (f"+ngram{self.ngram}" if self.ngram else "")
 
     def problem(self, target, draft) -> str | None:
         cfg = target.cfg
@@ -108,6 +113,11 @@ class TreeMTPProposer(Proposer):
                 toks, q = self._children(ctx, logits_BV, kids)
                 for j, v in enumerate(kids):
                     tokens_G[v], qs_G[v] = toks[:, j], None if q is None else q
+        if self.ngram:  # a point mass: its q is one-hot, so the rejection rule uses it as any other sibling's
+            look_BL = lookup(ctx.seq_BS, n_B, self.ngram, NgramProposer(self.ngram).max_n)
+            tokens_G += [look_BL[:, i] for i in range(self.ngram)]
+            if qs_G[0] is not None:
+                qs_G += [jax.nn.one_hot(look_BL[:, i], m.cfg.vocab_size, dtype=jnp.float32) for i in range(self.ngram)]
         return st.replace(caches=caches), Draft(jnp.stack(tokens_G, 1),
                                                 None if qs_G[0] is None else jnp.stack(qs_G, 1))
 
