@@ -118,9 +118,9 @@ class AcceptAll(Loop):
     """A broken acceptance rule: every draft is accepted unchecked."""
 
     def accept(self, logits, st, it):
-        a, toks = super().accept(logits, st, it)
+        a, toks, path = super().accept(logits, st, it)
         G = st.drafts_BG.shape[1]
-        return jnp.full_like(a, G), jnp.concatenate([st.drafts_BG, toks[:, -1:]], axis=1)
+        return jnp.full_like(a, G), jnp.concatenate([st.drafts_BG, toks[:, -1:]], axis=1), path
 
 
 def as_loop(cls, loop):
