@@ -51,15 +51,16 @@ def _check_tree_equal(model, trees, batches, proposer="mtp"):
 
 
 def test_greedy_tree_equals_plain(half_trained):
-    """Ragged prompts at batch 4, a tree of two branches per depth over both modules."""
-    _check_tree_equal(half_trained, ["2x2"], [PROMPTS])
+    """Ragged prompts at batch 4: two MTP branches over both modules, and n-gram lookup's chain as a third branch
+    (hybrid; its first token may repeat an MTP child's). Every other shape and model: slow."""
+    _check_tree_equal(half_trained, ["2x1+ngram2"], [PROMPTS])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("proposer", ["mtp", "mtp1"])
 def test_greedy_tree_equals_plain_full_matrix(half_trained, proposer):
     """Batch 1 and 4, two shapes and a parent list, deeper than the modules (the last continues from itself)."""
-    _check_tree_equal(half_trained, ["2x2x1", "3x1", "-1,-1,0,0,2"], [PROMPTS[:1], PROMPTS], proposer)
+    _check_tree_equal(half_trained, ["2x2", "2x2x1", "3x1", "-1,-1,0,0,2"], [PROMPTS[:1], PROMPTS], proposer)
 
 
 @pytest.mark.slow
@@ -126,7 +127,7 @@ def test_tree_caches_equal_fresh_prefill(kw, monkeypatch):
     assert not _caches_equal_fresh(model, _tree_run(model, TreeMTPProposer(tree), max_new=29), 2)[0]
 
 
-def test_bad_tree_specs_are_one_line_errors(half_trained):
+def test_bad_tree_specs_are_one_line_errors():
     assert parse_tree("2x2x1").parents == (-1, -1, 0, 0, 1, 1, 2, 3, 4, 5)
     assert parse_tree("-1,-1,0").parents == (-1, -1, 0) and Tree((-1, -1, 0, 1)).name() == "2x1"
     assert Tree((-1, -1, 0, 2)).name() == "-1,-1,0,2"
@@ -135,12 +136,13 @@ def test_bad_tree_specs_are_one_line_errors(half_trained):
         with pytest.raises(TreeError) as e:
             parse_tree(split_hybrid(spec)[0])
         assert "\n" not in str(e.value) and spec in str(e.value)
+    model = build_model(_cfg(), seed=0)
     with pytest.raises(DecodeError, match="proposer mtp or mtp1"):
-        make_loop(half_trained, PROMPTS, max_new_tokens=4, num_draft=0, proposer="ngram", tree="2x2")
+        make_loop(model, PROMPTS, max_new_tokens=4, num_draft=0, proposer="ngram", tree="2x2")
     with pytest.raises(DecodeError, match="give one"):
-        make_loop(half_trained, PROMPTS, max_new_tokens=4, num_draft=2, tree="2x2")
+        make_loop(model, PROMPTS, max_new_tokens=4, num_draft=2, tree="2x2")
     with pytest.raises(DecodeError, match="tree '2x0'"):
-        make_loop(half_trained, PROMPTS, max_new_tokens=4, num_draft=0, tree="2x0")
+        make_loop(model, PROMPTS, max_new_tokens=4, num_draft=0, tree="2x0")
 
 
 @pytest.mark.slow
@@ -189,11 +191,6 @@ def test_a_bad_tree_flag_is_one_line_and_exit_2(capsys):
     assert main(["--run-dir", "nowhere", "--prompt", "x", "--tree", "2x0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--tree" in err and "2x2x1" in err
-
-
-def test_hybrid_tree_with_an_ngram_branch_equals_plain(half_trained):
-    """2x1+ngram2: the n-gram lookup's chain as the root's last branch (its first token may repeat an MTP child's)."""
-    _check_tree_equal(half_trained, ["2x1+ngram2"], [PROMPTS])
 
 
 @pytest.mark.slow
