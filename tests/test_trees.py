@@ -44,9 +44,9 @@ def _check_tree_equal(model, trees, batches, proposer="mtp"):
             assert out.stats["tree"] == tree
             assert 0 < sum(out.stats["accepted"]) < sum(out.stats["reached"])  # accepted and rejected branches
             # the arithmetic's tree E from the measured acceptance by depth and rank is the measured count
-            base, ngram = split_hybrid(tree)
-            if not ngram and parse_tree(base).branching():
-                E = tree_expected_tokens(parse_tree(base), out.stats["acceptance_by_depth_rank"])
+            spec, ngram = split_hybrid(tree)
+            if not ngram and parse_tree(spec).branching():
+                E = tree_expected_tokens(parse_tree(spec), out.stats["acceptance_by_depth_rank"])
                 assert E == pytest.approx(1 + sum(out.stats["accepted"]) / out.stats["rounds"])
 
 
