@@ -182,7 +182,8 @@ def accepted_nodes(tree: Tree, a_B, path_BY):
 def acceptance_by_depth_rank(tree: Tree, accepted_by_node, reached_by_depth) -> list[list[float]]:
     """a[d][r] as nn.speed.tree_expected_tokens reads it: the share of the rounds that reached depth d+1 in which
     its rank-r node (summed over the parents at that depth) was the one accepted."""
-    out = [[0.0] * max(len(tree.children(p)) for p in (-1,) + tree.at_depth(d, d)) for d in range(tree.max_depth)]
+    parents = [(-1,) if d == 0 else tree.at_depth(d, d) for d in range(tree.max_depth)]
+    out = [[0.0] * max(len(tree.children(p)) for p in ps) for ps in parents]
     for v in range(tree.size):
         d, r = tree.depth[v] - 1, tree.rank[v]
         out[d][r] += accepted_by_node[v] / reached_by_depth[d] if reached_by_depth[d] else 0.0
