@@ -243,3 +243,17 @@ def test_subprocess_error_has_no_traceback(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "Traceback" not in p.stderr and p.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.slow
+def test_a_tree_decodes_the_same_text_and_names_its_shape(runs, capsys):
+    """decode.py --tree: greedy text as plain's; --stats names the shape and prints tokens per round."""
+    argv = ["--run-dir", str(runs["mtp"]), "--prompt", "def f(x):", "--max-new-tokens", "24", "--stats"]
+    assert main(argv + ["--num-draft", "0"]) == 0
+    plain = capsys.readouterr().out
+    assert main(argv + ["--tree", "2x2x1"]) == 0
+    out = capsys.readouterr()
+    assert out.out == plain
+    assert "[mtp tree=2x2x1 (10 nodes)] rounds=" in out.err and "tokens/round=" in out.err
+    assert main(argv + ["--tree", "2x1", "--num-draft", "2"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1

@@ -27,24 +27,15 @@ def test_every_proposer_implements_the_contract_and_drafts_chains(make):
     hash(p)  # static: part of the compiled loop's hash
 
 
-@dataclasses.dataclass(frozen=True)
-class TwoRoots(MTPProposer):
-    """Two alternatives for the next token: a tree, not a chain."""
-
-    def parents(self) -> tuple[int, ...]:
-        return (-1, -1)
-
-
-@pytest.mark.parametrize("proposer", [MTPProposer(2), TwoRoots(2)])
-def test_the_loop_verifies_chains_and_refuses_trees(model_cfg, proposer):
-    """A tree draft is refused in one line before anything compiles; the same γ as a chain (companion) is taken."""
+def test_the_loop_verifies_the_tree_parents_describes(model_cfg):
+    """The loop verifies whatever parents() describes: a chain for the chain proposers, a tree's nodes for
+    decode.tree, whose rows the one capacity rule counts."""
     model = build_model(model_cfg())
     loop = make_loop(model, [[1, 2, 3]], max_new_tokens=4, num_draft=2)
-    if proposer.parents() == chain(2):
-        assert dataclasses.replace(loop, proposer=proposer).proposer == proposer
-    else:
-        with pytest.raises(ValueError, match="verifies chains only"):
-            dataclasses.replace(loop, proposer=proposer)
+    assert loop.tree.parents == chain(2) and loop.tree.is_chain()
+    tree = make_loop(model, [[1, 2, 3]], max_new_tokens=4, num_draft=0, tree="2x2x1")
+    assert tree.tree.parents == tree.proposer.parents() and tree.num_draft == 10 and not tree.tree.is_chain()
+    assert tree.capacity == rows(3, 4, 10).capacity
 
 
 def test_draft_costs_read_the_typed_record(model_cfg):
@@ -67,15 +58,17 @@ def _allocated_bytes(model, loop, prompts) -> int:
 MLA = dict(attention_kind="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=8)
 
 
-@pytest.mark.parametrize("mtp_depth,num_draft,attention", [(2, 2, {}), (2, 3, {}), (0, 0, {}), (2, 2, MLA)])
-def test_one_rule_sizes_the_caches_the_loop_allocates(model_cfg, mtp_depth, num_draft, attention):
+@pytest.mark.parametrize("mtp_depth,num_draft,attention,tree", [(2, 2, {}, None), (2, 3, {}, None), (0, 0, {}, None),
+                                                                (2, 2, MLA, None), (2, 0, {}, "3x3x1")])
+def test_one_rule_sizes_the_caches_the_loop_allocates(model_cfg, mtp_depth, num_draft, attention, tree):
     """make_loop's capacity and decode.py's memory check come from cache.rows and cache.cache_bytes, which count
     exactly what the loop allocates (trunk keys/values, each module's, the trunk's hidden rows MTP drafting keeps)."""
     model = build_model(model_cfg(mtp_depth=mtp_depth, **attention))
     prompts = [[1, 2, 3], [4] * 20]
-    loop = make_loop(model, prompts, max_new_tokens=7, num_draft=num_draft, proposer="mtp" if mtp_depth else "ngram")
-    size = rows(20, 7, num_draft)
-    assert (loop.prompt_pad, loop.capacity) == (size.prompt_pad, size.capacity) == (32, 64)
+    loop = make_loop(model, prompts, max_new_tokens=7, num_draft=num_draft, proposer="mtp" if mtp_depth else "ngram",
+                     tree=tree)
+    size = rows(20, 7, loop.num_draft)
+    assert (loop.prompt_pad, loop.capacity) == (size.prompt_pad, size.capacity) == (32, 64 if tree is None else 128)
     assert _allocated_bytes(model, loop, prompts) == cache_bytes(model.cfg, 2, loop.capacity)
 
 

@@ -118,9 +118,9 @@ class AcceptAll(Loop):
     """A broken acceptance rule: every draft is accepted unchecked."""
 
     def accept(self, logits, st, it):
-        a, toks = super().accept(logits, st, it)
+        a, toks, path = super().accept(logits, st, it)
         G = st.drafts_BG.shape[1]
-        return jnp.full_like(a, G), jnp.concatenate([st.drafts_BG, toks[:, -1:]], axis=1)
+        return jnp.full_like(a, G), jnp.concatenate([st.drafts_BG, toks[:, -1:]], axis=1), path
 
 
 def as_loop(cls, loop):
@@ -392,12 +392,13 @@ def test_stochastic_companion_wrong_rule_is_detected():
     assert _tv(res, exact, 6, 3) > TV_BOUND
 
 
-def _cache_copies_per_round(model, num_draft: int) -> list[str]:
+def _cache_copies_per_round(model, num_draft: int, tree: str | None = None) -> list[str]:
     """Instructions of the compiled decode loop's body that copy or transpose a whole KV-cache buffer."""
     import functools
     import re
 
-    loop = make_loop(model, PROMPTS[:1], max_new_tokens=8, num_draft=num_draft, proposer="mtp", sampler=make_sampler())
+    loop = make_loop(model, PROMPTS[:1], max_new_tokens=8, num_draft=num_draft, proposer="mtp", sampler=make_sampler(),
+                     tree=tree)
     cfg = model.cfg
     elems = loop.capacity * cfg.n_kv_heads * cfg.resolved_head_dim  # batch 1
     gdef, params = nnx.split(model)

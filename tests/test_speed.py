@@ -6,6 +6,7 @@ import pytest
 
 from mtpjax.decode import DraftModelProposer, MTPProposer, NgramProposer
 from mtpjax.decode.proposers import Plain
+from mtpjax.decode.tree import chain_tree, parse_tree
 from mtpjax.nn.loss import expected_accept_length
 from mtpjax.nn.speed import (
     ceiling,
@@ -14,6 +15,8 @@ from mtpjax.nn.speed import (
     floor_ratio,
     predicted_speedup,
     speedup_ceiling,
+    tree_ceiling,
+    tree_expected_tokens,
     weight_ratio,
     work_ratio,
 )
@@ -24,6 +27,17 @@ def test_expected_tokens():
     assert expected_tokens([1.0, 0.0], 2) == pytest.approx(2.0)
     assert expected_tokens([0.9], 3) == pytest.approx(1 + 0.9 + 0.81 + 0.729)  # last rate reused past the list
     assert expected_tokens([], 2) == 1.0
+
+
+def test_tree_expected_tokens_by_depth_and_rank():
+    """2x1 by hand: depth 1 accepts rank 0 with 0.6, rank 1 with 0.2; depth 2 accepts its one child with 0.5."""
+    tree, a = parse_tree("2x1"), [[0.6, 0.2], [0.5]]
+    assert tree_expected_tokens(tree, a) == pytest.approx(1 + 0.6 + 0.2 + 0.6 * 0.5 + 0.2 * 0.5)
+    assert tree_ceiling(tree, a, r=0.05, verify_cost=1.3) == pytest.approx(2.2 / (1.3 + 4 * 0.05))
+    # a chain is E(γ), by depth; a second sibling adds its own share, never the first's again
+    assert tree_expected_tokens(chain_tree(3), [[0.8], [0.6], [0.5]]) == pytest.approx(expected_tokens([.8, .6, .5], 3))
+    assert tree_expected_tokens(parse_tree("2"), [[0.6, 0.2]]) == pytest.approx(1.8)
+    assert tree_expected_tokens(parse_tree("2"), [[0.6]]) == pytest.approx(2.2)  # the last rank's rate reused
 
 
 def test_choose_num_draft_prefers_fewer_drafts_when_rounds_get_expensive():

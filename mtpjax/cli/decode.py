@@ -16,6 +16,7 @@ from mtpjax.config import DecodeConfig, choices
 from mtpjax.decode import api, autodraft
 from mtpjax.decode.cache import cache_bytes, rows
 from mtpjax.decode.host import DecodeError
+from mtpjax.decode.tree import TreeError, parse_tree, split_hybrid
 
 MAX_DRAFT = 16  # more drafts per round than this is never accepted in practice; the round loop is unrolled
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
@@ -36,6 +37,10 @@ def parser() -> Parser:
                    help="mtp: the run's MTP modules (module k drafts token k); mtp1: module 1 drafts every token; "
                         "ngram: prompt lookup; model: the --draft-run-dir model (default: decode.proposer, or model "
                         "with --draft-run-dir)")
+    p.add_argument("--tree", type=_tree, default=None,
+                   help="draft a static tree with the MTP modules instead of a chain: children per node at each depth "
+                        "(2x2x1: top-2 at depths 1 and 2, top-1 at 3) or each node's parent (-1,-1,0,0); +ngramL adds "
+                        "n-gram lookup's L drafts as one more branch (2x2+ngram3) (default: decode.tree)")
     p.add_argument("--draft-run-dir", default=None,
                    help="a run trained with the same tokenizer (e.g. configs/draft_tiny.yaml) whose model drafts")
     p.add_argument("--temperature", type=float, default=None)
@@ -65,6 +70,14 @@ def _num_draft(text: str):
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be auto or an integer number of drafts, got {text!r}") from None
+
+
+def _tree(text: str):
+    try:
+        base, ngram = split_hybrid(text)
+        return parse_tree(base).name() + (f"+ngram{ngram}" if ngram else "")
+    except TreeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _fmt(d: dict) -> str:
@@ -126,6 +139,11 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
     d = cfg.decode
     num_draft = args.num_draft if args.num_draft is not None else (d.num_draft if d.num_draft >= 0 else "auto")
     proposer = _proposer(args, cfg)
+    tree = args.tree or d.tree or None
+    if tree is not None:
+        if args.num_draft is not None:
+            raise DecodeError(f"--num-draft and a tree ({tree}) both say how much to draft; give one of them")
+        num_draft = 0
     texts = _prompts(args)
     prompts = [tok.encode(t) for t in texts]
     if any(len(p) == 0 for p in prompts):
@@ -133,7 +151,11 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
     max_new = args.max_new_tokens or d.max_new_tokens
     # the largest γ that may run
     most = max(autodraft.candidates(model, proposer)) if num_draft == "auto" else num_draft
-    _check_size(cfg.model, prompts, max_new, most, args.max_len or d.max_len)
+    if tree is None:
+        _check_size(cfg.model, prompts, max_new, most, args.max_len or d.max_len)
+    else:  # a tree's nodes are bounded by its spec (tree.MAX_NODES)
+        base, ngram = split_hybrid(tree)
+        _check_size(cfg.model, prompts, max_new, 0, args.max_len or d.max_len, parse_tree(base).size + ngram)
     if args.temperature is not None and not math.isfinite(args.temperature):
         raise DecodeError(f"--temperature {args.temperature} must be a finite number >= 0 (0 = greedy)")
     stream = len(prompts) == 1  # one prompt streams as it decodes; several print when done
@@ -169,7 +191,7 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
                    top_k=args.top_k if args.top_k is not None else d.top_k,
                    top_p=args.top_p if args.top_p is not None else d.top_p, seed=args.seed,
                    eos_id=tok.eos_id, max_len=args.max_len or d.max_len, on_commit=on_commit if stream else None,
-                   calibrations=saved, draft=draft, progress=progress, plain_first=True)
+                   calibrations=saved, draft=draft, progress=progress, plain_first=True, tree=tree)
     seconds = time.perf_counter() - t0
     if stream:
         if not ended[0]:
@@ -194,9 +216,13 @@ def label(proposer: str, num_draft: int) -> str:
 
 def _print_stats(s: dict, proposer: str, seconds: float, saved_path) -> None:
     """--stats: what ran and its acceptance; with auto, what was measured, what it cost, and what was chosen."""
-    line = f"[{label(proposer, s['num_draft'])}] rounds={s['rounds']} tokens/round={s['tokens_per_round']:.2f}"
+    what = f"{proposer} tree={s['tree']} ({s['num_draft']} nodes)" if "tree" in s else label(proposer, s["num_draft"])
+    line = f"[{what}] rounds={s['rounds']} tokens/round={s['tokens_per_round']:.2f}"
     if s["num_draft"]:
-        line += f" acceptance={[round(a, 3) for a in s['acceptance_by_position']]}"
+        if "tree" in s:  # the share each rank takes at each depth (nn.speed.tree_expected_tokens reads it)
+            line += f" acceptance_by_depth_rank={[[round(a, 3) for a in row] for row in s['acceptance_by_depth_rank']]}"
+        else:
+            line += f" acceptance={[round(a, 3) for a in s['acceptance_by_position']]}"
     print(line, file=sys.stderr)
     if "calibration" in s:
         c = s["calibration"]
@@ -227,13 +253,13 @@ def _memory_bytes() -> int:
         return 0
 
 
-def _check_size(mcfg, prompts, max_new: int, num_draft: int, max_len: int) -> None:
-    """DecodeError for requests that could only hang compiling or run out of memory."""
+def _check_size(mcfg, prompts, max_new: int, num_draft: int, max_len: int, nodes: int = 0) -> None:
+    """DecodeError for requests that could only hang compiling or run out of memory (`nodes`: a draft tree's)."""
     if num_draft > MAX_DRAFT:
         raise DecodeError(f"--num-draft {num_draft} is above {MAX_DRAFT}; use at most {MAX_DRAFT} drafts per round")
     if max(map(len, prompts)) + max_new > max_len:
         return  # generate() names the cache capacity, the better advice
-    need = cache_bytes(mcfg, len(prompts), rows(max(map(len, prompts)), max_new, num_draft).capacity)
+    need = cache_bytes(mcfg, len(prompts), rows(max(map(len, prompts)), max_new, max(num_draft, nodes)).capacity)
     have = _memory_bytes()
     if have and need > have // 2:
         raise DecodeError(f"--max-new-tokens {max_new} needs ~{need / 2**30:.1f} GiB of KV cache, more than half of "

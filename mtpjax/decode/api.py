@@ -7,6 +7,7 @@ import numpy as np
 from mtpjax.decode import autodraft
 from mtpjax.decode.host import DecodeError, GenerateResult, check_proposer, make_loop, run, summarize
 from mtpjax.decode.sampling import make_sampler
+from mtpjax.decode.tree import Tree, acceptance_by_depth_rank
 from mtpjax.nn.model import MTPTransformer
 
 
@@ -14,7 +15,8 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              eos_id: int | None = None, max_len: int | None = None, on_commit=None,
              calibrations: autodraft.SavedCalibrations | None = None,
-             draft: MTPTransformer | None = None, progress=None, plain_first: bool = False) -> GenerateResult:
+             draft: MTPTransformer | None = None, progress=None, plain_first: bool = False,
+             tree: str | Tree | None = None) -> GenerateResult:
     """Generate up to max_new_tokens per prompt (lists of token ids of any lengths), speculatively if num_draft>0.
 
     proposer: "mtp" (the model's MTP modules, module k drafting token k), "mtp1" (module 1 drafting every
@@ -25,6 +27,9 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
     shape is reused, and a new one is saved; `progress(text)` hears what a calibration measures. plain_first:
     a request shape with no measurement yet decodes plain and is measured after (stats["calibration"]["source"]
     is "after"; the next request of that shape uses it), so a first request never waits on a probe.
+    tree: a static draft tree instead of a chain (`2x2x1`: children per node at each depth, or a parent list
+    `-1,-1,0,0`), drafted by the MTP modules, `+ngramL` adding n-gram lookup's L drafts as one more branch
+    (hybrid); stats["tree"] names it.
     `on_commit(tokens_BY, counts_B)` receives every round's
     committed tokens on the host (streaming); it never causes a recompilation.
     """
@@ -35,7 +40,8 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
 
     def loop_for(g: int):
         return make_loop(model, prompts, max_new_tokens=max_new_tokens, num_draft=g, proposer=proposer,
-                         sampler=sampler, eos_id=eos_id, max_len=max_len, draft=draft, stream=on_commit is not None)
+                         sampler=sampler, eos_id=eos_id, max_len=max_len, draft=draft, stream=on_commit is not None,
+                         tree=tree)
 
     cal, after = None, False
     if num_draft == "auto":
@@ -47,6 +53,11 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
         raise DecodeError(f"num_draft={num_draft!r} must be an integer >= 0 or 'auto'")
     res = summarize(run(model, prompts, loop_for(int(num_draft)), seed, draft=draft, on_commit=on_commit))
     res.stats["num_draft"] = int(num_draft)
+    if tree is not None:
+        loop = loop_for(0)
+        shape = loop.tree
+        by = acceptance_by_depth_rank(shape, res.stats["accepted_by_node"], res.stats["reached"])
+        res.stats.update(tree=loop.proposer.name(), num_draft=shape.size, acceptance_by_depth_rank=by)
     if after:  # measured now that the output is out, for the next request of this shape
         _, cal = autodraft.resolve(model, prompts, loop_for, proposer, seed, calibrations, draft=draft,
                                    progress=progress)

@@ -104,6 +104,23 @@ def stacked(cache) -> KV:
     return type(cache[0])(*(jnp.stack(xs) for xs in zip(*cache)))
 
 
+def keep_path(cache, start_B, src_BY, stacked_layers: bool):
+    """Every layer's entries start+src[b, d] moved to start+d (a verified tree's accepted path, made contiguous).
+
+    The few rows are gathered before they are written, so each buffer is updated in place. The position axis is
+    every cache array's second to last (KV and MLA alike).
+    """
+    def one(x, s, src):
+        rows = jnp.take(x, s + src, axis=-2)
+        return jax.lax.dynamic_update_slice_in_dim(x, rows, s, axis=-2)
+
+    def leaf(x):
+        f = jax.vmap(one)
+        return jax.vmap(f, in_axes=(0, None, None))(x, start_B, src_BY) if stacked_layers else f(x, start_B, src_BY)
+
+    return jax.tree.map(leaf, cache)
+
+
 def write_rows(buf_BS, upd_BT, start_B):
     """Write upd[b] into buf[b, start[b]:start[b]+T] (works for [B,S] and [B,S,D] buffers)."""
     def one(b, u, s):

@@ -14,6 +14,8 @@ from mtpjax.decode.cache import rows
 from mtpjax.decode.loop import DecodeState, Loop, Request, execute
 from mtpjax.decode.proposers import PROPOSERS, make_proposer
 from mtpjax.decode.sampling import Sampler
+from mtpjax.decode.tree import Tree, TreeError, parse_tree, split_hybrid
+from mtpjax.decode.treedraft import TreeMTPProposer
 from mtpjax.errors import MtpjaxError
 from mtpjax.nn.model import MTPTransformer
 
@@ -44,8 +46,9 @@ def check_proposer(model: MTPTransformer, proposer: str, num_draft: int, draft: 
 
 def make_loop(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: int, proposer: str = "mtp",
               sampler: Sampler = GREEDY, eos_id=None, max_len=None, draft: MTPTransformer | None = None,
-              stream: bool = False) -> Loop:
-    """Validate a request and fix the static shapes of its compiled loop."""
+              stream: bool = False, tree: str | Tree | None = None) -> Loop:
+    """Validate a request and fix the static shapes of its compiled loop (`tree`: a draft tree instead of a chain of
+    num_draft, `2x2x1` or a parent list)."""
     cfg = model.cfg
     if not prompts or any(len(p) == 0 for p in prompts):
         raise DecodeError("empty prompt: every prompt needs at least one token")
@@ -61,10 +64,29 @@ def make_loop(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft:
     if max_len is not None and longest + max_new_tokens > max_len:
         raise DecodeError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the cache "
                           f"capacity max_len={max_len}; shorten the prompt or raise decode.max_len")
-    prop = make_proposer(proposer, num_draft)
+    prop = make_proposer(proposer, num_draft) if tree is None else tree_proposer(model, proposer, num_draft, tree)
     size = rows(longest, max_new_tokens, len(prop.parents()))
     return Loop(proposer=prop, sampler=sampler, max_new=max_new_tokens, capacity=size.capacity,
                 prompt_pad=size.prompt_pad, eos_id=-1 if eos_id is None else int(eos_id), stream=stream)
+
+
+def tree_proposer(model: MTPTransformer, proposer: str, num_draft: int, tree: str | Tree) -> TreeMTPProposer:
+    """The MTP modules drafting `tree` (with `+ngramL`, and an n-gram chain as one more branch); DecodeError for a
+    bad spec or a request that cannot draft it."""
+    if proposer not in ("mtp", "mtp1"):
+        raise DecodeError(f"a draft tree is drafted by the MTP modules (proposer mtp or mtp1), not {proposer!r}")
+    if num_draft:
+        raise DecodeError(f"num_draft={num_draft} and a tree both say how much to draft; give one of them")
+    try:
+        base, ngram = split_hybrid(tree) if isinstance(tree, str) else (tree, 0)
+        prop = TreeMTPProposer(parse_tree(base) if isinstance(base, str) else base, 1 if proposer == "mtp1" else 0,
+                               ngram)
+    except TreeError as e:
+        raise DecodeError(str(e)) from None
+    problem = prop.problem(model, None)
+    if problem:
+        raise DecodeError(problem)
+    return prop
 
 
 def request(loop: Loop, prompts, seed: int = 0, budget: int | None = None) -> Request:
@@ -114,5 +136,6 @@ def summarize(st: DecodeState) -> GenerateResult:
     stats = {"rounds": rounds, "generated": generated,
              # the first token comes from the prefill, not from a round
              "tokens_per_round": (generated - len(n_B)) / rounds if rounds else 0.0,
-             "acceptance_by_position": alpha, "accepted": accepted_G.tolist(), "reached": reached_G.tolist()}
+             "acceptance_by_position": alpha, "accepted": accepted_G.tolist(), "reached": reached_G.tolist(),
+             "accepted_by_node": np.asarray(st.accepted_nodes_BG).sum(0).tolist()}
     return GenerateResult(tokens=tokens, stats=stats)

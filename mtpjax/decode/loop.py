@@ -20,8 +20,9 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from mtpjax.decode import stream
-from mtpjax.decode.cache import read_rows, take_rows, trunk_cache, write_rows
-from mtpjax.decode.protocol import Context, Models, Proposer, chain
+from mtpjax.decode import tree as trees
+from mtpjax.decode.cache import keep_path, read_rows, take_rows, trunk_cache, write_rows
+from mtpjax.decode.protocol import Context, Models, Proposer
 from mtpjax.decode.sampling import Sampler, choose, draw, probs, row_keys
 
 
@@ -51,8 +52,9 @@ class DecodeState:
     proposer: object  # the proposer's own state (its caches); the loop never looks inside
     done_B: jax.Array
     rounds_B: jax.Array
-    reached_BG: jax.Array  # rounds in which draft position i was evaluated (all before it accepted)
-    accepted_BG: jax.Array  # rounds in which draft position i was accepted
+    reached_BG: jax.Array  # rounds in which a draft at depth i+1 was evaluated (all before it accepted)
+    accepted_BG: jax.Array  # rounds in which a draft at depth i+1 was accepted
+    accepted_nodes_BG: jax.Array  # rounds in which node i of the draft tree was accepted (a chain: as accepted_BG)
     key: jax.Array
     stream: jax.Array
     ref_BS: jax.Array | None = None  # the request's reference (Forced loops)
@@ -88,14 +90,13 @@ class Loop:
     stream: bool = False  # emit every commit to the host (to the callback the request's stream id names)
     commits: Accepted | Forced = Accepted()  # what a round commits (tokens, count) given what it accepted
 
-    def __post_init__(self):
-        if tuple(self.proposer.parents()) != chain(self.num_draft):
-            raise ValueError(f"{type(self.proposer).__name__} drafts a tree (parents {self.proposer.parents()}); "
-                             "the loop verifies chains only: draft each token after the one before it")
-
     @property
     def num_draft(self) -> int:
         return self.proposer.num_draft
+
+    @property
+    def tree(self) -> trees.Tree:
+        return trees.Tree(tuple(self.proposer.parents()))
 
     def __call__(self, models: Models, req: Request) -> DecodeState:
         st = self.prefill(models, req)
@@ -113,7 +114,7 @@ class Loop:
 
     def prefill(self, models: Models, req: Request) -> DecodeState:
         """Trunk over the prompts, the first token from the last prompt position, then the proposer's start."""
-        m, (B, P), S, G = models.target, req.tokens_BP.shape, self.capacity, self.num_draft
+        m, (B, P), S = models.target, req.tokens_BP.shape, self.capacity
         pos_BP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
         h_BPD, trunk = m.trunk(req.tokens_BP, pos_BP, cache=trunk_cache(m.cfg, B, S))
         logits_BV = m.logits(m.final_norm(take_rows(h_BPD, req.plen_B - 1)))
@@ -126,33 +127,43 @@ class Loop:
         with jax.named_scope("propose"):
             ctx = Context(seq_BS, n_B, h_BPD, jnp.zeros_like(n_B), self.sampler, req.key, 0)
             pstate, draft = self.proposer.start(models, ctx)
-        zeros_BG = jnp.zeros((B, G), jnp.int32)
+        zeros_BG = jnp.zeros((B, self.tree.max_depth), jnp.int32)
         return DecodeState(
             trunk=trunk, seq_BS=seq_BS, n_B=n_B, prompt_len_B=req.plen_B, budget_B=req.budget_B,
             drafts_BG=draft.tokens_BG, q_BGV=draft.q_BGV, proposer=pstate,
             done_B=(first_B == self.eos_id) | (req.budget_B <= 1), rounds_B=jnp.zeros((B,), jnp.int32),
-            reached_BG=zeros_BG, accepted_BG=zeros_BG, key=req.key, stream=req.stream, ref_BS=req.ref_BS)
+            reached_BG=zeros_BG, accepted_BG=zeros_BG, accepted_nodes_BG=jnp.zeros((B, self.num_draft), jnp.int32),
+            key=req.key, stream=req.stream, ref_BS=req.ref_BS)
 
     def round(self, models: Models, st: DecodeState, it) -> DecodeState:
         """One verify → accept → commit → propose round."""
-        m = models.target
+        m, tree = models.target, self.tree
         start_B = st.n_B - 1
         vt_BY = jnp.concatenate([take_rows(st.seq_BS, start_B)[:, None], st.drafts_BG], axis=1)
-        pos_BY = start_B[:, None] + jnp.arange(vt_BY.shape[1], dtype=jnp.int32)[None, :]
+        depth_Y, sees_YY = trees.verify_rows(tree)
+        pos_BY = start_B[:, None] + jnp.asarray(depth_Y)[None, :]
+        sees = None if tree.is_chain() else jnp.asarray(sees_YY)[None]  # a chain: the causal mask
         with jax.named_scope("verify"):
-            h_BYD, trunk = m.trunk(vt_BY, pos_BY, cache=st.trunk)
-        st = st.replace(trunk=trunk)
+            h_BYD, trunk = m.trunk(vt_BY, pos_BY, sees, cache=st.trunk)
         with jax.named_scope("accept"):
-            a_B, toks_BY = self.accept(m.logits(m.final_norm(h_BYD)), st, it)
+            a_B, toks_BY, path_BY = self.accept(m.logits(m.final_norm(h_BYD)), st, it)
+        if not tree.is_chain():  # only the accepted path's entries survive, at the positions it is committed at
+            trunk = keep_path(trunk, start_B, path_BY, m.cfg.scan_layers)
+            h_BYD = trees.along(h_BYD, path_BY)
+        st = st.replace(trunk=trunk)
         with jax.named_scope("commit"):
-            st = self.commit(st, a_B, toks_BY)
+            on_BG = ~st.done_B[:, None] & trees.accepted_nodes(tree, a_B, path_BY)
+            st = self.commit(st.replace(accepted_nodes_BG=st.accepted_nodes_BG + on_BG), a_B, toks_BY)
         with jax.named_scope("propose"):
             ctx = Context(st.seq_BS, st.n_B, h_BYD, start_B, self.sampler, st.key, it)
             pstate, draft = self.proposer.step(models, st.proposer, ctx)
         return st.replace(proposer=pstate, drafts_BG=draft.tokens_BG, q_BGV=draft.q_BGV)
 
     def accept(self, logits_BYV, st: DecodeState, it):
-        """(number of accepted drafts a_B, the γ+1 tokens to commit: accepted drafts then one target token)."""
+        """(accepted depth a_B, the D+1 tokens to commit: accepted drafts then one target token, the verification
+        row at each depth of the accepted path)."""
+        if not self.tree.is_chain():
+            return self.accept_tree(logits_BYV, st, it)
         B, Y, V = logits_BYV.shape
         G, d_BG = Y - 1, st.drafts_BG
         if self.sampler.greedy:
@@ -168,13 +179,28 @@ class Loop:
             a_B = jnp.cumprod(u_BG * q_BG < p_BG, axis=1).sum(axis=1).astype(jnp.int32)
             p_BV = take_rows(p_BYV, a_B)
             q_BV = take_rows(jnp.concatenate([q_BGV, jnp.zeros((B, 1, V))], 1), a_B)  # q = 0 past the drafts
-            resid_BV = jnp.maximum(p_BV - q_BV, 0.0)
-            mass = resid_BV.sum(-1, keepdims=True)
-            resid_BV = jnp.where(mass > 0, resid_BV / jnp.where(mass > 0, mass, 1.0), p_BV)
-            bonus_B = draw(row_keys(st.key, 2, it, B), resid_BV)
+            bonus_B = draw(row_keys(st.key, 2, it, B), trees.residual(p_BV, q_BV))
         i = jnp.arange(Y)[None, :]
         toks_BY = jnp.where(i < a_B[:, None], jnp.pad(d_BG, ((0, 0), (0, 1))), bonus_B[:, None].astype(jnp.int32))
-        return a_B, toks_BY
+        return a_B, toks_BY, jnp.broadcast_to(i, (B, Y))
+
+    def accept_tree(self, logits_BYV, st: DecodeState, it):
+        """accept's triple for a tree: its longest accepted path, then the target's token after it."""
+        tree = self.tree
+        if self.sampler.greedy:
+            g_BY = jnp.argmax(logits_BYV, axis=-1).astype(jnp.int32)
+            a_B, path_BY = trees.greedy_path(tree, st.drafts_BG, g_BY)
+            bonus_B = take_rows(trees.along(g_BY, path_BY), a_B)
+        else:
+            B, Y, V = logits_BYV.shape
+            p_BYV = probs(self.sampler, logits_BYV.reshape(B * Y, V)).reshape(B, Y, V)
+            u_BG = jax.vmap(lambda k: jax.random.uniform(k, (Y - 1,)))(row_keys(st.key, 1, it, B))
+            a_B, path_BY, left_BV = trees.sampled_path(tree, st.drafts_BG, st.q_BGV, p_BYV, u_BG)
+            bonus_B = draw(row_keys(st.key, 2, it, B), left_BV)
+        d_BY = trees.along(jnp.pad(st.drafts_BG, ((0, 0), (1, 0))), path_BY)  # the root's column: never committed
+        i = jnp.arange(tree.max_depth + 1)[None, :]
+        toks_BY = jnp.where(i < a_B[:, None], jnp.roll(d_BY, -1, axis=1), bonus_B[:, None])
+        return a_B, toks_BY, path_BY
 
     def commit(self, st: DecodeState, a_B, toks_BY) -> DecodeState:
         """Advance each active row by its accepted prefix + 1, cut at EOS and at the length budget."""

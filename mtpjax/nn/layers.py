@@ -256,8 +256,9 @@ def write_after(cache: KV, k_BTKH, v_BTKH, start_B, o) -> KV:
     return write_kv(cache, k_BTKH + dep, v_BTKH + dep, start_B)
 
 
-def attend_cached(q_BTKRH, k_BTKH, v_BTKH, cache: KV, start_B):
-    """Attention of T new queries over the committed cache entries (< start) and the T new keys (causal).
+def attend_cached(q_BTKRH, k_BTKH, v_BTKH, cache: KV, start_B, sees_BTT=None):
+    """Attention of T new queries over the committed cache entries (< start) and the T new keys (causal, or which
+    of them each query sees when `sees_BTT` is given: a draft tree's ancestors).
 
     Reading the cache before this call's keys are written leaves the write without a reader in the step,
     so (with write_after) XLA updates the buffers in place.
@@ -269,8 +270,8 @@ def attend_cached(q_BTKRH, k_BTKH, v_BTKH, cache: KV, start_B):
     committed_BS = jnp.arange(s_BKRTS.shape[-1])[None, :] < start_B[:, None]
     s_BKRTS = s_BKRTS + jnp.where(committed_BS, 0.0, -1e30)[:, None, None, :]
     s_BKRTT = jnp.einsum("bkqh,btkh->bkqt", q_BKRTH, k_BTKH, preferred_element_type=jnp.float32)
-    causal_RTT = jnp.tile(jnp.arange(T)[None, :] <= jnp.arange(T)[:, None], (R, 1))
-    s_BKRTT = s_BKRTT + jnp.where(causal_RTT, 0.0, -1e30)[None, None]
+    sees_BTT = new_rows_seen(T, sees_BTT)
+    s_BKRTT = s_BKRTT + jnp.tile(jnp.where(sees_BTT, 0.0, -1e30), (1, R, 1))[:, None]
     m = jax.lax.stop_gradient(jnp.maximum(s_BKRTS.max(-1, keepdims=True), s_BKRTT.max(-1, keepdims=True)))
     e_old, e_new = jnp.exp(s_BKRTS - m), jnp.exp(s_BKRTT - m)
     dt = v_BTKH.dtype
@@ -279,6 +280,13 @@ def attend_cached(q_BTKRH, k_BTKH, v_BTKH, cache: KV, start_B):
                + jnp.einsum("bkqt,btkh->bkqh", e_new.astype(dt), v_BTKH, preferred_element_type=f32))
     o_BKRTH = o_BKRTH / (e_old.sum(-1) + e_new.sum(-1))[..., None]
     return o_BKRTH.reshape(B, K, R, T, H).transpose(0, 3, 1, 2, 4)
+
+
+def new_rows_seen(T: int, sees_BTT=None):
+    """[B|1, T, T]: which of a cached call's own rows each row sees (default causal)."""
+    if sees_BTT is None:
+        return (jnp.arange(T)[None, :] <= jnp.arange(T)[:, None])[None]
+    return sees_BTT if sees_BTT.ndim == 3 else sees_BTT[None]
 
 
 class Attention(nnx.Module):
@@ -308,8 +316,9 @@ class Attention(nnx.Module):
             o, new_cache = self_attention(q, k, v, pos_BT, seg_BT, self.attention), None
         else:
             # Entries at or past a row's start are stale (rejected drafts) and masked; this call's own
-            # keys come from k, v directly and are written afterwards.
-            o = attend_cached(q, k, v, cache, pos_BT[:, 0])
+            # keys come from k, v directly and are written afterwards. A cached call has no segments: seg_BT, when
+            # given, is the [B,T,T] mask of which of its rows each row sees (a draft tree).
+            o = attend_cached(q, k, v, cache, pos_BT[:, 0], seg_BT)
             new_cache = write_after(cache, k, v, pos_BT[:, 0], o)
         return self.wo(o.astype(x_BTD.dtype).reshape(B, T, self.n_heads * self.head_dim)), new_cache
 

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtpjax.config import ModelConfig
-from mtpjax.nn.layers import Dense, RMSNorm, apply_rope, dtype_of, param, rope_frequencies, rope_tables, \
-    self_attention
+from mtpjax.nn.layers import Dense, RMSNorm, apply_rope, dtype_of, new_rows_seen, param, rope_frequencies, \
+    rope_tables, self_attention
 
 
 class MLACache(NamedTuple):
@@ -91,9 +91,9 @@ def write_after(cache: MLACache, c_BTZ, kr_BTH, start_B, o) -> MLACache:
     return MLACache(_write(cache.c_BSZ, c_BTZ + dep, start_B), _write(cache.kr_BSH, kr_BTH + dep, start_B))
 
 
-def attend_absorbed(qn_BTNH, qr_BTNH, c_BTZ, kr_BTH, cache: MLACache, start_B, wk_ZNH, wv_ZNH):
-    """Attention of T new queries over the committed cache (< start) and the T new entries (causal), in the
-    absorbed form: scores q_nope·W_k·c + q_rope·k_rope, output (softmax·c)·W_v. Queries come pre-scaled."""
+def attend_absorbed(qn_BTNH, qr_BTNH, c_BTZ, kr_BTH, cache: MLACache, start_B, wk_ZNH, wv_ZNH, sees_BTT=None):
+    """Attention of T new queries over the committed cache (< start) and the T new entries (causal, or `sees_BTT`),
+    in the absorbed form: scores q_nope·W_k·c + q_rope·k_rope, output (softmax·c)·W_v. Queries come pre-scaled."""
     f32 = jnp.float32
     dt = c_BTZ.dtype
     qc_BTNZ = jnp.einsum("btnh,znh->btnz", qn_BTNH, wk_ZNH.astype(dt), preferred_element_type=f32).astype(dt)
@@ -106,8 +106,7 @@ def attend_absorbed(qn_BTNH, qr_BTNH, c_BTZ, kr_BTH, cache: MLACache, start_B, w
     s_old = scores(cache.c_BSZ, cache.kr_BSH)
     committed_BS = jnp.arange(s_old.shape[-1])[None, :] < start_B[:, None]
     s_old = s_old + jnp.where(committed_BS, 0.0, -1e30)[:, None, None, :]
-    causal = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
-    s_new = scores(c_BTZ, kr_BTH) + jnp.where(causal, 0.0, -1e30)[None, None]
+    s_new = scores(c_BTZ, kr_BTH) + jnp.where(new_rows_seen(T, sees_BTT), 0.0, -1e30)[:, None]
     m = jax.lax.stop_gradient(jnp.maximum(s_old.max(-1, keepdims=True), s_new.max(-1, keepdims=True)))
     e_old, e_new = jnp.exp(s_old - m), jnp.exp(s_new - m)
     oc_BNTZ = (jnp.einsum("bnts,bsz->bntz", e_old.astype(dt), cache.c_BSZ.astype(dt), preferred_element_type=f32)
@@ -177,7 +176,7 @@ class MLAttention(nnx.Module):
         else:
             # As GQA's cached call: entries at or past a row's start are stale and masked, this call's own come
             # from c, kr directly and are written afterwards.
-            o = attend_absorbed(qn, qr, c, kr, cache, pos_BT[:, 0], *self.up_projections())
+            o = attend_absorbed(qn, qr, c, kr, cache, pos_BT[:, 0], *self.up_projections(), seg_BT)
             new_cache = write_after(cache, c, kr, pos_BT[:, 0], o)
         return self.wo(o.astype(x_BTD.dtype).reshape(B, T, self.n_heads * self.v_dim)), new_cache
 

@@ -49,6 +49,37 @@ def expected_tokens(alpha_by_pos, gamma: int):
     return total
 
 
+class TreeShape(Protocol):
+    """What the arithmetic reads of a draft tree (mtpjax.decode.tree.Tree): each node's parent, depth and rank."""
+
+    parents: tuple[int, ...]
+    depth: tuple[int, ...]
+    rank: tuple[int, ...]
+
+
+def tree_expected_tokens(tree: TreeShape, accept_by_depth_rank) -> float:
+    """Tokens per round of a draft tree: 1 + Σ over nodes of the chance the node is accepted, the product along its
+    path of a[d][r], the chance that the rank-r child is the one accepted at depth d once its parent is (siblings
+    are exclusive: Σ_r a[d][r] <= 1). Past a depth's or rank's list its last entry is reused, so a chain with
+    a[d] = [α_d] is E(γ)."""
+    a = accept_by_depth_rank
+
+    def rate(d: int, r: int) -> float:
+        row = a[min(d, len(a)) - 1] if len(a) else []
+        return row[min(r, len(row) - 1)] if len(row) else 0.0
+
+    reach: list[float] = []
+    for v, p in enumerate(tree.parents):
+        reach.append((1.0 if p < 0 else reach[p]) * rate(tree.depth[v], tree.rank[v]))
+    return 1.0 + sum(reach)
+
+
+def tree_ceiling(tree: TreeShape, accept_by_depth_rank, r: float, verify_cost: float = 1.0) -> float:
+    """A tree round's speedup bound: its expected tokens over the verification of its rows (`verify_cost`, v(n) in
+    plain steps, measured where it is known: it is not 1 past a few rows) plus its drafting (r per node)."""
+    return tree_expected_tokens(tree, accept_by_depth_rank) / (verify_cost + len(tree.parents) * r)
+
+
 def work_ratio(proposer: DraftCost, model_cfg: ModelConfig, context: int,
                draft_cfg: ModelConfig | None = None) -> float:
     """The FLOPs one round's drafting computes per draft over a plain decode step's (trunk + head), every row

@@ -1,0 +1,235 @@
+"""Static draft trees: their shape (parsed from `2x2x1` or a parent list), the masks that verify them, and the rule
+that walks a verified tree to its longest accepted path.
+
+Node i (0-based, parents before children) continues node parents[i]; -1 is the last committed token, the root. In
+the verification rows the root is row 0 and node i row i+1; a row sees the committed cache and its own ancestors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtpjax.decode.cache import take_rows
+from mtpjax.errors import MtpjaxError
+
+MAX_NODES = 64  # verifying more rows than this per round never pays; the drafting loop is unrolled per node
+
+
+class TreeError(MtpjaxError, ValueError):
+    """A draft-tree spec that cannot be built (one line naming the problem and the fix)."""
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A draft tree by its parents (node i continues node parents[i]; -1: the root)."""
+
+    parents: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @cached_property
+    def depth(self) -> tuple[int, ...]:
+        """Each node's depth (1: a child of the root)."""
+        d: list[int] = []
+        for p in self.parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return tuple(d)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth, default=0)
+
+    def children(self, node: int) -> tuple[int, ...]:
+        """The nodes continuing `node` (-1: the root), in rank order."""
+        return tuple(i for i, p in enumerate(self.parents) if p == node)
+
+    @cached_property
+    def rank(self) -> tuple[int, ...]:
+        """Each node's place among its siblings (0: drafted first, the likeliest when greedy)."""
+        return tuple(self.children(p).index(i) for i, p in enumerate(self.parents))
+
+    def at_depth(self, lo: int, hi: int) -> tuple[int, ...]:
+        """The nodes of depths lo..hi, in node order."""
+        return tuple(i for i, d in enumerate(self.depth) if lo <= d <= hi)
+
+    def is_chain(self) -> bool:
+        return self.parents == tuple(range(-1, self.size - 1))
+
+    def name(self) -> str:
+        """`2x2x1` when each depth branches evenly, else the parent list."""
+        b = self.branching()
+        return "x".join(map(str, b)) if b else ",".join(map(str, self.parents))
+
+    def branching(self) -> tuple[int, ...] | None:
+        """The branching factor per depth when every node of a depth has as many children, else None."""
+        out = []
+        for d in range(self.max_depth):
+            counts = {len(self.children(p)) for p in ((-1,) if d == 0 else self.at_depth(d, d))}
+            if len(counts) != 1:
+                return None
+            out.append(counts.pop())
+        return tuple(out)
+
+    def sees(self, nodes: tuple[int, ...]) -> np.ndarray:
+        """[T, T] bool: row r (node nodes[r]) sees row c when nodes[c] is nodes[r] or one of its ancestors."""
+        anc = [self.ancestors(v) for v in nodes]
+        return np.array([[c in anc[r] for c in nodes] for r in range(len(nodes))], bool)
+
+    def ancestors(self, node: int) -> set[int]:
+        """The node and its ancestors (the root, -1, included)."""
+        out = {node}
+        while node >= 0:
+            node = self.parents[node]
+            out.add(node)
+        return out
+
+
+def chain_tree(num_draft: int) -> Tree:
+    return Tree(tuple(range(-1, num_draft - 1)))
+
+
+def split_hybrid(spec: str) -> tuple[str, int]:
+    """(the MTP tree's spec, the n-gram branch's length) of `2x2+ngram3` (no suffix: 0)."""
+    base, plus, tail = spec.strip().partition("+")
+    if not plus:
+        return base, 0
+    n = tail.strip().lower().removeprefix("ngram")
+    if not n.isdigit() or not 0 < int(n) <= MAX_NODES:
+        raise TreeError(f"tree {spec!r}: the hybrid branch is +ngramL with L in 1..{MAX_NODES} n-gram drafts, e.g. "
+                        "2x2+ngram3")
+    return base, int(n)
+
+
+def parse_tree(spec: str) -> Tree:
+    """`2x2x1` (children per node at each depth, top-b distinct when greedy) or a parent list `-1,-1,0,0,1`."""
+    spec = spec.strip()
+    try:
+        if "," in spec or spec.lstrip("-").isdigit() and spec.startswith("-"):
+            parents = tuple(int(x) for x in spec.split(","))
+            bad = [i for i, p in enumerate(parents) if not -1 <= p < i]
+            if bad:
+                raise TreeError(f"tree {spec!r}: node {bad[0]}'s parent {parents[bad[0]]} is not an earlier node or -1 "
+                                "(the root); list each node's parent, parents first, e.g. -1,-1,0,0")
+            tree = Tree(parents)
+        else:
+            branching = tuple(int(x) for x in spec.lower().split("x"))
+            if not branching or min(branching) < 1:
+                raise ValueError
+            parents, frontier = [], [-1]
+            for b in branching:
+                nxt = []
+                for p in frontier:
+                    for _ in range(b):
+                        nxt.append(len(parents))
+                        parents.append(p)
+                frontier = nxt
+            tree = Tree(tuple(parents))
+    except ValueError as e:
+        if isinstance(e, TreeError):
+            raise
+        raise TreeError(f"tree {spec!r} is not a shape; give children per depth as 2x2x1 (each >= 1) or each node's "
+                        "parent as -1,-1,0,0") from None
+    if not 0 < tree.size <= MAX_NODES:
+        raise TreeError(f"tree {spec!r} has {tree.size} nodes; use 1..{MAX_NODES} (e.g. 2x2x1, 10 nodes)")
+    return tree
+
+
+def verify_rows(tree: Tree):
+    """(depth of each verification row, [Y,Y] mask of what each row sees): the root then the nodes."""
+    nodes = (-1,) + tuple(range(tree.size))
+    return np.array((0,) + tree.depth, np.int32), tree.sees(nodes)
+
+
+def greedy_path(tree: Tree, drafts_BG, g_BY):
+    """(accepted depth a_B, path_BY: the verification row at each depth 0..D, root first): a node is accepted when
+    it and every ancestor equal the target's argmax after their parent; the path ends at the first deepest one
+    (siblings from different sources may repeat a token: the path is then one of the equal ones)."""
+    ok = []
+    for i, p in enumerate(tree.parents):
+        hit_B = drafts_BG[:, i] == g_BY[:, p + 1]
+        ok.append(hit_B if p < 0 else hit_B & ok[p])
+    B = drafts_BG.shape[0]
+    if not ok:
+        return jnp.zeros((B,), jnp.int32), jnp.zeros((B, 1), jnp.int32)
+    depth_G = jnp.asarray(tree.depth, jnp.int32)
+    score_BG = jnp.where(jnp.stack(ok, 1), depth_G[None], 0)
+    a_B = score_BG.max(1).astype(jnp.int32)
+    best_B = jnp.argmax(score_BG, axis=1)
+    table = np.zeros((tree.size, tree.max_depth + 1), np.int32)  # node -> its verification row at each depth
+    for v in range(tree.size):
+        u = v
+        while u >= 0:
+            table[v, tree.depth[u]] = u + 1
+            u = tree.parents[u]
+    path_BY = jnp.where(a_B[:, None] > 0, jnp.asarray(table)[best_B], 0)
+    return a_B, path_BY
+
+
+def accepted_nodes(tree: Tree, a_B, path_BY):
+    """[B, G] bool: the nodes on each row's accepted path."""
+    depth_G = jnp.asarray(tree.depth, jnp.int32)
+    row_BG = jnp.take_along_axis(path_BY, jnp.broadcast_to(depth_G[None], (a_B.shape[0], tree.size)), axis=1)
+    return (depth_G[None] <= a_B[:, None]) & (row_BG == jnp.arange(1, tree.size + 1)[None])
+
+
+def acceptance_by_depth_rank(tree: Tree, accepted_by_node, reached_by_depth) -> list[list[float]]:
+    """a[d][r] as nn.speed.tree_expected_tokens reads it: the share of the rounds that reached depth d+1 in which
+    its rank-r node (summed over the parents at that depth) was the one accepted."""
+    parents = [(-1,) if d == 0 else tree.at_depth(d, d) for d in range(tree.max_depth)]
+    out = [[0.0] * max(len(tree.children(p)) for p in ps) for ps in parents]
+    for v in range(tree.size):
+        d, r = tree.depth[v] - 1, tree.rank[v]
+        out[d][r] += accepted_by_node[v] / reached_by_depth[d] if reached_by_depth[d] else 0.0
+    return out
+
+
+def residual(p_BV, q_BV):
+    """The target left after a draft from q is rejected: norm(max(p - q, 0)) (p itself where nothing is left)."""
+    r_BV = jnp.maximum(p_BV - q_BV, 0.0)
+    mass = r_BV.sum(-1, keepdims=True)
+    return jnp.where(mass > 0, r_BV / jnp.where(mass > 0, mass, 1.0), p_BV)
+
+
+def sampled_path(tree: Tree, drafts_BG, q_BGV, p_BYV, u_BG):
+    """(a_B, path_BY, the distribution the token after the path is drawn from) by recursive rejection (SpecInfer):
+    from the root, each child in rank order is accepted with min(1, p(x)/q(x)) for the q it was drawn from (siblings
+    drawn independently); each rejection turns p into residual(p, q); accepting moves to the child and its fresh p;
+    when every child is rejected, the token comes from what is left of p. Exact for any independent drafts."""
+    B = drafts_BG.shape[0]
+    kids = [tree.children(v) for v in range(-1, tree.size)]  # by verification row
+    width = max(map(len, kids))
+    table_YC = jnp.asarray([list(k) + [-1] * (width - len(k)) for k in kids], jnp.int32)
+    cur_B, a_B = jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32)
+    stopped_B = jnp.zeros((B,), bool)
+    left_BV = take_rows(p_BYV, cur_B)
+    rows = [cur_B]
+    for _ in range(tree.max_depth):
+        p_BV, moved_B, nxt_B = take_rows(p_BYV, cur_B), jnp.zeros((B,), bool), cur_B
+        for j in range(width):
+            c_B = table_YC[cur_B, j]
+            live_B = ~stopped_B & ~moved_B & (c_B >= 0)
+            c_B = jnp.maximum(c_B, 0)
+            x_B = take_rows(drafts_BG, c_B)
+            q_BV = take_rows(q_BGV, c_B)
+            px_B, qx_B = take_rows(p_BV, x_B), take_rows(q_BV, x_B)
+            ok_B = live_B & (take_rows(u_BG, c_B) * qx_B < px_B)
+            p_BV = jnp.where((live_B & ~ok_B)[:, None], residual(p_BV, q_BV), p_BV)
+            moved_B, nxt_B = moved_B | ok_B, jnp.where(ok_B, c_B + 1, nxt_B)
+        stop_now_B = ~stopped_B & ~moved_B
+        left_BV = jnp.where(stop_now_B[:, None], p_BV, left_BV)
+        stopped_B, cur_B, a_B = stopped_B | stop_now_B, nxt_B, a_B + moved_B
+        rows.append(jnp.where(moved_B, nxt_B, 0))
+    left_BV = jnp.where(stopped_B[:, None], left_BV, take_rows(p_BYV, cur_B))
+    return a_B, jnp.stack(rows, 1), left_BV
+
+
+def along(x_BY, path_BY):
+    """x's rows along each batch row's path (x may have trailing axes)."""
+    return jax.vmap(lambda x, p: x[p])(x_BY, path_BY)

@@ -1,0 +1,200 @@
+"""Draft trees: greedy tree decoding equals plain greedy, every cache equals a fresh prefill after rounds with
+rejected branches, the caches are updated in place, and a bad tree spec is one line."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from test_speculative import PROMPTS, TV_BOUND, _cache_copies_per_round, _cfg, _context_logits, _exact_joint, \
+    _fresh_module_caches, _sharpen, _train, _tv
+
+import mtpjax.decode.loop as loop_module
+import mtpjax.decode.tree as tree_module
+from mtpjax.decode import DecodeError, generate, make_loop, run, summarize
+from mtpjax.decode.cache import stacked
+from mtpjax.decode.sampling import make_sampler
+from mtpjax.decode.tree import Tree, TreeError, parse_tree, split_hybrid
+from mtpjax.decode.treedraft import TreeMTPProposer
+from mtpjax.nn.model import build_model
+from mtpjax.nn.speed import tree_expected_tokens
+
+MLA = dict(attention_kind="mla", kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=6,
+           v_head_dim=10)
+
+
+def _half_trained(**kw):
+    cfg = _cfg(**kw)
+    model = build_model(cfg, seed=0)
+    _train(model, cfg, steps=4)
+    return model
+
+
+@pytest.fixture(scope="module")
+def half_trained():
+    return _half_trained()
+
+
+def _check_tree_equal(model, trees, batches, proposer="mtp"):
+    for prompts in batches:
+        base = generate(model, prompts, max_new_tokens=24)
+        for tree in trees:
+            out = generate(model, prompts, max_new_tokens=24, tree=tree, proposer=proposer)
+            assert out.tokens == base.tokens, (tree, len(prompts))
+            assert out.stats["tree"] == tree
+            assert 0 < sum(out.stats["accepted"]) < sum(out.stats["reached"])  # accepted and rejected branches
+            # the arithmetic's tree E from the measured acceptance by depth and rank is the measured count
+            spec, ngram = split_hybrid(tree)
+            if not ngram and parse_tree(spec).branching():
+                E = tree_expected_tokens(parse_tree(spec), out.stats["acceptance_by_depth_rank"])
+                assert E == pytest.approx(1 + sum(out.stats["accepted"]) / out.stats["rounds"])
+
+
+def test_greedy_tree_equals_plain(half_trained):
+    """Ragged prompts at batch 4: two MTP branches over both modules, and n-gram lookup's chain as a third branch
+    (hybrid; its first token may repeat an MTP child's). Every other shape and model: slow."""
+    _check_tree_equal(half_trained, ["2x1+ngram2"], [PROMPTS])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("proposer", ["mtp", "mtp1"])
+def test_greedy_tree_equals_plain_full_matrix(half_trained, proposer):
+    """Batch 1 and 4, two shapes and a parent list, deeper than the modules (the last continues from itself)."""
+    _check_tree_equal(half_trained, ["2x2", "2x2x1", "3x1", "-1,-1,0,0,2"], [PROMPTS[:1], PROMPTS], proposer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [MLA, dict(mtp_kind="parallel", scan_layers=True)], ids=["mla", "parallel-scanned"])
+def test_greedy_tree_equals_plain_mla_and_parallel(kw):
+    _check_tree_equal(_half_trained(**kw), ["2x2", "3x1"], [PROMPTS])
+
+
+@pytest.mark.slow
+def test_a_chain_tree_drafts_as_the_chain_does(half_trained):
+    """A tree of one child per depth accepts what a chain of as many drafts accepts (the same drafts)."""
+    chain = generate(half_trained, PROMPTS, max_new_tokens=24, num_draft=2)
+    tree = generate(half_trained, PROMPTS, max_new_tokens=24, tree="1x1")
+    assert tree.tokens == chain.tokens
+    assert tree.stats["accepted"] == chain.stats["accepted"] and tree.stats["rounds"] == chain.stats["rounds"]
+
+
+@dataclasses.dataclass(frozen=True)
+class NarrowTree(TreeMTPProposer):
+    """Tree drafting that recomputes `rows` committed rows a round instead of depth + modules."""
+
+    rows: int = 1
+
+    def window(self, depth: int) -> int:
+        return self.rows
+
+
+def _caches_equal_fresh(model, st, used: int) -> tuple[bool, bool]:
+    """(trunk equal, module caches equal): every committed entry of the loop's caches against a fresh prefill."""
+    seq, n_B = np.asarray(st.seq_BS), np.asarray(st.n_B)
+    trunk_ok = mods_ok = True
+    for b in range(len(n_B)):
+        n = int(n_B[b])
+        trunk, mods = _fresh_module_caches(model, jax.numpy.asarray(seq[b]), n)
+        for got, want in zip(jax.tree.leaves(stacked(st.trunk)), jax.tree.leaves(stacked(trunk))):
+            trunk_ok &= bool(np.allclose(got[:, b][..., : n - 1, :], want[:, 0][..., : n - 1, :], atol=2e-5))
+        for k in range(1, used + 1):
+            got_kv = jax.tree.map(lambda x, k=k: x[k - 1], stacked(st.proposer.caches))
+            for got, want in zip(jax.tree.leaves(got_kv), jax.tree.leaves(mods[k - 1])):
+                mods_ok &= bool(np.allclose(got[b][..., : n - k, :], want[0][..., : n - k, :], atol=2e-5))
+    return trunk_ok, mods_ok
+
+
+def _tree_run(model, proposer, max_new=30, tree="2x2x1"):
+    loop = make_loop(model, PROMPTS, max_new_tokens=max_new, num_draft=0, sampler=make_sampler(), tree=tree)
+    st = run(model, PROMPTS, dataclasses.replace(loop, proposer=proposer))
+    res = summarize(st)
+    assert 0 < sum(res.stats["accepted"]) < sum(res.stats["reached"])  # branches accepted and rejected
+    return st
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [{}, MLA], ids=["gqa", "mla"])
+def test_tree_caches_equal_fresh_prefill(kw, monkeypatch):
+    """After rounds with rejected branches every committed entry of the trunk's and the modules' caches equals a
+    fresh prefill of the committed sequence; companions: the accepted path left where the tree put it breaks the
+    trunk's, a window one row short breaks the modules'."""
+    model = _half_trained(**kw)
+    tree = parse_tree("2x2x1")
+    assert _caches_equal_fresh(model, _tree_run(model, TreeMTPProposer(tree)), 2) == (True, True)
+    narrow = NarrowTree(tree, rows=TreeMTPProposer(tree).window(2) - 1)
+    assert _caches_equal_fresh(model, _tree_run(model, narrow), 2) == (True, False)
+    monkeypatch.setattr(loop_module, "keep_path", lambda cache, *a: cache)
+    assert not _caches_equal_fresh(model, _tree_run(model, TreeMTPProposer(tree), max_new=29), 2)[0]
+
+
+def test_bad_tree_specs_are_one_line_errors():
+    assert parse_tree("2x2x1").parents == (-1, -1, 0, 0, 1, 1, 2, 3, 4, 5)
+    assert parse_tree("-1,-1,0").parents == (-1, -1, 0) and Tree((-1, -1, 0, 1)).name() == "2x1"
+    assert Tree((-1, -1, 0, 2)).name() == "-1,-1,0,2"
+    assert split_hybrid("2x2+ngram3") == ("2x2", 3) and split_hybrid("2x2") == ("2x2", 0)
+    for spec in ["2x0", "ax2", "", "-1,1", "0", "9x9", "2x2+ngram0", "2x2+trie"]:
+        with pytest.raises(TreeError) as e:
+            parse_tree(split_hybrid(spec)[0])
+        assert "\n" not in str(e.value) and spec in str(e.value)
+    model = build_model(_cfg(), seed=0)
+    with pytest.raises(DecodeError, match="proposer mtp or mtp1"):
+        make_loop(model, PROMPTS, max_new_tokens=4, num_draft=0, proposer="ngram", tree="2x2")
+    with pytest.raises(DecodeError, match="give one"):
+        make_loop(model, PROMPTS, max_new_tokens=4, num_draft=2, tree="2x2")
+    with pytest.raises(DecodeError, match="tree '2x0'"):
+        make_loop(model, PROMPTS, max_new_tokens=4, num_draft=0, tree="2x0")
+
+
+@pytest.mark.slow
+def test_tree_rounds_update_the_caches_in_place(half_trained, monkeypatch):
+    """Verifying a tree and keeping its accepted path writes the caches in place: no whole-buffer copy per round;
+    companion: the verification's write not ordered after its reads makes XLA copy the buffers in a tree loop too."""
+    assert _cache_copies_per_round(half_trained, 0, tree="2x2") == []
+    import mtpjax.nn.layers as layers
+
+    monkeypatch.setattr(layers, "write_after", lambda cache, k, v, start, o: layers.write_kv(cache, k, v, start))
+    assert len(_cache_copies_per_round(half_trained, 0, tree="2x2")) >= 2 * half_trained.cfg.n_layers
+
+
+def _tree_tv(tree: str, sampling: dict, proposer="mtp"):
+    """TV between sampled tree decoding's 3-token continuations and the exact joint, and the depth-1 acceptance."""
+    model = build_model(_cfg(vocab_size=6, mtp_depth=2), seed=2)
+    _sharpen(model, 5.0)  # a random model: drafts disagree with the target often, so every rule is exercised
+    sampler = make_sampler(sampling["temperature"], sampling.get("top_k"), sampling.get("top_p"))
+    prompt, n_tok, N = [1, 2, 3], 3, 6000
+    exact = _exact_joint(_context_logits(model, prompt, n_tok), **sampling)
+    loop = make_loop(model, [prompt] * N, max_new_tokens=n_tok, num_draft=0, proposer=proposer, sampler=sampler,
+                     tree=tree)
+    res = summarize(run(model, [prompt] * N, loop, seed=7))
+    return _tv(res, exact, 6, n_tok), res.stats["acceptance_by_position"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tree,sampling", [("2x2", dict(temperature=1.0, top_k=2)),
+                                           ("3x1", dict(temperature=0.7, top_p=0.8))])
+def test_sampled_trees_preserve_the_target_distribution(tree, sampling):
+    """Siblings drawn i.i.d. from q, recursive rejection with p <- norm(max(p - q, 0)): the exact joint."""
+    tv, alpha = _tree_tv(tree, sampling)
+    assert tv < TV_BOUND and alpha < 0.95  # rejections happened
+
+
+@pytest.mark.slow
+def test_sampled_tree_companion_a_wrong_sibling_rule_is_detected(monkeypatch):
+    """Testing every sibling against the unreduced p (no residual after a rejection) visibly changes the output."""
+    monkeypatch.setattr(tree_module, "residual", lambda p, q: p)
+    assert _tree_tv("3x1", dict(temperature=1.0))[0] > TV_BOUND
+
+
+def test_a_bad_tree_flag_is_one_line_and_exit_2(capsys):
+    from mtpjax.cli.decode import main
+
+    assert main(["--run-dir", "nowhere", "--prompt", "x", "--tree", "2x0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tree" in err and "2x2x1" in err
+
+
+@pytest.mark.slow
+def test_sampled_hybrid_tree_preserves_the_target_distribution():
+    """The n-gram branch is a point mass (one-hot q) beside i.i.d. MTP siblings: each rejection uses its own q."""
+    tv, alpha = _tree_tv("2x1+ngram2", dict(temperature=1.0, top_k=2))
+    assert tv < TV_BOUND and alpha < 0.95
