@@ -179,7 +179,9 @@ def print_rows(res: dict) -> None:
     print(f"{res['source']}: {res['weights_mb']:.1f} MB, batch {res['batch']}, context {res['context']}, "
           f"one-row step {res['step_us']:.0f} us  [load {res['load']}]")
     print("  v(n) = " + "  ".join(f"{n}: {v:.2f}" for n, v in res["v"].items()))
-    print("  v(n) by CPU time = " + "  ".join(f"{n}: {v:.2f}" for n, v in res["cpu"]["v"].items()))
+    print("  v(n) by CPU time = " + "  ".join(f"{n}: {v:.2f}" for n, v in res["cpu"]["v"].items())
+          + ("   c(γ) by CPU time = " + "  ".join(f"{g}: {c:.3f}" for g, c in res["cpu"]["c"].items())
+             if res["cpu"]["c"] else ""))
     if res["c"]:
         print("  c(γ) = " + "  ".join(f"{g}: {c:.3f}" for g, c in res["c"].items())
               + "   round floor v(γ+1) + γc = " + "  ".join(
