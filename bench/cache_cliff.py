@@ -35,7 +35,6 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench.common import interleave, load, log, median_ratio  # noqa: E402
-from mtpjax.nn import layers  # noqa: E402
 from mtpjax.eval.plan import tree_bytes  # noqa: E402
 
 
@@ -144,21 +143,11 @@ def verify_costs(seconds: dict, drafts: dict | None = None) -> dict:
     return {"v": v, "c": c}
 
 
-def measure_rows(model, rows, gammas, batch: int = 1, context: int = 192, iters: int = 32, rounds: int = 7,
-                 row_products_ab: bool = False) -> dict:
+def measure_rows(model, rows, gammas, batch: int = 1, context: int = 192, iters: int = 32, rounds: int = 7) -> dict:
     """v(n) for n in `rows` and c(γ) for γ in `gammas` on one model: every loop compiled first, then `rounds`
-    rounds running each once in a shuffled order (load drifts cancel within a round), medians of ratios.
-    `row_products_ab`: also v(n) with layers.ROW_PRODUCTS off, in the same rounds (over the same one-row step)."""
+    rounds running each once in a shuffled order (load drifts cancel within a round), medians of ratios."""
     capacity = context + max(rows) + 64
     fns = {("v", n): _decode_loop(model, batch, n, context, capacity, iters) for n in rows}
-    if row_products_ab:  # the same loops traced with few-row products as one matrix kernel (layers.ROW_PRODUCTS 0)
-        saved, layers.ROW_PRODUCTS = layers.ROW_PRODUCTS, 0
-        try:
-            fns.update({("v0", n): _decode_loop(model, batch, n, context, capacity, iters) for n in rows})
-            for n in rows:
-                fns[("v0", n)]()  # traced and compiled now, under the setting
-        finally:
-            layers.ROW_PRODUCTS = saved
     if model.cfg.mtp_depth:
         fns.update({("c", g): _draft_loop(model, batch, g, context, capacity, iters) for g in gammas})
     for f in fns.values():
@@ -168,9 +157,6 @@ def measure_rows(model, rows, gammas, batch: int = 1, context: int = 192, iters:
     split = lambda t: ({n: t[("v", n)] for n in rows}, {k[1]: t[k] for k in t if k[0] == "c"})  # noqa: E731
     out = verify_costs(*split(times))
     out["cpu"] = verify_costs(*split(cpu))  # CPU time: what other processes on a loaded host inflate less
-    if row_products_ab:
-        ab = lambda t: verify_costs({n: t[("v0", n)] for n in rows} | {1: t[("v", 1)]})["v"]  # noqa: E731
-        out["without_row_products"] = {"v": ab(times), "cpu_v": ab(cpu)}
     out["step_us"] = float(np.median(times[("v", 1)])) / iters * 1e6
     out["load"] = load()
     return out
@@ -213,21 +199,15 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=192, help="with --rows: committed cache entries")
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--row-products-ab", action="store_true",
-                    help="with --rows: also v(n) with few-row products as one matrix kernel (layers.ROW_PRODUCTS 0)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     if args.rows:
         model, source = rows_subject(args.config, args.run_dir)
         res = measure_rows(model, [int(x) for x in args.rows.split(",")], [int(x) for x in args.gammas.split(",")],
-                           args.batch, args.context, rounds=args.rounds, row_products_ab=args.row_products_ab)
+                           args.batch, args.context, rounds=args.rounds)
         res.update(source=source, weights_mb=tree_bytes(nnx.state(model, nnx.Param)) / 1e6, batch=args.batch,
                    context=args.context)
         print_rows(res)
-        if "without_row_products" in res:
-            w = res["without_row_products"]
-            print("  without row products: v(n) = " + "  ".join(f"{n}: {v:.2f}" for n, v in w["v"].items())
-                  + "   by CPU time = " + "  ".join(f"{n}: {v:.2f}" for n, v in w["cpu_v"].items()))
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=2))
         return 0

@@ -34,20 +34,6 @@ def param(rngs: nnx.Rngs, shape, std: float, axes: tuple, dtype) -> nnx.Param:
     return nnx.Param(value, logical_axes=axes)
 
 
-ROW_PRODUCTS = 2  # CPU: products of at most this many rows run as one-row products (docs/benchmarks.md)
-
-
-def project(x2_ID, w_DE):
-    """x2 @ w. On CPU a product of 2..ROW_PRODUCTS rows runs as that many one-row products: XLA gives one row a
-    kernel that streams the weight once, and several a packing matrix kernel that cost 1.9x one row at 2 rows
-    on a weight-bound model; the second one-row product reads the weight from cache (1.4x). Each row's result is
-    then the one-row result exactly."""
-    n = x2_ID.shape[0]
-    if 1 < n <= ROW_PRODUCTS and jax.default_backend() == "cpu":
-        return jnp.concatenate([jnp.dot(x2_ID[i:i + 1], w_DE) for i in range(n)])
-    return jnp.dot(x2_ID, w_DE)
-
-
 class Dense(nnx.Module):
     """Projection, bias-free unless `bias` (zero-initialised); inputs are flattened to 2-D (XLA CPU's backward is
     slow on 3-D dots)."""
@@ -62,7 +48,7 @@ class Dense(nnx.Module):
     def __call__(self, x_ID):
         lead = x_ID.shape[:-1]
         x2 = x_ID.reshape(-1, x_ID.shape[-1]).astype(self.dtype)
-        y2 = project(x2, self.kernel[...].astype(self.dtype))
+        y2 = jnp.dot(x2, self.kernel[...].astype(self.dtype))
         if hasattr(self, "bias"):
             y2 = y2 + self.bias[...].astype(self.dtype)[None, :]
         return y2.reshape(*lead, y2.shape[-1])
