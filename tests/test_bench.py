@@ -130,3 +130,15 @@ def test_mtp_drafting_variants_decode_exactly():
     mtp2 = r["variants"]["mtp2"]
     assert mtp2["vs_old_window"] > 0 and mtp2["vs_old_window_cpu"] > 0
     assert len(r["variants"]["mtp2_module1"]["acceptance_by_position"]) == 2
+
+
+def test_verify_costs_are_medians_of_per_round_ratios_to_one_row():
+    """bench/cache_cliff.py --rows: v(n) = median_i t_n[i] / t_1[i] (within a round); c(γ) per draft alike."""
+    from bench.cache_cliff import verify_costs
+
+    ones = [1.0, 2.0, 4.0]  # the load triples the step in the last round: per-round ratios cancel it
+    res = verify_costs({1: ones, 4: [1.2, 2.6, 4.8]}, {2: [0.2, 0.4, 1.6]})
+    assert res["v"] == {1: 1.0, 4: pytest.approx(1.2)}  # ratios 1.2, 1.3, 1.2
+    assert res["c"] == {2: pytest.approx(0.1)}  # ratios 0.2, 0.2, 0.4 over 2 drafts
+    # companion: a ratio of medians would read the drift as cost (median 2.6 / median 2.0 = 1.3)
+    assert res["v"][4] != pytest.approx(1.3)

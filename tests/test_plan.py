@@ -71,6 +71,24 @@ def test_default_draft_cost_counts_the_rows_mtp_drafting_computes():
     assert build_plan(load_config(TINY, ["model.mtp_depth=0"]))["speculation"] == []
 
 
+def test_ceiling_divides_by_the_verification_cost_of_the_rows_verified():
+    cfg = load_config(TINY, SMALL_OVERRIDES)
+    free, paid = (build_plan(cfg, alpha=0.7, verify_cost=v)["speculation"] for v in (1.0, {2: 1.2, 3: 1.3}))
+    for f, p in zip(free, paid):
+        g, r = f["gamma"], f["floor_ratio"]
+        v = 1.2 if g == 1 else 1.3  # γ+1 rows: 2 measured, 3 measured, more: the largest measured
+        assert p["verify_cost"] == v and f["verify_cost"] == 1.0
+        assert p["speedup"] == pytest.approx(f["tokens_per_round"] / (v + g * r))
+        assert f["speedup"] == pytest.approx(f["tokens_per_round"] / (1 + g * r))  # companion: free rows
+
+
+def test_cpu_deep_is_memory_bound_with_cheap_modules():
+    """configs/cpu_deep.yaml as its comment states: weights >= 3x a 32 MB cache, one module r <= 0.1 of a step."""
+    plan = build_plan(load_config(str(ROOT / "configs" / "cpu_deep.yaml"), []))
+    assert plan["param_bytes"] >= 96e6 and plan["params"]["total"] < 32e6
+    assert all(s["floor_ratio"] <= 0.1 for s in plan["speculation"])
+
+
 def test_cli_prints_plan(capsys):
     assert main(["--config", TINY, *SMALL_OVERRIDES, "--alpha", "0.5", "--draft-cost", "0.25"]) == 0
     out = capsys.readouterr().out
@@ -79,6 +97,10 @@ def test_cli_prints_plan(capsys):
     assert "mtp module 2" in out and "alpha=0.5" in out and "c=0.2500" in out
     assert "1.8750" in out and "1.0714" in out  # E(3) = 1 + 0.5 + 0.25 + 0.125, over 1 + 3 * 0.25
     assert "optimizer" in out and "GiB" in out
+    assert main(["--config", TINY, *SMALL_OVERRIDES, "--alpha", "0.5", "--draft-cost", "0.25",
+                 "--verify-cost", "2:1.25,4:1.5"]) == 0
+    out = capsys.readouterr().out  # E(γ) over v(γ+1) + γ·0.25, v(3) read as the next measured, v(4)
+    assert "1.0000" in out and "0.8750" in out and "0.8333" in out and "v(g+1)" in out
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -89,6 +111,8 @@ def test_cli_prints_plan(capsys):
     (["--config", TINY, "--alpha", "high"], "invalid float value"),
     (["--config", TINY, "--draft-cost", "-1"], "--draft-cost -1.0 must be >= 0"),
     (["--config", TINY, "--max-gamma", "0"], "--max-gamma 0 must be >= 1"),
+    (["--config", TINY, "--verify-cost", "0.5"], "--verify-cost '0.5' must be a number >= 1"),
+    (["--config", TINY, "--verify-cost", "2:x"], "--verify-cost '2:x' must be a number >= 1"),
     ([], "required: --config"),
 ])
 def test_cli_errors_exit_2_with_one_line(capsys, argv, message):

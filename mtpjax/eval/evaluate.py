@@ -150,10 +150,12 @@ def speed_report(model, prompts, *, num_draft: int, max_new: int, batch: int = 1
             "round_cost": cost, "draft_cost_c": max(0.0, (cost - v) / num_draft),
             "predicted_speedup": predicted_speedup(alpha_pos, num_draft, cost),
             "draft_time_fraction": max(0.0, cost - v) / cost,
-            # the most this γ could give with these α: verifying costs >= one plain step, a draft >= its floor r
+            # the most this γ could give with these α: verifying the γ+1 rows costs the measured v (the n-gram
+            # round, whose drafting is a lookup; at least one plain step), a draft at least its floor r
             "work_ratio_r": work_ratio(proposer, model.cfg, context, dcfg),
             "weight_ratio_r": weight_ratio(proposer, model.cfg, context, dcfg),
-            "speedup_ceiling": ceiling(alpha_pos, num_draft, floor_ratio(proposer, model.cfg, context, dcfg)),
+            "speedup_ceiling": ceiling(alpha_pos, num_draft, floor_ratio(proposer, model.cfg, context, dcfg),
+                                       max(1.0, v)),
         }.items()})
     if model.cfg.mtp_depth:
         # greedy: the speculative outputs are the plain ones (outputs_identical)

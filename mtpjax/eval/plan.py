@@ -16,7 +16,7 @@ from mtpjax.decode.cache import AttentionCaches
 from mtpjax.decode.proposers import MTPProposer
 from mtpjax.nn.flops import flops_per_token
 from mtpjax.nn.model import build_model, param_counts
-from mtpjax.nn.speed import ceiling, expected_tokens, floor_ratio, weight_ratio, work_ratio
+from mtpjax.nn.speed import ceiling, expected_tokens, floor_ratio, verify_cost_of, weight_ratio, work_ratio
 
 
 def tree_bytes(tree) -> int:
@@ -24,11 +24,13 @@ def tree_bytes(tree) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None, max_gamma: int | None = None) -> dict:
+def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None, max_gamma: int | None = None,
+               verify_cost: float | dict = 1.0) -> dict:
     """The plan as numbers: parameters, memory, FLOPs per token by depth, and the speculation ceiling per γ.
 
     r is mtpjax.nn.speed's floor ratio of MTP drafting (the smaller of the FLOPs it computes, each module
-    recomputing its window, and the weights it reads), unless `draft_cost` fixes it for every γ."""
+    recomputing its window, and the weights it reads), unless `draft_cost` fixes it for every γ; v(γ+1), the
+    cost of verifying γ+1 rows in plain steps, is `verify_cost` (speed.verify_cost_of; 1: free rows)."""
     model = nnx.eval_shape(lambda: build_model(cfg))
     counts = param_counts(model)
     params = jax.tree.leaves(nnx.state(model, nnx.Param))
@@ -47,13 +49,13 @@ def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None,
 
     spec = []
     for g in range(1, max_gamma + 1) if draft_cost is not None or J else ():
-        r = ratios(g)
-        spec.append({"gamma": g, "tokens_per_round": expected_tokens([alpha], g), **r,
-                     "speedup": ceiling([alpha], g, r["floor_ratio"])})
+        r, v = ratios(g), verify_cost_of(verify_cost, g + 1)
+        spec.append({"gamma": g, "tokens_per_round": expected_tokens([alpha], g), **r, "verify_cost": v,
+                     "speedup": ceiling([alpha], g, r["floor_ratio"], v)})
     return {"params": counts, "param_bytes": tree_bytes(params), "optimizer_bytes": tree_bytes(opt_state),
             "param_dtype": cfg.model.param_dtype, "flops": fl,
             "cache_bytes_per_token": AttentionCaches().attention_bytes_per_row(cfg.model), "alpha": alpha,
-            "draft_cost": draft_cost, "speculation": spec}
+            "draft_cost": draft_cost, "verify_cost": verify_cost, "speculation": spec}
 
 
 def _h(n: float) -> str:
@@ -100,9 +102,11 @@ def format_plan(plan: dict, cfg: Config) -> str:
         cost = (f"draft cost c={plan['draft_cost']:.4f} of a target forward" if plan["draft_cost"] is not None else
                 f"per draft over a plain step: FLOPs computed (module k recomputes gamma+1 rows) and weights read; "
                 f"r = the smaller; gamma > {m.mtp_depth} reuses the last module")
-        lines += [f"speculation (alpha={plan['alpha']}, {cost}):",
-                  "  gamma   E=(1-a^(g+1))/(1-a)   FLOPs    weights  speedup ceiling E/(1+g*r)"]
+        v = ("v = verifying g+1 rows over one row's cost, as given (--verify-cost)" if plan["verify_cost"] != 1.0
+             else "v = 1: verifying rows taken as free; pass --verify-cost from bench/cache_cliff.py --rows")
+        lines += [f"speculation (alpha={plan['alpha']}, {cost}; {v}):",
+                  "  gamma   E=(1-a^(g+1))/(1-a)   FLOPs    weights  v(g+1)  speedup ceiling E/(v+g*r)"]
         for s in plan["speculation"]:
             lines.append(f"  {s['gamma']:<5d}   {s['tokens_per_round']:<21.4f} {s['work_ratio']:<8.4f} "
-                         f"{s['weight_ratio']:<8.4f} {s['speedup']:.4f}")
+                         f"{s['weight_ratio']:<8.4f} {s['verify_cost']:<7.3f} {s['speedup']:.4f}")
     return "\n".join(lines)

@@ -8,7 +8,10 @@ A round with γ drafts verifies γ+1 tokens and commits E(γ) of them on average
 Measured against a plain decode step, a round costs v + γc (v: verifying γ+1 tokens, c: one draft), so
 
     predicted speedup = E(γ) / (v + γc)              (v + γc: the round's measured cost)
-    ceiling           = E(γ) / (1 + γr)              (v >= 1, c >= r)
+    ceiling           = E(γ) / (v(γ+1) + γr)         (c >= r; v(n): one forward of n rows over one row's)
+
+v(n) is measured (bench/cache_cliff.py --rows, decode.py --eval's verification round); where nothing was
+measured it is 1, the bound of free rows (`verify_cost`: a number, or a function of the rows verified).
 
 A draft's work is counted as a round really does it: `work_ratio` counts every row it computes (an MTP
 module recomputes a window of γ+1 rows, a draft model first catches up on the committed tokens), in FLOPs
@@ -113,18 +116,32 @@ def _per_draft(proposer: DraftCost, draft: float, plain: float) -> float:
     return draft / (G * plain) if G else 0.0
 
 
-def ceiling(alpha_by_pos, gamma: int, r: float) -> float:
-    """E(γ) / (1 + γr): the speedup with v = 1 and c = r."""
-    return expected_tokens(alpha_by_pos, gamma) / (1.0 + gamma * r)
+def ceiling(alpha_by_pos, gamma: int, r: float, verify_cost: float = 1.0) -> float:
+    """E(γ) / (v + γr): the speedup with c = r and verifying the γ+1 rows costing v plain steps (1: free rows)."""
+    return expected_tokens(alpha_by_pos, gamma) / (verify_cost + gamma * r)
 
 
-def speedup_ceiling(alpha_by_pos, work_ratio, max_gamma: int) -> dict:
-    """Best ceiling over γ <= max_gamma; `work_ratio` is r (a number) or a function γ -> r.
+def verify_cost_of(verify_cost, rows: int) -> float:
+    """v(rows) from a number (every row count alike), a function rows -> v, or a {rows: v} table (measured
+    row counts; between or past them the next larger one measured, else the largest); one row costs 1."""
+    if rows <= 1:
+        return 1.0
+    if callable(verify_cost):
+        return verify_cost(rows)
+    if isinstance(verify_cost, dict):
+        return verify_cost[min((n for n in verify_cost if n >= rows), default=max(verify_cost))]
+    return verify_cost
+
+
+def speedup_ceiling(alpha_by_pos, work_ratio, max_gamma: int, verify_cost=1.0) -> dict:
+    """Best ceiling over γ <= max_gamma; `work_ratio` is r (a number) or a function γ -> r; `verify_cost` is v of
+    the γ+1 verified rows (verify_cost_of: a number, a function or a measured table; 1: free rows).
 
     Returns {"by_gamma": {γ: bound}, "max": the best bound, "num_draft": its γ}; γ = 0 (plain) bounds at 1.
     """
     r = work_ratio if callable(work_ratio) else (lambda g: work_ratio)
-    by = {g: ceiling(alpha_by_pos, g, r(g) if g else 0.0) for g in range(max_gamma + 1)}
+    by = {g: ceiling(alpha_by_pos, g, r(g) if g else 0.0, verify_cost_of(verify_cost, g + 1))
+          for g in range(max_gamma + 1)}
     best = max(by, key=lambda g: by[g])
     return {"by_gamma": by, "max": by[best], "num_draft": best}
 
