@@ -28,6 +28,12 @@ def parse_args(argv):
                     help="module kinds, each optionally restricted to some depths: sequential,parallel@2")
     ap.add_argument("--lambda", dest="lambdas", action="append", default=None,
                     help="λ schedule (repeatable; default the config's loss.mtp_lambda)")
+    ap.add_argument("--curriculum", dest="curricula", action="append", default=[],
+                    help="per-depth λ curriculum (loss.mtp_lambda_depths, e.g. forward:25; repeatable): each adds "
+                         "every (depth, kind, λ) variant again under it")
+    ap.add_argument("--target", dest="targets", action="append", default=[],
+                    help="an extra loss.mtp_target, optionally @depths (e.g. tv@1; repeatable): adds every (kind, λ) "
+                         "variant at those depths trained on it")
     ap.add_argument("--steps", type=int, default=None, help="steps of every variant (default train.steps)")
     ap.add_argument("--seeds", default="1", help="N (seeds train.seed .. train.seed+N-1) or a list: 0,1,2")
     ap.add_argument("--out", default="runs/ablation", help="run directories (re-running resumes them)")
@@ -67,9 +73,9 @@ def setup(args):
         raise ConfigError(f"--depths '{args.depths}' must include 0: every variant is compared to D=0")
     kinds = grid.parse_kinds(args.kinds, depths)
     lambdas = args.lambdas or [str(base.loss.mtp_lambda)]
-    vs = grid.variants(depths, kinds, lambdas)
+    vs = grid.variants(depths, kinds, lambdas, args.curricula, grid.parse_targets(args.targets, depths))
     seeds = _seeds(args.seeds, base.train.seed)
-    for v in vs:  # every λ and kind validated before anything trains
+    for v in vs:  # every λ, kind, curriculum and target validated before anything trains
         grid.variant_config(base, v, seeds[0], steps, Path(args.out))
     runs = grid.plan_runs(base, vs, seeds, steps, Path(args.out))
     return base, vs, seeds, steps, runs, rounds
