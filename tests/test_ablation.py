@@ -363,7 +363,7 @@ def test_smoke_sweep_killed_and_rerun_equals_an_uninterrupted_one(tmp_path):
     assert ra["variants"]["d2-seq-constant_0.3"]["equal_flops"]["d0_steps"] > 8
 
 
-# ----------------------------------------------------------------------------- curricula and targets (issue 24's re-run)
+# ---------------------------------------------------------------------------- curricula and targets (issue 24's re-run)
 
 
 def test_grid_with_a_curriculum_and_a_tv_target(tmp_path):
@@ -388,7 +388,8 @@ def test_equal_flops_integrates_the_flops_spent_over_the_schedule(tmp_path):
     an unrolled module adds its FLOPs; the tv target adds none. Companion: the unrolled variant costs more."""
     base = _base(tmp_path)
     cur = grid.Variant(2, "sequential", "constant:0.3", "forward:3")
-    const, tv = grid.Variant(2, "sequential", "constant:0.3"), grid.Variant(2, "sequential", "constant:0.3", target="tv")
+    const = grid.Variant(2, "sequential", "constant:0.3")
+    tv = grid.Variant(2, "sequential", "constant:0.3", target="tv")
     cfgs = {v: grid.variant_config(base, v, 0, 8, tmp_path) for v in (cur, const, tv)}
     spent = {v: grid.flops_spent(c, 8) for v, c in cfgs.items()}
     per_step = [grid.step_flops(cfgs[cur], s) for s in range(8)]

@@ -1,5 +1,5 @@
-"""The ablation grid: variants (depth, kind, λ, per-depth curriculum, target) × seeds, each an ordinary run directory, and the D=0 runs
-that give the equal-FLOPs comparison.
+"""The ablation grid: variants (depth, kind, λ, per-depth curriculum, target) × seeds, each an ordinary run
+directory, and the D=0 runs that give the equal-FLOPs comparison.
 
 Every variant of one seed shares `train.seed`, so the trunk, embedding and head start from the same
 parameters (the model creates them from `nnx.Rngs(params=seed)` before any MTP module) and the data
@@ -55,8 +55,9 @@ class Variant:
     def label(self) -> str:
         if self.depth == 0:
             return "D=0"
-        return f"D={self.depth} {self.kind} λ={self.lam}" + (f" per depth {self.curriculum}" if self.curriculum else "") \
-            + (f" target {self.target}" if self.target != "data" else "")
+        cur = f" per depth {self.curriculum}" if self.curriculum else ""
+        tgt = f" target {self.target}" if self.target != "data" else ""
+        return f"D={self.depth} {self.kind} λ={self.lam}{cur}{tgt}"
 
 
 @dataclasses.dataclass(frozen=True)
