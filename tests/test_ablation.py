@@ -194,6 +194,7 @@ def test_eval_log_keeps_the_last_record_of_a_step_and_skips_a_cut_line(tmp_path)
     (["model.mtp_dpeth=2"], "did you mean 'model.mtp_depth'"),
     (["train.eval_batches=0"], "train.eval_batches=0: the ablation compares validation losses"),
     (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--report-only"], "--report-only: no seed has all its runs complete under"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     out = tmp_path / "out"
@@ -416,3 +417,20 @@ def test_bad_curriculum_or_target_is_one_line_and_exit_2(tmp_path, capsys, argv,
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err, err
     assert not out.exists()
+
+
+def test_report_only_reports_the_complete_seeds_and_trains_nothing(tmp_path):
+    """A sweep cut by time: seed 0 complete, seed 1 not; --report-only writes results.json for seed 0 alone."""
+    base, out = _base(tmp_path), tmp_path / "out"
+    vs = grid.variants([0, 1], {"sequential": [1]}, ["constant:0.3"])
+    runs = grid.plan_runs(base, vs, [0, 1], 8, out)
+    _fake_evals([r for r in runs if r.seed == 0])
+    for r in runs:
+        if r.seed == 0:
+            (r.dir / "checkpoints" / str(r.steps)).mkdir(parents=True)
+    argv = ["--smoke", "--config", CONFIG, "--out", str(out), *_data(tmp_path), "--depths", "0,1", "--kinds",
+            "sequential", "--seeds", "2", "--report-only"]
+    assert main(argv) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["seeds"] == [0] and res["step_times"] is None
+    assert not (out / "seed1").exists()  # nothing trained

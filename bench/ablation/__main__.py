@@ -39,6 +39,8 @@ def parse_args(argv):
     ap.add_argument("--out", default="runs/ablation", help="run directories (re-running resumes them)")
     ap.add_argument("--report", default=None, help="where results.json and the plots go (default --out)")
     ap.add_argument("--timing-rounds", type=int, default=None, help="interleaved step-time rounds (default 5)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="train nothing, measure no step times: report the seeds whose runs are all complete")
     ap.add_argument("--smoke", action="store_true", help=f"tiny model, {SMOKE_STEPS} steps: a check in seconds")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides applied to every run")
     return ap.parse_intermixed_args(argv)
@@ -89,12 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     base, vs, seeds, steps, runs, rounds = setup(args)
     print(f"ablation: {len(vs)} variants x {len(seeds)} seed(s), {steps} steps each, {len(runs)} runs "
           f"({grid.mode(base)} mode: lr schedule {base.optim.schedule}); run dirs under {args.out}", flush=True)
-    if not sweep.run_all(runs):
+    if args.report_only:
+        seeds = [s for s in seeds if all(sweep.done_step(r) >= r.steps for r in runs if r.seed == s)]
+        if not seeds:
+            raise ConfigError(f"--report-only: no seed has all its runs complete under {args.out}; run the sweep")
+        runs = [r for r in runs if r.seed in seeds]
+    elif not sweep.run_all(runs):
         return 0
     out = Path(args.report or args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfgs = {v.name: next(r.cfg for r in runs if r.variant == v and steps in r.stops) for v in vs}
-    times = timing.cached_measure(Path(args.out), cfgs, rounds)
+    times = None if args.report_only else timing.cached_measure(Path(args.out), cfgs, rounds)
     res = report.collect(base, runs, vs, seeds, steps, times)
     res["command"] = "python -m bench.ablation " + shlex.join(sys.argv[1:] if argv is None else argv)
     res["summary"] = report.summary(res)
