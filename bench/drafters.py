@@ -7,6 +7,12 @@ relative to a joint step (interleaved rounds, median of per-round ratios) beside
 
     python bench/drafters.py [--work runs/drafters] [--trunk-steps 300] [--post-steps 100] [--json out.json]
         [section.key=value ...]
+
+--objectives (issue 24): modules post-trained on the one frozen trunk at equal steps with each objective of
+OBJECTIVES (data, self, tv, tv with module 1 unrolled, data targets on the trunk's own greedy text): teacher-forced
+acceptance by position for module-k chains (`mtp`, γ = D) and module-1 chains (`mtp1`, γ = 4), sampled
+accept_prob per depth (eval), free greedy decoding at batch 1 of module-k chains and of module-1 chains of length
+1..4 (tokens per round, speedup over plain decoding, interleaved rounds, output identical to plain).
 """
 
 from __future__ import annotations
@@ -45,20 +51,30 @@ def acceptance(out: dict, depth: int) -> dict:
             "loss_main": out["eval/loss/main"], "loss_mtp": [out[f"eval/loss/mtp_{k}"] for k in range(1, depth + 1)]}
 
 
-def train_drafters(base, work: Path, trunk_steps: int, post_steps: int, targets=("data", "self")) -> dict:
-    """Train the trunk jointly (its modules: 'joint'), then post-train fresh modules on it frozen per target."""
+# --objectives: the frozen-trunk post-trainings compared (each at the same steps; unroll 3 = module 1 also applied
+# at chain positions 2..4, the chain mtp1 runs; own text: 64-token greedy continuations of 16-token corpus prompts)
+OBJECTIVES = {"data": ["loss.mtp_target=data"], "self": ["loss.mtp_target=self"], "tv": ["loss.mtp_target=tv"],
+              "tv_unroll": ["loss.mtp_target=tv", "loss.mtp_unroll=3", "loss.mtp_unroll_module=first"],
+              "own_text": ["loss.mtp_target=data", "train.own_text=greedy", "train.own_text_prompt_len=16"]}
+CHAIN = 4  # longest module-1 chain measured
+
+
+def train_drafters(base, work: Path, trunk_steps: int, post_steps: int, targets=("data", "self"),
+                   extra: dict | None = None) -> dict:
+    """Train the trunk jointly (its modules: 'joint'), then post-train fresh modules on it frozen per target
+    (`extra`: {name: overrides} instead of the targets)."""
     depth = base.model.mtp_depth
     trunk_dir = work / "trunk"
     trunk = replace(base, [f"train.steps={trunk_steps}", f"train.eval_every={trunk_steps}",
                            f"train.run_dir={trunk_dir}"])
     out = {"joint": acceptance(train(trunk, fresh=True), depth) | {"steps": trunk_steps}}
     log(f"joint (trunk, {trunk_steps} steps): {out['joint']}")
-    for target in targets:
+    for target, over in (extra or {t: [f"loss.mtp_target={t}"] for t in targets}).items():
         post = replace(base, [f"train.steps={post_steps}", f"train.eval_every={post_steps}",
                               f"train.run_dir={work / f'post-{target}'}", f"train.init_from={trunk_dir}",
-                              "train.freeze=trunk", f"loss.mtp_target={target}"])
+                              "train.freeze=trunk", *over])
         out[f"frozen_{target}"] = acceptance(train(post, fresh=True), depth) | {"steps": post_steps}
-        log(f"frozen, {target} targets ({post_steps} steps): {out[f'frozen_{target}']}")
+        log(f"frozen, {target} ({post_steps} steps): {out[f'frozen_{target}']}")
     return out
 
 
@@ -95,7 +111,7 @@ def train_draft_model(base, work: Path, steps: int) -> Path:
     return d
 
 
-def subjects(work: Path, with_draft: bool):
+def subjects(work: Path, with_draft: bool, posts=("data", "self")):
     """{drafter: (model, proposer, draft model)} sharing one trunk, and held-out sequences of the corpus."""
     import absl.logging
 
@@ -105,8 +121,10 @@ def subjects(work: Path, with_draft: bool):
 
     cfg, trunk, tok = load_model(work / "trunk")
     out = {"joint": (trunk, "mtp", None)}
-    for t in ("data", "self"):
+    for t in posts:
         out[f"frozen_{t}"] = (load_model(work / f"post-{t}")[1], "mtp", None)
+    if not with_draft and posts != ("data", "self"):
+        return cfg, out, prepare(cfg.data).val_tokens, tok.eos_id
     out["ngram"] = (trunk, "ngram", None)
     if with_draft:
         out["draft_model"] = (trunk, "model", load_model(work / "draft")[1])
@@ -183,6 +201,76 @@ def table(res: dict) -> str:
     return "\n".join(rows)
 
 
+def chains(drafters: dict, seqs, prompts, prompt_len: int, depth: int, max_new: int, rounds: int) -> dict:
+    """Per drafter: teacher-forced acceptance by position of the module-k chain (mtp, γ = D) and of the module-1
+    chain (mtp1, γ = CHAIN); free greedy decoding at batch 1 of mtp γ = D and mtp1 γ = 1..CHAIN: tokens per round,
+    speedup over plain (interleaved rounds, median of per-round ratios, wall and CPU), identical to plain."""
+    from bench.decode_bench import _ours
+
+    out = {k: {"forced_mtp": forced_by_position({k: v}, seqs, prompt_len, depth)[k],
+               "forced_mtp1": forced_by_position({k: (v[0], "mtp1", None)}, seqs, prompt_len, CHAIN)[k]}
+           for k, v in drafters.items()}
+    log(f"teacher-forced: {out}")
+    groups = [[p] for p in prompts]  # batch 1
+    trunk = drafters["joint"][0]
+    gens = {"plain": _ours(trunk, groups, 0, "mtp", max_new)}
+    for k, (m, _, _) in drafters.items():
+        gens[f"{k}/mtp{depth}"] = _ours(m, groups, depth, "mtp", max_new)
+        gens |= {f"{k}/mtp1x{g}": _ours(m, groups, g, "mtp1", max_new) for g in range(1, CHAIN + 1)}
+    cpu: dict = {}
+    times = interleave({k: v[0] for k, v in gens.items()}, rounds, seed=1, cpu=cpu)
+    plain = gens["plain"][1]["tokens"]
+    for name, (_, box) in gens.items():
+        if name == "plain":
+            continue
+        k, chain = name.split("/")
+        out[k][chain] = {"tokens_per_round": (box["generated"] - box["rows"]) / max(box["rounds"], 1),
+                         "speedup": median_ratio(times["plain"], times[name]),
+                         "speedup_cpu": median_ratio(cpu["plain"], cpu[name]), "identical": box["tokens"] == plain}
+    return out
+
+
+def objectives_table(res: dict) -> str:
+    """The markdown table of docs/ablation.md's drafters section: one row per objective on the frozen trunk."""
+    d = res["depth"]
+    fmt = lambda xs: " / ".join(f"{x:.2f}" for x in xs)
+    head = (f"| modules | sampled α by depth (eval) | forced α mtp γ={d} | forced α mtp1 γ={CHAIN} | "
+            f"tok/round mtp γ={d} | tok/round mtp1 γ=1..4 | speedup b1 mtp / best mtp1 (CPU) | = plain |")
+    rows = [head, "|---|---|---|---|---|---|---|---|"]
+    for k, c in res["chains"].items():
+        acc = res["acceptance"][k]
+        m1 = [c[f"mtp1x{g}"] for g in range(1, CHAIN + 1)]
+        best = max(m1, key=lambda r: r["speedup"])
+        same = all(r["identical"] for r in [c[f"mtp{d}"], *m1])
+        rows.append(f"| {k} ({acc['steps']} steps) | {fmt(acc['accept_prob'])} | {fmt(c['forced_mtp'])} | "
+                    f"{fmt(c['forced_mtp1'])} | {c[f'mtp{d}']['tokens_per_round']:.2f} | "
+                    f"{fmt([r['tokens_per_round'] for r in m1])} | {c[f'mtp{d}']['speedup']:.2f}x / "
+                    f"{best['speedup']:.2f}x ({c[f'mtp{d}']['speedup_cpu']:.2f}x / {best['speedup_cpu']:.2f}x) | "
+                    f"{'yes' if same else 'NO'} |")
+    return "\n".join(rows)
+
+
+def objectives(base, args) -> dict:
+    """--objectives: the trunk, a post-training per OBJECTIVES, then chains() on each; the results dict."""
+    work = Path(args.work)
+    res = {"config": base.to_dict()["model"], "depth": base.model.mtp_depth, "load_start": load(),
+           "post_overrides": OBJECTIVES}
+    saved = work / "acceptance.json"
+    if args.reuse and saved.is_file():
+        res["acceptance"] = json.loads(saved.read_text())
+    else:
+        res["acceptance"] = train_drafters(base, work, args.trunk_steps, args.post_steps, extra=OBJECTIVES)
+        saved.write_text(json.dumps(res["acceptance"]))
+    cfg, drafters, val, eos = subjects(work, False, tuple(OBJECTIVES))
+    from mtpjax.eval.evaluate import heldout_prompts
+
+    seqs = heldout_prompts(val, args.forced_seqs, 2 * args.prompt_len, eos)
+    prompts = heldout_prompts(val, args.decode_prompts, args.prompt_len, eos)
+    res["chains"] = chains(drafters, seqs, prompts, args.prompt_len, base.model.mtp_depth, args.max_new, args.rounds)
+    res["load_end"] = load()
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default="runs/drafters", help="run directories of the trunk and the post-trainings")
@@ -196,9 +284,18 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", type=int, default=48)
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--objectives", action="store_true", help="issue 24's comparison of post-training objectives")
+    ap.add_argument("--decode-prompts", type=int, default=4, help="--objectives: batch-1 prompts decoded per round")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     base = load_config("configs/tiny.yaml", [*BASE, *args.overrides])
+    if args.objectives:
+        res = objectives(base, args)
+        res["command"] = "python bench/drafters.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        print(objectives_table(res))
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+        return 0
     work = Path(args.work)
     res = {"config": base.to_dict()["model"], "load_start": load()}
     saved = work / "acceptance.json"

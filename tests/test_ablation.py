@@ -194,6 +194,7 @@ def test_eval_log_keeps_the_last_record_of_a_step_and_skips_a_cut_line(tmp_path)
     (["model.mtp_dpeth=2"], "did you mean 'model.mtp_depth'"),
     (["train.eval_batches=0"], "train.eval_batches=0: the ablation compares validation losses"),
     (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--report-only"], "--report-only: no seed has all its runs complete under"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     out = tmp_path / "out"
@@ -361,3 +362,75 @@ def test_smoke_sweep_killed_and_rerun_equals_an_uninterrupted_one(tmp_path):
     ra, rb = (json.loads((d / "results.json").read_text()) for d in (tmp_path / "a", b))
     assert _without_timings(ra) == _without_timings(rb)
     assert ra["variants"]["d2-seq-constant_0.3"]["equal_flops"]["d0_steps"] > 8
+
+
+# ---------------------------------------------------------------------------- curricula and targets (issue 24's re-run)
+
+
+def test_grid_with_a_curriculum_and_a_tv_target(tmp_path):
+    """The re-run's grid: D=0, D=1 and D=2 constant λ and under a forward curriculum, one tv variant at D=1."""
+    base = _base(tmp_path)
+    depths = [0, 1, 2]
+    vs = grid.variants(depths, grid.parse_kinds("sequential", depths), ["constant:0.3"], ["forward:3"],
+                       grid.parse_targets(["tv@1"], depths))
+    assert [v.name for v in vs] == ["d0", "d1-seq-constant_0.3", "d1-seq-constant_0.3-forward_3",
+                                    "d1-seq-constant_0.3-tv", "d2-seq-constant_0.3", "d2-seq-constant_0.3-forward_3"]
+    runs = grid.plan_runs(base, vs, [0, 1], 8, tmp_path / "out")
+    by = {(r.seed, r.dir.name): r.cfg for r in runs}
+    assert str(by[1, "d2-seq-constant_0.3-forward_3"].loss.mtp_lambda_depths) == "forward:3"
+    assert str(by[1, "d2-seq-constant_0.3"].loss.mtp_lambda_depths) == ""
+    assert str(by[0, "d1-seq-constant_0.3-tv"].loss.mtp_target) == "tv"
+    assert str(by[0, "d1-seq-constant_0.3-forward_3"].loss.mtp_target) == "data"
+    assert "per depth forward:3" in vs[2].label and "target tv" in vs[3].label
+
+
+def test_equal_flops_integrates_the_flops_spent_over_the_schedule(tmp_path):
+    """A depth at λ 0 is computed (test_objectives compiles both), so a curriculum is charged like constant λ;
+    an unrolled module adds its FLOPs; the tv target adds none. Companion: the unrolled variant costs more."""
+    base = _base(tmp_path)
+    cur = grid.Variant(2, "sequential", "constant:0.3", "forward:3")
+    const = grid.Variant(2, "sequential", "constant:0.3")
+    tv = grid.Variant(2, "sequential", "constant:0.3", target="tv")
+    cfgs = {v: grid.variant_config(base, v, 0, 8, tmp_path) for v in (cur, const, tv)}
+    spent = {v: grid.flops_spent(c, 8) for v, c in cfgs.items()}
+    per_step = [grid.step_flops(cfgs[cur], s) for s in range(8)]
+    assert spent[cur] == pytest.approx(sum(per_step)) and len(set(per_step)) == 1
+    assert spent[cur] == spent[const] == spent[tv] > 0
+    eq = grid.equal_flops_steps(base, [grid.Variant(0), cur, const], 100)
+    assert eq[cur.name] == eq[const.name] > 100
+    unrolled = replace(cfgs[const], ["loss.mtp_unroll=1"])
+    assert grid.flops_spent(unrolled, 8) > spent[const]
+    d0 = replace(base, ["model.mtp_depth=0"])
+    assert eq[const.name] == round(100 * grid.flops_per_token(cfgs[const]) / grid.flops_per_token(d0))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--target", "kl@1"], "config key 'loss.mtp_target' = 'kl' is invalid"),
+    (["--target", "tv@3"], "--target 'tv@3': depth 3 is not one of the MTP depths"),
+    (["--target", "tv@x"], "--target 'tv@x': depths after @ must be integers"),
+    (["--curriculum", "sideways:2"], "config key 'loss.mtp_lambda_depths'"),
+    (["--curriculum", "forward:4"], "switches at step 8, not before train.steps=8"),  # depth 2 on at step 8 of 8
+])
+def test_bad_curriculum_or_target_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    out = tmp_path / "out"
+    assert main(["--smoke", "--config", CONFIG, "--out", str(out), *_data(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err, err
+    assert not out.exists()
+
+
+def test_report_only_reports_the_complete_seeds_and_trains_nothing(tmp_path):
+    """A sweep cut by time: seed 0 complete, seed 1 not; --report-only writes results.json for seed 0 alone."""
+    base, out = _base(tmp_path), tmp_path / "out"
+    vs = grid.variants([0, 1], {"sequential": [1]}, ["constant:0.3"])
+    runs = grid.plan_runs(base, vs, [0, 1], 8, out)
+    _fake_evals([r for r in runs if r.seed == 0])
+    for r in runs:
+        if r.seed == 0:
+            (r.dir / "checkpoints" / str(r.steps)).mkdir(parents=True)
+    argv = ["--smoke", "--config", CONFIG, "--out", str(out), *_data(tmp_path), "--depths", "0,1", "--kinds",
+            "sequential", "--seeds", "2", "--report-only"]
+    assert main(argv) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["seeds"] == [0] and res["step_times"] is None
+    assert not (out / "seed1").exists()  # nothing trained

@@ -282,3 +282,32 @@ def test_a_depth_whose_lambda_is_0_is_still_computed(tmp_path):
     constant, curriculum = step_flops(), step_flops("loss.mtp_lambda_depths=forward:3")
     assert abs(curriculum - constant) < 1e-3 * constant
     assert step_flops("model.mtp_depth=1") < 0.95 * constant
+
+
+@pytest.mark.slow  # default tier under 10 minutes; CI runs it
+def test_lambda_per_depth_after_a_skipped_step(tmp_path, monkeypatch):
+    """A skipped (non-finite) update still advances the one counter: the steps after it log the λ of their own
+    counter, as a run without the skip does. Companion: the skip happened (step 4 not logged, 1 skipped)."""
+    import mtpjax.train.step as step_mod
+
+    seen = {}
+    real_record, real_loss = Logger.record, step_mod.mtp_loss
+
+    def record(self, step, met):
+        seen.setdefault(self.cfg.train.run_dir, []).append((step, met["lambda/mtp_1"], met["lambda/mtp_2"]))
+        real_record(self, step, met)
+
+    def poisoned(*args, step, **kw):  # NaN loss and gradients at counter 3 (the update that would make step 4)
+        loss, met = real_loss(*args, step=step, **kw)
+        return loss * jnp.where(step == 3, jnp.nan, 1.0), met
+
+    monkeypatch.setattr(Logger, "record", record)
+    monkeypatch.setattr(step_mod, "mtp_loss", poisoned)
+    cfg = tiny_cfg(tmp_path, "loss.mtp_lambda_depths=forward:2~3", "train.eval_every=8", "train.num_samples=0",
+                   "train.nan_policy=skip")
+    out = train(cfg)
+    logged = seen[cfg.train.run_dir]
+    assert out["skipped_steps"] == 1 and [s for s, *_ in logged] == [1, 2, 3, 5, 6, 7, 8]
+    for step, *lams in logged:  # the step that logged `step` ran at counter step - 1, the skip included
+        np.testing.assert_allclose(lams, depth_lambdas(cfg.loss, 2, jnp.int32(step - 1)), rtol=1e-6)
+    assert len({lam for _, _, lam in logged}) >= 3  # depth 2 at 0, ramping, then λ: the check is not vacuous

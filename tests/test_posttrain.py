@@ -318,3 +318,28 @@ def test_drafters_bench_smoke(tmp_path, capsys, monkeypatch):
     assert all(r["identical_to_plain"] for b in res["decode"].values() for r in b.values())
     assert 0 < res["step_cost"]["flop_ratio_frozen_over_joint"] < 1
     assert capsys.readouterr().out.count("\n| ") >= 6
+
+
+@pytest.mark.slow
+def test_drafters_objectives_smoke(tmp_path, capsys, monkeypatch):
+    """bench/drafters.py --objectives at toy size: a row per objective, chains of module 1 of length 1..4, every
+    free decoding identical to plain decoding, the own-text run trained on generated text."""
+    import json
+
+    from bench import drafters
+
+    monkeypatch.setattr(drafters, "BASE", [*drafters.BASE, "data.source=text",
+                                           f"data.paths={write_corpus(tmp_path)}", f"data.cache_dir={tmp_path / 'c'}"])
+    out = tmp_path / "res.json"
+    assert drafters.main(["--objectives", "--work", str(tmp_path / "w"), "--trunk-steps", "3", "--post-steps", "2",
+                          "--rounds", "1", "--forced-seqs", "2", "--prompt-len", "16", "--max-new", "6",
+                          "--decode-prompts", "1", "--json", str(out), "model.d_model=32", "model.n_layers=1",
+                          "data.seq_len=32", "train.batch_size=4", "train.eval_batches=1",
+                          "train.own_text_sequences=4"]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["chains"]) == {"joint", *(f"frozen_{k}" for k in drafters.OBJECTIVES)}
+    for c in res["chains"].values():
+        assert len(c["forced_mtp1"]) == drafters.CHAIN and len(c["forced_mtp"]) == 2
+        assert all(c[f"mtp1x{g}"]["identical"] for g in range(1, drafters.CHAIN + 1)) and c["mtp2"]["identical"]
+    assert (tmp_path / "w" / "post-own_text" / "own_text" / "tokens.npy").is_file()
+    assert capsys.readouterr().out.count("\n| ") >= 7

@@ -28,11 +28,19 @@ def parse_args(argv):
                     help="module kinds, each optionally restricted to some depths: sequential,parallel@2")
     ap.add_argument("--lambda", dest="lambdas", action="append", default=None,
                     help="λ schedule (repeatable; default the config's loss.mtp_lambda)")
+    ap.add_argument("--curriculum", dest="curricula", action="append", default=[],
+                    help="per-depth λ curriculum (loss.mtp_lambda_depths, e.g. forward:25; repeatable): each adds "
+                         "every (depth, kind, λ) variant again under it")
+    ap.add_argument("--target", dest="targets", action="append", default=[],
+                    help="an extra loss.mtp_target, optionally @depths (e.g. tv@1; repeatable): adds every (kind, λ) "
+                         "variant at those depths trained on it")
     ap.add_argument("--steps", type=int, default=None, help="steps of every variant (default train.steps)")
     ap.add_argument("--seeds", default="1", help="N (seeds train.seed .. train.seed+N-1) or a list: 0,1,2")
     ap.add_argument("--out", default="runs/ablation", help="run directories (re-running resumes them)")
     ap.add_argument("--report", default=None, help="where results.json and the plots go (default --out)")
     ap.add_argument("--timing-rounds", type=int, default=None, help="interleaved step-time rounds (default 5)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="train nothing, measure no step times: report the seeds whose runs are all complete")
     ap.add_argument("--smoke", action="store_true", help=f"tiny model, {SMOKE_STEPS} steps: a check in seconds")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides applied to every run")
     return ap.parse_intermixed_args(argv)
@@ -67,9 +75,9 @@ def setup(args):
         raise ConfigError(f"--depths '{args.depths}' must include 0: every variant is compared to D=0")
     kinds = grid.parse_kinds(args.kinds, depths)
     lambdas = args.lambdas or [str(base.loss.mtp_lambda)]
-    vs = grid.variants(depths, kinds, lambdas)
+    vs = grid.variants(depths, kinds, lambdas, args.curricula, grid.parse_targets(args.targets, depths))
     seeds = _seeds(args.seeds, base.train.seed)
-    for v in vs:  # every λ and kind validated before anything trains
+    for v in vs:  # every λ, kind, curriculum and target validated before anything trains
         grid.variant_config(base, v, seeds[0], steps, Path(args.out))
     runs = grid.plan_runs(base, vs, seeds, steps, Path(args.out))
     return base, vs, seeds, steps, runs, rounds
@@ -83,12 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     base, vs, seeds, steps, runs, rounds = setup(args)
     print(f"ablation: {len(vs)} variants x {len(seeds)} seed(s), {steps} steps each, {len(runs)} runs "
           f"({grid.mode(base)} mode: lr schedule {base.optim.schedule}); run dirs under {args.out}", flush=True)
-    if not sweep.run_all(runs):
+    if args.report_only:
+        seeds = [s for s in seeds if all(sweep.done_step(r) >= r.steps for r in runs if r.seed == s)]
+        if not seeds:
+            raise ConfigError(f"--report-only: no seed has all its runs complete under {args.out}; run the sweep")
+        runs = [r for r in runs if r.seed in seeds]
+    elif not sweep.run_all(runs):
         return 0
     out = Path(args.report or args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfgs = {v.name: next(r.cfg for r in runs if r.variant == v and steps in r.stops) for v in vs}
-    times = timing.cached_measure(Path(args.out), cfgs, rounds)
+    times = None if args.report_only else timing.cached_measure(Path(args.out), cfgs, rounds)
     res = report.collect(base, runs, vs, seeds, steps, times)
     res["command"] = "python -m bench.ablation " + shlex.join(sys.argv[1:] if argv is None else argv)
     res["summary"] = report.summary(res)

@@ -1,5 +1,5 @@
-"""The ablation grid: variants (depth, kind, λ) × seeds, each an ordinary run directory, and the D=0 runs
-that give the equal-FLOPs comparison.
+"""The ablation grid: variants (depth, kind, λ, per-depth curriculum, target) × seeds, each an ordinary run
+directory, and the D=0 runs that give the equal-FLOPs comparison.
 
 Every variant of one seed shares `train.seed`, so the trunk, embedding and head start from the same
 parameters (the model creates them from `nnx.Rngs(params=seed)` before any MTP module) and the data
@@ -22,29 +22,42 @@ import re
 from pathlib import Path
 
 from mtpjax.config import Config, ConfigError, ModelConfig, choices, replace
+from mtpjax.config.specs import TargetMix
 from mtpjax.nn.flops import train_flops_per_token
 
 KINDS = choices(ModelConfig, "mtp_kind")
 SHORT = {"sequential": "seq", "parallel": "par"}
 
 
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.@_-]", "_", text.replace(":", "_"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One point of the grid (depth 0 has no kind or λ)."""
+    """One point of the grid (depth 0 has no kind, λ, curriculum or target)."""
 
     depth: int
     kind: str = "sequential"
     lam: str = ""
+    curriculum: str = ""  # loss.mtp_lambda_depths ("" = every depth follows lam)
+    target: str = "data"  # loss.mtp_target
 
     @property
     def name(self) -> str:
         if self.depth == 0:
             return "d0"
-        return f"d{self.depth}-{SHORT[self.kind]}-{re.sub(r'[^A-Za-z0-9.@_-]', '_', self.lam.replace(':', '_'))}"
+        extra = (f"-{_slug(self.curriculum)}" if self.curriculum else "") + \
+            (f"-{_slug(self.target)}" if self.target != "data" else "")
+        return f"d{self.depth}-{SHORT[self.kind]}-{_slug(self.lam)}{extra}"
 
     @property
     def label(self) -> str:
-        return "D=0" if self.depth == 0 else f"D={self.depth} {self.kind} λ={self.lam}"
+        if self.depth == 0:
+            return "D=0"
+        cur = f" per depth {self.curriculum}" if self.curriculum else ""
+        tgt = f" target {self.target}" if self.target != "data" else ""
+        return f"D={self.depth} {self.kind} λ={self.lam}{cur}{tgt}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +111,32 @@ def parse_kinds(text: str, depths: list[int]) -> dict[str, list[int]]:
     return out
 
 
-def variants(depths: list[int], kinds: dict[str, list[int]], lambdas: list[str]) -> list[Variant]:
-    """D=0 first (if asked), then every (depth, kind, λ), depth-major."""
+def parse_targets(items: list[str], depths: list[int]) -> dict[str, list[int]]:
+    """['tv@1', 'mix:self=0.5,tv=0.5'] -> {target: MTP depths it is trained at}; no @ = every MTP depth."""
+    out: dict[str, list[int]] = {}
+    for item in items:
+        target, _, only = item.rpartition("@") if "@" in item else (item, "", "")
+        try:
+            ds = [int(d) for d in only.split("+")] if only else [d for d in depths if d > 0]
+        except ValueError:
+            raise ConfigError(f"--target '{item}': depths after @ must be integers joined by +, e.g. tv@1+2") from None
+        missing = [d for d in ds if d not in depths or d == 0]
+        if missing:
+            raise ConfigError(f"--target '{item}': depth {missing[0]} is not one of the MTP depths in --depths")
+        TargetMix.parse(target)  # ConfigError naming loss.mtp_target
+        out[target] = ds
+    return out
+
+
+def variants(depths: list[int], kinds: dict[str, list[int]], lambdas: list[str], curricula: list[str] = (),
+             targets: dict[str, list[int]] | None = None) -> list[Variant]:
+    """D=0 first (if asked), then per MTP depth: every (kind, λ), the same under each curriculum, then every (kind, λ)
+    with each extra target at the depths it names (without a curriculum; the others train on the data target)."""
     out = [Variant(0)] if 0 in depths else []
     for d in (d for d in depths if d > 0):
-        out += [Variant(d, k, lam) for k, ds in kinds.items() if d in ds for lam in lambdas]
+        base = [(k, lam) for k, ds in kinds.items() if d in ds for lam in lambdas]
+        out += [Variant(d, k, lam, cur) for cur in ["", *curricula] for k, lam in base]
+        out += [Variant(d, k, lam, "", t) for t, ds in (targets or {}).items() if d in ds for k, lam in base]
     return out
 
 
@@ -110,15 +144,30 @@ def variant_config(base: Config, v: Variant, seed: int, steps: int, run_dir: Pat
     """The base config with this variant's model/loss settings, seed, length and run directory."""
     over = [f"model.mtp_depth={v.depth}", f"train.seed={seed}", f"train.steps={steps}", f"train.run_dir={run_dir}"]
     if v.depth:
-        over += [f"model.mtp_kind={v.kind}", f"loss.mtp_lambda={v.lam}"]
+        over += [f"model.mtp_kind={v.kind}", f"loss.mtp_lambda={v.lam}", f"loss.mtp_lambda_depths={v.curriculum}",
+                 f"loss.mtp_target={v.target}"]
     return replace(base, over)
 
 
 def flops_per_token(cfg: Config) -> float:
-    """Training FLOPs per token of a run (trunk, MTP modules and their unrolled reuses, every head application;
-    3 × forward). It is the same at every step of a λ schedule or curriculum: a depth whose λ is 0 is still computed
-    (tests/test_objectives.py compiles both and compares), so the FLOPs spent over the schedule are steps × this."""
+    """Training FLOPs per token of one step of a run (trunk, MTP modules and their unrolled reuses, every head
+    application; 3 × forward). The target (data, self, tv) adds no matmul: `self` and `tv` read the main head's
+    logits, which every step computes anyway."""
     return train_flops_per_token(cfg.model, cfg.data.seq_len, unroll=cfg.loss.mtp_unroll)
+
+
+def step_flops(cfg: Config, step: int) -> float:
+    """Training FLOPs the compiled step spends at `step`. A depth whose λ is 0 at that step (before a forward
+    curriculum switches it on, after a reverse one switches it off) is still computed inside the one jitted step
+    (tests/test_objectives.py compiles both and compares XLA's counts), so it is charged like any other: the
+    count is the same at every step of any λ schedule."""
+    del step  # the compiled step does not depend on it (see above)
+    return cfg.train.batch_size * cfg.data.seq_len * flops_per_token(cfg)
+
+
+def flops_spent(cfg: Config, steps: int) -> float:
+    """Training FLOPs spent over the first `steps` steps: step_flops integrated over the λ schedule."""
+    return sum(step_flops(cfg, s) for s in range(steps))
 
 
 def mode(base: Config) -> str:
@@ -127,13 +176,14 @@ def mode(base: Config) -> str:
 
 
 def equal_flops_steps(base: Config, vs: list[Variant], steps: int) -> dict[str, int]:
-    """Variant name -> steps of D=0 with the same training FLOPs as `steps` steps of that variant."""
-    f0 = flops_per_token(replace(base, ["model.mtp_depth=0"]))
+    """Variant name -> steps of D=0 with the same training FLOPs as `steps` steps of that variant (its FLOPs
+    integrated over its λ schedule, divided by D=0's FLOPs per step)."""
+    d0 = replace(base, ["model.mtp_depth=0", f"train.steps={steps}"])
     out = {}
     for v in vs:
         if v.depth:
-            fv = flops_per_token(replace(base, [f"model.mtp_depth={v.depth}", f"model.mtp_kind={v.kind}"]))
-            out[v.name] = round(steps * fv / f0)
+            cfg = variant_config(base, v, base.train.seed, steps, Path(base.train.run_dir))
+            out[v.name] = round(flops_spent(cfg, steps) / step_flops(d0, 0))
     return out
 
 

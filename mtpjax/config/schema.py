@@ -66,6 +66,7 @@ Source = Literal["stdlib", "text", "array", "parquet", "arrow"]
 LrSchedule = Literal["cosine", "linear", "constant"]
 NanPolicy = Literal["stop", "skip"]
 Freeze = Literal["none", "trunk"]
+OwnText = Literal["off", "greedy", "sample"]
 Proposer = Literal["mtp", "mtp1", "ngram", "model"]
 MlpKind = Literal["dense", "moe"]
 UnrollModule = Literal["first", "last"]
@@ -299,6 +300,15 @@ class TrainConfig:
                                    "± this toward the mean load of the global batch (0: no balancing)", ge=0)
     keep_mtp: bool = key(False, "with `train.init_from`: keep its MTP modules (same kind, at least as many) "
                          "instead of fresh ones (`model.mtp_init`)")
+    own_text: OwnText = key("off", "post-training (`train.init_from`) on the trunk's own text: the training "
+                            "sequences are the init_from trunk's continuations of corpus prompts, generated once by "
+                            "the decoder in batches and cached in the run directory (`own_text/`)", choices={
+                                "off": "train on the corpus", "greedy": "greedy continuations",
+                                "sample": "continuations sampled at temperature 1 (seeded by `train.seed`)"})
+    own_text_sequences: int = key(256, "`own_text`: generated sequences of `data.seq_len` tokens (at least "
+                                  "`train.batch_size`); training cycles through them", gt=0)
+    own_text_prompt_len: int = key(32, "`own_text`: corpus tokens each sequence starts from (the first tokens of a "
+                                   "training window; less than `data.seq_len`)", gt=0)
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,13 @@ def _check_rules(cfg: Config) -> None:
            "needs train.init_from=RUN_DIR (the trained trunk to freeze)")
     _check(not t.keep_mtp or bool(t.init_from), "train.keep_mtp", t.keep_mtp,
            "needs train.init_from=RUN_DIR (the run whose MTP modules to keep)")
+    if t.own_text != "off":
+        _check(bool(t.init_from), "train.own_text", t.own_text, "needs train.init_from=RUN_DIR (the trunk whose "
+               "text to train on)")
+        _check(t.own_text_prompt_len < d.seq_len, "train.own_text_prompt_len", t.own_text_prompt_len,
+               f"must be < data.seq_len={d.seq_len} (the rest of each sequence is generated)")
+        _check(t.own_text_sequences >= t.batch_size, "train.own_text_sequences", t.own_text_sequences,
+               f"must be >= train.batch_size={t.batch_size} (one batch of them)")
 
     if m.mlp_kind == "moe":
         _check_moe(cfg)

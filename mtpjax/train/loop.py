@@ -22,6 +22,7 @@ from mtpjax.train import posttrain, setup
 from mtpjax.train.checkpoint import Checkpointer
 from mtpjax.train.evals import run_eval
 from mtpjax.train.metrics import Writer, measure_peak_flops
+from mtpjax.train.owntext import use_own_text
 from mtpjax.train.report import Logger, banner, say, summary
 from mtpjax.train.setup import TrainError
 from mtpjax.train.step import Programs, make_programs
@@ -113,6 +114,7 @@ def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) ->
     mesh = setup.open_mesh(cfg)
     source = posttrain.source_config(cfg, fresh)  # a new run's init_from, checked before anything is written
     run_dir, run_data = setup.open_run_dir(cfg, mesh, fresh, source)
+    run_data = use_own_text(cfg, run_dir, run_data, mesh)  # train.own_text: the trunk's continuations instead
     run = setup.Run(cfg, mesh, run_dir, run_data, make_programs(cfg, mesh), Checkpointer(run_dir, cfg.checkpoint))
     return _loop(run, setup.open_state(run, source), pre, max_steps, t_start)
 
