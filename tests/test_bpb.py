@@ -59,6 +59,7 @@ def test_byte_lengths_of_the_byte_tokenizer():
     assert lengths.shape == (256,) and lengths[0] == 0 and (lengths[1:] == 1).all()  # EOS (byte 0) is no text
 
 
+@pytest.mark.slow
 def test_byte_tokenizer_bits_per_byte_is_loss_over_ln2_up_to_eos():
     tok = ByteTokenizer()
     docs = _docs(12, 1, words=(5, 15))

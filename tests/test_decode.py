@@ -46,6 +46,7 @@ def test_generate_streams_text(runs, capsys):
     assert "probe took" in auto.err and "auto: compiling and timing 3 draft counts" in auto.err
 
 
+@pytest.mark.slow
 def test_auto_calibration_is_saved_outside_the_run_and_reused(runs, capsys, monkeypatch, tmp_path):
     """A second decode of the same request shape reads the probe's result back instead of probing; the
     run directory stays as it was (decoding never changes a run)."""
@@ -84,6 +85,7 @@ def test_recalibrate_and_calibration_file_flags_reach_generate(runs, capsys, mon
     assert seen[0].tag == seen[1].tag == f"{runs['mtp'].resolve()} step 40"
 
 
+@pytest.mark.slow
 def test_prompts_file_and_sampling_flags(runs, capsys, tmp_path):
     f = tmp_path / "prompts.txt"
     f.write_text("import os\nclass A:\\n    def\n")
@@ -102,6 +104,7 @@ def test_plain_model_defaults_to_ngram_and_plain(runs, capsys):
     assert main(["--run-dir", str(runs["plain"]), "--prompt", "abc", "--max-new-tokens", "4", "--num-draft", "0"]) == 0
 
 
+@pytest.mark.slow
 def test_eval_report_json_and_tensorboard(runs, tmp_path, capsys):
     out = tmp_path / "eval.json"
     argv = ["--run-dir", str(runs["mtp"]), "--eval", "--eval-batches", "2", "--eval-prompts", "2",

@@ -3,6 +3,7 @@ calibrates (and evaluates: test_decode), and a first `--num-draft auto` calibrat
 run reuses."""
 
 
+import pytest
 from mtpjax.decode import api, autodraft
 from mtpjax.cli.decode import label, main
 from mtpjax.decode.loop import execute
@@ -79,6 +80,7 @@ def test_a_new_request_shape_decodes_plain_then_measures(tiny_run, capsys, monke
     assert "[mtp num_draft=2] rounds=" in again.err and "auto: timing" not in again.err
 
 
+@pytest.mark.slow
 def test_calibration_compiles_only_the_loops_the_run_reuses(tiny_run):
     """`num_draft="auto"` compiles each candidate's loop once; the real runs add no compilation."""
     from mtpjax.train.checkpoint import load_model

@@ -30,6 +30,7 @@ def draft():
     return model
 
 
+@pytest.mark.slow
 def test_greedy_draft_model_equals_plain(half_trained, draft):
     _check_greedy_equal(half_trained, "model", (1, 3), (PROMPTS,), draft=draft)  # ragged prompts, batch 4
 
@@ -71,6 +72,7 @@ def test_draft_cache_equals_fresh_prefill_after_rejections(half_trained, draft, 
     assert ok == expect_equal
 
 
+@pytest.mark.slow
 def test_stochastic_draft_model_preserves_target_distribution():
     cfg = _cfg(vocab_size=6, mtp_depth=0)
     model = build_model(cfg, seed=2)

@@ -169,6 +169,7 @@ def _assert_same_loss(chunked, whole):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max()), g1, g0)
 
 
+@pytest.mark.slow
 def test_chunked_equals_unchunked_with_gradients(model_cfg):
     model = build_model(model_cfg(mtp_depth=2, init_std=0.3), seed=1)
     toks, seg = map(jnp.asarray, packed_batch(32, seed=3))
@@ -241,6 +242,7 @@ def test_lambda_schedule_values(spec, points):
         np.testing.assert_allclose(float(jitted(jnp.int32(step))), want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_overfit_one_batch_every_depth(model_cfg):
     cfg = model_cfg(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=0, mtp_depth=2)
     model = build_model(cfg, seed=0)

@@ -138,6 +138,7 @@ def moe_run(tmp_path_factory):
     return cfg, make_programs(cfg, make_mesh(cfg.mesh))
 
 
+@pytest.mark.slow
 def test_bias_moves_toward_underloaded_experts(moe_run):
     cfg, progs = moe_run
     state = progs.init()

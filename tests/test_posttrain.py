@@ -36,6 +36,7 @@ def _snapshot(d: Path) -> dict:
     return {str(p.relative_to(d)): (p.stat().st_mtime_ns, p.stat().st_size) for p in d.rglob("*")}
 
 
+@pytest.mark.slow
 def test_frozen_trunk_stays_bitwise_and_only_mtp_has_optimizer_state(tiny_run, tmp_path):
     src = _source(tiny_run, tmp_path)
     cfg = tiny_cfg(tmp_path, f"train.init_from={src}", *POST, run="post")
@@ -58,6 +59,7 @@ def test_frozen_trunk_stays_bitwise_and_only_mtp_has_optimizer_state(tiny_run, t
     assert any(not np.array_equal(before[k], moved[k]) for k in trunk)
 
 
+@pytest.mark.slow
 def test_frozen_trunk_stays_bitwise_with_tv_unrolled_and_a_curriculum(tiny_run, tmp_path):
     """Issue 24's objectives post-train on a frozen trunk too: tv target, the last module unrolled, λ per depth."""
     src = _source(tiny_run, tmp_path)
@@ -70,6 +72,7 @@ def test_frozen_trunk_stays_bitwise_with_tv_unrolled_and_a_curriculum(tiny_run, 
     assert all(not np.array_equal(before[k], after[k]) for k in before if k[0] == "mtp" and k[-1] == "kernel")
 
 
+@pytest.mark.slow
 def test_parallel_modules_of_another_depth_post_train_on_a_sequential_trunk(tiny_run, tmp_path):
     """model.mtp_kind and model.mtp_depth may differ from the source's: fresh parallel modules, the trunk kept."""
     cfg = tiny_cfg(tmp_path, f"train.init_from={tiny_run[1]}", *POST, "train.steps=2", "train.eval_every=2",
@@ -130,6 +133,7 @@ def test_initial_state_takes_the_trunk_and_the_configured_mtp_modules(tiny_run, 
         k for k, _ in nnx.to_flat_state(nnx.state(progs.init().params)) if k[0] == "mtp"}
 
 
+@pytest.mark.slow
 def test_a_frozen_step_computes_less_than_a_joint_step(tmp_path):
     """The frozen trunk is closed over, not differentiated: its backward is gone from the compiled step."""
     frozen = tiny_cfg(tmp_path, "train.init_from=unused", "train.freeze=trunk")
@@ -223,6 +227,7 @@ def test_bad_input_is_one_line_exit_2_and_modifies_nothing(tiny_run, tmp_path, c
     assert not (tmp_path / "run").exists()  # not even an empty run dir
 
 
+@pytest.mark.slow
 def test_resuming_a_post_training_run_unfrozen_is_refused_by_name(tiny_run, tmp_path, capsys):
     """The optimizer state of a frozen run covers the MTP modules only: another train.freeze is another run."""
     cfg = tiny_cfg(tmp_path, f"train.init_from={tiny_run[1]}", *POST, "train.steps=2", run="post")

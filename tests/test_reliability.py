@@ -236,6 +236,7 @@ def at_step_4(tiny_run, tmp_path):
     return cfg, run
 
 
+@pytest.mark.slow
 def test_nan_stop_policy_keeps_the_last_good_checkpoint_untouched(at_step_4, monkeypatch):
     cfg, run = at_step_4
     before = tree_hash(run / "checkpoints")

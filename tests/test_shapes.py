@@ -26,6 +26,11 @@ FIELD_LETTERS = {"mtp_depth": "J", "micro_batches": "A", "batch_size": "B", "seq
 REPEATS = {
     ("mtpjax/nn/layers.py", "BKRTT"): "cached attention's scores of the R*T query rows over this call's T keys",
     ("mtpjax/nn/layers.py", "RTT"): "the causal mask of those R*T query rows over the same T keys",
+    ("mtpjax/nn/layers.py", "BTT"): "a tree round's which-row-sees-which mask: this call's T rows over the same T rows",
+    ("mtpjax/nn/mla.py", "BTT"): "the same tree mask, passed to MLA's cached attention",
+    ("mtpjax/decode/treedraft.py", "BTT"): "the tree mask a module's window of T rows is drafted under",
+    ("mtpjax/decode/treedraft.py", "WW"): "the causal part of that mask over the module's W recomputed rows",
+    ("mtpjax/decode/loop.py", "YY"): "the tree mask over the Y verified rows (each row sees its ancestors)",
 }
 # (file, rule) still broken and awaiting a rename on another branch (none now: decode/ was the last). Each entry
 # must still fail (test_pending_files_still_break_their_rule), so none outlives its fix.
