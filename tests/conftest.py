@@ -45,6 +45,21 @@ def pytest_configure(config):
         os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()  # subprocesses inherit it
 
 
+# Test files that share a costly session fixture run in one xdist worker, so it is built once (quickstart_run:
+# ~10 minutes of training on 2 cores).
+SAME_WORKER = {"test_main_job.py": "quickstart", "test_quickstart.py": "quickstart"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under `--dist loadgroup` (pyproject's addopts) a test file is one unit of work, as `loadfile` makes it, so its
+    module-scoped programs compile once; the files in SAME_WORKER share one unit. Runs before xdist reads the marks."""
+    for item in items:
+        name = item.path.name
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(SAME_WORKER.get(name, name)))
+
+
 def memory_maps() -> int:
     """How many memory regions this process has mapped (Linux caps it at vm.max_map_count, 65530 by default)."""
     with open("/proc/self/maps") as f:
