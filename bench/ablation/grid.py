@@ -151,8 +151,8 @@ def variant_config(base: Config, v: Variant, seed: int, steps: int, run_dir: Pat
 
 def flops_per_token(cfg: Config) -> float:
     """Training FLOPs per token of one step of a run (trunk, MTP modules and their unrolled reuses, every head
-    application; 3 × forward). The target (data, self, tv) adds no matmul: `self` and `tv` read the main head's
-    logits, which every step computes anyway."""
+    application; 3 × forward). Not counted: `self` and `tv` targets recompute the main head's logits on the shifted
+    trunk states inside each loss chunk (forward only, under stop_gradient): 2·d·V more FLOPs a token per depth."""
     return train_flops_per_token(cfg.model, cfg.data.seq_len, unroll=cfg.loss.mtp_unroll)
 
 
