@@ -313,6 +313,24 @@ def test_import_bad_deepseek_input(tmp_path, capsys, edit, needle):
     assert needle in _bad(capsys, tmp_path / "run", "import", "--hf", d, "--out", tmp_path / "run")
 
 
+def test_export_failing_midway_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """A leaf that cannot be read after some tensors were written: one line, exit 2, no output, no temporary."""
+    from mtpjax.train.checkpoint import CheckpointError, SavedRun
+
+    run, out, real, seen = make_ds_run(tmp_path, "run"), tmp_path / "hf", SavedRun.leaf, []
+
+    def leaf(self, step, path):
+        seen.append(sorted(q.name for q in tmp_path.glob(".hf.tmp-*/*")))
+        if len(seen) == 12:
+            raise CheckpointError(f"parameter {'.'.join(map(str, path))} of checkpoint {step} is unreadable (injected)")
+        return real(self, step, path)
+
+    monkeypatch.setattr(SavedRun, "leaf", leaf)
+    assert "unreadable (injected)" in _bad(capsys, out, "export", "--run-dir", run, "--out", out, "--format",
+                                           "deepseek_v3")
+    assert seen[-1], seen  # the failure came while the export was writing its files
+
+
 @pytest.mark.slow
 def test_export_bad_deepseek_input(tmp_path, capsys):
     raw = make_ds_run(tmp_path, "raw", "model.mtp_hidden=raw")
