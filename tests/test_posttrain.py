@@ -60,11 +60,12 @@ def test_frozen_trunk_stays_bitwise_and_only_mtp_has_optimizer_state(tiny_run, t
 
 
 @pytest.mark.slow
-def test_frozen_trunk_stays_bitwise_with_tv_unrolled_and_a_curriculum(tiny_run, tmp_path):
-    """Issue 24's objectives post-train on a frozen trunk too: tv target, the last module unrolled, λ per depth."""
+@pytest.mark.parametrize("unrolled", ["first", "last"])
+def test_frozen_trunk_stays_bitwise_with_tv_unrolled_and_a_curriculum(tiny_run, tmp_path, unrolled):
+    """Issue 24's objectives post-train on a frozen trunk too: tv target, a module unrolled, λ per depth."""
     src = _source(tiny_run, tmp_path)
     cfg = tiny_cfg(tmp_path, f"train.init_from={src}", *POST, "loss.mtp_target=tv", "loss.mtp_unroll=1",
-                   "loss.mtp_unroll_module=last", "loss.mtp_lambda_depths=forward:1", run="post")
+                   f"loss.mtp_unroll_module={unrolled}", "loss.mtp_lambda_depths=forward:1", run="post")
     out = train(cfg)
     assert out["step"] == 4 and 0 < out["eval/accept_prob/unroll_1"] < 1 and out["lambda/unroll_1"] > 0
     before, after = _flat(load_model(src)[1]), _flat(load_model(tmp_path / "post")[1])
