@@ -35,6 +35,7 @@ from mtpjax.nn.loss import lambda_schedule
 from mtpjax.nn.model import build_model, param_counts
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+TINY = CONFIGS[0].parent / "tiny.yaml"
 
 
 def error_of(overrides, path=None) -> str:
@@ -185,6 +186,28 @@ def test_wrong_type(override, key, allowed):
 ])
 def test_invalid_value_names_key(overrides, key):
     assert f"config key '{key}'" in error_of(overrides)
+
+
+@pytest.mark.parametrize("tree", ["2x0", "abc", "9x9", "-1,1", "2x2+trie", "2x2+ngram0"])
+def test_a_bad_decode_tree_is_refused_when_the_config_loads(tree):
+    """The tree spec's one parser (config.specs; decode.tree re-exports it) runs at load, not at the first decode."""
+    msg = error_of([f"decode.tree={tree}"])
+    assert f"config key 'decode.tree' = {tree!r} is invalid: tree " in msg and "(empty: a chain)" in msg
+
+
+def test_a_bad_decode_tree_exits_2_from_train_and_writes_nothing(tmp_path, capsys):
+    from mtpjax.cli.train import main
+
+    run = tmp_path / "r"
+    assert main(["--config", str(TINY), "decode.tree=2x0", f"train.run_dir={run}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "decode.tree" in err and "2x0" in err and "Traceback" not in err
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("tree", ["", "2x2x1", "3", "-1,-1,0,0", "2x2+ngram3", "1x1+ngram64"])
+def test_companion_a_good_decode_tree_loads(tree):
+    assert load_config(None, [f"decode.tree={tree}"]).decode.tree == tree
 
 
 def test_boundaries_that_are_valid():

@@ -4,6 +4,7 @@ rejected branches, the caches are updated in place, and a bad tree spec is one l
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_speculative import PROMPTS, TV_BOUND, _cache_copies_per_round, _cfg, _context_logits, _exact_joint, \
@@ -64,16 +65,32 @@ def test_greedy_tree_equals_plain_full_matrix(half_trained, proposer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kw", [MLA, dict(mtp_kind="parallel", scan_layers=True)], ids=["mla", "parallel-scanned"])
-def test_greedy_tree_equals_plain_mla_and_parallel(kw):
-    _check_tree_equal(_half_trained(**kw), ["2x2", "3x1"], [PROMPTS])
+def test_greedy_hybrid_tree_equals_plain_at_batch_1(half_trained):
+    """One prompt: the n-gram branch beside two MTP branches, and one deeper than the MTP tree."""
+    _check_tree_equal(half_trained, ["2x1+ngram2", "1x1+ngram3"], [PROMPTS[:1]])
 
 
 @pytest.mark.slow
-def test_a_chain_tree_drafts_as_the_chain_does(half_trained):
-    """A tree of one child per depth accepts what a chain of as many drafts accepts (the same drafts)."""
-    chain = generate(half_trained, PROMPTS, max_new_tokens=24, num_draft=2)
-    tree = generate(half_trained, PROMPTS, max_new_tokens=24, tree="1x1")
+@pytest.mark.parametrize("kw,trees,batches", [
+    (MLA, ["2x2", "3x1"], [PROMPTS]),
+    (dict(mtp_kind="parallel", scan_layers=True), ["2x2", "3x1", "2x1+ngram2"], [PROMPTS[:1], PROMPTS]),
+], ids=["mla", "parallel-scanned"])
+def test_greedy_tree_equals_plain_mla_and_parallel(kw, trees, batches):
+    """Parallel heads (every node extends from the trunk's state): trees and a hybrid at batch 1 and 4."""
+    _check_tree_equal(_half_trained(**kw), trees, batches)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hidden", ["raw", "normed"])
+def test_a_chain_tree_drafts_as_the_chain_does(half_trained, hidden):
+    """A tree of one child per depth accepts what a chain of as many drafts accepts (the same drafts), whichever
+    trunk state (model.mtp_hidden) module 1 reads."""
+    model = half_trained if hidden == "raw" else _half_trained(mtp_hidden=hidden)
+    if hidden == "normed":  # a final-norm scale far from 1, else the modules' own norm hides a raw state read
+        scale = model.final_norm.scale
+        scale[...] = jnp.asarray(np.random.default_rng(0).uniform(0.2, 3.0, scale.shape), scale.dtype)
+    chain = generate(model, PROMPTS, max_new_tokens=24, num_draft=2)
+    tree = generate(model, PROMPTS, max_new_tokens=24, tree="1x1")
     assert tree.tokens == chain.tokens
     assert tree.stats["accepted"] == chain.stats["accepted"] and tree.stats["rounds"] == chain.stats["rounds"]
 
@@ -104,8 +121,9 @@ def _caches_equal_fresh(model, st, used: int) -> tuple[bool, bool]:
     return trunk_ok, mods_ok
 
 
-def _tree_run(model, proposer, max_new=30, tree="2x2x1"):
-    loop = make_loop(model, PROMPTS, max_new_tokens=max_new, num_draft=0, sampler=make_sampler(), tree=tree)
+def _tree_run(model, proposer, max_new=30):
+    loop = make_loop(model, PROMPTS, max_new_tokens=max_new, num_draft=0, sampler=make_sampler(),
+                     tree=proposer.name())
     st = run(model, PROMPTS, dataclasses.replace(loop, proposer=proposer))
     res = summarize(st)
     assert 0 < sum(res.stats["accepted"]) < sum(res.stats["reached"])  # branches accepted and rejected
@@ -116,13 +134,20 @@ def _tree_run(model, proposer, max_new=30, tree="2x2x1"):
 @pytest.mark.parametrize("kw", [{}, MLA], ids=["gqa", "mla"])
 def test_tree_caches_equal_fresh_prefill(kw, monkeypatch):
     """After rounds with rejected branches every committed entry of the trunk's and the modules' caches equals a
-    fresh prefill of the committed sequence; companions: the accepted path left where the tree put it breaks the
-    trunk's, a window one row short breaks the modules'."""
+    fresh prefill of the committed sequence, for a tree and for a hybrid whose n-gram branch is deeper than its MTP
+    tree; companions: the accepted path left where the tree put it breaks the trunk's, a window one row short breaks
+    the modules', and so does the hybrid's window sized by its MTP tree alone (missing a deep n-gram accept)."""
     model = _half_trained(**kw)
     tree = parse_tree("2x2x1")
     assert _caches_equal_fresh(model, _tree_run(model, TreeMTPProposer(tree)), 2) == (True, True)
     narrow = NarrowTree(tree, rows=TreeMTPProposer(tree).window(2) - 1)
     assert _caches_equal_fresh(model, _tree_run(model, narrow), 2) == (True, False)
+    hybrid = TreeMTPProposer(parse_tree("2x1"), ngram=3)
+    st = _tree_run(model, hybrid)
+    assert int(np.asarray(st.accepted_nodes_BG)[:, -1].sum()) > 0  # the n-gram branch accepted at depth 3
+    assert _caches_equal_fresh(model, st, 2) == (True, True)
+    mtp_only = NarrowTree(hybrid.tree, ngram=3, rows=hybrid.tree.max_depth + hybrid.used(2))
+    assert _caches_equal_fresh(model, _tree_run(model, mtp_only), 2) == (True, False)
     monkeypatch.setattr(loop_module, "keep_path", lambda cache, *a: cache)
     assert not _caches_equal_fresh(model, _tree_run(model, TreeMTPProposer(tree), max_new=29), 2)[0]
 
@@ -193,8 +218,44 @@ def test_a_bad_tree_flag_is_one_line_and_exit_2(capsys):
     assert err.count("\n") == 1 and "--tree" in err and "2x2x1" in err
 
 
+HYBRID_SAMPLING = dict(temperature=1.0, top_k=2)
+
+
 @pytest.mark.slow
 def test_sampled_hybrid_tree_preserves_the_target_distribution():
     """The n-gram branch is a point mass (one-hot q) beside i.i.d. MTP siblings: each rejection uses its own q."""
-    tv, alpha = _tree_tv("2x1+ngram2", dict(temperature=1.0, top_k=2))
+    tv, alpha = _tree_tv("2x1+ngram2", HYBRID_SAMPLING)
     assert tv < TV_BOUND and alpha < 0.95
+
+
+def _ngram_scored_with_the_mtp_q(real):
+    """sampled_path with the n-gram nodes' one-hot q replaced by the root's MTP q (node 0's, drawn i.i.d.)."""
+
+    def wrong(tree, drafts_BG, q_BGV, p_BYV, u_BG):
+        G = parse_tree("2x1").size  # the MTP nodes; the n-gram chain's follow
+        return real(tree, drafts_BG, q_BGV.at[:, G:].set(q_BGV[:, :1]), p_BYV, u_BG)
+
+    return wrong
+
+
+def _point_mass_left_in_the_residual(real):
+    """residual that keeps p unchanged after a point mass (a one-hot q) is rejected."""
+    return lambda p_BV, q_BV: jnp.where(q_BV.max(-1, keepdims=True) == 1.0, p_BV, real(p_BV, q_BV))
+
+
+@pytest.fixture
+def fresh_traces():
+    """Forget every compiled loop before and after: a monkeypatched rule must be traced, and never reused."""
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,wrong", [("sampled_path", _ngram_scored_with_the_mtp_q),
+                                        ("residual", _point_mass_left_in_the_residual)], ids=["mtp-q", "no-residual"])
+def test_sampled_hybrid_tree_companion_a_wrong_ngram_rule_is_detected(monkeypatch, fresh_traces, name, wrong):
+    """The n-gram branch scored with its siblings' q, or its rejection not taken out of p, visibly changes the
+    output."""
+    monkeypatch.setattr(tree_module, name, wrong(getattr(tree_module, name)))
+    assert _tree_tv("2x1+ngram2", HYBRID_SAMPLING)[0] > 2 * TV_BOUND

@@ -340,7 +340,8 @@ class DecodeConfig:
         "mtp1": "MTP module 1 drafts every token, fed its own output",
         "ngram": "prompt lookup", "model": "the `decode.py --draft-run-dir` model"})
     tree: str = key("", "a static draft tree the MTP modules draft instead of a chain (`decode.py --tree`): children "
-                        "per node at each depth (`2x2x1`) or each node's parent (`-1,-1,0,0`); empty: a chain")
+                        "per node at each depth (`2x2x1`) or each node's parent (`-1,-1,0,0`); `+ngramL` adds n-gram "
+                        "lookup's L drafts as one more branch (`2x2+ngram3`); empty: a chain")
     temperature: float = key(0.0, "sampling temperature; 0 = greedy", ge=0)
     top_k: int = key(0, "top-k filter (0 = off)", ge=0)
     top_p: float = key(1.0, "nucleus filter (1 = off)", gt=0, le=1)

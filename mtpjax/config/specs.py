@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal, Self
 
 from mtpjax.config.errors import fail
+from mtpjax.errors import MtpjaxError
 
 
 class Spec(abc.ABC):
@@ -188,3 +189,70 @@ def parse_profile(spec: str) -> tuple[int, int] | None:
     if not m or int(m[1]) >= int(m[2]):
         raise fail("train.profile", spec, "expected start:stop with 0 <= start < stop (steps), e.g. 10:15, or empty")
     return int(m[1]), int(m[2])
+
+
+MAX_TREE_NODES = 64  # verifying more rows than this per round never pays; the drafting loop is unrolled per node
+
+
+class TreeError(MtpjaxError, ValueError):
+    """A draft-tree spec that cannot be built (one line naming the problem and the fix)."""
+
+
+def split_hybrid(spec: str) -> tuple[str, int]:
+    """(the MTP tree's spec, the n-gram branch's length) of `2x2+ngram3` (no suffix: 0)."""
+    base, plus, tail = spec.strip().partition("+")
+    if not plus:
+        return base, 0
+    n = tail.strip().lower().removeprefix("ngram")
+    if not n.isdigit() or not 0 < int(n) <= MAX_TREE_NODES:
+        raise TreeError(f"tree {spec!r}: the hybrid branch is +ngramL with L in 1..{MAX_TREE_NODES} n-gram drafts, "
+                        "e.g. 2x2+ngram3")
+    return base, int(n)
+
+
+def tree_parents(spec: str) -> tuple[int, ...]:
+    """Each node's parent (-1: the root) of `2x2x1` (children per node at each depth) or a parent list `-1,-1,0,0`;
+    TreeError otherwise. The one parser of `decode.tree` (config validates with it, decode.tree builds Trees)."""
+    spec = spec.strip()
+    try:
+        if "," in spec or spec.lstrip("-").isdigit() and spec.startswith("-"):
+            parents = tuple(int(x) for x in spec.split(","))
+            bad = [i for i, p in enumerate(parents) if not -1 <= p < i]
+            if bad:
+                raise TreeError(f"tree {spec!r}: node {bad[0]}'s parent {parents[bad[0]]} is not an earlier node or -1 "
+                                "(the root); list each node's parent, parents first, e.g. -1,-1,0,0")
+        else:
+            branching = tuple(int(x) for x in spec.lower().split("x"))
+            if not branching or min(branching) < 1:
+                raise ValueError
+            widths = [math.prod(branching[: d + 1]) for d in range(len(branching))]
+            if sum(widths) > MAX_TREE_NODES:  # counted before building: 999x999 must not build a million nodes
+                raise _too_many(spec, sum(widths))
+            built: list[int] = []
+            frontier = [-1]
+            for b in branching:
+                nxt = []
+                for p in frontier:
+                    for _ in range(b):
+                        nxt.append(len(built))
+                        built.append(p)
+                frontier = nxt
+            parents = tuple(built)
+    except ValueError as e:
+        if isinstance(e, TreeError):
+            raise
+        raise TreeError(f"tree {spec!r} is not a shape; give children per depth as 2x2x1 (each >= 1) or each node's "
+                        "parent as -1,-1,0,0") from None
+    if not 0 < len(parents) <= MAX_TREE_NODES:
+        raise _too_many(spec, len(parents))
+    return parents
+
+
+def _too_many(spec: str, nodes: int) -> TreeError:
+    return TreeError(f"tree {spec!r} has {nodes} nodes; use 1..{MAX_TREE_NODES} (e.g. 2x2x1, 10 nodes)")
+
+
+def parse_tree_spec(spec: str) -> tuple[tuple[int, ...], int]:
+    """(the MTP tree's parents, the n-gram branch's length) of a whole `decode.tree` value such as `2x2+ngram3`."""
+    base, ngram = split_hybrid(spec)
+    return tree_parents(base), ngram

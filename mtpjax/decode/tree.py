@@ -14,14 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The spec's one parser lives in config (which validates decode.tree with it); re-exported for decode's callers.
+from mtpjax.config.specs import MAX_TREE_NODES as MAX_NODES  # noqa: F401
+from mtpjax.config.specs import TreeError as TreeError
+from mtpjax.config.specs import split_hybrid as split_hybrid
+from mtpjax.config.specs import tree_parents
 from mtpjax.decode.cache import take_rows
-from mtpjax.errors import MtpjaxError
-
-MAX_NODES = 64  # verifying more rows than this per round never pays; the drafting loop is unrolled per node
-
-
-class TreeError(MtpjaxError, ValueError):
-    """A draft-tree spec that cannot be built (one line naming the problem and the fix)."""
 
 
 @dataclass(frozen=True)
@@ -95,50 +93,9 @@ def chain_tree(num_draft: int) -> Tree:
     return Tree(tuple(range(-1, num_draft - 1)))
 
 
-def split_hybrid(spec: str) -> tuple[str, int]:
-    """(the MTP tree's spec, the n-gram branch's length) of `2x2+ngram3` (no suffix: 0)."""
-    base, plus, tail = spec.strip().partition("+")
-    if not plus:
-        return base, 0
-    n = tail.strip().lower().removeprefix("ngram")
-    if not n.isdigit() or not 0 < int(n) <= MAX_NODES:
-        raise TreeError(f"tree {spec!r}: the hybrid branch is +ngramL with L in 1..{MAX_NODES} n-gram drafts, e.g. "
-                        "2x2+ngram3")
-    return base, int(n)
-
-
 def parse_tree(spec: str) -> Tree:
     """`2x2x1` (children per node at each depth, top-b distinct when greedy) or a parent list `-1,-1,0,0,1`."""
-    spec = spec.strip()
-    try:
-        if "," in spec or spec.lstrip("-").isdigit() and spec.startswith("-"):
-            parents = tuple(int(x) for x in spec.split(","))
-            bad = [i for i, p in enumerate(parents) if not -1 <= p < i]
-            if bad:
-                raise TreeError(f"tree {spec!r}: node {bad[0]}'s parent {parents[bad[0]]} is not an earlier node or -1 "
-                                "(the root); list each node's parent, parents first, e.g. -1,-1,0,0")
-            tree = Tree(parents)
-        else:
-            branching = tuple(int(x) for x in spec.lower().split("x"))
-            if not branching or min(branching) < 1:
-                raise ValueError
-            parents, frontier = [], [-1]
-            for b in branching:
-                nxt = []
-                for p in frontier:
-                    for _ in range(b):
-                        nxt.append(len(parents))
-                        parents.append(p)
-                frontier = nxt
-            tree = Tree(tuple(parents))
-    except ValueError as e:
-        if isinstance(e, TreeError):
-            raise
-        raise TreeError(f"tree {spec!r} is not a shape; give children per depth as 2x2x1 (each >= 1) or each node's "
-                        "parent as -1,-1,0,0") from None
-    if not 0 < tree.size <= MAX_NODES:
-        raise TreeError(f"tree {spec!r} has {tree.size} nodes; use 1..{MAX_NODES} (e.g. 2x2x1, 10 nodes)")
-    return tree
+    return Tree(tree_parents(spec))
 
 
 def verify_rows(tree: Tree):

@@ -60,19 +60,20 @@ class TreeMTPProposer(Proposer):
         return min(self.tree.max_depth, depth, self.modules or depth)
 
     def window(self, depth: int) -> int:
-        """Committed rows each level recomputes a round: a round commits up to D+1 tokens, and module k's rows
-        lag the committed length by k."""
-        return self.tree.max_depth + self.used(depth)
+        """Committed rows each level recomputes a round: a round commits up to D+1 tokens (D: the deepest branch,
+        the n-gram one included), and module k's rows lag the committed length by k."""
+        return max(self.tree.max_depth, self.ngram) + self.used(depth)
 
     def start(self, models: Models, ctx: Context):
         cfg = models.target.cfg
         B, S = ctx.seq_BS.shape
-        h0_BSD = write_rows(jnp.zeros((B, S, cfg.d_model), ctx.h_BTD.dtype), ctx.h_BTD, ctx.h_start_B)
+        h0_BSD = write_rows(jnp.zeros((B, S, cfg.d_model), ctx.h_BTD.dtype), models.target.trunk_state(ctx.h_BTD),
+                            ctx.h_start_B)
         state = MTPState(h0_BSD=h0_BSD, caches=module_caches(cfg, B, S))
         return self._draft(models.target, state, ctx, jnp.zeros((B,), jnp.int32), ctx.h_BTD.shape[1])
 
     def step(self, models: Models, state: MTPState, ctx: Context):
-        state = state.replace(h0_BSD=write_rows(state.h0_BSD, ctx.h_BTD, ctx.h_start_B))
+        state = state.replace(h0_BSD=write_rows(state.h0_BSD, models.target.trunk_state(ctx.h_BTD), ctx.h_start_B))
         W = self.window(models.target.cfg.mtp_depth)
         return self._draft(models.target, state, ctx, jnp.maximum(ctx.n_B - 1 - W, 0), W)
 
@@ -155,8 +156,7 @@ class TreeMTPProposer(Proposer):
 
     def draft_flops(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
         """Level k runs its module over the window and the nodes above depth k; the head once per expanded node."""
-        tree, used = self.tree, self.used(f_target.mtp_depth)
-        W = self.tree.max_depth + used
+        tree, W = self.tree, self.window(f_target.mtp_depth)
         rows = sum(W + len(tree.at_depth(1, k - 1)) for k in range(1, tree.max_depth + 1))
         expanded = 1 + len(tree.at_depth(1, tree.max_depth - 1))
         return rows * f_target.module + expanded * f_target.head
