@@ -288,9 +288,11 @@ def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
     num_draft = args.num_draft if isinstance(args.num_draft, int) else max(1, cfg.model.mtp_depth)
     prompts = heldout_prompts(prepared.val_tokens, args.eval_prompts, args.prompt_len, tok.eos_id)
     max_new = args.max_new_tokens or 128
+    tree = args.tree or cfg.decode.tree or None
     _progress(f"eval: decoding {len(prompts)} held-out prompts x {max_new} tokens: plain, n-gram and "
-              f"{'the draft model' if draft is not None else 'MTP'} at num_draft={num_draft} (compiling, then timing)")
-    speed = speed_report(model, prompts, num_draft=num_draft, max_new=max_new, draft=draft)
+              f"{'the draft model' if draft is not None else 'MTP'} at num_draft={num_draft}"
+              f"{f', the tree {tree}' if tree else ''} (compiling, then timing)")
+    speed = speed_report(model, prompts, num_draft=num_draft, max_new=max_new, draft=draft, tree=tree)
     if cfg.model.mtp_depth:
         # The held-out text itself as the continuation: acceptance on the distribution training measured.
         texts = heldout_prompts(prepared.val_tokens, max(32, args.eval_prompts), args.prompt_len + max_new, tok.eos_id)
