@@ -641,7 +641,7 @@ def test_auto_chooses_a_tree_where_its_measured_round_pays(half_trained, monkeyp
     cal = _FakeTreeLoops(ROUND_S).calibrate(monkeypatch, half_trained, CHAINS_AND_TREES)
     assert (cal.choice, cal.tree, cal.num_draft) == ("2x2", "2x2", 6)
     assert cal.round_cost == pytest.approx({0: 1.0, 1: 1.3, 2: 1.6, "2x1": 1.5, "2x2": 1.5})
-    assert cal.acceptance_by_depth_rank["2x2"] == pytest.approx([[0.6, 0.25], [55 / 85, 15 / 85]])
+    assert cal.acceptance_by_depth_rank["2x2"] == [pytest.approx([0.6, 0.25]), pytest.approx([55 / 85, 15 / 85])]
     assert cal.expected_tokens["2x2"] == pytest.approx(1 + 0.85 + 0.85 * 70 / 85)  # 2.55
     assert cal.expected_tokens["2x1"] == pytest.approx(1 + 0.85 + 0.85 * 55 / 85)  # 2.40
     assert cal.expected_tokens[2] == pytest.approx(1 + 0.6 + 0.3)

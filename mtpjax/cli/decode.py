@@ -52,7 +52,7 @@ def parser() -> Parser:
     p.add_argument("--max-len", type=int, default=None, help="KV cache capacity (default: decode.max_len)")
     p.add_argument("--stats", action="store_true", help="print acceptance statistics after generating")
     p.add_argument("--recalibrate", action="store_true",
-                   help="auto: measure the draft counts again instead of reusing a saved measurement")
+                   help="auto: measure the candidates again instead of reusing a saved measurement")
     p.add_argument("--calibration-file", default=None,
                    help="auto: where measurements are saved (default: $MTPJAX_CACHE_DIR or ~/.cache/mtpjax, "
                         "decode_calibration.json)")
