@@ -49,7 +49,7 @@ def test_auto_choosing_no_drafts_is_labelled_plain(tiny_run, capsys, monkeypatch
     assert main(_argv(run, "--stats", "--recalibrate")) == 0
     err = capsys.readouterr().err
     assert "[plain] rounds=" in err and "[mtp num_draft=0]" not in err
-    assert "-> next time plain (no draft count was predicted to beat plain decoding" in err
+    assert "-> next time plain (no draft count or tree was predicted to beat plain decoding" in err
     assert main(_argv(run, "--stats")) == 0  # the saved measurement: plain again, and the stats say so
     err = capsys.readouterr().err
     assert "[plain] rounds=" in err and "-> plain (no draft count" in err and "measurement saved in" in err

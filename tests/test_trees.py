@@ -200,6 +200,7 @@ def test_sampled_hybrid_tree_preserves_the_target_distribution():
     assert tv < TV_BOUND and alpha < 0.95
 
 
+@pytest.mark.slow
 def test_eval_speed_report_prices_a_tree(half_trained):
     """speed_report(tree=...): the tree's E from its acceptance by depth and rank, by hand, and its ceiling over v of
     its 7 rows (the n-gram round verifying 6 drafts) plus one module call per depth at a chain draft's floor r."""
