@@ -102,7 +102,8 @@ def targets(res: dict) -> list[dict]:
         _add_ceiling(add, res["decode_large"]["batches"][0], size)
     big = by_b[max(by_b)]
     if "auto" in big:
-        add(f"auto num_draft ({big['auto']['num_draft']}) / plain, batch {max(by_b)}", big["auto"]["vs_plain"],
+        chose = big["auto"].get("tree") or big["auto"]["num_draft"]
+        add(f"auto num_draft ({chose}) / plain, batch {max(by_b)}", big["auto"]["vs_plain"],
             ">= 1 (never slower)", big["auto"]["vs_plain"] >= 0.98)
     return rows
 

@@ -209,9 +209,20 @@ def _auto(model, groups, max_new: int, v: dict) -> None:
     from mtpjax.decode import generate
 
     stats = generate(model, groups[0], max_new_tokens=max_new, num_draft="auto").stats
-    g = stats["num_draft"]
-    v["auto"] = {"num_draft": g, "calibration": stats["calibration"],
-                 **{k: v["plain" if g == 0 else f"mtp{g}"][k] for k in ("tokens_per_sec", "vs_plain")}}
+    g, shape = stats["num_draft"], stats.get("tree")
+    v["auto"] = {"num_draft": g, "tree": shape, "calibration": stats["calibration"]}
+    if shape is None:
+        v["auto"].update({k: v["plain" if g == 0 else f"mtp{g}"][k] for k in ("tokens_per_sec", "vs_plain")})
+        return
+    # a tree won: no variant above decodes it, so it is timed against plain here, interleaved as they were
+    fns = {k: (lambda t=t: [generate(model, grp, max_new_tokens=max_new, tree=t) for grp in groups])
+           for k, t in (("plain", None), ("auto", shape))}
+    for fn in fns.values():
+        fn()  # compiled already (the probe's loops); warm
+    times = interleave(fns, 3)
+    total = sum(map(len, groups)) * max_new
+    v["auto"].update(tokens_per_sec=float(np.median(total / np.asarray(times["auto"]))),
+                     vs_plain=median_ratio(times["plain"], times["auto"]))
 
 
 def main(argv=None) -> int:
@@ -263,7 +274,8 @@ def main(argv=None) -> int:
             extra = "".join(f"  {f} {v[f]:.2f}" for f in ("tokens_per_round", "round_cost", "predicted_speedup")
                             if f in v)
             if k == "auto":
-                extra = f"  {v['num_draft']} drafts; probe costs " + ", ".join(
+                chose = f"tree {v['tree']}" if v["tree"] else f"{v['num_draft']} drafts"
+                extra = f"  {chose}; probe costs " + ", ".join(
                     f"{g}: {c:.2f}" for g, c in v["calibration"]["round_cost"].items())
             cpu = f" (CPU time x{v['vs_plain_cpu']:.2f})" if "vs_plain_cpu" in v else ""
             print(f"  batch {b:3d} {k:12s} {v['tokens_per_sec']:9.1f} tok/s  x{v['vs_plain']:.2f}{cpu} vs plain{extra}")

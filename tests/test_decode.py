@@ -37,13 +37,13 @@ def test_generate_streams_text(runs, capsys):
     out = capsys.readouterr()
     assert out.out.endswith("\n") and len(out.out) > 1
     assert "tokens/round=" in out.err and "[mtp num_draft=2]" in out.err
-    # The default (auto) decodes a request shape it has no measurement for plain, then times 0..mtp_depth on
-    # the prompt; the probe writes only a progress line, to stderr.
+    # The default (auto) decodes a request shape it has no measurement for plain, then times 0..mtp_depth and
+    # the trees 2x1 and 2x2 on the prompt; the probe writes only a progress line, to stderr.
     assert main(argv) == 0
     auto = capsys.readouterr()
     assert auto.out == out.out  # greedy: the same text whatever the choice, streamed once
     assert "[plain] rounds=" in auto.err and "round cost vs plain {0: 1.00, 1: " in auto.err
-    assert "probe took" in auto.err and "auto: compiling and timing 3 draft counts" in auto.err
+    assert "probe took" in auto.err and "auto: compiling and timing 5 candidates (0, 1, 2, 2x1, 2x2)" in auto.err
 
 
 @pytest.mark.slow
@@ -108,11 +108,11 @@ def test_plain_model_defaults_to_ngram_and_plain(runs, capsys):
 def test_eval_report_json_and_tensorboard(runs, tmp_path, capsys):
     out = tmp_path / "eval.json"
     argv = ["--run-dir", str(runs["mtp"]), "--eval", "--eval-batches", "2", "--eval-prompts", "2",
-            "--prompt-len", "32", "--max-new-tokens", "24", "--json", str(out)]
+            "--prompt-len", "32", "--max-new-tokens", "24", "--json", str(out), "--tree", "2x2"]
     assert main(argv) == 0
     screen = capsys.readouterr()  # a progress line before each phase: --eval is not silent for a minute
     for line in ("eval: validation metrics on 2 batches", "eval: decoding 2 held-out prompts x 24 tokens",
-                 "eval: teacher-forced acceptance on 32 held-out texts"):
+                 "the tree 2x2", "eval: teacher-forced acceptance on 32 held-out texts"):
         assert line in screen.err, screen.err
     rep = json.loads(out.read_text())
     d = rep["decode"]
@@ -122,6 +122,11 @@ def test_eval_report_json_and_tensorboard(runs, tmp_path, capsys):
     # Walking held-out text, the decoder's depth-1 acceptance is the teacher-forced agreement on that text.
     assert abs(d["forced_acceptance_by_position"][0] - d["agreement_on_heldout"][0]) < 1e-6
     _check_speed_report(d, runs["mtp"])
+    # --tree: the tree's E from its acceptance by depth and rank (test_trees checks its ceiling by hand)
+    assert d["tree"] == "2x2" and len(d["tree_acceptance_depth1"]) == len(d["tree_acceptance_depth2"]) == 2
+    e = 1 + sum(d["tree_acceptance_depth1"]) * (1 + sum(d["tree_acceptance_depth2"]))
+    assert d["tree_expected_tokens_per_round"] == pytest.approx(e) and 0 < d["tree_speedup_ceiling"]
+    assert "tree_speedup_ceiling" in screen.out
     assert {"loss/main", "loss/mtp_1", "loss/mtp_2", "agreement/mtp_1"} <= set(rep["validation"])
     assert "predicted_speedup" in screen.out and "val agreement/mtp_1" in screen.out
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

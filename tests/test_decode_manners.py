@@ -49,7 +49,7 @@ def test_auto_choosing_no_drafts_is_labelled_plain(tiny_run, capsys, monkeypatch
     assert main(_argv(run, "--stats", "--recalibrate")) == 0
     err = capsys.readouterr().err
     assert "[plain] rounds=" in err and "[mtp num_draft=0]" not in err
-    assert "-> next time plain (no draft count was predicted to beat plain decoding" in err
+    assert "-> next time plain (no draft count or tree was predicted to beat plain decoding" in err
     assert main(_argv(run, "--stats")) == 0  # the saved measurement: plain again, and the stats say so
     err = capsys.readouterr().err
     assert "[plain] rounds=" in err and "-> plain (no draft count" in err and "measurement saved in" in err
@@ -80,6 +80,28 @@ def test_a_new_request_shape_decodes_plain_then_measures(tiny_run, capsys, monke
     assert "[mtp num_draft=2] rounds=" in again.err and "auto: timing" not in again.err
 
 
+def test_a_tree_chosen_by_auto_is_named_and_runs_next(tiny_run, capsys, monkeypatch, tmp_path):
+    """When the calibration picks a tree, --stats names its shape (measured and saved), the next request of that
+    shape runs the tree and says so, and the greedy text is plain's; companion: a chain's choice reads as a chain."""
+    _, run = tiny_run
+    monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path))
+    cost, tokens = {0: 1.0, 1: 1.3, 2: 1.6, "2x1": 1.5, "2x2": 1.5}, {0: 1.0, 1: 1.6, 2: 1.9, "2x1": 2.4, "2x2": 2.55}
+    monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: autodraft.Calibration(
+        num_draft=6, tree="2x2", round_cost=cost, alpha_by_position=[0.6, 0.5], expected_tokens=tokens,
+        pruned=[1, 2], seconds=0.5))
+    assert main(_argv(run, "--stats")) == 0
+    first = capsys.readouterr()
+    assert "[plain] rounds=" in first.err and "-> next time mtp tree=2x2" in first.err
+    assert "2x2: 1.50}" in first.err and "(timed in the first pass only: 1, 2)" in first.err
+    assert main(_argv(run, "--stats")) == 0
+    again = capsys.readouterr()
+    assert again.out == first.out  # greedy: plain's text whichever ran
+    assert "[mtp tree=2x2 (6 nodes)] rounds=" in again.err and "-> mtp tree=2x2 (measurement saved in" in again.err
+    monkeypatch.setattr(autodraft, "calibrate", _fake_calibration)
+    assert main(_argv(run, "--stats", "--recalibrate")) == 0
+    assert "-> next time mtp num_draft=2" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_calibration_compiles_only_the_loops_the_run_reuses(tiny_run):
     """`num_draft="auto"` compiles each candidate's loop once; the real runs add no compilation."""
@@ -93,10 +115,10 @@ def test_calibration_compiles_only_the_loops_the_run_reuses(tiny_run):
     before = execute._cache_size()
     res = api.generate(model, prompts, num_draft="auto", plain_first=True, on_commit=lambda *_: None, **kw)
     assert res.stats["num_draft"] == 0 and res.stats["calibration"]["source"] == "after"
-    assert execute._cache_size() - before == len(autodraft.candidates(model, "mtp")) == 3
+    assert execute._cache_size() - before == len(autodraft.candidates(model, "mtp")) == 5  # 0, 1, 2, 2x1, 2x2
     again = api.generate(model, prompts, num_draft="auto", plain_first=True, on_commit=lambda *_: None, **kw)
     assert again.stats["num_draft"] == res.stats["calibration"]["num_draft"]  # remembered...
-    assert execute._cache_size() - before == 3  # ...and already compiled
+    assert execute._cache_size() - before == 5  # ...and already compiled
     # the counter does count: a request of another shape compiles its loop
     mid = execute._cache_size()
     api.generate(model, prompts, num_draft=1, **{**kw, "max_new_tokens": 21})

@@ -95,7 +95,7 @@ def test_greedy_speculative_equals_plain(half_trained):
 
 def test_module_1_drafting_every_token_equals_plain(half_trained):
     """proposer="mtp1": module 1 drafts every token (as vLLM and SGLang do), beyond the model's depth too."""
-    assert autodraft.candidates(half_trained, "mtp1") == [0, 1, 2, 3]
+    assert autodraft.candidates(half_trained, "mtp1") == [0, 1, 2, 3, "2x1", "2x2"]
     _check_greedy_equal(half_trained, "mtp1", (2, 3), (PROMPTS,))
 
 
@@ -429,37 +429,93 @@ def test_decode_loop_updates_the_kv_caches_in_place(half_trained, num_draft, mon
 
 
 def test_auto_num_draft_is_measured_and_keeps_greedy_output(half_trained):
+    """auto times plain, the chains and the trees on the request and runs the fastest by E / cost: the greedy
+    output is plain greedy's whatever it picked, and stats name the choice (a tree by its shape)."""
     base = generate(half_trained, PROMPTS, max_new_tokens=24)
     out = generate(half_trained, PROMPTS, max_new_tokens=24, num_draft="auto")
     cal = out.stats["calibration"]
     assert out.tokens == base.tokens
-    assert set(cal["round_cost"]) == {0, 1, 2} and cal["round_cost"][0] == 1.0
+    assert list(cal["round_cost"]) == [0, 1, 2, "2x1", "2x2"] and cal["round_cost"][0] == 1.0
     assert all(c > 0 for c in cal["round_cost"].values()) and len(cal["alpha_by_position"]) == 2
-    assert out.stats["num_draft"] == cal["num_draft"] == _chosen_by_hand(cal["alpha_by_position"], cal["round_cost"])
+    assert set(cal["acceptance_by_depth_rank"]) == {"2x1", "2x2"}
+    for shape, (a1, a2) in cal["acceptance_by_depth_rank"].items():  # a tree's E from its own probe, by hand:
+        # 1 + (a[0][0] + a[0][1]) + (a[0][0] + a[0][1]) · (a[1][0] (+ a[1][1] for 2x2)), every parent alike
+        assert cal["expected_tokens"][shape] == pytest.approx(1 + sum(a1) * (1 + sum(a2)))
+    chosen = _chosen_by_hand(cal)
+    assert (cal["tree"] or cal["num_draft"]) == chosen and out.stats.get("tree") == cal["tree"]
+    assert out.stats["num_draft"] == cal["num_draft"] == autodraft.nodes(chosen)
+    assert cal["rounds"] > 0 and 0 not in cal["pruned"] and len(cal["pruned"]) >= 5 - autodraft.KEEP
     again = generate(half_trained, PROMPTS, max_new_tokens=24, num_draft="auto")
     assert again.stats["calibration"] == cal  # one probe per request shape
 
 
-def _chosen_by_hand(alpha, cost):
-    """The γ with the most tokens per unit of round cost, E(γ) = 1 + α1 + α1·α2 + ... over cost(γ); plain (0)
-    unless it is predicted autodraft.MARGIN times as fast as plain decoding (cost(0) = 1), the rule decode uses."""
-    rate = {g: sum(float(np.prod(alpha[:i])) for i in range(g + 1)) / cost[g] for g in sorted(cost) if g}
-    best = max(rate, key=rate.get)
-    return best if rate[best] >= autodraft.MARGIN else 0
+def _chosen_by_hand(cal):
+    """The candidate with the most tokens per unit of round cost among those timed past the first pass, E(γ) =
+    1 + α1 + α1·α2 + ... for a chain, the tree's E as reported; plain (0) unless it is predicted autodraft.MARGIN
+    times as fast as plain decoding (cost(0) = 1), the rule decode uses."""
+    alpha, cost = cal["alpha_by_position"], cal["round_cost"]
+    e = {g: sum(float(np.prod(alpha[:i])) for i in range(g + 1)) if isinstance(g, int) else cal["expected_tokens"][g]
+         for g in cost}
+    rate = {g: e[g] / cost[g] for g in cost if g != 0 and g not in cal["pruned"]}
+    best = max(rate, key=rate.get, default=0)
+    return best if best and rate[best] >= autodraft.MARGIN else 0
 
 
-@pytest.mark.parametrize("chosen", [0, 2])
+@pytest.mark.parametrize("chosen", [0, 2, "2x2"])
 def test_auto_num_draft_runs_what_the_calibration_chose(half_trained, chosen):
-    """The wiring, not the timing: a remembered choice is what generate runs (a wrong wiring fails one case)."""
+    """The wiring, not the timing: a remembered choice, a chain or a tree, is what generate runs and what its stats
+    name (a wrong wiring fails one case), and greedy output stays plain greedy's."""
     prompts = PROMPTS[:2]
     loop = make_loop(half_trained, prompts, max_new_tokens=16, num_draft=0, proposer="mtp", sampler=make_sampler())
-    key = (2, loop.prompt_pad, 16, "mtp", loop.sampler, -1)
-    autodraft.memo(half_trained)[key] = autodraft.Calibration(num_draft=chosen)
+    key = autodraft.request_key(prompts, loop, "mtp", autodraft.candidates(half_trained, "mtp"))
+    tree = chosen if isinstance(chosen, str) else None
+    autodraft.memo(half_trained)[key] = autodraft.Calibration(num_draft=autodraft.nodes(chosen), tree=tree)
     try:
         out = generate(half_trained, prompts, max_new_tokens=16, num_draft="auto")
     finally:
         del autodraft.memo(half_trained)[key]
-    assert out.stats["num_draft"] == chosen and len(out.stats["acceptance_by_position"]) == chosen
+    assert out.stats["num_draft"] == autodraft.nodes(chosen) and out.stats.get("tree") == tree
+    assert len(out.stats["acceptance_by_position"]) == (2 if tree else chosen)  # a tree's: by depth
+    assert out.tokens == generate(half_trained, prompts, max_new_tokens=16).tokens
+
+
+def test_auto_candidates_are_plain_chains_and_the_trees_the_proposer_can_draft(half_trained):
+    """Trees only where the MTP modules draft them, as deep as the chains reach (one parallel head: depth 1)."""
+    assert autodraft.candidates(half_trained, "mtp") == [0, 1, 2, "2x1", "2x2"]
+    assert autodraft.candidates(half_trained, "ngram") == [0, 1, 2, 3]
+    assert autodraft.candidates(build_model(_cfg(mtp_depth=1), seed=0), "mtp") == [0, 1, "2"]
+    parallel = build_model(_cfg(mtp_kind="parallel"), seed=0)
+    assert autodraft.candidates(parallel, "mtp") == [0, 1, 2, "2x1", "2x2"]
+    assert autodraft.candidates(parallel, "mtp1") == [0, 1, "2"]
+
+
+def test_the_calibration_key_names_the_candidates(half_trained, tmp_path, monkeypatch):
+    """A measurement saved among other candidates (chains only) is not reused now that trees are candidates; one
+    among these is read back, a tree's choice with it."""
+    def loop_for(c):
+        tree = c if isinstance(c, str) else None
+        return make_loop(half_trained, PROMPTS, max_new_tokens=24, num_draft=0 if tree else c, tree=tree)
+
+    cands = autodraft.candidates(half_trained, "mtp")
+    key = autodraft.request_key(PROMPTS, loop_for(0), "mtp", cands)
+    saved = autodraft.SavedCalibrations(tmp_path / "cal.json", "step 1")
+    saved.put(key[:-1] + (("0", "1", "2"),), autodraft.Calibration(num_draft=2, round_cost={0: 1.0, 1: 1.1, 2: 1.2}))
+    probes = []
+
+    def fake_calibrate(model, prompts, loops, seed=0, **kw):
+        probes.append(list(loops))
+        return autodraft.Calibration(num_draft=6, tree="2x2", round_cost={c: 1.0 + autodraft.nodes(c) / 10
+                                                                         for c in loops}, pruned=[1, "2x1"])
+
+    monkeypatch.setattr(autodraft, "calibrate", fake_calibrate)
+    autodraft.memo(half_trained).clear()
+    assert autodraft.resolve(half_trained, PROMPTS, loop_for, "mtp", 0, saved)[0] == "2x2"
+    assert probes == [cands]
+    autodraft.memo(half_trained).clear()  # only the file may remember
+    choice, cal = autodraft.resolve(half_trained, PROMPTS, loop_for, "mtp", 0, saved)
+    assert len(probes) == 1 and cal.source == "saved" and (choice, cal.tree, cal.num_draft) == ("2x2", "2x2", 6)
+    assert cal.round_cost == {0: 1.0, 1: 1.1, 2: 1.2, "2x1": 1.4, "2x2": 1.6} and cal.pruned == [1, "2x1"]
+    autodraft.memo(half_trained).clear()
 
 
 def test_saved_calibration_is_reused_and_kept_per_machine_and_model(half_trained, tmp_path, monkeypatch):
@@ -468,8 +524,8 @@ def test_saved_calibration_is_reused_and_kept_per_machine_and_model(half_trained
     probes = []
 
     def fake_calibrate(model, prompts, specs, seed=0, **kw):
-        probes.append(sorted(specs))
-        return autodraft.Calibration(num_draft=len(probes) % 3, round_cost={g: 1.0 + g for g in specs},
+        probes.append(list(specs))
+        return autodraft.Calibration(num_draft=len(probes) % 3, round_cost={g: 1.0 + autodraft.nodes(g) for g in specs},
                                      alpha_by_position=[0.5, 0.25], expected_tokens={g: 1.0 for g in specs},
                                      seconds=1.5)
 
@@ -537,6 +593,88 @@ def test_calibration_costs_are_marginal_round_times_robust_to_interference(half_
     passes = (len(loop.calls) - warm) // per_pass
     one_pass = sum(2 * 10e-3 + r * loop.cost[g] for g, r in ((0, 63), (1, 32), (2, 26)))
     assert passes == int(-(-1.0 // one_pass))
+
+
+class _FakeTreeLoops(_FakeLoop):
+    """_FakeLoop over chains and trees: each candidate's seconds and tokens per round, and the acceptance its probe
+    reports (chains α = [0.6, 0.5]; trees a[0] = [0.6, 0.25], a[1] by rank from accepted_by_node)."""
+
+    accepted_by_node = {"2": [60, 25], "2x1": [60, 25, 40, 15], "2x2": [60, 25, 40, 10, 15, 5],
+                        "3x1": [60, 20, 5, 40, 10, 3]}
+    reached = {"2": [100], "2x1": [100, 85], "2x2": [100, 85], "3x1": [100, 85]}
+    per_round = {0: 1.0, 1: 1.6, 2: 1.9, 3: 2.05, "2": 1.85, "2x1": 2.4, "2x2": 2.55, "3x1": 2.38}  # their E
+
+    def __init__(self, cost: dict):
+        super().__init__()
+        self.cost = cost
+
+    def run(self, model, prompts, loop, seed=0, budget=None, **kw):
+        st = super().run(model, prompts, loop, seed, budget)
+        return SimpleNamespace(n_B=st.n_B, rounds_B=st.rounds_B, candidate=loop.num_draft)
+
+    def summarize(self, st):
+        c = st.candidate
+        return SimpleNamespace(stats={"acceptance_by_position": [0.6, 0.5, 0.5][: autodraft.nodes(c)],
+                                      "accepted_by_node": self.accepted_by_node.get(c), "reached": self.reached.get(c)})
+
+    def loops(self, cands):
+        from mtpjax.decode.tree import parse_tree
+
+        return {c: SimpleNamespace(num_draft=c, max_new=64, tree=parse_tree(c) if isinstance(c, str) else None)
+                for c in cands}
+
+    def calibrate(self, monkeypatch, model, cands, **kw):
+        monkeypatch.setattr(host, "run", self.run)
+        monkeypatch.setattr(host, "summarize", self.summarize)
+        monkeypatch.setattr(autodraft.time, "perf_counter", lambda: self.now)
+        return autodraft.calibrate(model, PROMPTS, self.loops(cands), probe=32, **{"min_seconds": 0.0, **kw})
+
+
+CHAINS_AND_TREES = [0, 1, 2, "2x1", "2x2"]
+ROUND_S = {0: 1e-3, 1: 1.3e-3, 2: 1.6e-3, 3: 1.9e-3, "2": 1.4e-3, "2x1": 1.5e-3, "2x2": 1.5e-3, "3x1": 1.7e-3}
+
+
+def test_auto_chooses_a_tree_where_its_measured_round_pays(half_trained, monkeypatch):
+    """A 2x2 round that costs what 2x1's does gives the most tokens per second (2.55 / 1.5 over 2.4 / 1.5 and
+    the chains' 1.6 / 1.3, 1.9 / 1.6): it is chosen, named, and its E is the hand-computed one; companions: a dearer
+    2x2 round loses to 2x1, and trees dearer still lose to a chain."""
+    cal = _FakeTreeLoops(ROUND_S).calibrate(monkeypatch, half_trained, CHAINS_AND_TREES)
+    assert (cal.choice, cal.tree, cal.num_draft) == ("2x2", "2x2", 6)
+    assert cal.round_cost == pytest.approx({0: 1.0, 1: 1.3, 2: 1.6, "2x1": 1.5, "2x2": 1.5})
+    assert cal.acceptance_by_depth_rank["2x2"] == [pytest.approx([0.6, 0.25]), pytest.approx([55 / 85, 15 / 85])]
+    assert cal.expected_tokens["2x2"] == pytest.approx(1 + 0.85 + 0.85 * 70 / 85)  # 2.55
+    assert cal.expected_tokens["2x1"] == pytest.approx(1 + 0.85 + 0.85 * 55 / 85)  # 2.40
+    assert cal.expected_tokens[2] == pytest.approx(1 + 0.6 + 0.3)
+    assert cal.pruned == [1, 2]  # after the first pass: below both trees
+    saved = autodraft.Calibration.from_dict(cal.as_json())
+    assert (saved.choice, saved.round_cost, saved.pruned) == ("2x2", cal.round_cost, [1, 2])
+    dear = _FakeTreeLoops({**ROUND_S, "2x2": 1.7e-3}).calibrate(monkeypatch, half_trained, CHAINS_AND_TREES)
+    assert dear.choice == "2x1" and dear.tree == "2x1" and dear.num_draft == 4
+    dearer = _FakeTreeLoops({**ROUND_S, "2x1": 2.4e-3, "2x2": 2.6e-3})
+    chain = dearer.calibrate(monkeypatch, half_trained, CHAINS_AND_TREES)
+    assert chain.choice == 1 and chain.tree is None and chain.pruned == ["2x1", "2x2"]
+
+
+def test_calibration_rounds_past_the_first_pass_do_not_grow_with_the_candidates(half_trained, monkeypatch):
+    """Every candidate is timed once; later passes time plain and the KEEP - 1 best, so the probe's rounds past the
+    first pass are the same for 5 candidates and for 8 (counted in decode rounds, not seconds); companion: timing
+    every candidate in every pass (keep = all) grows them."""
+    many = [0, 1, 2, 3, "2", "2x1", "2x2", "3x1"]
+
+    def rounds_after_first_pass(cands, **kw):
+        cal = _FakeTreeLoops(ROUND_S).calibrate(monkeypatch, half_trained, cands, **kw)
+        first = sum(-(-63 // _FakeTreeLoops.per_round[c]) for c in cands)  # one 64-token run each (the 1-token runs: 0)
+        return cal.rounds - first, cal
+
+    few_later, few = rounds_after_first_pass(CHAINS_AND_TREES, repeats=3)
+    many_later, lots = rounds_after_first_pass(many, repeats=3)
+    kept = [0, "2x1", "2x2"]  # the best two rivals among either set, in candidate order
+    assert [c for c in CHAINS_AND_TREES if c not in few.pruned] == [c for c in many if c not in lots.pruned] == kept
+    assert few_later == many_later == 2 * sum(-(-63 // _FakeTreeLoops.per_round[c]) for c in kept)
+    # min_seconds never reached: passes stop at max_repeats, still of the kept three
+    capped, _ = rounds_after_first_pass(many, repeats=1, min_seconds=1e9, max_repeats=5)
+    assert capped == 4 * sum(-(-63 // _FakeTreeLoops.per_round[c]) for c in kept)
+    assert rounds_after_first_pass(many, repeats=3, keep=len(many))[0] > few_later
 
 
 def test_choose_num_draft_falls_back_to_plain_when_drafting_costs_more_than_it_saves():

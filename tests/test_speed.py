@@ -10,6 +10,7 @@ from mtpjax.decode.tree import chain_tree, parse_tree
 from mtpjax.nn.loss import expected_accept_length
 from mtpjax.nn.speed import (
     ceiling,
+    choose_fastest,
     choose_num_draft,
     expected_tokens,
     floor_ratio,
@@ -33,11 +34,32 @@ def test_tree_expected_tokens_by_depth_and_rank():
     """2x1 by hand: depth 1 accepts rank 0 with 0.6, rank 1 with 0.2; depth 2 accepts its one child with 0.5."""
     tree, a = parse_tree("2x1"), [[0.6, 0.2], [0.5]]
     assert tree_expected_tokens(tree, a) == pytest.approx(1 + 0.6 + 0.2 + 0.6 * 0.5 + 0.2 * 0.5)
-    assert tree_ceiling(tree, a, r=0.05, verify_cost=1.3) == pytest.approx(2.2 / (1.3 + 4 * 0.05))
+    assert tree_ceiling(tree, a, r=0.05, verify_cost=1.3) == pytest.approx(2.2 / (1.3 + 2 * 0.05))  # 2 levels
     # a chain is E(γ), by depth; a second sibling adds its own share, never the first's again
     assert tree_expected_tokens(chain_tree(3), [[0.8], [0.6], [0.5]]) == pytest.approx(expected_tokens([.8, .6, .5], 3))
     assert tree_expected_tokens(parse_tree("2"), [[0.6, 0.2]]) == pytest.approx(1.8)
     assert tree_expected_tokens(parse_tree("2"), [[0.6]]) == pytest.approx(2.2)  # the last rank's rate reused
+
+
+def test_a_tree_ceiling_charges_one_module_call_per_depth():
+    """Drafting a tree runs one module call per depth whatever its nodes: 2x2 (6 nodes, 2 levels) pays 2r, as the
+    chain of 2 does, by hand E = 1 + 0.8 + 0.8 · (0.5 + 0.5) = 2.6 over v + 2r; charging r per node (6r) fails."""
+    a = [[0.6, 0.2], [0.5]]  # rank 1 at depth 2 reuses rank 0's rate
+    assert tree_ceiling(parse_tree("2x2"), a, r=0.1, verify_cost=1.5) == pytest.approx(2.6 / (1.5 + 2 * 0.1))
+    assert tree_ceiling(parse_tree("2x2"), a, r=0.1) != pytest.approx(2.6 / (1.0 + 6 * 0.1))
+    # a chain-shaped tree's ceiling is the chain's
+    alpha = [0.8, 0.6, 0.5]
+    chain = tree_ceiling(chain_tree(3), [[x] for x in alpha], r=0.1, verify_cost=1.2)
+    assert chain == pytest.approx(ceiling(alpha, 3, 0.1, 1.2))
+
+
+def test_choose_fastest_ranks_chains_and_trees_alike():
+    """E / cost over any candidates: a tree wins where its round pays, a chain where the tree's costs more, plain
+    within the margin."""
+    e = {0: 1.0, 1: 1.6, "2x2": 2.55}
+    assert choose_fastest(e, {0: 1.0, 1: 1.3, "2x2": 1.5}) == "2x2"  # 1.70 over 1.23
+    assert choose_fastest(e, {0: 1.0, 1: 1.3, "2x2": 2.2}) == 1  # 1.16 under 1.23
+    assert choose_fastest(e, {0: 1.0, 1: 1.58, "2x2": 2.5}, margin=1.05) == 0  # 1.01 and 1.02: within the margin
 
 
 def test_choose_num_draft_prefers_fewer_drafts_when_rounds_get_expensive():

@@ -259,3 +259,25 @@ def test_sampled_hybrid_tree_companion_a_wrong_ngram_rule_is_detected(monkeypatc
     output."""
     monkeypatch.setattr(tree_module, name, wrong(getattr(tree_module, name)))
     assert _tree_tv("2x1+ngram2", HYBRID_SAMPLING)[0] > 2 * TV_BOUND
+
+
+@pytest.mark.slow
+def test_eval_speed_report_prices_a_tree(half_trained):
+    """speed_report(tree=...): the tree's E from its acceptance by depth and rank, by hand, and its ceiling over v of
+    its 7 rows (the n-gram round verifying 6 drafts) plus one module call per depth at a chain draft's floor r."""
+    from mtpjax.eval.evaluate import decode_context, speed_report
+    from mtpjax.nn.speed import floor_ratio
+    from mtpjax.decode import MTPProposer
+
+    prompts = PROMPTS[:2]
+    d = speed_report(half_trained, prompts, num_draft=2, max_new=16, tree="2x2")
+    assert d["outputs_identical"] is True and d["tree"] == "2x2" and d["tree_nodes"] == 6
+    a1, a2 = d["tree_acceptance_depth1"], d["tree_acceptance_depth2"]
+    assert len(a1) == len(a2) == 2 and 0 < sum(a1) <= 1
+    e = 1 + sum(a1) * (1 + sum(a2))  # each depth-1 node's two children share a[1]
+    assert d["tree_expected_tokens_per_round"] == pytest.approx(e)
+    assert d["tree_predicted_speedup"] == pytest.approx(e / d["tree_round_cost"])
+    assert d["tree_speedup"] == pytest.approx(d["tree_tokens_per_sec"] / d["plain_tokens_per_sec"])
+    r = floor_ratio(MTPProposer(2), half_trained.cfg, decode_context(prompts, 16))
+    assert d["tree_verify_cost_v"] > 0
+    assert d["tree_speedup_ceiling"] == pytest.approx(e / (max(1.0, d["tree_verify_cost_v"]) + 2 * r))

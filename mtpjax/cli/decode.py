@@ -31,8 +31,9 @@ def parser() -> Parser:
     src.add_argument("--prompts-file", help="a file with one prompt per line (\\n escapes allowed)")
     src.add_argument("--eval", action="store_true", help="validation metrics + speculative speed report")
     p.add_argument("--num-draft", type=_num_draft, default=None,
-                   help="drafts per round, or auto: measure 0..mtp_depth (n-gram 0..3, draft model 0..4) on the "
-                        "prompts and use the fastest (default: decode.num_draft)")
+                   help="drafts per round, or auto: measure 0..mtp_depth drafts and the trees 2x1 and 2x2 (a depth-1 "
+                        "model: 2) (n-gram 0..3, draft model 0..4) on the prompts and use the fastest (default: "
+                        "decode.num_draft)")
     p.add_argument("--proposer", choices=choices(DecodeConfig, "proposer"), default=None,
                    help="mtp: the run's MTP modules (module k drafts token k); mtp1: module 1 drafts every token; "
                         "ngram: prompt lookup; model: the --draft-run-dir model (default: decode.proposer, or model "
@@ -51,7 +52,7 @@ def parser() -> Parser:
     p.add_argument("--max-len", type=int, default=None, help="KV cache capacity (default: decode.max_len)")
     p.add_argument("--stats", action="store_true", help="print acceptance statistics after generating")
     p.add_argument("--recalibrate", action="store_true",
-                   help="auto: measure the draft counts again instead of reusing a saved measurement")
+                   help="auto: measure the candidates again instead of reusing a saved measurement")
     p.add_argument("--calibration-file", default=None,
                    help="auto: where measurements are saved (default: $MTPJAX_CACHE_DIR or ~/.cache/mtpjax, "
                         "decode_calibration.json)")
@@ -149,8 +150,8 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
     if any(len(p) == 0 for p in prompts):
         raise DecodeError("empty prompt: give at least one character of text")
     max_new = args.max_new_tokens or d.max_new_tokens
-    # the largest γ that may run
-    most = max(autodraft.candidates(model, proposer)) if num_draft == "auto" else num_draft
+    # the most drafts a round may verify (auto: its largest chain or tree)
+    most = max(map(autodraft.nodes, autodraft.candidates(model, proposer))) if num_draft == "auto" else num_draft
     if tree is None:
         _check_size(cfg.model, prompts, max_new, most, args.max_len or d.max_len)
     else:  # a tree's nodes are bounded by its spec (tree.MAX_NODES)
@@ -226,10 +227,13 @@ def _print_stats(s: dict, proposer: str, seconds: float, saved_path) -> None:
     print(line, file=sys.stderr)
     if "calibration" in s:
         c = s["calibration"]
-        chose = ("plain (no draft count was predicted to beat plain decoding by more than the probe's noise)"
-                 if c["num_draft"] == 0 else f"{label(proposer, c['num_draft'])}")
+        chose = ("plain (no draft count or tree was predicted to beat plain decoding by more than the probe's noise)"
+                 if c["num_draft"] == 0 else f"{proposer} tree={c['tree']}" if c.get("tree")
+                 else label(proposer, c["num_draft"]))
         measured = (f"round cost vs plain {_fmt(c['round_cost'])}, expected tokens/round "
                     f"{_fmt(c['expected_tokens'])}")
+        if c.get("pruned"):
+            measured += f" (timed in the first pass only: {', '.join(map(str, c['pruned']))})"
         if c["source"] == "after":
             print(f"[auto] no measurement for this request shape yet, so it decoded plain; measured after it (the "
                   f"probe took {c['seconds']:.1f}s, saved in {saved_path}): {measured} -> next time {chose}",
@@ -284,9 +288,11 @@ def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
     num_draft = args.num_draft if isinstance(args.num_draft, int) else max(1, cfg.model.mtp_depth)
     prompts = heldout_prompts(prepared.val_tokens, args.eval_prompts, args.prompt_len, tok.eos_id)
     max_new = args.max_new_tokens or 128
+    tree = args.tree or cfg.decode.tree or None
     _progress(f"eval: decoding {len(prompts)} held-out prompts x {max_new} tokens: plain, n-gram and "
-              f"{'the draft model' if draft is not None else 'MTP'} at num_draft={num_draft} (compiling, then timing)")
-    speed = speed_report(model, prompts, num_draft=num_draft, max_new=max_new, draft=draft)
+              f"{'the draft model' if draft is not None else 'MTP'} at num_draft={num_draft}"
+              f"{f', the tree {tree}' if tree else ''} (compiling, then timing)")
+    speed = speed_report(model, prompts, num_draft=num_draft, max_new=max_new, draft=draft, tree=tree)
     if cfg.model.mtp_depth:
         # The held-out text itself as the continuation: acceptance on the distribution training measured.
         texts = heldout_prompts(prepared.val_tokens, max(32, args.eval_prompts), args.prompt_len + max_new, tok.eos_id)

@@ -21,10 +21,11 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
 
     proposer: "mtp" (the model's MTP modules, module k drafting token k), "mtp1" (module 1 drafting every
     token), "ngram" (prompt lookup) or "model" (`draft`, an independent model with the same vocabulary).
-    num_draft="auto" measures every candidate γ on these prompts and uses
-    the fastest by the cost model (mtpjax.decode.autodraft); stats["num_draft"] says which,
-    stats["calibration"] why. With `calibrations`, a measurement saved there for this machine and request
-    shape is reused, and a new one is saved; `progress(text)` hears what a calibration measures. plain_first:
+    num_draft="auto" measures every candidate (plain, chains of γ, and for the MTP modules the small trees of
+    autodraft.TREES) on these prompts and uses the fastest by the cost model (mtpjax.decode.autodraft);
+    stats["num_draft"] (and stats["tree"] when a tree won) says which, stats["calibration"] why. With
+    `calibrations`, a measurement saved there for this machine and request shape is reused, and a new one is
+    saved; `progress(text)` hears what a calibration measures. plain_first:
     a request shape with no measurement yet decodes plain and is measured after (stats["calibration"]["source"]
     is "after"; the next request of that shape uses it), so a first request never waits on a probe.
     tree: a static draft tree instead of a chain (`2x2x1`: children per node at each depth, or a parent list
@@ -38,26 +39,28 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
     except ValueError as e:
         raise DecodeError(str(e)) from None
 
-    def loop_for(g: int):
-        return make_loop(model, prompts, max_new_tokens=max_new_tokens, num_draft=g, proposer=proposer,
-                         sampler=sampler, eos_id=eos_id, max_len=max_len, draft=draft, stream=on_commit is not None,
-                         tree=tree)
+    def loop_for(g: int | str):  # a chain's γ, or (auto's candidates) a tree's shape
+        shape = g if isinstance(g, str) else tree
+        return make_loop(model, prompts, max_new_tokens=max_new_tokens, num_draft=0 if isinstance(g, str) else g,
+                         proposer=proposer, sampler=sampler, eos_id=eos_id, max_len=max_len, draft=draft,
+                         stream=on_commit is not None, tree=shape)
 
     cal, after = None, False
     if num_draft == "auto":
+        if tree is not None:
+            raise DecodeError(f"num_draft='auto' and tree={tree!r} both say how much to draft; give one of them")
         check_proposer(model, proposer, 1, draft)
         num_draft, cal = autodraft.resolve(model, prompts, loop_for, proposer, seed, calibrations, draft=draft,
                                             progress=progress, measure=not plain_first)
         after = cal is None
     elif isinstance(num_draft, bool) or not isinstance(num_draft, (int, np.integer)):
         raise DecodeError(f"num_draft={num_draft!r} must be an integer >= 0 or 'auto'")
-    res = summarize(run(model, prompts, loop_for(int(num_draft)), seed, draft=draft, on_commit=on_commit))
-    res.stats["num_draft"] = int(num_draft)
-    if tree is not None:
-        loop = loop_for(0)
-        shape = loop.tree
-        by = acceptance_by_depth_rank(shape, res.stats["accepted_by_node"], res.stats["reached"])
-        res.stats.update(tree=loop.proposer.name(), num_draft=shape.size, acceptance_by_depth_rank=by)
+    loop = loop_for(num_draft if isinstance(num_draft, str) else int(num_draft))
+    res = summarize(run(model, prompts, loop, seed, draft=draft, on_commit=on_commit))
+    res.stats["num_draft"] = loop.num_draft
+    if tree is not None or isinstance(num_draft, str):
+        by = acceptance_by_depth_rank(loop.tree, res.stats["accepted_by_node"], res.stats["reached"])
+        res.stats.update(tree=loop.proposer.name(), acceptance_by_depth_rank=by)
     if after:  # measured now that the output is out, for the next request of this shape
         _, cal = autodraft.resolve(model, prompts, loop_for, proposer, seed, calibrations, draft=draft,
                                    progress=progress)

@@ -1,14 +1,17 @@
-"""How many drafts per round: the cost model E(γ) / cost(γ), with cost measured on the request itself.
+"""How much to draft per round: the cost model E / cost, with cost measured on the request itself.
 
 Whether speculation pays depends on the machine, the batch size and the model. On a 2-core CPU a 19 MB
 model sits in the last-level cache and one decode row is already compute-bound, so verifying 2-3 tokens
 costs 2-3 plain steps and MTP drafts lose; a 99 MB model is bound by reading its weights, and 1-2 MTP
 drafts win at batch 1 (docs/benchmarks.md). At batch 32 verification is compute-bound for any model
 size. So `generate(num_draft="auto")` times
-a short probe of every candidate γ on the very prompts it was given (the same compiled loops the real
-run then reuses), takes α by draft position from the longest candidate, and picks the γ that
-maximizes expected tokens per unit time. γ = 0 (plain decoding) is always a candidate, and a γ > 0 must
-beat it by MARGIN (more than the probe's timing noise), which is how speculation is never slower than plain.
+a short probe of every candidate (plain, chains of γ drafts, and for the MTP modules the small draft trees of
+TREES) on the very prompts it was given (the same compiled loops the real run then reuses), takes α by draft
+position from the longest chain and each tree's acceptance by depth and rank from its own probe, and picks the
+candidate that maximizes expected tokens per unit time. Plain decoding (γ = 0) is always a candidate, and any other
+must beat it by MARGIN (more than the probe's timing noise), which is how speculation is never slower than plain.
+Every candidate is timed once; only the KEEP most promising are timed again, so the passes that make the timings
+robust cost the same however many candidates there are.
 A first probe's cost is mostly compiling every candidate's loop (the real run reuses its own); decode.py
 therefore decodes a request of a new shape plain and measures after it (`resolve(..., measure=False)`).
 """
@@ -29,92 +32,188 @@ import numpy as np
 
 from mtpjax.decode import host
 from mtpjax.decode.proposers import PROPOSERS
-from mtpjax.nn.speed import choose_num_draft, expected_tokens
+from mtpjax.decode.tree import acceptance_by_depth_rank, parse_tree
+from mtpjax.nn.speed import choose_fastest, expected_tokens, tree_expected_tokens
 
 
-MARGIN = 1.05  # a γ > 0 must be predicted this much faster than plain: the probe's timing noise is a few percent
+MARGIN = 1.05  # a candidate must be predicted this much faster than plain: the probe's timing noise is a few percent
+# Tree shapes probed beside the chains, by the depth the chains reach (capped at 2): few and small, since every
+# candidate costs the probe a compile and a first pass; a deeper or wider tree is fixed with --tree.
+TREES = {1: ("2",), 2: ("2x1", "2x2")}
+KEEP = 3  # candidates timed again after the first pass, plain included: later passes cost the same for any count
 
 
 @dataclass
 class Calibration:
-    num_draft: int
-    round_cost: dict = field(default_factory=dict)  # γ -> time of a round relative to a plain round
+    num_draft: int  # drafts per round of the choice (a tree: its node count)
+    round_cost: dict = field(default_factory=dict)  # candidate (γ, or a tree's shape) -> round time over a plain round
     alpha_by_position: list = field(default_factory=list)
-    expected_tokens: dict = field(default_factory=dict)  # γ -> E(γ) from α
+    expected_tokens: dict = field(default_factory=dict)  # candidate -> tokens per round: chains from α, trees below
     seconds: float = 0.0  # wall time the probe took, compiles included
     source: str = "probe"  # probe | saved (read back from a SavedCalibrations file)
+    tree: str | None = None  # the chosen tree's shape (None: a chain, or plain)
+    acceptance_by_depth_rank: dict = field(default_factory=dict)  # tree shape -> a[d][r] measured on its probe
+    pruned: list = field(default_factory=list)  # candidates timed in the first pass only
+    rounds: int = 0  # decode rounds the probe ran, warm-up included (its time bound counts these)
+
+    @property
+    def choice(self) -> int | str:
+        """What runs: a tree's shape, else the chain's γ (0: plain)."""
+        return self.tree or self.num_draft
 
     def as_dict(self) -> dict:
-        return {"num_draft": self.num_draft, "round_cost": self.round_cost, "alpha_by_position": self.alpha_by_position,
-                "expected_tokens": self.expected_tokens, "seconds": self.seconds, "source": self.source}
+        return {"num_draft": self.num_draft, "tree": self.tree, "round_cost": self.round_cost,
+                "alpha_by_position": self.alpha_by_position, "expected_tokens": self.expected_tokens,
+                "acceptance_by_depth_rank": self.acceptance_by_depth_rank, "pruned": self.pruned,
+                "rounds": self.rounds, "seconds": self.seconds, "source": self.source}
+
+    def as_json(self) -> dict:
+        """as_dict with string keys and candidates (JSON's, and sortable when γs and tree shapes mix)."""
+        d = self.as_dict()
+        return {**d, "round_cost": _keyed(d["round_cost"]), "expected_tokens": _keyed(d["expected_tokens"]),
+                "pruned": list(map(str, d["pruned"]))}
 
     @classmethod
     def from_dict(cls, d: dict) -> Calibration:
-        """Inverse of as_dict (JSON turns the γ keys into strings)."""
-        return cls(num_draft=int(d["num_draft"]), round_cost={int(k): float(v) for k, v in d["round_cost"].items()},
+        """Inverse of as_json (and of as_dict)."""
+        def unkey(m):
+            return dict(sorted(((_candidate(str(k)), float(v)) for k, v in m.items()), key=lambda kv: _order(kv[0])))
+
+        return cls(num_draft=int(d["num_draft"]), round_cost=unkey(d["round_cost"]),
                    alpha_by_position=[float(a) for a in d["alpha_by_position"]],
-                   expected_tokens={int(k): float(v) for k, v in d["expected_tokens"].items()},
-                   seconds=float(d["seconds"]), source="saved")
+                   expected_tokens=unkey(d["expected_tokens"]), seconds=float(d["seconds"]), source="saved",
+                   tree=d.get("tree") or None, acceptance_by_depth_rank=dict(d.get("acceptance_by_depth_rank", {})),
+                   pruned=[_candidate(str(k)) for k in d.get("pruned", [])], rounds=int(d.get("rounds", 0)))
 
 
-def candidates(model, proposer: str) -> list[int]:
-    """γ values worth probing: 0 (plain) up to what the proposer can draft usefully (MTP: its depth)."""
-    return list(range(0, max(PROPOSERS[proposer](1).most_drafts(model), 0) + 1))
+def _keyed(m: dict) -> dict:
+    return {str(k): v for k, v in m.items()}
+
+
+def _candidate(key: str) -> int | str:
+    return int(key) if key.isdigit() else key
+
+
+def _order(c) -> tuple:
+    """Chains by γ, then trees by node count: cheaper first (max() keeps the first of equal rates)."""
+    return (isinstance(c, str), nodes(c), str(c))
+
+
+def nodes(candidate: int | str) -> int:
+    """Drafts a round of this candidate verifies: a chain's γ, a tree's node count."""
+    return candidate if isinstance(candidate, int) else parse_tree(candidate).size
+
+
+def candidates(model, proposer: str) -> list[int | str]:
+    """What auto probes: 0 (plain), each γ up to what the proposer drafts usefully (MTP: its depth), then the
+    TREES as deep as those chains (at most 2) that this proposer and model can draft (the MTP modules only)."""
+    most = max(PROPOSERS[proposer](1).most_drafts(model), 0)
+    out: list[int | str] = list(range(0, most + 1))
+    for spec in TREES.get(min(most, max(TREES)), ()):
+        try:
+            host.tree_proposer(model, proposer, 0, spec)
+        except host.DecodeError:  # not an MTP proposer, or parallel heads fewer than the tree is deep
+            continue
+        out.append(spec)
+    return out
 
 
 def calibrate(model, prompts, loops: dict, seed: int = 0, probe: int = 32, repeats: int = 3,
-              min_seconds: float = 1.0, max_repeats: int = 20, draft=None, progress=None) -> Calibration:
-    """Time every candidate's compiled loop on `prompts` (loops: γ -> Loop) and choose γ.
+              min_seconds: float = 1.0, max_repeats: int = 20, keep: int = KEEP, draft=None,
+              progress=None) -> Calibration:
+    """Time every candidate's compiled loop on `prompts` (loops: γ or tree shape -> Loop) and choose one.
 
     A round's cost is the slope between a run that stops after the prefill (one new token) and one of
     2·`probe` new tokens, so prefill and dispatch (~10 ms on the tiny model) cancel. Candidates are timed
     interleaved so drift hits them alike, at least `repeats` times and until `min_seconds` were spent, and
     each run length keeps its fastest time: interference only ever adds time, and medians of 20 ms probes
-    on a shared CPU chose wrong about one time in four. The loops are the request's own (compiled here,
+    on a shared CPU chose wrong about one time in four. After the first pass only plain and the `keep` - 1
+    others of best predicted speedup (`kept`) are timed again: the probe's rounds past the first pass are
+    bounded by `keep`, not by the number of candidates. The loops are the request's own (compiled here,
     reused by the real run). `progress(text)`, if given, hears what is being measured.
     """
     t0 = time.perf_counter()
     max_new = min(lp.max_new for lp in loops.values())
     short, long_ = 1, max(2, min(2 * probe, max_new))
     if progress is not None:
-        progress(f"auto: compiling and timing {len(loops)} draft counts ({', '.join(map(str, loops))}) on this "
+        progress(f"auto: compiling and timing {len(loops)} candidates ({', '.join(map(str, loops))}) on this "
                  f"request, {long_} tokens a run")
+    spent_rounds = [0]
 
     def timed(loop, budget):
         t = time.perf_counter()
         st = host.run(model, prompts, loop, seed, budget=budget, draft=draft)  # no callback: the probe is silent
         jax.block_until_ready(st.n_B)
-        return time.perf_counter() - t, int(np.asarray(st.rounds_B).max()), st
+        r = int(np.asarray(st.rounds_B).max())
+        spent_rounds[0] += r
+        return time.perf_counter() - t, r, st
 
-    times: dict = {g: ([], []) for g in loops}
+    times: dict = {c: ([], []) for c in loops}
     rounds, last = {}, {}
     for loop in loops.values():  # compile and warm
         timed(loop, short)
-    done, spent = 0, 0.0
-    while done < repeats or (spent < min_seconds and done < max_repeats):
-        for g, loop in loops.items():
-            ts, rs, _ = timed(loop, short)
-            tl, rl, last[g] = timed(loop, long_)
-            times[g][0].append(ts)
-            times[g][1].append(tl)
-            rounds[g] = (rs, rl)
+    done, spent, live = 0, 0.0, list(loops)
+    while done < max(repeats, 1) or (spent < min_seconds and done < max_repeats):
+        for c in live:
+            ts, rs, _ = timed(loops[c], short)
+            tl, rl, last[c] = timed(loops[c], long_)
+            times[c][0].append(ts)
+            times[c][1].append(tl)
+            rounds[c] = (rs, rl)
             spent += ts + tl
         done += 1
-    per_round = {g: (min(tl) - min(ts)) / (rounds[g][1] - rounds[g][0])
-                 for g, (ts, tl) in times.items() if rounds[g][1] > rounds[g][0]}
-    if len(per_round) < len(loops) or min(per_round.values()) <= 0:
+        if done == 1:
+            live = kept(_expected(loops, last)[2], _costs(times, rounds), keep)
+    cost, (alpha, by_tree, expected) = _costs(times, rounds), _expected(loops, last)
+    choice = choose(alpha, {c: cost[c] for c in live}, expected)
+    return Calibration(num_draft=nodes(choice), tree=choice if isinstance(choice, str) else None, round_cost=cost,
+                       alpha_by_position=alpha, expected_tokens=expected, acceptance_by_depth_rank=by_tree,
+                       pruned=[c for c in loops if c not in live], rounds=spent_rounds[0],
+                       seconds=time.perf_counter() - t0)
+
+
+def _costs(times: dict, rounds: dict) -> dict:
+    """Each candidate's round time over plain's, from its fastest short and long runs."""
+    per_round = {c: (min(tl) - min(ts)) / (rounds[c][1] - rounds[c][0])
+                 for c, (ts, tl) in times.items() if rounds[c][1] > rounds[c][0]}
+    if len(per_round) < len(times) or min(per_round.values()) <= 0:
         # Too few rounds for the slope to rise above timing noise: whole-run time per round instead.
-        per_round = {g: min(tl) / max(rounds[g][1], 1) for g, (_, tl) in times.items()}
-    top = max(loops)
+        per_round = {c: min(tl) / max(rounds[c][1], 1) for c, (_, tl) in times.items()}
+    return {c: t / per_round[0] for c, t in per_round.items()}
+
+
+def _expected(loops: dict, last: dict) -> tuple[list, dict, dict]:
+    """(α by position of the longest chain, each tree's acceptance by depth and rank, each candidate's expected
+    tokens per round from them) off the candidates' last probe runs."""
+    chains = [c for c in loops if isinstance(c, int)]
+    top = max(chains)
     alpha = host.summarize(last[top]).stats["acceptance_by_position"] if top > 0 else []
-    cost = {g: t / per_round[0] for g, t in per_round.items()}
-    return Calibration(num_draft=choose(alpha, cost), round_cost=cost, alpha_by_position=alpha,
-                       expected_tokens={g: expected_tokens(alpha, g) for g in loops}, seconds=time.perf_counter() - t0)
+    expected: dict = {g: expected_tokens(alpha, g) for g in chains}
+    by_tree = {}
+    for c in loops:
+        if isinstance(c, str):
+            stats, tree = host.summarize(last[c]).stats, loops[c].tree
+            by_tree[c] = acceptance_by_depth_rank(tree, stats["accepted_by_node"], stats["reached"])
+            expected[c] = tree_expected_tokens(tree, by_tree[c])
+    return alpha, by_tree, {c: expected[c] for c in loops}
 
 
-def choose(alpha_by_pos, round_cost: dict) -> int:
-    """The γ of choose_num_draft, or 0 (plain) unless it is predicted MARGIN faster than plain decoding."""
-    return choose_num_draft(alpha_by_pos, round_cost, margin=MARGIN)
+def kept(expected: dict, round_cost: dict, keep: int) -> list:
+    """The candidates timed again: plain, and the `keep` - 1 others of best predicted speedup E / cost among those
+    that could still beat plain by MARGIN (a round costs at least a plain one, so E < MARGIN never can). More
+    passes only lower a cost (each run length keeps its fastest time), so a candidate dropped here ranked below
+    every kept one and stays below."""
+    rivals = [c for c in round_cost if c != 0 and expected[c] >= MARGIN]
+    rivals.sort(key=lambda c: -expected[c] / round_cost[c])  # stable: of equal rates, the cheaper first
+    return [0] + rivals[: max(keep - 1, 0)]
+
+
+def choose(alpha_by_pos, round_cost: dict, expected: dict | None = None) -> int | str:
+    """The candidate of nn.speed.choose_fastest (a chain's E from α unless `expected` gives it), or 0 (plain)
+    unless it is predicted MARGIN faster than plain decoding."""
+    given = expected or {}
+    exp = {c: given[c] if c in given else expected_tokens(alpha_by_pos, c) for c in round_cost}
+    return choose_fastest(exp, round_cost, margin=MARGIN)
 
 
 _MEMO = weakref.WeakKeyDictionary()  # model -> {request shape: Calibration}: one probe per request shape
@@ -181,7 +280,7 @@ class SavedCalibrations:
     def put(self, key: tuple, cal: Calibration) -> bool:
         """Save (atomically); False if the file could not be written."""
         entries = self._entries()
-        entries[self._key(key)] = cal.as_dict()
+        entries[self._key(key)] = cal.as_json()
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -198,13 +297,14 @@ class SavedCalibrations:
 
 def resolve(model, prompts, loop_for, proposer: str, seed: int, saved: SavedCalibrations | None = None,
             draft=None, progress=None, measure: bool = True):
-    """(γ, Calibration) for this request shape: measured once per model (or read from `saved`), then remembered.
+    """(the choice: γ or a tree's shape, Calibration) for this request shape: measured once per model (or read
+    from `saved`), then remembered. The key names the candidates, so a measurement among others is never reused.
 
     measure=False: (0, None) when nothing is known yet for this shape (plain decoding until a measurement exists).
     """
-    loops = {g: loop_for(g) for g in candidates(model, proposer)}
-    base = loops[0]
-    key = (len(prompts), base.prompt_pad, base.max_new, proposer, base.sampler, base.eos_id)
+    cands = candidates(model, proposer)
+    loops = {c: loop_for(c) for c in cands}
+    key = request_key(prompts, loops[0], proposer, cands)
     known = memo(model, draft)
     if key not in known:
         cal = saved.get(key) if saved is not None else None
@@ -216,4 +316,10 @@ def resolve(model, prompts, loop_for, proposer: str, seed: int, saved: SavedCali
                 saved.put(key, cal)
         known[key] = cal
     cal = known[key]
-    return cal.num_draft, cal
+    return cal.choice, cal
+
+
+def request_key(prompts, plain, proposer: str, cands) -> tuple:
+    """What a calibration holds for: batch, padded prompt, new tokens, proposer, sampler, EOS, the candidates."""
+    return (len(prompts), plain.prompt_pad, plain.max_new, proposer, plain.sampler, plain.eos_id,
+            tuple(map(str, cands)))

@@ -3,7 +3,8 @@
 Costs come from whole-loop timings in one process, never from isolated dispatches: t = seconds per
 round of plain decoding; a proposer's round cost = its seconds per round over t = v + γc, where v = the
 n-gram round's cost (drafting is nearly free, so a round is one verification of γ+1 tokens) and c the
-rest per draft. The predicted speedup is mtpjax.nn.speed's E(γ)/(v + γc) from the measured α by position.
+rest per draft. The predicted speedup is mtpjax.nn.speed's E(γ)/(v + γc) from the measured α by position; a draft
+tree's (`tree=`) is its E from acceptance by depth and rank over its measured round cost.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from flax import nnx
 from mtpjax.decode.host import execute_request, make_loop, request, run, summarize
 from mtpjax.decode.loop import DecodeState, Forced, Loop
 from mtpjax.decode.proposers import DraftModelProposer, MTPProposer
-from mtpjax.nn.speed import ceiling, expected_tokens, floor_ratio, predicted_speedup, weight_ratio, work_ratio
+from mtpjax.decode.tree import acceptance_by_depth_rank
+from mtpjax.nn.speed import (ceiling, expected_tokens, floor_ratio, predicted_speedup, tree_ceiling,
+                             tree_expected_tokens, weight_ratio, work_ratio)
 
 
 def heldout_prompts(val_tokens, n: int, length: int, eos_id: int) -> list[list[int]]:
@@ -36,17 +39,19 @@ def heldout_prompts(val_tokens, n: int, length: int, eos_id: int) -> list[list[i
 
 
 def timed_decode(model, prompts, *, num_draft: int, proposer: str, max_new: int, batch: int = 1,
-                 repeats: int = 1, draft=None) -> dict:
-    """Greedy-decode prompts in groups of `batch` after a compile warmup; seconds, tokens, rounds, acceptance."""
+                 repeats: int = 1, draft=None, tree: str | None = None) -> dict:
+    """Greedy-decode prompts in groups of `batch` after a compile warmup; seconds, tokens, rounds, acceptance
+    (`tree`: a draft tree instead of num_draft; acceptance by depth, and by node)."""
     groups = [prompts[i: i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
 
     def loop_of(group):
         # all prompts are padded to one bucket, so a single compilation serves every group
-        return make_loop(model, group, max_new_tokens=max_new, num_draft=num_draft, proposer=proposer, draft=draft)
+        return make_loop(model, group, max_new_tokens=max_new, num_draft=num_draft, proposer=proposer, draft=draft,
+                         tree=tree)
 
     jax.block_until_ready(run(model, groups[0], loop_of(groups[0]), draft=draft).n_B)  # compile
     secs, tokens, rounds, loops = 0.0, 0, 0, 0
-    acc, reach, outs = np.zeros(num_draft), np.zeros(num_draft), []
+    acc, reach, nodes, outs = 0, 0, 0, []
     for group in groups:
         loop = loop_of(group)
         for _ in range(repeats):
@@ -58,12 +63,13 @@ def timed_decode(model, prompts, *, num_draft: int, proposer: str, max_new: int,
         tokens += res.stats["generated"] * repeats
         rounds += res.stats["rounds"] * repeats  # summed over rows
         loops += int(np.asarray(st.rounds_B).max()) * repeats  # a batch loops until its slowest row is done
-        acc += np.asarray(res.stats["accepted"] or np.zeros(num_draft)) * repeats
-        reach += np.asarray(res.stats["reached"] or np.zeros(num_draft)) * repeats
+        acc = acc + np.asarray(res.stats["accepted"], float) * repeats
+        reach = reach + np.asarray(res.stats["reached"], float) * repeats
+        nodes = nodes + np.asarray(res.stats["accepted_by_node"], float) * repeats
         outs.extend(res.tokens)
     return {"seconds": secs, "tokens": tokens, "runs": sum(len(g) for g in groups) * repeats, "rounds": rounds,
-            "accepted": acc, "reached": reach, "tokens_per_sec": tokens / secs,
-            "sec_per_round": secs / max(loops, 1), "outputs": outs}
+            "accepted": acc, "reached": reach, "accepted_by_node": nodes, "tokens_per_sec": tokens / secs,
+            "sec_per_round": secs / max(loops, 1), "outputs": outs, "tree": loop.tree}
 
 
 def agreement_on(model, prompts, outputs, depth: int) -> list[float]:
@@ -119,8 +125,9 @@ def decode_context(prompts, max_new: int) -> int:
 
 
 def speed_report(model, prompts, *, num_draft: int, max_new: int, batch: int = 1, repeats: int = 1,
-                 draft=None) -> dict:
-    """Plain vs n-gram vs MTP (vs a draft model) greedy decoding: throughput, acceptance, costs, predictions."""
+                 draft=None, tree: str | None = None) -> dict:
+    """Plain vs n-gram vs MTP (vs a draft model, vs a draft `tree`) greedy decoding: throughput, acceptance, costs,
+    predictions."""
     kw = dict(max_new=max_new, batch=batch, repeats=repeats)
     plain = timed_decode(model, prompts, num_draft=0, proposer="mtp", **kw)
     ngram = timed_decode(model, prompts, num_draft=num_draft, proposer="ngram", **kw)
@@ -157,6 +164,8 @@ def speed_report(model, prompts, *, num_draft: int, max_new: int, batch: int = 1
             "speedup_ceiling": ceiling(alpha_pos, num_draft, floor_ratio(proposer, model.cfg, context, dcfg),
                                        max(1.0, v)),
         }.items()})
+    if tree is not None:
+        exact &= _tree_report(rep, model, prompts, tree, plain, context, kw)
     if model.cfg.mtp_depth:
         # greedy: the speculative outputs are the plain ones (outputs_identical)
         depth = min(num_draft, model.cfg.mtp_depth)
@@ -168,3 +177,25 @@ def speed_report(model, prompts, *, num_draft: int, max_new: int, batch: int = 1
 def _per_round(r: dict) -> float:
     # each row's first token comes from the prefill, not from a round
     return (r["tokens"] - r["runs"]) / max(r["rounds"], 1)
+
+
+def _tree_report(rep: dict, model, prompts, spec: str, plain: dict, context: int, kw: dict) -> bool:
+    """The `tree_*` keys: the tree's speed, acceptance by depth (a list by rank per depth), expected tokens from it,
+    and its ceiling over v of its rows, measured as the n-gram round verifying as many (drafting is a lookup);
+    whether its outputs are plain's."""
+    r = timed_decode(model, prompts, num_draft=0, proposer="mtp", tree=spec, **kw)
+    shape = r["tree"]
+    rows = timed_decode(model, prompts, num_draft=shape.size, proposer="ngram", **kw)
+    t = plain["sec_per_round"]
+    v, cost = rows["sec_per_round"] / t, r["sec_per_round"] / t
+    by = acceptance_by_depth_rank(shape, r["accepted_by_node"], r["reached"])
+    e = tree_expected_tokens(shape, by)
+    # r of the ceiling: one module call per depth at a chain draft's floor (a level drafts all its nodes at once)
+    floor = floor_ratio(MTPProposer(shape.max_depth), model.cfg, context)
+    rep.update({"tree": spec, "tree_nodes": shape.size, "tree_tokens_per_sec": r["tokens_per_sec"],
+                "tree_speedup": r["tokens_per_sec"] / plain["tokens_per_sec"], "tree_tokens_per_round": _per_round(r),
+                **{f"tree_acceptance_depth{d + 1}": a for d, a in enumerate(by)},
+                "tree_expected_tokens_per_round": e, "tree_round_cost": cost, "tree_verify_cost_v": v,
+                "tree_predicted_speedup": e / cost,
+                "tree_speedup_ceiling": tree_ceiling(shape, by, floor, max(1.0, v))})
+    return r["outputs"] == plain["outputs"]

@@ -79,8 +79,9 @@ def tree_expected_tokens(tree: TreeShape, accept_by_depth_rank) -> float:
 
 def tree_ceiling(tree: TreeShape, accept_by_depth_rank, r: float, verify_cost: float = 1.0) -> float:
     """A tree round's speedup bound: its expected tokens over the verification of its rows (`verify_cost`, v(n) in
-    plain steps, measured where it is known: it is not 1 past a few rows) plus its drafting (r per node)."""
-    return tree_expected_tokens(tree, accept_by_depth_rank) / (verify_cost + len(tree.parents) * r)
+    plain steps, measured where it is known: it is not 1 past a few rows) plus its drafting, one module call per
+    depth at r each (r as in `ceiling`: a chain's draft; a level drafts all its nodes in one call)."""
+    return tree_expected_tokens(tree, accept_by_depth_rank) / (verify_cost + max(tree.depth, default=0) * r)
 
 
 def work_ratio(proposer: DraftCost, model_cfg: ModelConfig, context: int,
@@ -159,6 +160,13 @@ def choose_num_draft(alpha_by_pos, round_cost: dict, margin: float = 1.0) -> int
     drafts, down to 0: speculation is then never slower than plain decoding (up to measurement noise). A γ > 0
     must beat plain and be predicted at least `margin` times as fast (decode.py asks for more than the noise).
     """
-    rates = {g: predicted_speedup(alpha_by_pos, g, c) for g, c in round_cost.items() if g > 0 and c > 0}
-    best = max(sorted(rates), key=lambda g: rates[g], default=0)
-    return best if best and rates[best] > 1.0 and rates[best] >= margin else 0
+    costs = dict(sorted(round_cost.items()))  # of equal rates, the fewest drafts
+    return choose_fastest({g: expected_tokens(alpha_by_pos, g) for g in costs}, costs, margin)
+
+
+def choose_fastest(expected: dict, round_cost: dict, margin: float = 1.0):
+    """choose_num_draft over any candidates (a chain's γ, a tree's name): the key maximizing expected[k] / cost[k]
+    (the first of equals, in the dict's order), or 0 (plain) unless that beats plain and by `margin`."""
+    rates = {k: expected[k] / c for k, c in round_cost.items() if k != 0 and c > 0 and k in expected}
+    best = max(rates, key=lambda k: rates[k], default=0)
+    return best if best != 0 and rates[best] > 1.0 and rates[best] >= margin else 0
