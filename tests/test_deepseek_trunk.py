@@ -13,6 +13,7 @@ from test_speculative import PROMPTS, _check_greedy_equal, _check_target_distrib
 from test_trees import _check_tree_equal
 
 from mtpjax.config import load_config
+from mtpjax.nn import mla
 from mtpjax.nn.model import build_model, make_block, moe_layers
 
 
@@ -81,6 +82,25 @@ def test_mla_moe_block_companions_fail(block, broken):
     m, p, x_BTD, ours_BTD, _ = block
     diff = max(np.abs(ours_BTD[b] - reference_block(p, x_BTD[b], m, **broken)[0]).max() for b in range(2))
     assert diff > 1e-2, diff  # 0.16 or more here: ten thousand times the tolerance
+
+
+@nnx.jit(static_argnums=1)
+def _cached_round(blk, m, x_BTD, sees_BTT):
+    """One cached call of the block from position 0, with a tree mask in the segment slot and without one."""
+    B, T, _ = x_BTD.shape
+    pos_BT, cache = jnp.broadcast_to(jnp.arange(T), (B, T)), mla.mla_cache(m, B, T + 2)
+    return blk(x_BTD, pos_BT, sees_BTT, cache), blk(x_BTD, pos_BT, None, cache)
+
+
+def test_a_cached_moe_block_takes_a_draft_trees_mask():
+    """A tree round passes its [B,T,T] mask where segment ids go; the MoE counts every token (it has no padding)."""
+    m = _cfg().model
+    blk = _random_block(m, 2, std=0.1)
+    x_BTD = jnp.asarray(np.random.default_rng(4).normal(size=(2, 5, m.d_model)), jnp.float32)
+    sees_BTT = jnp.broadcast_to(jnp.tril(jnp.ones((5, 5), bool)), (2, 5, 5))
+    (tree_BTD, _, aux), (causal_BTD, _, _) = _cached_round(blk, m, x_BTD, sees_BTT)
+    np.testing.assert_allclose(tree_BTD, causal_BTD, atol=1e-6)  # the causal mask given is the default one
+    assert int(aux["load"].sum()) == 2 * 5 * m.num_experts_per_tok
 
 
 # ----------------------------------------------------------------------------- speculative decoding
