@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from float64_reference import reference_mla
 
 from mtpjax.config import ConfigError, load_config
 from mtpjax.decode import generate, make_loop, run, summarize
@@ -42,58 +43,6 @@ def _randomized(attn, seed):
 
 # ---------------------------------------------------------------------------------------------- float64 reference
 
-def _np_rope(x, pos, dim, cfg, scale):
-    """Half-split rotation with plain or YaRN frequencies (DeepSeek-V3's formulas, re-derived here)."""
-    half = dim // 2
-    freq = cfg.rope_theta ** (-np.arange(half) / half)
-    if cfg.rope_scaling == "yarn":
-        f, orig = cfg.rope_scaling_factor, cfg.rope_original_max_len
-        corr = [dim * math.log(orig / (r * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
-                for r in (cfg.rope_beta_fast, cfg.rope_beta_slow)]
-        lo, hi = max(math.floor(corr[0]), 0), min(math.ceil(corr[1]), dim - 1)
-        ramp = np.clip((np.arange(half) - lo) / (hi - lo + (0.001 if lo == hi else 0)), 0, 1)
-        freq = freq / f * ramp + freq * (1 - ramp)
-
-        def ms(m):
-            return 0.1 * m * math.log(f) + 1
-
-        scale = scale * (ms(cfg.rope_mscale) / ms(cfg.rope_mscale_all_dim) if cfg.rope_mscale_all_dim else ms(1))
-    ang = pos[:, None] * freq[None]
-    cos, sin = np.cos(ang) * scale, np.sin(ang) * scale
-    cos, sin = cos.reshape(cos.shape[0], *([1] * (x.ndim - 2)), half), sin.reshape(sin.shape[0], *([1] * (x.ndim - 2)),
-                                                                                   half)
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-
-
-def _np_mla(p, x, cfg, wrong_scale=False, no_norm=False, rope_on_nope=False):
-    """One MLA layer over one sequence x [T, D] in float64, causal."""
-    def norm(v, w):
-        return v if no_norm else v / np.sqrt((v * v).mean(-1, keepdims=True) + cfg.norm_eps) * w
-
-    T, N = x.shape[0], cfg.n_heads
-    dn, dr, dv, C = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    pos = np.arange(T, dtype=np.float64)
-    q = (norm(x @ p["q_a"]["kernel"], p["q_a_norm"]["scale"]) @ p["q_b"]["kernel"]).reshape(T, N, dn + dr)
-    kva = x @ p["kv_a"]["kernel"]
-    c = norm(kva[:, :C], p["kv_a_norm"]["scale"])
-    kv = (c @ p["kv_b"]["kernel"]).reshape(T, N, dn + dv)
-    k_nope, v = kv[..., :dn], kv[..., dn:]
-    q_nope, q_pe = q[..., :dn], _np_rope(q[..., dn:], pos, dr, cfg, 1.0)
-    k_pe = _np_rope(kva[:, C:], pos, dr, cfg, 1.0)
-    if rope_on_nope:
-        q_nope, k_nope = _np_rope(q_nope, pos, dn, cfg, 1.0), _np_rope(k_nope, pos, dn, cfg, 1.0)
-    qf = np.concatenate([q_nope, q_pe], -1)
-    kf = np.concatenate([k_nope, np.broadcast_to(k_pe[:, None], (T, N, dr))], -1)
-    scale = 1 / math.sqrt(dn + dr)
-    if cfg.rope_scaling == "yarn" and cfg.rope_mscale_all_dim and not wrong_scale:
-        scale *= (0.1 * cfg.rope_mscale_all_dim * math.log(cfg.rope_scaling_factor) + 1) ** 2
-    s = np.einsum("tnh,snh->nts", qf, kf) * scale + np.where(np.tril(np.ones((T, T))) > 0, 0, -np.inf)
-    w = np.exp(s - s.max(-1, keepdims=True))
-    o = np.einsum("nts,snh->tnh", w / w.sum(-1, keepdims=True), v).reshape(T, N * dv)
-    return o @ p["wo"]["kernel"]
-
-
 def _layer_and_input(cfg, T=24, seed=0):
     attn = _randomized(mla.MLAttention(cfg.model, nnx.Rngs(params=seed)), seed)
     x = np.random.default_rng(seed).normal(size=(2, T, cfg.model.d_model))
@@ -107,10 +56,10 @@ def test_mla_layer_equals_an_independent_float64_forward(rope):
     ours, _ = attn(jnp.asarray(x, jnp.float32), jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2]))
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), nnx.to_pure_dict(nnx.state(attn, nnx.Param)))
     for b in range(2):
-        np.testing.assert_allclose(np.asarray(ours[b]), _np_mla(p, x[b], cfg.model), atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(ours[b]), reference_mla(p, x[b], cfg.model), atol=1e-5, rtol=1e-5)
         # Companions: each break of the reference is visible at this tolerance.
         for broken in ({"no_norm": True}, {"rope_on_nope": True}, *([{"wrong_scale": True}] if rope else [])):
-            assert not np.allclose(np.asarray(ours[b]), _np_mla(p, x[b], cfg.model, **broken), atol=1e-5), broken
+            assert not np.allclose(np.asarray(ours[b]), reference_mla(p, x[b], cfg.model, **broken), atol=1e-5), broken
 
 
 def test_yarn_changes_the_softmax_scale_and_the_frequencies():

@@ -12,12 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from float64_reference import reference_moe
 from test_distributed import LAUNCH, REPO, SHRINK, sub_env
 from test_speculative import PROMPTS, _check_greedy_equal, _train
 from train_helpers import step_losses, synthetic_batches, tiny_cfg, write_corpus
 
 from mtpjax import data
-from mtpjax.config import ConfigError, ModelConfig, load_config, replace
+from mtpjax.config import ConfigError, load_config, replace
 from mtpjax.eval.plan import build_plan, format_plan
 from mtpjax.nn.flops import flops_per_token
 from mtpjax.nn.model import build_model, moe_layers, param_counts
@@ -32,32 +33,6 @@ MOE = ["model.mlp_kind=moe", "model.n_routed_experts=8", "model.num_experts_per_
 
 
 # ----------------------------------------------------------------------------- the block's MLP against numpy
-
-def _swiglu(x, g, u, d):
-    a = x @ g
-    return (a / (1 + np.exp(-a)) * (x @ u)) @ d
-
-
-def reference_moe(x_ND, p, m: ModelConfig, *, normalize=True, bias_in_weights=False, group_limit=True):
-    """DeepSeek-V3's MoE MLP in float64, token by token; the flags break one rule each (the companions)."""
-    E, G, k = m.n_routed_experts, m.n_group, m.num_experts_per_tok
-    s_NE = 1 / (1 + np.exp(-(x_ND @ p["router"])))
-    b_NE = s_NE + p["bias"][None]
-    y, chosen = np.zeros_like(x_ND), []
-    for n in range(len(x_ND)):
-        allowed = np.ones(E, bool)
-        if group_limit and G > 1:
-            group_score = np.sort(b_NE[n].reshape(G, E // G), axis=1)[:, -2:].sum(1)
-            allowed = np.repeat(np.isin(np.arange(G), np.argsort(-group_score)[:m.topk_group]), E // G)
-        top = np.argsort(-np.where(allowed, b_NE[n], -np.inf))[:k]
-        w = (b_NE if bias_in_weights else s_NE)[n, top]
-        w = (w / w.sum() if normalize else w) * m.routed_scaling_factor
-        for e, we in zip(top, w):
-            y[n] += we * _swiglu(x_ND[n], p["w_gate"][e], p["w_up"][e], p["w_down"][e])
-        chosen.append(top)
-    y += _swiglu(x_ND, p["shared"]["gate"]["kernel"], p["shared"]["up"]["kernel"], p["shared"]["down"]["kernel"])
-    return y, np.asarray(chosen)
-
 
 @pytest.fixture(scope="module")
 def block():
@@ -305,10 +280,16 @@ def test_total_and_active_parameters_and_flops():
 
 
 def test_gpu_moe_is_deepseek_shaped_at_1b_active():
-    """configs/gpu_moe.yaml: MLA + MoE trunk and MTP module, ~1B active of 4.66B; its comment's plan numbers hold."""
+    """configs/gpu_moe.yaml: MLA + MoE, ~1B active of 4.66B as its header says, a module the DeepSeek export writes."""
+    from types import SimpleNamespace
+
+    from mtpjax.convert.export import _check
+
     cfg = load_config(REPO / "configs" / "gpu_moe.yaml")
     m = cfg.model
     assert (m.attention_kind, m.mlp_kind, m.mtp_depth, m.dtype, cfg.data.seq_len) == ("mla", "moe", 1, "bfloat16", 4096)
+    assert m.mtp_hidden == "normed"  # DeepSeek-V3's engines feed module 1 the final-normed state
+    assert _check(cfg, "deepseek_v3", None, SimpleNamespace(kind="hf", vocab_size=m.vocab_size)) == 1
     plan = build_plan(cfg)
     assert (plan["params"]["total"], plan["params"]["active"]) == (4_657_662_720, 958_286_592)
     assert plan["cache_bytes_per_token"] == 18_560

@@ -363,6 +363,11 @@ def test_stochastic_speculative_preserves_target_distribution(sharpen, sampling,
     model = build_model(cfg, seed=2)
     # A random model: drafts disagree with the target often, so rejections and resampling are exercised.
     _sharpen(model, sharpen)
+    _check_target_distribution(model, sampling, schemes)
+
+
+def _check_target_distribution(model, sampling, schemes):
+    """Each (num_draft, proposer)'s sampled continuations are the exact joint's; plain's tells wrong ones apart."""
     sampler = make_sampler(sampling["temperature"], sampling.get("top_k"), sampling.get("top_p"))
     prompt, n_tok, N = [1, 2, 3], 3, 6000
     levels = _context_logits(model, prompt, n_tok)
