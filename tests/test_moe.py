@@ -223,7 +223,8 @@ def test_expert_sharded_equals_one_device(tmp_path):
 @pytest.mark.slow
 def test_two_processes_balance_on_the_global_batch(tmp_path):
     """mesh.expert=4 over 2 processes x 2 CPU devices (the all-to-all crosses processes) moves the biases as 1 process
-    x 4 devices does: by the loads of both processes' rows (batch 8, 4 each), not by one process's (the companion)."""
+    x 4 devices does: by the loads of both processes' rows (batch 8, 4 each), not by one process's (the companion);
+    and its first step's parameters equal the one-process run's."""
     overrides = [o for o in SHRINK if not o.startswith(("mesh.", "train.steps", "checkpoint.every"))] + MOE + [
         "mesh.expert=4", "train.steps=1", "checkpoint.every=1", "train.bias_update_speed=0.01",
         f"data.paths={write_corpus(tmp_path)}", f"data.cache_dir={tmp_path / 'cache'}"]
@@ -248,6 +249,16 @@ def test_two_processes_balance_on_the_global_batch(tmp_path):
         np.testing.assert_array_equal(np.asarray(moe_layers(models[1])[name].bias[...]), want, name)
         differs |= bool((np.asarray(next_bias(0.0, own[name]["load"], 0.01)) != want).any())
     assert differs
+    params = {n: nnx.to_flat_state(nnx.state(models[n], nnx.Param)) for n in (2, 1)}
+    init = dict(nnx.to_flat_state(nnx.state(start, nnx.Param)))
+    # Adam's first update is about ±lr per element (m/√v), so a wrong batch or a lost gradient moves elements by ~lr;
+    # reduction order alone moves one whose gradient is near eps by a small part of it (6.3e-7 seen): bound lr/1000.
+    moved, atol = 0, 1e-3 * cfg.optim.lr
+    for (key, a), (key1, b) in zip(params[2], params[1], strict=True):
+        assert key == key1
+        np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=0, atol=atol, err_msg=str(key))
+        moved += not np.array_equal(np.asarray(a[...]), np.asarray(init[key][...]))
+    assert moved > len(init) // 2  # the step changed them: equal after it, not merely at the start
 
 
 # ----------------------------------------------------------------------------- decoding
