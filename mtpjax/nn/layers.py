@@ -353,7 +353,8 @@ class Block(nnx.Module):
         a, new_cache = self.attn(self.attn_norm(x_BTD), pos_BT, seg_BT, cache)
         x_BTD = x_BTD + a
         h_BTD = self.mlp_norm(x_BTD)
-        # A cached call's seg_BT is a draft tree's [B,T,T] mask (see Attention), not segment ids: no padding to drop.
+        # A cached call's seg_BT may be a draft tree's [B,T,T] mask (see Attention), not segment ids; the MoE reads
+        # them only to leave padding out of its expert loads, which move balance biases in training alone.
         seg_BT = seg_BT if cache is None else None
         y, aux = (self.mlp(h_BTD), {}) if isinstance(self.mlp, MLP) else self.mlp(h_BTD, seg_BT)
         return x_BTD + y, new_cache, aux
