@@ -1,10 +1,14 @@
-"""Decoding side by side in one process: plain greedy, MTP, n-gram and draft-model speculation, the PyTorch peer.
+"""Decoding side by side in one process: plain greedy, MTP chains and trees, hybrid MTP + n-gram trees, n-gram and
+draft-model speculation, the PyTorch peer.
 
 For each batch size every variant runs once per round, rounds interleaved; ratios are medians of
 per-round ratios. Round costs (relative to a plain round at the same batch size) feed the predicted
 speedup E(γ)/(v + γc) of mtpjax.nn.speed and its choice of γ ("cost_model"); the "auto" row is the variant
 the decoder's own `generate(num_draft="auto")` picks after timing its probes. The draft model is a
-second trained run with the same tokenizer (`--draft-run-dir`, configs/draft_tiny.yaml).
+second trained run with the same tokenizer (`--draft-run-dir`, configs/draft_tiny.yaml). Beside every
+speculative row: v, the verification of its rows measured apart at that batch size (bench/cache_cliff.py's
+loops, interleaved), c, the rest of its round per drafting call, and its ceiling, the tokens per round it got
+over v plus its drafting's floor (the smaller of the FLOPs and weight shares of a plain step).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from flax import nnx  # noqa: E402
 from bench import peer as peer_mod  # noqa: E402
 from bench.common import interleave, load, log, median_ratio  # noqa: E402
 from mtpjax.decode import DraftModelProposer, MTPProposer, make_loop, run, summarize  # noqa: E402
+from mtpjax.decode.proposers import NgramProposer  # noqa: E402
+from mtpjax.decode.tree import acceptance_by_depth_rank  # noqa: E402
+from mtpjax.decode.treedraft import TreeMTPProposer  # noqa: E402
 from mtpjax.eval.evaluate import decode_context  # noqa: E402
 from mtpjax.eval.plan import tree_bytes  # noqa: E402
 from mtpjax.nn.speed import (  # noqa: E402
@@ -37,6 +44,9 @@ from mtpjax.nn.speed import (  # noqa: E402
 )
 
 DRAFT_GAMMAS = (1, 2, 3)  # draft-model variants: its drafts cost a fraction of an MTP module's
+CHAIN_GAMMAS = (1, 2, 3)  # MTP chains; past the model's depth module 1 drafts every token (proposer mtp1)
+TREES = ("2", "2x1", "2x2")  # MTP trees: one each as deep as the chains of 1 and 2 drafts, and a wider one
+HYBRIDS = ("1x1+ngram2", "2x1+ngram2")  # a chain or a tree of the modules with n-gram lookup as one more branch
 
 
 def load_subject(run_dir: str | None, smoke: bool, n_prompts: int, prompt_len: int):
@@ -82,17 +92,20 @@ def load_draft(draft_run_dir: str | None, smoke: bool, model):
                   "configs/draft_tiny.yaml`")
 
 
-def _ours(model, groups, num_draft: int, proposer: str, max_new: int, draft=None, variant=None):
+def _ours(model, groups, num_draft: int, proposer: str, max_new: int, draft=None, variant=None, tree=None):
     """A closure generating every group once; it records the last stats (tokens, rounds, loops, acceptance).
 
-    `variant`: a proposer object that replaces the named one (the same γ), for variants of a proposer."""
-    loops = [make_loop(model, g, max_new_tokens=max_new, num_draft=num_draft, proposer=proposer, draft=draft)
-             for g in groups]
+    `variant`: a proposer object that replaces the named one (the same γ), for variants of a proposer; `tree`: a
+    draft tree's spec instead of a chain (box["tree"]: its nodes' acceptance by depth and rank)."""
+    loops = [make_loop(model, g, max_new_tokens=max_new, num_draft=num_draft, proposer=proposer, draft=draft,
+                       tree=tree) for g in groups]
     loops = [lp if variant is None else replace(lp, proposer=variant) for lp in loops]
-    box = {}
+    G = 0 if tree is None and not num_draft else loops[0].tree.max_depth
+    box = {"loop": loops[0]}
 
     def call():
-        toks, rounds, loops_, acc, reach, gen, rows = [], 0, 0, np.zeros(num_draft), np.zeros(num_draft), 0, 0
+        toks, rounds, loops_, acc, reach, gen, rows = [], 0, 0, np.zeros(G), np.zeros(G), 0, 0
+        nodes = np.zeros(len(loops[0].proposer.parents()))
         for g, loop in zip(groups, loops):
             st = run(model, g, loop, draft=draft)
             jax.block_until_ready(st.n_B)
@@ -100,12 +113,15 @@ def _ours(model, groups, num_draft: int, proposer: str, max_new: int, draft=None
             toks += res.tokens
             rounds += res.stats["rounds"]
             loops_ += int(np.asarray(st.rounds_B).max())
-            if num_draft:
+            if G:
                 acc += res.stats["accepted"]
                 reach += res.stats["reached"]
+                nodes += res.stats["accepted_by_node"]
             gen += res.stats["generated"]
             rows += len(g)
         box.update(tokens=toks, rounds=rounds, loops=loops_, accepted=acc, reached=reach, generated=gen, rows=rows)
+        if tree is not None:
+            box["tree"] = acceptance_by_depth_rank(loops[0].tree, nodes.tolist(), reach.tolist())
 
     call()  # compile (one bucket per batch size) and warm up
     return call, box
@@ -121,14 +137,22 @@ def _peer(peer, groups, max_new: int, lookup: int):
     return call, box
 
 
-def bench_batch(model, prompts, batch: int, max_new: int, rounds: int, peer=None, draft=None) -> dict:
-    """Every decoder at one batch size, interleaved; tokens/s, ratios, acceptance, costs, prediction, auto choice."""
+def bench_batch(model, prompts, batch: int, max_new: int, rounds: int, peer=None, draft=None,
+                trees: bool = True) -> dict:
+    """Every decoder at one batch size, interleaved; tokens/s, ratios, acceptance, costs, prediction, auto choice;
+    `trees`: the MTP chains past the model's depth, trees and hybrids too, each with v, c and its ceiling."""
     D = model.cfg.mtp_depth
     n = max(1, len(prompts) // batch) if batch == 1 else 1
     groups = [prompts[i * batch:(i + 1) * batch] for i in range(n)]
     gens = {"plain": _ours(model, groups, 0, "mtp", max_new)}
     for g in range(1, D + 1):
         gens[f"mtp{g}"] = _ours(model, groups, g, "mtp", max_new)
+    if D and trees:
+        for g in CHAIN_GAMMAS:
+            if g > D:
+                gens[f"mtp1_{g}"] = _ours(model, groups, g, "mtp1", max_new)
+        for spec in TREES + HYBRIDS:
+            gens[f"tree{spec}"] = _ours(model, groups, 0, "mtp", max_new, tree=spec)
     gd = max(D, 2)
     gens[f"ngram{gd}"] = _ours(model, groups, gd, "ngram", max_new)
     if draft is not None:
@@ -154,10 +178,14 @@ def bench_batch(model, prompts, batch: int, max_new: int, rounds: int, peer=None
             if box["reached"].size:
                 r["acceptance_by_position"] = (box["accepted"] / np.maximum(box["reached"], 1)).tolist()
                 r["alpha"] = float(box["accepted"].sum() / max(box["reached"].sum(), 1))
+            if "tree" in box:
+                r["acceptance_by_depth_rank"] = box["tree"]
         out["variants"][k] = r
     for prefix in ("mtp", "model"):
         _predict(out["variants"], gd, prefix)
     context = decode_context(prompts, max_new)
+    if trees:
+        out["verify"] = _verify(model, gens, batch, context, rounds, out["variants"], draft)
     if D:
         out["ceiling"] = _ceiling(out["variants"], "mtp", D, lambda g: MTPProposer(g), model.cfg, context)
         _auto(model, groups, max_new, out["variants"])
@@ -168,6 +196,34 @@ def bench_batch(model, prompts, batch: int, max_new: int, rounds: int, peer=None
         if c:
             c["context"] = context
     return out
+
+
+def _verify(model, gens: dict, batch: int, context: int, rounds: int, v: dict, draft=None) -> dict:
+    """v(n) measured apart (cache_cliff's loops of n-row forwards, interleaved) for n up to the most rows a variant
+    verifies; each speculative variant gets v = v(its rows), c = (round cost - v) per drafting call (the drafting
+    and the round's bookkeeping), its ceiling = tokens per round / (v + drafting's floor) and its share of it."""
+    from bench.cache_cliff import measure_rows
+
+    loops = {k: box["loop"] for k, (_, box) in gens.items() if "loop" in box and k != "plain"}
+    most = max(len(lp.proposer.parents()) + 1 for lp in loops.values())
+    most = max(most, 8) if model.cfg.n_layers > 2 else most  # v(1..8) as issue 30 asks; a smoke model: what it uses
+    meas = measure_rows(model, list(range(1, most + 1)), [1] if model.cfg.mtp_depth else [], batch, context,
+                        rounds=max(rounds, 3))
+    for k, lp in loops.items():
+        r, prop = v[k], lp.proposer
+        rows = len(prop.parents()) + 1
+        calls = (0 if isinstance(prop, NgramProposer)  # lookup: no model call
+                 else prop.tree.max_depth if isinstance(prop, TreeMTPProposer)  # a level's nodes in one call; the
+                 else prop.num_draft)  # hybrid's n-gram branch adds none
+        floor = floor_ratio(prop, model.cfg, context, draft.cfg if draft is not None and k.startswith("model")
+                            else None) * prop.num_draft
+        r["rows"], r["verify_cost_v"] = rows, meas["v"][rows]
+        r["draft_cost_c"] = (r["round_cost"] - r["verify_cost_v"]) / calls if calls else None
+        r["draft_floor"] = floor
+        r["ceiling"] = r["tokens_per_round"] / (r["verify_cost_v"] + floor)
+        r["of_ceiling"] = r["vs_plain"] / r["ceiling"]
+    return {"v": meas["v"], "c_chain": meas["c"], "v_cpu": meas["cpu"]["v"], "step_us": meas["step_us"],
+            "load": meas["load"], "context": context}
 
 
 def _predict(v: dict, gd: int, prefix: str) -> None:
@@ -238,6 +294,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--no-trees", action="store_true",
+                    help="only the chains up to the model's depth: no trees, hybrids or v(n) measured apart")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -266,7 +324,7 @@ def main(argv=None) -> int:
               f"max |logit diff| vs ours {res['peer']['max_logit_diff']:.2e}")
     for b in batches:
         group = prompts[:max(b, args.prompts if b == 1 else b)]
-        r = bench_batch(model, group, b, args.max_new, args.rounds, peer, draft)
+        r = bench_batch(model, group, b, args.max_new, args.rounds, peer, draft, trees=not args.no_trees)
         res["batches"].append(r)
         for k, v in r["variants"].items():
             if "tokens_per_sec" not in v:
@@ -278,7 +336,7 @@ def main(argv=None) -> int:
                 extra = f"  {chose}; probe costs " + ", ".join(
                     f"{g}: {c:.2f}" for g, c in v["calibration"]["round_cost"].items())
             cpu = f" (CPU time x{v['vs_plain_cpu']:.2f})" if "vs_plain_cpu" in v else ""
-            print(f"  batch {b:3d} {k:12s} {v['tokens_per_sec']:9.1f} tok/s  x{v['vs_plain']:.2f}{cpu} vs plain{extra}")
+            print(f"  batch {b:3d} {k:14s} {v['tokens_per_sec']:9.1f} tok/s  x{v['vs_plain']:.2f}{cpu} vs plain{extra}")
         for key, name in (("ceiling", "MTP"), ("draft_ceiling", "draft model")):
             if key in r:
                 c = r[key]
@@ -287,6 +345,16 @@ def main(argv=None) -> int:
                 print(f"  batch {b:3d} {name} ceiling x{c['max']:.2f} at {c['num_draft']} drafts (E/(1+γr), r = FLOPs/"
                       f"weights per γ: {rs}, "
                       f"α {[round(a, 3) for a in c['alpha_by_position']]}; α = 1: x{c['perfect_drafter']:.2f})")
+        if "verify" in r:
+            m = r["verify"]
+            print(f"  batch {b:3d} v(n) measured apart (one-row step {m['step_us']:.0f} us, context {m['context']}): "
+                  + "  ".join(f"{n}: {x:.2f}" for n, x in m["v"].items()))
+            for k, v in r["variants"].items():
+                if "ceiling" in v:
+                    c = "-" if v["draft_cost_c"] is None else f"{v['draft_cost_c']:.3f}"
+                    print(f"  batch {b:3d} {k:14s} rows {v['rows']}  v {v['verify_cost_v']:.2f}  c {c}  "
+                          f"tokens/round {v['tokens_per_round']:.2f}  ceiling x{v['ceiling']:.2f}  "
+                          f"reached x{v['vs_plain']:.2f} = {v['of_ceiling']:.0%} of it")
         log(f"  batch {b} done")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))

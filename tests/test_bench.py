@@ -36,6 +36,15 @@ def test_suite_smoke_writes_every_key(tmp_path):
         # greedy speculation reproduces plain greedy token for token
         assert all(v[k]["identical_to_plain"] for k in ("mtp1", "mtp2", "ngram2"))
         assert len(v["mtp2"]["acceptance_by_position"]) == 2
+        # issue 30's rows: chains past the depth, trees and hybrids, each as plain, with v, c and a ceiling
+        spec = ("mtp1_3", "tree2", "tree2x1", "tree2x2", "tree1x1+ngram2", "tree2x1+ngram2")
+        assert all(v[k]["identical_to_plain"] for k in spec)
+        assert [v[k]["rows"] for k in spec] == [4, 3, 5, 7, 5, 7] and v["tree2x2"]["acceptance_by_depth_rank"]
+        assert sorted(map(int, b["verify"]["v"])) == list(range(1, 8)) and b["verify"]["v"]["1"] == 1.0
+        for k in (*spec, "mtp1", "ngram2", "model2"):
+            assert v[k]["verify_cost_v"] == b["verify"]["v"][str(v[k]["rows"])] and v[k]["ceiling"] > 0
+            assert v[k]["of_ceiling"] == pytest.approx(v[k]["vs_plain"] / v[k]["ceiling"])
+        assert v["ngram2"]["draft_cost_c"] is None and v["ngram2"]["draft_floor"] == 0
         assert v["mtp2"]["predicted_speedup"] > 0 and v["auto"]["num_draft"] in (0, 1, 2)
         # the draft model (a random one in smoke mode) beside MTP and n-gram, with its acceptance and ceiling
         assert all(v[f"model{g}"]["identical_to_plain"] for g in (1, 2, 3))

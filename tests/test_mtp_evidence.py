@@ -65,3 +65,10 @@ def test_the_committed_conclusion_follows_the_numbers(tmp_path, monkeypatch):
     monkeypatch.setattr(mtp_evidence, "CONCLUSION", "MTP helped at equal tokens, not at equal FLOPs.")
     assert "  in short: MTP helped at equal tokens, not at equal FLOPs." in evidence_lines(1, path, none)
     assert not any("in short" in line for line in evidence_lines(1, none, none))
+
+
+def test_the_committed_sweep_is_what_plan_reads_by_default():
+    """RESULTS names the file committed at the repository root's bench/ablation/, so `plan` prints its numbers."""
+    assert mtp_evidence.RESULTS.is_file() and mtp_evidence.SEEDS.is_file()
+    lines = evidence_lines(1_000_000)
+    assert "the one measured here" in lines[0] and "not yet measured" not in "\n".join(lines)

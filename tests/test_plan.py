@@ -82,6 +82,27 @@ def test_ceiling_divides_by_the_verification_cost_of_the_rows_verified():
         assert f["speedup"] == pytest.approx(f["tokens_per_round"] / (1 + g * r))  # companion: free rows
 
 
+def test_plan_tabulates_auto_s_trees_and_the_configured_one():
+    """Each tree's E sums, over its nodes, the product along the path of rank 1's α or rank 2's β; its ceiling
+    divides by v(nodes + 1) and one module call per depth."""
+    cfg = load_config(TINY, SMALL_OVERRIDES + ["decode.tree=3x1+ngram2"])
+    plan = build_plan(cfg, alpha=0.7, verify_cost={3: 1.2, 5: 1.5, 7: 1.9}, alpha_rank2=0.2)
+    rows = {t["tree"]: t for t in plan["trees"]}
+    assert list(rows) == ["2x1", "2x2", "3x1"]  # auto's at depth 2, then decode.tree's (its n-gram branch is free)
+    r = plan["speculation"][0]["floor_ratio"]
+    e = {"2x1": 1 + 0.7 + 0.2 + 0.7 * 0.7 + 0.2 * 0.7,
+         "2x2": 1 + 0.7 + 0.2 + (0.7 + 0.2) * (0.7 + 0.2),
+         "3x1": 1 + 0.7 + 0.2 + 0.1 + (0.7 + 0.2 + 0.1) * 0.7}
+    v = {"2x1": 1.5, "2x2": 1.9, "3x1": 1.9}  # 5, 7 and 7 rows
+    for shape, t in rows.items():
+        assert t["tokens_per_round"] == pytest.approx(e[shape]) and t["verify_cost"] == v[shape]
+        assert t["speedup"] == pytest.approx(e[shape] / (v[shape] + 2 * r))
+    default = build_plan(cfg, alpha=0.7)
+    assert default["alpha_rank2"] == pytest.approx(0.15)  # half of rank 1's misses
+    assert build_plan(load_config(TINY, SMALL_OVERRIDES + ["model.mtp_depth=1"]))["trees"][0]["tree"] == "2"
+    assert build_plan(load_config(TINY, ["model.mtp_depth=0"]))["trees"] == []
+
+
 def test_cpu_deep_is_memory_bound_with_cheap_modules():
     """configs/cpu_deep.yaml as its comment states: weights >= 3x a 32 MB cache, one module r <= 0.1 of a step."""
     plan = build_plan(load_config(str(ROOT / "configs" / "cpu_deep.yaml"), []))
@@ -101,6 +122,7 @@ def test_cli_prints_plan(capsys):
                  "--verify-cost", "2:1.25,4:1.5"]) == 0
     out = capsys.readouterr().out  # E(γ) over v(γ+1) + γ·0.25, v(3) read as the next measured, v(4)
     assert "1.0000" in out and "0.8750" in out and "0.8333" in out and "v(g+1)" in out
+    assert "draft trees" in out and "2x2     6" in out  # auto's trees at depth 2, each with its ceiling
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -110,6 +132,7 @@ def test_cli_prints_plan(capsys):
     (["--config", TINY, "--alpha", "1.5"], "--alpha 1.5 must be in [0, 1]"),
     (["--config", TINY, "--alpha", "high"], "invalid float value"),
     (["--config", TINY, "--draft-cost", "-1"], "--draft-cost -1.0 must be >= 0"),
+    (["--config", TINY, "--alpha", "0.8", "--alpha-rank2", "0.3"], "--alpha-rank2 0.3 must be in [0, 1 - alpha]"),
     (["--config", TINY, "--max-gamma", "0"], "--max-gamma 0 must be >= 1"),
     (["--config", TINY, "--verify-cost", "0.5"], "--verify-cost '0.5' must be a number >= 1"),
     (["--config", TINY, "--verify-cost", "2:x"], "--verify-cost '2:x' must be a number >= 1"),

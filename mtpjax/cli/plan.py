@@ -22,11 +22,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="v(n): one decode forward of n rows over one row's, for the ceiling E/(v(g+1)+g*r): one "
                          "number for every n, or measured rows:v pairs such as 2:1.2,3:1.25,4:1.3 "
                          "(bench/cache_cliff.py --rows); default 1, verification taken as free")
+    ap.add_argument("--alpha-rank2", type=float, default=None,
+                    help="for the draft trees: the share of rounds in which a node's second child is the one "
+                         "accepted (default (1 - alpha)/2; decode.py --eval --tree measures it)")
     ap.add_argument("--max-gamma", type=int, default=None, help="largest number of drafts to tabulate (default D+2)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides such as model.mtp_depth=3")
     args = ap.parse_args(argv)
     if not 0.0 <= args.alpha <= 1.0:
         ap.error(f"--alpha {args.alpha} must be in [0, 1]")
+    if args.alpha_rank2 is not None and not 0.0 <= args.alpha_rank2 <= 1.0 - args.alpha:
+        ap.error(f"--alpha-rank2 {args.alpha_rank2} must be in [0, 1 - alpha]: siblings are accepted exclusively")
     if args.draft_cost is not None and args.draft_cost < 0:
         ap.error(f"--draft-cost {args.draft_cost} must be >= 0")
     if args.max_gamma is not None and args.max_gamma < 1:
@@ -36,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--verify-cost {args.verify_cost!r} must be a number >= 1 or rows:v pairs with rows >= 1 and "
                  "v >= 1, such as 2:1.2,4:1.3")
     cfg = load_config(args.config, args.overrides)
-    plan = build_plan(cfg, args.alpha, args.draft_cost, args.max_gamma, verify)
+    plan = build_plan(cfg, args.alpha, args.draft_cost, args.max_gamma, verify, args.alpha_rank2)
     print(format_plan(plan, cfg))
     print("\n".join(evidence_lines(plan["params"]["trunk"])))
     return 0

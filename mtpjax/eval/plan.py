@@ -13,10 +13,13 @@ from flax import nnx
 
 from mtpjax.config import Config
 from mtpjax.decode.cache import AttentionCaches
+from mtpjax.decode.autodraft import TREES
 from mtpjax.decode.proposers import MTPProposer
+from mtpjax.decode.tree import parse_tree
 from mtpjax.nn.flops import flops_per_token
 from mtpjax.nn.model import build_model, param_counts
-from mtpjax.nn.speed import ceiling, expected_tokens, floor_ratio, verify_cost_of, weight_ratio, work_ratio
+from mtpjax.nn.speed import (ceiling, expected_tokens, floor_ratio, tree_ceiling, tree_expected_tokens,
+                             verify_cost_of, weight_ratio, work_ratio)
 
 
 def tree_bytes(tree) -> int:
@@ -25,12 +28,15 @@ def tree_bytes(tree) -> int:
 
 
 def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None, max_gamma: int | None = None,
-               verify_cost: float | dict = 1.0) -> dict:
-    """The plan as numbers: parameters, memory, FLOPs per token by depth, and the speculation ceiling per γ.
+               verify_cost: float | dict = 1.0, alpha_rank2: float | None = None) -> dict:
+    """The plan as numbers: parameters, memory, FLOPs per token by depth, and the speculation ceiling per γ and per
+    draft tree (auto's shapes and `decode.tree`).
 
     r is mtpjax.nn.speed's floor ratio of MTP drafting (the smaller of the FLOPs it computes, each module
     recomputing its window, and the weights it reads), unless `draft_cost` fixes it for every γ; v(γ+1), the
-    cost of verifying γ+1 rows in plain steps, is `verify_cost` (speed.verify_cost_of; 1: free rows)."""
+    cost of verifying γ+1 rows in plain steps, is `verify_cost` (speed.verify_cost_of; 1: free rows). A tree's
+    children are accepted at every depth as rank 1 with `alpha`, rank 2 with `alpha_rank2` (default (1 - α)/2:
+    half of the first child's misses) and each later rank with half the rank before's."""
     model = nnx.eval_shape(lambda: build_model(cfg))
     counts = param_counts(model)
     params = jax.tree.leaves(nnx.state(model, nnx.Param))
@@ -52,10 +58,26 @@ def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None,
         r, v = ratios(g), verify_cost_of(verify_cost, g + 1)
         spec.append({"gamma": g, "tokens_per_round": expected_tokens([alpha], g), **r, "verify_cost": v,
                      "speedup": ceiling([alpha], g, r["floor_ratio"], v)})
+    second = (1.0 - alpha) / 2 if alpha_rank2 is None else alpha_rank2
+    trees = []
+    for shape in plan_trees(cfg) if spec and J else ():
+        t = parse_tree(shape)
+        ranks = [alpha] + [second / 2 ** i for i in range(max(t.rank) if t.rank else 0)]
+        a, v = [ranks] * t.max_depth, verify_cost_of(verify_cost, t.size + 1)
+        trees.append({"tree": shape, "nodes": t.size, "tokens_per_round": tree_expected_tokens(t, a), "verify_cost": v,
+                      "speedup": tree_ceiling(t, a, spec[0]["floor_ratio"], v)})
     return {"params": counts, "param_bytes": tree_bytes(params), "optimizer_bytes": tree_bytes(opt_state),
             "param_dtype": cfg.model.param_dtype, "flops": fl,
             "cache_bytes_per_token": AttentionCaches().attention_bytes_per_row(cfg.model), "alpha": alpha,
-            "draft_cost": draft_cost, "verify_cost": verify_cost, "speculation": spec}
+            "draft_cost": draft_cost, "verify_cost": verify_cost, "speculation": spec, "alpha_rank2": second,
+            "trees": trees}
+
+
+def plan_trees(cfg: Config) -> list[str]:
+    """The tree shapes the plan tabulates: those `--num-draft auto` probes at this depth, and `decode.tree`'s."""
+    shapes = list(TREES.get(min(cfg.model.mtp_depth, max(TREES)), ()))
+    base = cfg.decode.tree.partition("+")[0].strip()  # the plan counts module drafts; an n-gram branch is free
+    return shapes + ([base] if base and base not in shapes else [])
 
 
 def _h(n: float) -> str:
@@ -109,4 +131,12 @@ def format_plan(plan: dict, cfg: Config) -> str:
         for s in plan["speculation"]:
             lines.append(f"  {s['gamma']:<5d}   {s['tokens_per_round']:<21.4f} {s['work_ratio']:<8.4f} "
                          f"{s['weight_ratio']:<8.4f} {s['verify_cost']:<7.3f} {s['speedup']:.4f}")
+    if plan["trees"]:
+        lines += [f"draft trees (children accepted as rank 1 with alpha={plan['alpha']}, rank 2 with "
+                  f"{plan['alpha_rank2']:.4g} (--alpha-rank2), each later rank half the one before; one module call "
+                  "per depth at r = gamma 1's):",
+                  "  tree    nodes  E (tokens/round)  v(nodes+1)  speedup ceiling E/(v+depth*r)"]
+        for t in plan["trees"]:
+            lines.append(f"  {t['tree']:<7} {t['nodes']:<6d} {t['tokens_per_round']:<17.4f} {t['verify_cost']:<11.3f} "
+                         f"{t['speedup']:.4f}")
     return "\n".join(lines)
