@@ -17,6 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dataclasses import replace  # noqa: E402
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -43,15 +45,27 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--short", type=int, default=64)
     ap.add_argument("--long", type=int, default=448)
+    ap.add_argument("--relaid", action="store_true",
+                    help="add 'mla relaid': the same MLA model decoding without its up-projections laid out before the "
+                         "loop (every step re-lays them, as before lay_out_for_decoding)")
     args = ap.parse_args(argv)
+    from unittest import mock
+
+    from flax import nnx
+
+    from mtpjax.decode import loop as decode_loop
     from mtpjax.decode import make_loop, run
     from mtpjax.nn.model import build_model
 
     cfgs = variants(args.d_model, args.layers, args.heads)
     prompt = list(range(1, 65))
     loops = {}
+    if args.relaid:  # another init_std: another graph, so its own compiled loop; the same weights copied in below
+        cfgs["mla relaid"] = replace(cfgs["mla"], init_std=cfgs["mla"].init_std * (1 + 1e-6))
     for name, cfg in cfgs.items():
         model = build_model(cfg, seed=0)
+        if name == "mla relaid":
+            nnx.update(model, nnx.state(loops["mla"][0]))
         loops[name] = (model, make_loop(model, [prompt], max_new_tokens=args.long, num_draft=0,
                                         max_len=len(prompt) + args.long))
 
@@ -62,7 +76,11 @@ def main(argv=None) -> int:
         return time.perf_counter() - t
 
     for name in cfgs:  # compile
-        timed(name, args.short)
+        if name == "mla relaid":
+            with mock.patch.object(decode_loop, "lay_out_for_decoding", lambda m: None):
+                timed(name, args.short)
+        else:
+            timed(name, args.short)
     slopes = {name: [] for name in cfgs}
     for _ in range(args.rounds):
         for name in cfgs:

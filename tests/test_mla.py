@@ -90,7 +90,7 @@ def _absorbed_vs_expanded(attn, cfg, x, fold=None):
 
 
 def _key_fold(wk, wv):
-    return wk
+    return jnp.swapaxes(wk, -1, -2)  # the key part's weights in the value part's layout
 
 
 def test_absorbed_decode_equals_the_expanded_form():
@@ -330,3 +330,4 @@ def test_export_refuses_an_mla_run_in_one_line():
         _check(_cfg(), "qwen2", None, SimpleNamespace(kind="byte", vocab_size=32))
     assert "\n" not in str(e.value)
     assert _check(_cfg(attention_kind="gqa"), "qwen2", None, SimpleNamespace(kind="byte", vocab_size=32)) == 1
+

@@ -21,6 +21,10 @@ from mtpjax.nn.layers import Dense, RMSNorm, apply_rope, dtype_of, new_rows_seen
     rope_tables, self_attention
 
 
+class DecodeLayout(nnx.Variable):
+    """kv_b's up-projections laid out per head for the absorbed form (lay_out_for_decoding): derived, not trained."""
+
+
 class MLACache(NamedTuple):
     """One MLA layer's cache: the normed latent and the roped RoPE key at absolute positions [0, S)."""
 
@@ -91,12 +95,13 @@ def write_after(cache: MLACache, c_BTZ, kr_BTH, start_B, o) -> MLACache:
     return MLACache(_write(cache.c_BSZ, c_BTZ + dep, start_B), _write(cache.kr_BSH, kr_BTH + dep, start_B))
 
 
-def attend_absorbed(qn_BTNH, qr_BTNH, c_BTZ, kr_BTH, cache: MLACache, start_B, wk_ZNH, wv_ZNH, sees_BTT=None):
+def attend_absorbed(qn_BTNH, qr_BTNH, c_BTZ, kr_BTH, cache: MLACache, start_B, wk_NZH, wv_NHZ, sees_BTT=None):
     """Attention of T new queries over the committed cache (< start) and the T new entries (causal, or `sees_BTT`),
-    in the absorbed form: scores q_nope·W_k·c + q_rope·k_rope, output (softmax·c)·W_v. Queries come pre-scaled."""
+    in the absorbed form: scores q_nope·W_k·c + q_rope·k_rope, output (softmax·c)·W_v. Queries come pre-scaled;
+    the up-projections come per head (MLAttention.up_projections), the layout the per-head products read."""
     f32 = jnp.float32
     dt = c_BTZ.dtype
-    qc_BTNZ = jnp.einsum("btnh,znh->btnz", qn_BTNH, wk_ZNH.astype(dt), preferred_element_type=f32).astype(dt)
+    qc_BTNZ = jnp.einsum("btnh,nzh->btnz", qn_BTNH, wk_NZH.astype(dt), preferred_element_type=f32).astype(dt)
 
     def scores(c_BSZ, kr_BSH):
         return (jnp.einsum("btnz,bsz->bnts", qc_BTNZ, c_BSZ.astype(dt), preferred_element_type=f32)
@@ -112,7 +117,16 @@ def attend_absorbed(qn_BTNH, qr_BTNH, c_BTZ, kr_BTH, cache: MLACache, start_B, w
     oc_BNTZ = (jnp.einsum("bnts,bsz->bntz", e_old.astype(dt), cache.c_BSZ.astype(dt), preferred_element_type=f32)
                + jnp.einsum("bnts,bsz->bntz", e_new.astype(dt), c_BTZ, preferred_element_type=f32))
     oc_BNTZ = oc_BNTZ / (e_old.sum(-1) + e_new.sum(-1))[..., None]
-    return jnp.einsum("bntz,znh->btnh", oc_BNTZ.astype(dt), wv_ZNH.astype(dt), preferred_element_type=f32)
+    return jnp.einsum("bntz,nhz->btnh", oc_BNTZ.astype(dt), wv_NHZ.astype(dt), preferred_element_type=f32)
+
+
+def lay_out_for_decoding(model: nnx.Module) -> None:
+    """Give every MLA layer its up-projections laid out per head, once: called on the decode loop's model before the
+    loop, so no step re-lays them (XLA keeps a weight re-layout inside the loop, though the weights do not change)."""
+    for _, m in model.iter_modules():
+        if isinstance(m, MLAttention):
+            wk, wv = m.per_head(m.kv_b.kernel[...])
+            m.decode_wk, m.decode_wv = DecodeLayout(wk), DecodeLayout(wv)
 
 
 class MLAttention(nnx.Module):
@@ -154,10 +168,19 @@ class MLAttention(nnx.Module):
         kr_BTH = apply_rope(kv[..., None, self.rank:], tables, self.cos_sin_scale)[:, :, 0]
         return (q_BTNH[..., :self.nope] * self.scale).astype(q_BTNH.dtype), qr_BTNH, c_BTZ, kr_BTH
 
+    def per_head(self, w):
+        """kv_b's kernel [.., Z, N·(nope+v)] (a leading layer axis when scanned) as (W_k [.., N, Z, nope],
+        W_v [.., N, v, Z])."""
+        w_ZNH = w.reshape(*w.shape[:-2], self.rank, self.n_heads, self.nope + self.v_dim)
+        return (jnp.swapaxes(w_ZNH[..., :self.nope], -3, -2),
+                jnp.moveaxis(w_ZNH[..., self.nope:], -3, -1))
+
     def up_projections(self):
-        """kv_b's key and value parts per head: W_k [Z,N,nope], W_v [Z,N,v]."""
-        w_ZNH = self.kv_b.kernel[...].reshape(self.rank, self.n_heads, self.nope + self.v_dim)
-        return w_ZNH[..., :self.nope], w_ZNH[..., self.nope:]
+        """kv_b's key and value parts per head: W_k [N,Z,nope], W_v [N,v,Z]; laid out once if lay_out_for_decoding
+        ran."""
+        if hasattr(self, "decode_wk"):
+            return self.decode_wk[...], self.decode_wv[...]
+        return self.per_head(self.kv_b.kernel[...])
 
     def expanded(self, qn_BTNH, qr_BTNH, c_BTZ, kr_BTH, pos_BT, seg_BT):
         """The full forward: per-head keys and values from the latent, causal attention as GQA's with K = N."""

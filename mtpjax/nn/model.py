@@ -95,10 +95,13 @@ class MTPTransformer(nnx.Module):
 
     def logits(self, h_ID):
         """Shared output head on normed hidden states; float32 logits."""
-        w = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
         lead = h_ID.shape[:-1]
         h2 = h_ID.reshape(-1, h_ID.shape[-1])
-        out = jnp.dot(h2, w.astype(h2.dtype), preferred_element_type=jnp.float32)
+        if self.cfg.tie_embeddings:
+            w_VD = self.embed[...].astype(h2.dtype)
+            out = jax.lax.dot_general(h2, w_VD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        else:
+            out = jnp.dot(h2, self.head[...].astype(h2.dtype), preferred_element_type=jnp.float32)
         return out.reshape(*lead, out.shape[-1])
 
     def head_norm(self, k: int, h_raw):
