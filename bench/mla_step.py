@@ -90,8 +90,8 @@ def main(argv=None) -> int:
     print("| what | gqa kv=4 µs | mla µs | mla / gqa | copies + transposes per block step (gqa / mla) |")
     print("|---|---|---|---|---|")
     hlo = {n: f.lower(s, c).compile().as_text() for n, (f, s, c) in blk.items()}
-    moves = {n: sum(1 for line in h.splitlines() if "while/body" in line and (" copy(" in line or " transpose(" in line))
-             for n, h in hlo.items()}  # inside the loop: what every step pays
+    moved = lambda line: "while/body" in line and (" copy(" in line or " transpose(" in line)  # noqa: E731
+    moves = {n: sum(map(moved, h.splitlines())) for n, h in hlo.items()}  # inside the loop: what every step pays
     for what in ("attention", "block step"):
         g, m = (float(np.median(ts[(what, n)])) for n in ("gqa kv=4", "mla"))
         extra = f"{moves['gqa kv=4']} / {moves['mla']}" if what == "block step" else ""

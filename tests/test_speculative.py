@@ -160,15 +160,23 @@ def test_eos_and_per_row_lengths(trained):
 
 @nnx.jit(static_argnums=2)
 def _fresh_module_caches(model, seq, n):
-    """KV entries a fresh prefill of the committed sequence computes, per module (valid where j <= n-1-k)."""
-    cfg = model.cfg
-    toks = seq[None, :n]
-    pos = jnp.arange(n)[None]
-    caches = module_caches(cfg, 1, n + 8)
-    h, trunk = model.trunk(toks, pos, cache=trunk_cache(cfg, 1, n + 8))
+    """KV entries a fresh prefill of the committed sequence computes, per module (valid where j <= n-1-k).
+
+    The whole buffer `seq` is prefilled, whatever n: one shape, so one compiled program for every row and round,
+    and causality keeps an entry before n from reading anything past it (the callers compare only those)."""
+    del n
+    return _fresh_prefill(model, seq)
+
+
+@nnx.jit
+def _fresh_prefill(model, seq):
+    cfg, S = model.cfg, seq.shape[0]
+    toks, pos = seq[None], jnp.arange(S)[None]
+    caches = module_caches(cfg, 1, S + 8)
+    h, trunk = model.trunk(toks, pos, cache=trunk_cache(cfg, 1, S + 8))
     mods, hk = [], h
     for k in range(1, cfg.mtp_depth + 1):
-        nxt = jnp.concatenate([seq[k:n], jnp.zeros(k, jnp.int32)])[None]
+        nxt = jnp.concatenate([seq[k:], jnp.zeros(k, seq.dtype)])[None]
         hk, kv = model.mtp_forward(k, hk, nxt, pos, cache=layer(caches, k - 1))
         mods.append(kv)
     return trunk, mods
