@@ -281,6 +281,34 @@ def _auto(model, groups, max_new: int, v: dict) -> None:
                      vs_plain=median_ratio(times["plain"], times["auto"]))
 
 
+def markdown_table(res: dict) -> str:
+    """The speculative variants of one decode_bench result as docs/benchmarks.md tabulates them: per batch size,
+    tokens per round, v, c, the speedup over plain and its ceiling with the share of it reached."""
+    batches = [b for b in res["batches"] if "verify" in b]
+    names = [k for k in batches[0]["variants"] if "ceiling" in batches[0]["variants"][k]]
+    bs = " / ".join(str(b["batch"]) for b in batches)
+    lines = [f"| variant | rows | tokens per round (b {bs}) | v (b {bs}) | c (b {bs}) | "
+             + " | ".join(f"speedup b{b['batch']} (CPU), ceiling, share" for b in batches) + " | identical |",
+             "|---|---|---|---|---|" + "---|" * len(batches) + "---|"]
+
+    def f(x, fmt="{:.2f}"):
+        return "-" if x is None else fmt.format(x)
+
+    for k in names:
+        rows = [b["variants"][k] for b in batches]
+        cells = [f"{r['vs_plain']:.2f}× ({r['vs_plain_cpu']:.2f}×), {r['ceiling']:.2f}×, {r['of_ceiling']:.0%}"
+                 for r in rows]
+        lines.append(f"| {k} | {rows[0]['rows']} | " + " / ".join(f(r["tokens_per_round"]) for r in rows) + " | "
+                     + " / ".join(f(r["verify_cost_v"]) for r in rows) + " | "
+                     + " / ".join(f(r["draft_cost_c"]) for r in rows) + " | " + " | ".join(cells) + " | "
+                     + ("yes" if all(r["identical_to_plain"] for r in rows) else "**no**") + " |")
+    auto = [b["variants"].get("auto", {}) for b in batches]
+    lines.append("| auto (its choice) | | | | | " + " | ".join(
+        f"{a.get('vs_plain', 0):.2f}× ({a.get('tree') or a.get('num_draft')})" for a in auto) + " | |")
+    loads = ", ".join(f"b{b['batch']}: {b['load'][0]:.1f}" for b in batches)
+    return "\n".join(lines) + f"\n\nLoad average (1 min) at the end of each batch: {loads}."
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", default="runs/tiny")
@@ -297,7 +325,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-trees", action="store_true",
                     help="only the chains up to the model's depth: no trees, hybrids or v(n) measured apart")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--table", metavar="JSON", help="print the markdown table of an earlier --json result and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        print(markdown_table(json.loads(Path(args.table).read_text())))
+        return 0
     batches = [int(b) for b in args.batches.split(",")]
     model, prompts, source = load_subject(args.run_dir, args.smoke, max(batches + [args.prompts]), args.prompt_len)
     res = {"source": source, "weights_mb": tree_bytes(nnx.state(model, nnx.Param)) / 1e6, "batches": [], "peer": None}

@@ -661,11 +661,22 @@ def test_auto_chooses_a_tree_where_its_measured_round_pays(half_trained, monkeyp
     assert cal.pruned == [1, 2]  # after the first pass: below both trees
     saved = autodraft.Calibration.from_dict(cal.as_json())
     assert (saved.choice, saved.round_cost, saved.pruned) == ("2x2", cal.round_cost, [1, 2])
+
     dear = _FakeTreeLoops({**ROUND_S, "2x2": 1.7e-3}).calibrate(monkeypatch, half_trained, CHAINS_AND_TREES)
     assert dear.choice == "2x1" and dear.tree == "2x1" and dear.num_draft == 4
     dearer = _FakeTreeLoops({**ROUND_S, "2x1": 2.4e-3, "2x2": 2.6e-3})
     chain = dearer.calibrate(monkeypatch, half_trained, CHAINS_AND_TREES)
     assert chain.choice == 1 and chain.tree is None and chain.pruned == ["2x1", "2x2"]
+
+
+def test_a_one_depth_tree_and_the_chain_of_as_many_drafts_stay_apart():
+    """The tree `2` (two children of the root) and the chain of 2 drafts are different candidates: a saved
+    calibration reads each back as itself and a request key tells the candidate sets apart."""
+    cal = autodraft.Calibration(num_draft=2, round_cost={0: 1.0, 2: 1.6, "2": 1.4}, tree="2", pruned=[2],
+                                expected_tokens={0: 1.0, 2: 1.9, "2": 1.8})
+    back = autodraft.Calibration.from_dict(json.loads(json.dumps(cal.as_json())))
+    assert back.round_cost == {0: 1.0, 2: 1.6, "2": 1.4} and back.pruned == [2] and back.choice == "2"
+    assert autodraft.label(2) != autodraft.label("2") and autodraft._candidate("2x1") == "2x1"  # older files
 
 
 def test_calibration_rounds_past_the_first_pass_do_not_grow_with_the_candidates(half_trained, monkeypatch):

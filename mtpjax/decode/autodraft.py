@@ -71,7 +71,7 @@ class Calibration:
         """as_dict with string keys and candidates (JSON's, and sortable when γs and tree shapes mix)."""
         d = self.as_dict()
         return {**d, "round_cost": _keyed(d["round_cost"]), "expected_tokens": _keyed(d["expected_tokens"]),
-                "pruned": list(map(str, d["pruned"]))}
+                "pruned": list(map(label, d["pruned"]))}
 
     @classmethod
     def from_dict(cls, d: dict) -> Calibration:
@@ -87,11 +87,18 @@ class Calibration:
 
 
 def _keyed(m: dict) -> dict:
-    return {str(k): v for k, v in m.items()}
+    return {label(k): v for k, v in m.items()}
+
+
+def label(candidate: int | str) -> str:
+    """A candidate as JSON and request keys spell it: a chain's γ as digits, a tree as `tree:` and its shape (the
+    tree `2`, two children of the root, is not the chain of 2 drafts)."""
+    return str(candidate) if isinstance(candidate, int) else f"tree:{candidate}"
 
 
 def _candidate(key: str) -> int | str:
-    return int(key) if key.isdigit() else key
+    """Inverse of label (a bare non-digit shape, as files written before the prefix hold it, is a tree too)."""
+    return int(key) if key.isdigit() else key.removeprefix("tree:")
 
 
 def _order(c) -> tuple:
@@ -322,4 +329,4 @@ def resolve(model, prompts, loop_for, proposer: str, seed: int, saved: SavedCali
 def request_key(prompts, plain, proposer: str, cands) -> tuple:
     """What a calibration holds for: batch, padded prompt, new tokens, proposer, sampler, EOS, the candidates."""
     return (len(prompts), plain.prompt_pad, plain.max_new, proposer, plain.sampler, plain.eos_id,
-            tuple(map(str, cands)))
+            tuple(map(label, cands)))

@@ -123,7 +123,7 @@ def attend_absorbed(qn_BTNH, qr_BTNH, c_BTZ, kr_BTH, cache: MLACache, start_B, w
 def lay_out_for_decoding(model: nnx.Module) -> None:
     """Give every MLA layer its up-projections laid out per head, once: called on the decode loop's model before the
     loop, so no step re-lays them (XLA keeps a weight re-layout inside the loop, though the weights do not change)."""
-    for _, m in model.iter_modules():
+    for _, m in nnx.iter_modules(model):
         if isinstance(m, MLAttention):
             wk, wv = m.per_head(m.kv_b.kernel[...])
             m.decode_wk, m.decode_wv = DecodeLayout(wk), DecodeLayout(wv)
