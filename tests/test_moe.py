@@ -96,6 +96,25 @@ def test_sequence_balance_statistic(block):
     np.testing.assert_allclose(float(aux["balance"]), want, rtol=1e-5)
 
 
+def test_sequence_balance_leaves_padding_out(block):
+    """A row padded past token 30 counts as its 30 real tokens (f over 30, P their mean); companion: the same
+    row with its padding counted as tokens differs."""
+    m, moe, p, xs = block
+    x = xs[160].reshape(2, 80, 16)
+    seg = np.ones((2, 80), np.int32)
+    seg[1, 30:] = 0
+    _, aux = moe(jnp.asarray(x, jnp.float32), jnp.asarray(seg))
+    s = 1 / (1 + np.exp(-(x @ p["router"])))
+
+    def row(r, n):
+        _, chosen = reference_moe(x[r, :n], p, m)
+        f = np.bincount(chosen.ravel(), minlength=8) * 8 / (3 * n)
+        return (f * (s[r, :n] / s[r, :n].sum(-1, keepdims=True)).mean(0)).sum()
+
+    np.testing.assert_allclose(float(aux["balance"]), row(0, 80) + row(1, 30), rtol=1e-5)
+    assert abs(float(aux["balance"]) - (row(0, 80) + row(1, 80))) > 1e-3
+
+
 # ----------------------------------------------------------------------------- balancing in the train step
 
 def _biases(state, graphdef) -> dict:

@@ -195,10 +195,14 @@ class MoE(nnx.Module):
         if hasattr(self, "shared"):
             y_ND = y_ND + self.shared(x_ND)
         # Sequence-wise balance (DeepSeek-V3 eq. 17-20), summed over rows: f_i = E/(kT)·(row's slots on i),
-        # P_i = the row's mean of the scores normalized over all experts.
-        f_BE = jax.nn.one_hot(idx_NX, E, dtype=jnp.float32).sum(1).reshape(B, T, E).sum(1) * (E / (k * T))
-        p_BE = (s_NE / s_NE.sum(-1, keepdims=True)).reshape(B, T, E).mean(1)
-        real_S = jnp.ones_like(e_S) if seg_BT is None else jnp.repeat((seg_BT != 0).reshape(-1).astype(e_S.dtype), k)
+        # P_i = the row's mean of the scores normalized over all experts; T counts a row's real tokens only
+        # (segment id 0 is padding: it reaches experts, since the output is per token, but is not the sequence's).
+        real_BT = jnp.ones((B, T), jnp.float32) if seg_BT is None else (seg_BT != 0).astype(jnp.float32)
+        t_B1 = jnp.maximum(real_BT.sum(1), 1.0)[:, None]
+        f_BE = (jax.nn.one_hot(idx_NX, E, dtype=jnp.float32).sum(1).reshape(B, T, E)
+                * real_BT[..., None]).sum(1) * (E / k) / t_B1
+        p_BE = ((s_NE / s_NE.sum(-1, keepdims=True)).reshape(B, T, E) * real_BT[..., None]).sum(1) / t_B1
+        real_S = jnp.repeat(real_BT.reshape(-1).astype(e_S.dtype), k)
         aux = {"load": jnp.zeros((E,), jnp.int32).at[e_S].add(real_S.astype(jnp.int32)), "balance": (f_BE * p_BE).sum()}
         return y_ND.reshape(B, T, D), aux
 
