@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import load
+from bench.common import load, mtp_chain
 from bench.plots import make_plots
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,7 +84,7 @@ def targets(res: dict) -> list[dict]:
     peer = b1.get("peer_greedy")
     add("plain greedy / transformers greedy, batch 1", 1 / peer["vs_plain"] if peer else None, ">= 3",
         peer and 1 / peer["vs_plain"] >= 3)
-    mtps = {k: v for k, v in b1.items() if k.startswith("mtp")}
+    mtps = {k: v for k, v in b1.items() if mtp_chain(k)}
     if mtps:
         best = max(mtps, key=lambda k: mtps[k]["vs_plain"])
         add(f"MTP speculative ({best}) / plain greedy, batch 1", mtps[best]["vs_plain"], ">= 2",
@@ -94,7 +94,7 @@ def targets(res: dict) -> list[dict]:
         add(f"{best} measured / formula-predicted speedup, batch 1", mp, "within 10%", abs(mp - 1) <= 0.1)
     if "decode_large" in res:
         lv = res["decode_large"]["batches"][0]["variants"]
-        lm = {k: v for k, v in lv.items() if k.startswith("mtp")}
+        lm = {k: v for k, v in lv.items() if mtp_chain(k)}
         best = max(lm, key=lambda k: lm[k]["vs_plain"])
         size = f", {res['decode_large']['weights_mb']:.0f} MB model"
         add(f"MTP speculative ({best}) / plain greedy, batch 1{size}", lm[best]["vs_plain"], "> 1 (faster)",

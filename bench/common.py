@@ -49,3 +49,9 @@ def median_ratio(num, den) -> float:
 
 def log(msg: str) -> None:
     print(f"{msg}  [load {load()}]", flush=True)
+
+
+def mtp_chain(key: str) -> bool:
+    """A decode_bench row of an MTP chain `mtpG` (module k drafting token k), not `mtp1_G` (module 1 reused) nor a
+    tree's or another proposer's."""
+    return key.startswith("mtp") and key[3:].isdigit()

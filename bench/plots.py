@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.common import mtp_chain
+
 
 def make_plots(res: dict, out_dir: Path) -> list[str]:
     """Write the three plots next to results.json; returns their paths (empty, with a note, without matplotlib)."""
@@ -28,7 +30,7 @@ def make_plots(res: dict, out_dir: Path) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for b in dec:
-        mtps = sorted((k for k in b["variants"] if k.startswith("mtp")), key=lambda k: int(k[3:]))
+        mtps = sorted((k for k in b["variants"] if mtp_chain(k)), key=lambda k: int(k[3:]))
         if mtps:
             a = b["variants"][mtps[-1]]["acceptance_by_position"]
             ax.plot(range(1, len(a) + 1), a, "o-", label=f"batch {b['batch']}")
@@ -39,7 +41,7 @@ def make_plots(res: dict, out_dir: Path) -> list[str]:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
     for b in dec:
         v = b["variants"]
-        gs = [0] + sorted(int(k[3:]) for k in v if k.startswith("mtp"))
+        gs = [0] + sorted(int(k[3:]) for k in v if mtp_chain(k))
         name = lambda g: "plain" if g == 0 else f"mtp{g}"  # noqa: E731
         a1.plot(gs, [v[name(g)]["tokens_per_round"] for g in gs], "o-", label=f"batch {b['batch']}")
         line = a2.plot(gs, [v[name(g)]["vs_plain"] for g in gs], "o-", label=f"batch {b['batch']} measured")
@@ -65,3 +67,4 @@ def make_plots(res: dict, out_dir: Path) -> list[str]:
     ax.legend()
     save(fig, "train_vs_depth.png")
     return paths
+
