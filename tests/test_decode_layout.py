@@ -1,5 +1,6 @@
 """The compiled decode loop re-lays no weight inside its loop: XLA does not hoist a weight's copy or transpose out of
-a `while` body, so every one found there is paid every round (MLA's per-head up-projections, a tied output head)."""
+a `while` body, so every one found there is paid every round (MLA's per-head up-projections, a tied output head).
+Slow tier: each check compiles whole decode loops."""
 
 from unittest import mock
 
@@ -32,6 +33,7 @@ def loop_body_moves(model, shape: str, num_draft: int = 0) -> int:
                if "while/body" in line and f"= {shape}" in line and (" copy(" in line or " transpose(" in line))
 
 
+@pytest.mark.slow
 def test_mla_up_projections_are_laid_out_before_the_loop():
     """MLA's kv_b per head ([N, Z, nope]) is read as lay_out_for_decoding laid it out once; the companion, the loop
     without that step, re-lays it every round."""
@@ -50,6 +52,7 @@ def _transposed_head_logits(self, h_ID):
     return out.reshape(*h_ID.shape[:-1], out.shape[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_draft", [0, 1])
 def test_a_tied_head_is_read_in_the_embedding_s_own_layout(num_draft):
     """logits contracts the embedding's model axis: no [d, V] copy of it in the loop, plain or drafting; the

@@ -198,10 +198,10 @@ class MoE(nnx.Module):
         # P_i = the row's mean of the scores normalized over all experts; T counts a row's real tokens only
         # (segment id 0 is padding: it reaches experts, since the output is per token, but is not the sequence's).
         real_BT = jnp.ones((B, T), jnp.float32) if seg_BT is None else (seg_BT != 0).astype(jnp.float32)
-        t_B1 = jnp.maximum(real_BT.sum(1), 1.0)[:, None]
+        t_B = jnp.maximum(real_BT.sum(1), 1.0)
         f_BE = (jax.nn.one_hot(idx_NX, E, dtype=jnp.float32).sum(1).reshape(B, T, E)
-                * real_BT[..., None]).sum(1) * (E / k) / t_B1
-        p_BE = ((s_NE / s_NE.sum(-1, keepdims=True)).reshape(B, T, E) * real_BT[..., None]).sum(1) / t_B1
+                * real_BT[..., None]).sum(1) * (E / k) / t_B[:, None]
+        p_BE = ((s_NE / s_NE.sum(-1, keepdims=True)).reshape(B, T, E) * real_BT[..., None]).sum(1) / t_B[:, None]
         real_S = jnp.repeat(real_BT.reshape(-1).astype(e_S.dtype), k)
         aux = {"load": jnp.zeros((E,), jnp.int32).at[e_S].add(real_S.astype(jnp.int32)), "balance": (f_BE * p_BE).sum()}
         return y_ND.reshape(B, T, D), aux
