@@ -21,10 +21,10 @@ from flax import nnx, struct
 
 from mtpjax.decode import stream
 from mtpjax.decode import tree as trees
-from mtpjax.nn.mla import lay_out_for_decoding
 from mtpjax.decode.cache import keep_path, read_rows, take_rows, trunk_cache, write_rows
 from mtpjax.decode.protocol import Context, Models, Proposer
 from mtpjax.decode.sampling import Sampler, choose, draw, probs, row_keys
+from mtpjax.nn.mla import lay_out_for_decoding
 
 
 @struct.dataclass

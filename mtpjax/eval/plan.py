@@ -12,6 +12,7 @@ import optax
 from flax import nnx
 
 from mtpjax.config import Config
+from mtpjax.config.specs import split_hybrid
 from mtpjax.decode.cache import AttentionCaches
 from mtpjax.decode.autodraft import TREES
 from mtpjax.decode.proposers import MTPProposer
@@ -76,7 +77,7 @@ def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None,
 def plan_trees(cfg: Config) -> list[str]:
     """The tree shapes the plan tabulates: those `--num-draft auto` probes at this depth, and `decode.tree`'s."""
     shapes = list(TREES.get(min(cfg.model.mtp_depth, max(TREES)), ()))
-    base = cfg.decode.tree.partition("+")[0].strip()  # the plan counts module drafts; an n-gram branch is free
+    base = split_hybrid(cfg.decode.tree)[0].strip() if cfg.decode.tree else ""  # an n-gram branch drafts for free
     return shapes + ([base] if base and base not in shapes else [])
 
 
