@@ -2,6 +2,11 @@
 joined with the compiled program's op metadata, grouped by kind and by part of the model (docs/performance.md).
 
     python -m bench.profile_step [--config configs/tiny.yaml] [--steps 3] [--top 15] [section.key=value ...]
+    python -m bench.profile_step --cores-split ...   # each op's time on every core beside its time on one core
+
+--cores-split traces the same compiled step twice in one process, first on all of the process's cores, then with
+every thread pinned to one core: an op's one-core time is its work, and its time on all cores over that is how
+well XLA spread it over the cores (1.0: it ran on one thread).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import argparse
 import collections
 import gzip
 import json
+import os
 import re
 import sys
 import tempfile
@@ -52,21 +58,36 @@ def classify(name: str, shape: str, op: str, T: int, V: int) -> str:
     return f"rest {kind}"
 
 
-def profile(cfg, steps: int) -> tuple[collections.Counter, dict, float]:
-    """(self µs per op over `steps` traced steps, op metadata, wall seconds per step from the step markers)."""
+def pin_threads(cpus: set[int]) -> None:
+    """Pin every thread of this process (XLA's pools included) to `cpus`; sched_setaffinity(0) moves only the caller."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
+
+
+def make_step(cfg):
+    """(a closure tracing `steps` train steps, the compiled program's op metadata); compiled and warmed up."""
     progs = make_programs(cfg, make_mesh(cfg.mesh))
-    state = progs.init()
+    box = [progs.init()]
     tok = jax.device_put(random_tokens(cfg), progs.batch_sharding)
     seg = jax.device_put(np.ones_like(random_tokens(cfg)), progs.batch_sharding)
-    meta = op_metadata(progs.train_step.lower(state, tok, seg).compile().as_text())
+    meta = op_metadata(progs.train_step.lower(box[0], tok, seg).compile().as_text())
     for _ in range(2):
-        state, met = progs.train_step(state, tok, seg)
+        box[0], met = progs.train_step(box[0], tok, seg)
     jax.block_until_ready(met)
+    return (lambda steps: trace_steps(progs.train_step, box, tok, seg, steps)), meta
+
+
+def trace_steps(train_step, box, tok, seg, steps: int) -> tuple[collections.Counter, float]:
+    """(self µs per op over `steps` traced steps, wall seconds per step from the step markers)."""
+    state = box[0]
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         for s in range(steps):
             with jax.profiler.StepTraceAnnotation("train", step_num=s):
-                state, met = progs.train_step(state, tok, seg)
+                state, met = train_step(state, tok, seg)
                 jax.block_until_ready(met)
         jax.profiler.stop_trace()
         (trace,) = Path(d).glob("plugins/profile/*/*.trace.json.gz")
@@ -80,7 +101,32 @@ def profile(cfg, steps: int) -> tuple[collections.Counter, dict, float]:
             self_us[e["name"]] += e["dur"]
         elif e.get("name", "").startswith("train") and e.get("dur", 0) > 0 and "step_num" in str(e.get("args", {})):
             step_us.append(e["dur"])
-    return self_us, meta, float(np.median(step_us)) / 1e6 if step_us else float("nan")
+    box[0] = state
+    return self_us, float(np.median(step_us)) / 1e6 if step_us else float("nan")
+
+
+def parts_of(self_us: collections.Counter, meta: dict, T: int, V: int) -> collections.Counter:
+    """Self µs summed by '<part> <kind>'."""
+    parts = collections.Counter()
+    for name, us in self_us.items():
+        parts[classify(name, *meta.get(name, ("", "")), T, V)] += us
+    return parts
+
+
+def print_split(all_us, one_us, meta, steps: int, n: int, T: int, V: int, top: int) -> None:
+    """Per part and per op: ms/step on n cores and on one, the spread (one-core time over n-core time) and the
+    core-ms per step left idle while it ran (n × its time − its one-core time: 0 when it kept every core busy)."""
+    def rows(a, b):
+        return sorted(((k, a[k] / steps / 1e3, b[k] / steps / 1e3) for k in a if k in b),
+                      key=lambda r: -(n * r[1] - r[2]))
+    print(f"| part, kind | ms/step, {n} cores | ms/step, 1 core | spread | idle core-ms/step |\n|---|---|---|---|---|")
+    for k, t2, t1 in rows(parts_of(all_us, meta, T, V), parts_of(one_us, meta, T, V)):
+        print(f"| {k} | {t2:.1f} | {t1:.1f} | {t1 / t2:.2f} | {n * t2 - t1:.1f} |")
+    print(f"\n| op | ms/step, {n} cores | ms/step, 1 core | spread | idle core-ms/step | result |\n"
+          "|---|---|---|---|---|---|")
+    for k, t2, t1 in rows(all_us, one_us)[:top]:
+        shape = meta.get(k, ("?",))[0].split("{")[0]
+        print(f"| {k} | {t2:.2f} | {t1:.2f} | {t1 / t2:.2f} | {n * t2 - t1:.2f} | `{shape}` |")
 
 
 def main(argv=None) -> int:
@@ -88,19 +134,27 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--cores-split", action="store_true", help="also trace on one core; print each op's spread")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)
-    self_us, meta, step_s = profile(cfg, args.steps)
+    run, meta = make_step(cfg)
+    self_us, step_s = run(args.steps)
     total = sum(self_us.values())
     T, V = cfg.data.seq_len, cfg.model.vocab_size
-    parts = collections.Counter()
-    for name, us in self_us.items():
-        parts[classify(name, *meta.get(name, ("", "")), T, V)] += us
     log(f"{args.config} {' '.join(args.overrides)}: {step_s * 1e3:.1f} ms/step (step markers), "
         f"{total / args.steps / 1e3:.1f} ms of XLA op time per step")
+    if args.cores_split:
+        cpus = os.sched_getaffinity(0)
+        pin_threads({min(cpus)})
+        one_us, one_s = run(args.steps)
+        pin_threads(cpus)
+        log(f"  pinned to one core: {one_s * 1e3:.1f} ms/step, {sum(one_us.values()) / args.steps / 1e3:.1f} ms of "
+            f"op time; on {len(cpus)} cores the step ran {one_s / step_s:.2f}x faster")
+        print_split(self_us, one_us, meta, args.steps, len(cpus), T, V, args.top)
+        return 0
     print("| part, kind | share of op time |\n|---|---|")
-    for k, us in parts.most_common():
+    for k, us in parts_of(self_us, meta, T, V).most_common():
         print(f"| {k} | {us / total:.1%} |")
     print("\n| op | share | ms/step | result | op_name (tail) |\n|---|---|---|---|---|")
     for name, us in self_us.most_common(args.top):

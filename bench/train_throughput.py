@@ -5,6 +5,7 @@ trained in PyTorch eager and torch.compile (bench/peer.py), tokens/s ratios as m
 
     python bench/train_throughput.py [--config configs/tiny.yaml] [--steps 5] [--json out.json] [section.key=value ...]
     python bench/train_throughput.py --peer --config configs/tiny.yaml --steps 7 train.batch_size=8
+    taskset -c 0 python bench/train_throughput.py --peer --threads 1 ...   # the work alone, on one core
 """
 
 from __future__ import annotations
@@ -148,11 +149,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--peer", action="store_true", help="our step (MTP 0, 1) beside the transformers peer instead")
     ap.add_argument("--no-compile", action="store_true", help="--peer: skip torch.compile (minutes to compile)")
+    ap.add_argument("--threads", type=int, default=2, help="--peer: PyTorch's threads (XLA takes the process's cores)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
     base = load_config(args.config, args.overrides)
     if args.peer:
-        res = measure_peer(base, args.steps, compile=not args.no_compile)
+        res = measure_peer(base, args.steps, compile=not args.no_compile, threads=args.threads)
         res["config"] = args.config
         print_peer(res, args.config)
         if args.json:

@@ -37,13 +37,40 @@ TINY_RUN = ["train.steps=7", "train.eval_batches=0", "train.eval_every=1000", "c
             "checkpoint.keep=3", "checkpoint.async_save=false"]
 
 
+# The README's own jobs: in every run they compile as users do (the main job's 500 training steps run faster so), as
+# does a slow test marked as_users_compile (a bitwise equality between two programs that holds as users compile).
+AS_USERS_COMPILE = {"test_main_job.py", "test_quickstart.py"}
+_unoptimized_slow = False  # set by pytest_configure: a run that selects the slow tier
+
+
 def pytest_configure(config):
-    """The default tier compiles hundreds of tiny programs, most of them once, where LLVM's optimizer costs more time
-    than it saves: that tier compiles them unoptimized (a third faster). A run that selects the slow tests (CI's
-    full suite) keeps XLA's production settings, so every equality is also checked as users compile it."""
+    """Compile settings by tier. The default tier compiles hundreds of tiny programs, most of them once, where LLVM's
+    optimizer costs more time than it saves: it compiles them unoptimized (a third faster). A run that selects the
+    slow tests (CI's full suite) compiles the default tier's tests as users do, so every equality of that tier is
+    also checked at XLA's production settings, and the slow tests themselves (repeated variants, whole runs)
+    unoptimized (`_slow_tests_compile_unoptimized`; a quarter less time), except the README's own jobs."""
+    global _unoptimized_slow
     flags = os.environ.get("XLA_FLAGS", "")
     if config.getoption("markexpr") == "not slow" and "xla_backend_optimization_level" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()  # subprocesses inherit it
+    else:
+        _unoptimized_slow = os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") is None  # a user's own choice wins
+
+
+@pytest.fixture(autouse=True)
+def _slow_tests_compile_unoptimized(request, monkeypatch):
+    """A slow test of a full run compiles with jax_disable_most_optimizations, here and (by the environment) in the
+    processes it starts; a module's fixtures built before it keep the settings they were compiled with."""
+    if not (_unoptimized_slow and request.node.get_closest_marker("slow")
+            and request.path.name not in AS_USERS_COMPILE and not request.node.get_closest_marker("as_users_compile")):
+        yield
+        return
+    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", False)
 
 
 # Test files that share a costly session fixture run in one xdist worker, so it is built once (quickstart_run:

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench.__main__ import targets
@@ -152,3 +153,37 @@ def test_verify_costs_are_medians_of_per_round_ratios_to_one_row():
     assert res["c"] == {2: pytest.approx(0.1)}  # ratios 0.2, 0.2, 0.4 over 2 drafts
     # companion: a ratio of medians would read the drift as cost (median 2.6 / median 2.0 = 1.3)
     assert res["v"][4] != pytest.approx(1.3)
+
+
+TOY_STEP = ["model.d_model=32", "model.n_layers=1", "data.seq_len=32", "train.batch_size=2"]
+
+
+@pytest.mark.slow
+def test_profile_step_splits_each_op_by_cores(capsys):
+    """bench.profile_step --cores-split traces one compiled step on every core, then pinned to one, and gives each op
+    and part both times; the process's cores are its own again afterwards."""
+    import os
+
+    from bench import profile_step
+
+    cpus = os.sched_getaffinity(0)
+    assert profile_step.main(["--cores-split", "--steps", "1", "--top", "3", *TOY_STEP]) == 0
+    out = capsys.readouterr().out
+    assert "pinned to one core" in out and "| op | ms/step, " in out
+    parts = [ln for ln in out.splitlines() if ln.startswith(("| rest ", "| attention ", "| vocab/loss "))]
+    assert any(ln.startswith("| rest dot |") for ln in parts) and any("attention" in ln for ln in parts)
+    assert os.sched_getaffinity(0) == cpus
+
+
+@pytest.mark.slow
+def test_step_ab_variants_train_the_same_step():
+    """bench.step_ab's variants compute the same train step (compiler options, gate and up fused): equal losses and
+    gradient norms, so its ratios compare speed alone."""
+    from bench import step_ab
+    from mtpjax.config import load_config
+
+    cfg = load_config("configs/tiny.yaml", TOY_STEP)
+    seen = {name: step_ab.stepper(cfg, name)() for name in ("default", "no_ynn", "fused_gate_up")}  # the 3rd step
+    for name in ("no_ynn", "fused_gate_up"):
+        for k in ("loss/main", "grad_norm"):
+            np.testing.assert_allclose(float(seen[name][k]), float(seen["default"][k]), rtol=1e-5, err_msg=name)

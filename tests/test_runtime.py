@@ -58,6 +58,30 @@ def test_releasing_compiled_programs_unmaps_them():
     assert memory_maps() - base < (held - base) / 4, (base, held, memory_maps())  # 0 here
 
 
+UNOPTIMIZED = "jax_disable_most_optimizations"
+
+
+def _unoptimized_in_a_child() -> bool:
+    """Whether a process this test starts (train.py, decode.py, a worker) compiles with XLA's optimizations off."""
+    p = subprocess.run([sys.executable, "-c", f"import jax; print(jax.config.values['{UNOPTIMIZED}'])"],
+                       capture_output=True, text=True, timeout=120, check=True)
+    return p.stdout.strip() == "True"
+
+
+def test_a_default_tier_test_compiles_as_users_do_in_a_full_run():
+    """Companion of the next: outside the slow tier nothing turns XLA's optimizations off (the default tier's own
+    run lowers only LLVM's level, by XLA_FLAGS)."""
+    assert not jax.config.values[UNOPTIMIZED] and not _unoptimized_in_a_child()
+
+
+@pytest.mark.slow
+def test_a_slow_test_of_a_full_run_compiles_unoptimized_here_and_in_its_processes():
+    import conftest
+
+    assert conftest._unoptimized_slow  # a run that selects the slow tier
+    assert jax.config.values[UNOPTIMIZED] and _unoptimized_in_a_child()
+
+
 def _events(run: str, tmp: Path, corpus: Path, *extra: str) -> dict:
     cfg = tiny_cfg(tmp, *SHORT, *extra, corpus=corpus, run=run)
     env = {**os.environ, "PYTHONPATH": str(REPO), "MTPJAX_CACHE_DIR": str(tmp / "cache-root")}
@@ -159,3 +183,9 @@ def test_a_trace_without_step_annotations_has_no_step_time(tmp_path, monkeypatch
     (trace,) = (tmp_path / "run" / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb")
     page = _overview_page(trace)
     assert "No step marker" in page and float(_json_field(page, "steptime_ms_average")) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.as_users_compile
+def test_a_slow_test_marked_as_users_compile_keeps_the_production_settings():
+    assert not jax.config.values[UNOPTIMIZED] and not _unoptimized_in_a_child()

@@ -260,6 +260,7 @@ def _as_normed(model):
 
 
 @pytest.mark.slow
+@pytest.mark.as_users_compile  # the trunk's logits of two programs bitwise equal: XLA's production choices (not -O0's)
 def test_normed_mtp_hidden_cached_equals_full(half_trained):
     """model.mtp_hidden=normed: cached == full forward at depth 1; the companion: the same weights reading the raw
     state give other depth-1 logits, so the setting reaches the module."""
