@@ -25,10 +25,8 @@ import jax
 import numpy as np
 
 from bench.common import log
-from bench.train_throughput import random_tokens
+from bench.train_throughput import compiled_step
 from mtpjax.config import load_config
-from mtpjax.parallel.sharding import make_mesh
-from mtpjax.train.step import make_programs
 
 # attention: its einsums by name, or a tensor with a [T,S]-sized score block
 ATTENTION_OP = re.compile(r"bkrts|btkrh|bskh|bkqs|bkqh|bkhs")
@@ -69,26 +67,17 @@ def pin_threads(cpus: set[int]) -> None:
 
 def make_step(cfg):
     """(a closure tracing `steps` train steps, the compiled program's op metadata); compiled and warmed up."""
-    progs = make_programs(cfg, make_mesh(cfg.mesh))
-    box = [progs.init()]
-    tok = jax.device_put(random_tokens(cfg), progs.batch_sharding)
-    seg = jax.device_put(np.ones_like(random_tokens(cfg)), progs.batch_sharding)
-    meta = op_metadata(progs.train_step.lower(box[0], tok, seg).compile().as_text())
-    for _ in range(2):
-        box[0], met = progs.train_step(box[0], tok, seg)
-    jax.block_until_ready(met)
-    return (lambda steps: trace_steps(progs.train_step, box, tok, seg, steps)), meta
+    step, compiled = compiled_step(cfg)
+    return (lambda steps: trace_steps(step, steps)), op_metadata(compiled.as_text())
 
 
-def trace_steps(train_step, box, tok, seg, steps: int) -> tuple[collections.Counter, float]:
+def trace_steps(step, steps: int) -> tuple[collections.Counter, float]:
     """(self µs per op over `steps` traced steps, wall seconds per step from the step markers)."""
-    state = box[0]
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         for s in range(steps):
             with jax.profiler.StepTraceAnnotation("train", step_num=s):
-                state, met = train_step(state, tok, seg)
-                jax.block_until_ready(met)
+                step()
         jax.profiler.stop_trace()
         (trace,) = Path(d).glob("plugins/profile/*/*.trace.json.gz")
         events = json.load(gzip.open(trace))["traceEvents"]
@@ -101,7 +90,6 @@ def trace_steps(train_step, box, tok, seg, steps: int) -> tuple[collections.Coun
             self_us[e["name"]] += e["dur"]
         elif e.get("name", "").startswith("train") and e.get("dur", 0) > 0 and "step_num" in str(e.get("args", {})):
             step_us.append(e["dur"])
-    box[0] = state
     return self_us, float(np.median(step_us)) / 1e6 if step_us else float("nan")
 
 

@@ -16,11 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import interleave, log, median_ratio
-from bench.train_throughput import random_tokens
+from bench.train_throughput import compiled_step
 from mtpjax.config import load_config
 from mtpjax.nn import layers
-from mtpjax.parallel.sharding import make_mesh
-from mtpjax.train.step import make_programs
 
 YNN = "xla_cpu_experimental_ynn_fusion_type"
 # compiler options per variant (jax's Lowered.compile(compiler_options=...): per program, so one process holds all)
@@ -47,20 +45,7 @@ def stepper(cfg, name: str):
     """A closure running one train step of variant `name` on the fixed random batch, returning its metrics (compiled,
     warmed up)."""
     with mock.patch.object(layers.MLP, "__call__", fused_mlp) if name == "fused_gate_up" else contextlib.nullcontext():
-        progs = make_programs(cfg, make_mesh(cfg.mesh))
-        box = [progs.init()]
-        tok = jax.device_put(random_tokens(cfg), progs.batch_sharding)
-        seg = jax.device_put(np.ones_like(random_tokens(cfg)), progs.batch_sharding)
-        lowered = progs.train_step.lower(box[0], tok, seg)
-        compiled = lowered.compile(compiler_options=OPTIONS[name]) if OPTIONS[name] else lowered.compile()
-
-    def step():
-        box[0], met = compiled(box[0], tok, seg)
-        return jax.block_until_ready(met)
-
-    step()
-    step()
-    return step
+        return compiled_step(cfg, OPTIONS[name] or None)[0]
 
 
 def main(argv=None) -> int:

@@ -35,21 +35,27 @@ def random_tokens(cfg) -> np.ndarray:
     return rng.integers(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.data.seq_len)).astype(np.int32)
 
 
-def make_stepper(cfg):
-    """A closure running one jitted train step on fixed random tokens (compiled and warmed up)."""
+def compiled_step(cfg, compiler_options: dict | None = None):
+    """(a closure running one train step on the fixed random tokens and returning its metrics, the compiled program),
+    compiled with `compiler_options` (XLA's, for this program alone) and warmed up."""
     progs = make_programs(cfg, make_mesh(cfg.mesh))
     box = [progs.init()]
-    B, T = cfg.train.batch_size, cfg.data.seq_len
     tok = jax.device_put(random_tokens(cfg), progs.batch_sharding)
-    seg = jax.device_put(np.ones((B, T), np.int32), progs.batch_sharding)
+    seg = jax.device_put(np.ones_like(random_tokens(cfg)), progs.batch_sharding)
+    compiled = progs.train_step.lower(box[0], tok, seg).compile(compiler_options=compiler_options)
 
     def step():
-        box[0], met = progs.train_step(box[0], tok, seg)
-        jax.block_until_ready(met)
+        box[0], met = compiled(box[0], tok, seg)
+        return jax.block_until_ready(met)
 
     step()
     step()
-    return step
+    return step, compiled
+
+
+def make_stepper(cfg):
+    """A closure running one jitted train step on fixed random tokens (compiled and warmed up)."""
+    return compiled_step(cfg)[0]
 
 
 def measure(base, depths, rounds: int, peak_n: int = 2048, peak_seconds: float = 0.5) -> dict:
