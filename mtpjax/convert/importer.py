@@ -25,6 +25,7 @@ from mtpjax.convert.export import commit, fresh_dir, param_shapes, shape_tree
 from mtpjax.convert.hf_config import model_overrides, read_config
 from mtpjax.convert.safetensors_io import FLOATS, Reader
 from mtpjax.nn.model import MTPModule, mtp_from_last_block
+from mtpjax.nn.placement import host_placement
 
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 _QKV_BIAS = re.compile(r"self_attn\.[qkv]_proj\.bias$")
@@ -184,7 +185,7 @@ def _fresh_modules(m, seed: int) -> dict:
     @nnx.jit
     def build():
         rngs = nnx.Rngs(params=seed)
-        return nnx.List([MTPModule(m, rngs) for _ in range(m.mtp_depth)])
+        return nnx.List([MTPModule(m, rngs, host_placement()) for _ in range(m.mtp_depth)])
 
     return nnx.to_pure_dict(nnx.state(build()))  # parameters and MoE routing biases, as checkpoints hold them
 
