@@ -86,14 +86,14 @@ def accept_prob(student_JBCV, teacher_JBCV):
     return jax.lax.stop_gradient(jnp.minimum(p_JBCV, q_JBCV).sum(-1))
 
 
-def first_argmax(x_IV):
+def first_argmax(x):
     """jnp.argmax over the last axis (the first index of the maximum) for finite x, as a max and a min.
 
     XLA CPU lowers argmax to a variadic (value, index) reduce that does not vectorize: on the [B,T,V] logits
     of a tiny-config step it cost more than the head's matmul; two plain reductions are 4-9x faster.
     """
-    V = x_IV.shape[-1]
-    hit = x_IV == x_IV.max(axis=-1, keepdims=True)
+    V = x.shape[-1]
+    hit = x == x.max(axis=-1, keepdims=True)
     return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
 
 
