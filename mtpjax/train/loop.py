@@ -110,6 +110,7 @@ class _Report:
         self.pending, self.seen = (tick.step, tick.metrics), tick.step
 
     def sync(self, tick: Tick) -> None:
+        """Read this step's metrics now: a job that must see them checked is due."""
         self.read(tick)
         self.catch_up()
 
