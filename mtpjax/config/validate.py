@@ -45,7 +45,7 @@ def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
 
 def _check_rules(cfg: Config) -> None:
     """The checks no single field's type or bounds can say (every field is already within its own)."""
-    m, d, t = cfg.model, cfg.data, cfg.train
+    m, d = cfg.model, cfg.data
     _check(m.d_model % m.n_heads == 0 or m.head_dim > 0, "model.n_heads", m.n_heads,
            f"must divide model.d_model={m.d_model} (or set model.head_dim)")
     _check(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads={m.n_heads}")
@@ -66,6 +66,22 @@ def _check_rules(cfg: Config) -> None:
         _check(d.source == "stdlib" or len(d.paths) > 0, "data.paths", list(d.paths),
                f"data.source={d.source} needs at least one path")
 
+    _check_train(cfg)
+    if m.mlp_kind == "moe":
+        _check_moe(cfg)
+    if cfg.decode.tree:  # refused here, not at the first decode of a run that saved it
+        try:
+            parse_tree_spec(cfg.decode.tree)
+        except TreeError as e:
+            raise fail("decode.tree", cfg.decode.tree, f"{e} (empty: a chain)") from None
+    gqa_ok = m.n_kv_heads % cfg.mesh.tensor == 0 or cfg.mesh.tensor % m.n_kv_heads == 0
+    _check(m.attention_kind == "mla" or gqa_ok, "mesh.tensor", cfg.mesh.tensor,
+           f"must divide model.n_kv_heads={m.n_kv_heads} (or be a multiple of it)")
+
+
+def _check_train(cfg: Config) -> None:
+    """The train section against itself, the model (what trains) and the data (own text's lengths)."""
+    m, d, t = cfg.model, cfg.data, cfg.train
     _check(t.batch_size % t.micro_batches == 0, "train.micro_batches", t.micro_batches,
            f"must divide train.batch_size={t.batch_size}")
     _check(bool(t.run_dir), "train.run_dir", t.run_dir, "must be a directory path")
@@ -83,17 +99,6 @@ def _check_rules(cfg: Config) -> None:
                f"must be < data.seq_len={d.seq_len} (the rest of each sequence is generated)")
         _check(t.own_text_sequences >= t.batch_size, "train.own_text_sequences", t.own_text_sequences,
                f"must be >= train.batch_size={t.batch_size} (one batch of them)")
-
-    if m.mlp_kind == "moe":
-        _check_moe(cfg)
-    if cfg.decode.tree:  # refused here, not at the first decode of a run that saved it
-        try:
-            parse_tree_spec(cfg.decode.tree)
-        except TreeError as e:
-            raise fail("decode.tree", cfg.decode.tree, f"{e} (empty: a chain)") from None
-    gqa_ok = m.n_kv_heads % cfg.mesh.tensor == 0 or cfg.mesh.tensor % m.n_kv_heads == 0
-    _check(m.attention_kind == "mla" or gqa_ok, "mesh.tensor", cfg.mesh.tensor,
-           f"must divide model.n_kv_heads={m.n_kv_heads} (or be a multiple of it)")
 
 
 def _check_mla(m) -> None:

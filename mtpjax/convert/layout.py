@@ -114,7 +114,7 @@ def tensors(cfg: ModelConfig, shapes: dict, fmt: str, mtp_modules: int, interlea
         prefix = f"model.mtp_layers.{k}."
         for name, sub, kind in _MTP:
             add(prefix + name, ("mtp", k) + sub, kind)
-        block(prefix, ("mtp", k, "block"), None)
+        _ds_block(add, shapes, cfg.n_routed_experts, prefix, ("mtp", k, "block"), None)
     return out
 
 
@@ -139,28 +139,6 @@ def deepseek_tensors(cfg: ModelConfig, shapes: dict, mtp_modules: int, interleav
             r = ()
         out.append(tensor(shapes, hf, path, kind, layer, expert, r, shared))
 
-    def block(prefix: str, base: tuple, layer: int | None):
-        add(prefix + "input_layernorm.weight", base + ("attn_norm", "scale"), "copy", layer)
-        attn = leaf(shapes, base + ("attn",))
-        for name, ours, kind in _DS_ATTN:
-            if ours in attn:
-                add(f"{prefix}self_attn.{name}.weight", base + ("attn", ours, "kernel" if kind != "copy" else "scale"),
-                    kind, layer)
-        add(prefix + "post_attention_layernorm.weight", base + ("mlp_norm", "scale"), "copy", layer)
-        mlp = leaf(shapes, base + ("mlp",))
-        if "router" not in mlp:
-            for name, ours in _SWIGLU:
-                add(f"{prefix}mlp.{name}.weight", base + ("mlp", ours, "kernel"), "t", layer)
-            return
-        add(prefix + "mlp.gate.weight", base + ("mlp", "router"), "t", layer)
-        add(prefix + "mlp.gate.e_score_correction_bias", base + ("mlp", "bias"), "copy", layer)
-        for name, ours in _SWIGLU:
-            for e in range(cfg.n_routed_experts):
-                add(f"{prefix}mlp.experts.{e}.{name}.weight", base + ("mlp", f"w_{ours}"), "t", layer, e)
-        if "shared" in mlp:
-            for name, ours in _SWIGLU:
-                add(f"{prefix}mlp.shared_experts.{name}.weight", base + ("mlp", "shared", ours, "kernel"), "t", layer)
-
     def head(name: str, shared: bool):
         if cfg.tie_embeddings:
             add(name, ("embed",), "copy", shared=True)
@@ -169,7 +147,8 @@ def deepseek_tensors(cfg: ModelConfig, shapes: dict, mtp_modules: int, interleav
 
     add("model.embed_tokens.weight", ("embed",), "copy")
     for i in range(cfg.n_layers):
-        block(f"model.layers.{i}.", ("blocks",) if cfg.scan_layers else ("blocks", i), i if cfg.scan_layers else None)
+        _ds_block(add, shapes, cfg.n_routed_experts, f"model.layers.{i}.",
+                  ("blocks",) if cfg.scan_layers else ("blocks", i), i if cfg.scan_layers else None)
     add("model.norm.weight", ("final_norm", "scale"), "copy")
     head("lm_head.weight", False)
     for k in range(mtp_modules):
@@ -178,8 +157,32 @@ def deepseek_tensors(cfg: ModelConfig, shapes: dict, mtp_modules: int, interleav
             add(prefix + name, ("mtp", k) + sub, kind)
         add(prefix + "embed_tokens.weight", ("embed",), "copy", shared=True)
         head(prefix + "shared_head.head.weight", True)
-        block(prefix, ("mtp", k, "block"), None)
+        _ds_block(add, shapes, cfg.n_routed_experts, prefix, ("mtp", k, "block"), None)
     return out
+
+
+def _ds_block(add, shapes: dict, n_experts: int, prefix: str, base: tuple, layer: int | None) -> None:
+    """One decoder block's tensors through `add`: attention, then the dense MLP or the experts one after another."""
+    add(prefix + "input_layernorm.weight", base + ("attn_norm", "scale"), "copy", layer)
+    attn = leaf(shapes, base + ("attn",))
+    for name, ours, kind in _DS_ATTN:
+        if ours in attn:
+            add(f"{prefix}self_attn.{name}.weight", base + ("attn", ours, "kernel" if kind != "copy" else "scale"),
+                kind, layer)
+    add(prefix + "post_attention_layernorm.weight", base + ("mlp_norm", "scale"), "copy", layer)
+    mlp = leaf(shapes, base + ("mlp",))
+    if "router" not in mlp:
+        for name, ours in _SWIGLU:
+            add(f"{prefix}mlp.{name}.weight", base + ("mlp", ours, "kernel"), "t", layer)
+        return
+    add(prefix + "mlp.gate.weight", base + ("mlp", "router"), "t", layer)
+    add(prefix + "mlp.gate.e_score_correction_bias", base + ("mlp", "bias"), "copy", layer)
+    for name, ours in _SWIGLU:
+        for e in range(n_experts):
+            add(f"{prefix}mlp.experts.{e}.{name}.weight", base + ("mlp", f"w_{ours}"), "t", layer, e)
+    if "shared" in mlp:
+        for name, ours in _SWIGLU:
+            add(f"{prefix}mlp.shared_experts.{name}.weight", base + ("mlp", "shared", ours, "kernel"), "t", layer)
 
 
 def mtp_index(fmt: str, n_layers: int, name: str) -> int | None:

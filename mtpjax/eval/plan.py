@@ -11,7 +11,7 @@ import jax
 import optax
 from flax import nnx
 
-from mtpjax.config import Config
+from mtpjax.config import Config, ModelConfig
 from mtpjax.config.specs import split_hybrid
 from mtpjax.decode.cache import AttentionCaches
 from mtpjax.decode.autodraft import TREES
@@ -119,6 +119,12 @@ def format_plan(plan: dict, cfg: Config) -> str:
         inc = "" if prev is None else f"+{_h(3 * (f - prev))} ({(f - prev) / prev:+.2%})"
         lines.append(f"  {k:<5d}   {_h(f):<12} {_h(3 * f):<12} {inc}")
         prev = f
+    return "\n".join(lines + _speculation_lines(plan, m))
+
+
+def _speculation_lines(plan: dict, m: ModelConfig) -> list[str]:
+    """The report's speculation table (one row per gamma) and draft-tree table."""
+    lines = []
     if not plan["speculation"]:
         lines.append("speculation: mtp_depth=0, no MTP drafter (pass --draft-cost to plan another drafter)")
     else:
@@ -140,4 +146,5 @@ def format_plan(plan: dict, cfg: Config) -> str:
         for t in plan["trees"]:
             lines.append(f"  {t['tree']:<7} {t['nodes']:<6d} {t['tokens_per_round']:<17.4f} {t['verify_cost']:<11.3f} "
                          f"{t['speedup']:.4f}")
-    return "\n".join(lines)
+    return lines
+

@@ -46,13 +46,14 @@ class Dense(nnx.Module):
             self.bias = nnx.Param(jnp.zeros((d_out,), dtype_of(cfg.param_dtype)), logical_axes=axes[1:])
         self.dtype = dtype_of(cfg.dtype)
 
-    def __call__(self, x_ID):
-        lead = x_ID.shape[:-1]
-        x2 = x_ID.reshape(-1, x_ID.shape[-1]).astype(self.dtype)
-        y2 = jnp.dot(x2, self.kernel[...].astype(self.dtype))
+    def __call__(self, x):
+        """x: [..., d_in] with any leading axes."""
+        lead = x.shape[:-1]
+        x_ID = x.reshape(-1, x.shape[-1]).astype(self.dtype)
+        y_ID = jnp.dot(x_ID, self.kernel[...].astype(self.dtype))
         if hasattr(self, "bias"):
-            y2 = y2 + self.bias[...].astype(self.dtype)[None, :]
-        return y2.reshape(*lead, y2.shape[-1])
+            y_ID = y_ID + self.bias[...].astype(self.dtype)[None, :]
+        return y_ID.reshape(*lead, y_ID.shape[-1])
 
 
 class RMSNorm(nnx.Module):

@@ -86,14 +86,14 @@ def accept_prob(student_JBCV, teacher_JBCV):
     return jax.lax.stop_gradient(jnp.minimum(p_JBCV, q_JBCV).sum(-1))
 
 
-def first_argmax(x_IV):
+def first_argmax(x):
     """jnp.argmax over the last axis (the first index of the maximum) for finite x, as a max and a min.
 
     XLA CPU lowers argmax to a variadic (value, index) reduce that does not vectorize: on the [B,T,V] logits
     of a tiny-config step it cost more than the head's matmul; two plain reductions are 4-9x faster.
     """
-    V = x_IV.shape[-1]
-    hit = x_IV == x_IV.max(axis=-1, keepdims=True)
+    V = x.shape[-1]
+    hit = x == x.max(axis=-1, keepdims=True)
     return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
 
 
@@ -187,53 +187,63 @@ def mtp_loss(model: MTPTransformer, out: MTPOutput, tokens_BT, segment_ids_BT=No
     if got != apps - depth:
         raise ValueError(f"loss.mtp_unroll scores {apps - depth} unrolled applications, the output has {got}: "
                          "run the model through nn.loss.forward(model, tokens, segments, cfg)")
-    w_data, w_self, w_tv = cfg.mtp_target.weights if depth else (1.0, 0.0, 0.0)
+    weights = cfg.mtp_target.weights if depth else (1.0, 0.0, 0.0)
     valid = depth_masks(tokens_BT, segment_ids_BT, depths).astype(jnp.float32)  # [1 + apps, B, T]
     tgt = jnp.stack([shift_left(tokens_BT, k + 1) for k in depths])
-    teach = depth > 0 and (w_self > 0 or w_tv > 0 or with_accept_prob)
-    h0_BTD = jax.lax.stop_gradient(out.hidden[0])
-    shifted = lambda ks: jnp.stack([shift_left(h0_BTD, k) for k in ks]) if teach else None
-    pers = [per_position(model, out.hidden, tgt[:depth + 1], cfg.chunk_size, shifted(depths[1:depth + 1]),
-                         cfg.distill_temperature)]
-    if got:
-        pers.append(per_position(model, out.unrolled, tgt[depth + 1:], cfg.chunk_size, shifted(depths[depth + 1:]),
-                                 cfg.distill_temperature))
-    ce, am, *teacher_terms = (jnp.concatenate(x) for x in zip(*pers))  # the data terms [1 + apps, B, T], the rest
+    teach = depth > 0 and (weights[1] > 0 or weights[2] > 0 or with_accept_prob)
+    ce, am, *teacher_terms = _per_application(model, out, tgt, depths, cfg, teach)
     n = valid.sum(axis=(1, 2)) if counts is None else counts
     denom = jnp.maximum(1.0, n)
     depth_mean = lambda x, valid: (x * valid).sum(axis=(1, 2)) / denom[-x.shape[0]:]
-    losses = depth_mean(ce, valid)
-    if w_data < 1:  # depth k at i learns the main head's distribution at i+k (a position valid for both)
-        mixed = w_data * losses[1:]
-        if w_self > 0:
-            mixed = mixed + w_self * depth_mean(teacher_terms[0], valid[1:])
-        if w_tv > 0:
-            mixed = mixed + w_tv * depth_mean(teacher_terms[2], valid[1:])
-        losses = losses.at[1:].set(mixed)
-    accs = depth_mean((am == tgt).astype(jnp.float32), valid)
+    teacher_means = [depth_mean(t, valid[1:]) for t in teacher_terms]  # self, accept_prob, tv: [apps] each
+    losses = _target_mix(depth_mean(ce, valid), teacher_means, weights)
     lam = jnp.asarray(lambda_schedule(cfg.mtp_lambda)(step), jnp.float32)
     lams = depth_lambdas(cfg, apps, step)
-    if cfg.mtp_lambda_depths.kind == "same":  # written as before, so runs without a curriculum sum in the same order
+    if cfg.mtp_lambda_depths.kind == "same":  # this order keeps a run without a curriculum's loss bit for bit
         loss = losses[0] + (lam / apps) * losses[1:].sum() if apps else losses[0]
     else:
         loss = losses[0] + (lams * losses[1:]).sum() / apps if apps else losses[0]
+    accs = depth_mean((am == tgt).astype(jnp.float32), valid)
     metrics = {"loss/total": loss, "loss/main": losses[0], "accuracy/main": accs[0], "lambda": lam}
     if out.routing and cfg.moe_seq_aux_loss > 0:
         balance = balance_loss(out.routing, tokens_BT.shape[0] if rows is None else rows)
         metrics["loss/total"] = loss = loss + cfg.moe_seq_aux_loss * balance
         metrics["loss/moe_balance"] = balance
-    if teach:
-        accepts = depth_mean(teacher_terms[1], valid[1:])
     for a, name in enumerate(_names(depth, apps), start=1):
         # Greedy acceptance, teacher-forced: the application's argmax at i vs the main head's argmax at i+k.
         agree = ((am[a] == shift_left(am[0], depths[a], fill=-1)) * valid[a]).sum() / denom[a]
-        metrics[f"loss/{name}"] = losses[a]
-        metrics[f"accuracy/{name}"] = accs[a]
-        metrics[f"agreement/{name}"] = agree
-        metrics[f"lambda/{name}"] = lams[a - 1]
+        metrics |= {f"loss/{name}": losses[a], f"accuracy/{name}": accs[a], f"agreement/{name}": agree,
+                    f"lambda/{name}": lams[a - 1]}
         if teach:
-            metrics[f"accept_prob/{name}"] = accepts[a - 1]
+            metrics[f"accept_prob/{name}"] = teacher_means[1][a - 1]
     return loss, add_expected_lengths(metrics, depth)
+
+
+def _per_application(model: MTPTransformer, out: MTPOutput, tgt, depths: tuple, cfg: LossConfig, teach: bool):
+    """per_position's terms ([1 + apps, B, T] each, the teacher's [apps, B, T]) of the depths, then the unrolled."""
+    depth = out.hidden.shape[0] - 1
+    h0_BTD = jax.lax.stop_gradient(out.hidden[0])
+    shifted = lambda ks: jnp.stack([shift_left(h0_BTD, k) for k in ks]) if teach else None
+    pers = [per_position(model, out.hidden, tgt[:depth + 1], cfg.chunk_size, shifted(depths[1:depth + 1]),
+                         cfg.distill_temperature)]
+    if out.unrolled is not None and out.unrolled.shape[0]:
+        pers.append(per_position(model, out.unrolled, tgt[depth + 1:], cfg.chunk_size, shifted(depths[depth + 1:]),
+                                 cfg.distill_temperature))
+    return tuple(jnp.concatenate(x) for x in zip(*pers))
+
+
+def _target_mix(losses, teacher_means: list, weights: tuple):
+    """Per-application losses with loss.mtp_target's mix: depth k at i learns the main head's distribution at i+k
+    (a position valid for both) from the soft cross-entropy (self) and the TV distance (tv) besides the data."""
+    w_data, w_self, w_tv = weights
+    if w_data >= 1:
+        return losses
+    mixed = w_data * losses[1:]
+    if w_self > 0:
+        mixed = mixed + w_self * teacher_means[0]
+    if w_tv > 0:
+        mixed = mixed + w_tv * teacher_means[2]
+    return losses.at[1:].set(mixed)
 
 
 def balance_loss(routing: dict, rows) -> jax.Array:

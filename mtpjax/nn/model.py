@@ -97,16 +97,16 @@ class MTPTransformer(nnx.Module):
         """Shared embedding lookup."""
         return jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype_of(self.cfg.dtype))
 
-    def logits(self, h_ID):
-        """Shared output head on normed hidden states; float32 logits."""
-        lead = h_ID.shape[:-1]
-        h2 = h_ID.reshape(-1, h_ID.shape[-1])
+    def logits(self, h):
+        """Shared output head on normed hidden states h ([..., D], any leading axes); float32 logits."""
+        lead = h.shape[:-1]
+        h_ID = h.reshape(-1, h.shape[-1])
         if self.cfg.tie_embeddings:
-            w_VD = self.embed[...].astype(h2.dtype)
-            out = jax.lax.dot_general(h2, w_VD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            w_VD = self.embed[...].astype(h_ID.dtype)
+            out_IV = jax.lax.dot_general(h_ID, w_VD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         else:
-            out = jnp.dot(h2, self.head[...].astype(h2.dtype), preferred_element_type=jnp.float32)
-        return out.reshape(*lead, out.shape[-1])
+            out_IV = jnp.dot(h_ID, self.head[...].astype(h_ID.dtype), preferred_element_type=jnp.float32)
+        return out_IV.reshape(*lead, out_IV.shape[-1])
 
     def head_norm(self, k: int, h_raw):
         """Depth k's final norm (k=0: the trunk's), making h ready for the shared head."""

@@ -61,30 +61,30 @@ def block_rows(n_slots: int, n_experts: int) -> int:
     return 1 if b < 8 else 1 << (b.bit_length() - 1)
 
 
-def grouped_swiglu(x_ND, e_N, counts_E, w_gate_EDF, w_up_EDF, w_down_EFD, grouping: str):
-    """SwiGLU of each row by its expert: rows sorted by expert (e_N ascending), counts_E rows per expert."""
+def grouped_swiglu(x_ID, e_I, counts_E, w_gate_EDF, w_up_EDF, w_down_EFD, grouping: str):
+    """SwiGLU of each row by its expert: rows sorted by expert (e_I ascending), counts_E rows per expert."""
     if grouping == "ragged":
         gs = counts_E.astype(jnp.int32)
-        h_NF = jax.nn.silu(jax.lax.ragged_dot(x_ND, w_gate_EDF, gs)) * jax.lax.ragged_dot(x_ND, w_up_EDF, gs)
-        return jax.lax.ragged_dot(h_NF.astype(x_ND.dtype), w_down_EFD, gs)
-    N, D = x_ND.shape
+        h_IF = jax.nn.silu(jax.lax.ragged_dot(x_ID, w_gate_EDF, gs)) * jax.lax.ragged_dot(x_ID, w_up_EDF, gs)
+        return jax.lax.ragged_dot(h_IF.astype(x_ID.dtype), w_down_EFD, gs)
+    rows, D = x_ID.shape
     E = w_gate_EDF.shape[0]
-    b = block_rows(N, E)
+    b = block_rows(rows, E)
     if b == 1:  # one block per row: each row reads exactly its expert's weights (decode's shape)
-        pos_N, blocks, block_e = jnp.arange(N), N, e_N
+        pos_I, blocks, block_e = jnp.arange(rows), rows, e_I
     else:
-        # Each expert's rows start a fresh block: sum_e ceil(n_e / b) <= N // b + E blocks.
-        blocks = N // b + E
+        # Each expert's rows start a fresh block: sum_e ceil(n_e / b) <= rows // b + E blocks.
+        blocks = rows // b + E
         nb_E = (counts_E + b - 1) // b
         start_E = jnp.cumsum(nb_E) - nb_E  # first block of each expert
         first_E = jnp.cumsum(counts_E) - counts_E  # first sorted row of each expert
-        pos_N = start_E[e_N] * b + jnp.arange(N) - first_E[e_N]
+        pos_I = start_E[e_I] * b + jnp.arange(rows) - first_E[e_I]
         block_e = jnp.minimum(jnp.searchsorted(jnp.cumsum(nb_E), jnp.arange(blocks), side="right"), E - 1)
-    xp = jnp.zeros((blocks * b, D), x_ND.dtype).at[pos_N].set(x_ND).reshape(blocks, b, D)  # padding rows: zeros
+    xp = jnp.zeros((blocks * b, D), x_ID.dtype).at[pos_I].set(x_ID).reshape(blocks, b, D)  # padding rows: zeros
     gate = jnp.einsum("nbd,ndf->nbf", xp, w_gate_EDF[block_e])
     up = jnp.einsum("nbd,ndf->nbf", xp, w_up_EDF[block_e])
-    y = jnp.einsum("nbf,nfd->nbd", (jax.nn.silu(gate) * up).astype(x_ND.dtype), w_down_EFD[block_e])
-    return y.reshape(blocks * b, D)[pos_N]
+    y = jnp.einsum("nbf,nfd->nbd", (jax.nn.silu(gate) * up).astype(x_ID.dtype), w_down_EFD[block_e])
+    return y.reshape(blocks * b, D)[pos_I]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,43 +102,44 @@ class ExpertParallel:
                                                                           for a in self.batch_axes) == 0
 
 
-def dispatch_positions(e_S, experts_per_shard: int, shards: int):
-    """(slot order sorted by expert, each sorted slot's destination shard, its row in the buffer sent there)."""
-    order = jnp.argsort(e_S, stable=True)
-    dest = e_S[order] // experts_per_shard
-    counts_R = jnp.bincount(dest, length=shards)
-    return order, dest, jnp.arange(e_S.shape[0]) - (jnp.cumsum(counts_R) - counts_R)[dest]
+def dispatch_positions(slot_e, experts_per_shard: int, shards: int):
+    """(slot order sorted by expert, each sorted slot's destination shard, its row in the buffer sent there);
+    `slot_e`: each token-slot's expert."""
+    order = jnp.argsort(slot_e, stable=True)
+    dest = slot_e[order] // experts_per_shard
+    per_shard = jnp.bincount(dest, length=shards)
+    return order, dest, jnp.arange(slot_e.shape[0]) - (jnp.cumsum(per_shard) - per_shard)[dest]
 
 
-def _routed_on_shard(x_ND, idx_NX, w_NX, w_gate, w_up, w_down, *, ep: ExpertParallel, grouping: str):
+def _routed_on_shard(x_ID, idx_IX, w_IX, w_gate, w_up, w_down, *, ep: ExpertParallel, grouping: str):
     """One device's routed output: its slots all-to-all'd to their experts' shards, multiplied there, sent back.
 
     Dropless: a shard can receive from each other shard at most every one of its tokens on each of its local
-    experts (C = N·min(k, E_local) rows), so the buffers hold the worst case; padding rows are zeros, whose
+    experts (cap = rows·min(k, E_local)), so the buffers hold the worst case; padding rows are zeros, whose
     SwiGLU and gradients are zero.
     """
-    (N, D), k = x_ND.shape, idx_NX.shape[1]
-    R, E_l = ep.mesh.shape[ep.expert_axis], w_gate.shape[0]
-    C = N * min(k, E_l)
-    e_S = idx_NX.reshape(-1)
-    order, dest, pos = dispatch_positions(e_S, E_l, R)
-    send_x = jnp.zeros((R, C, D), x_ND.dtype).at[dest, pos].set(x_ND[order // k])
-    send_e = jnp.full((R, C), E_l, jnp.int32).at[dest, pos].set(e_S[order] % E_l)
+    (rows, D), k = x_ID.shape, idx_IX.shape[1]
+    shards, E_l = ep.mesh.shape[ep.expert_axis], w_gate.shape[0]
+    cap = rows * min(k, E_l)
+    slot_e = idx_IX.reshape(-1)
+    order, dest, pos = dispatch_positions(slot_e, E_l, shards)
+    send_x = jnp.zeros((shards, cap, D), x_ID.dtype).at[dest, pos].set(x_ID[order // k])
+    send_e = jnp.full((shards, cap), E_l, jnp.int32).at[dest, pos].set(slot_e[order] % E_l)
     a2a = functools.partial(jax.lax.all_to_all, axis_name=ep.expert_axis, split_axis=0, concat_axis=0)
-    recv_e = a2a(send_e).reshape(-1)  # [R·C]: local expert of each received row, E_l for padding
+    recv_e = a2a(send_e).reshape(-1)  # [shards·cap]: local expert of each received row, E_l for padding
     o = jnp.argsort(recv_e, stable=True)
     counts = jnp.bincount(recv_e, length=E_l + 1)
     counts = counts[:E_l].at[-1].add(counts[E_l])  # padding rides with the last expert: zeros in, zeros out
-    y = grouped_swiglu(a2a(send_x).reshape(R * C, D)[o], jnp.minimum(recv_e[o], E_l - 1), counts,
+    y = grouped_swiglu(a2a(send_x).reshape(shards * cap, D)[o], jnp.minimum(recv_e[o], E_l - 1), counts,
                        w_gate, w_up, w_down, grouping)
-    back = a2a(jnp.zeros_like(y).at[o].set(y).reshape(R, C, D))
-    y_S = jnp.zeros((N * k, D), y.dtype).at[order].set(back[dest, pos])
-    y_ND = jnp.einsum("nxd,nx->nd", y_S.reshape(N, k, D).astype(jnp.float32), w_NX)
-    return y_ND
+    back = a2a(jnp.zeros_like(y).at[o].set(y).reshape(shards, cap, D))
+    slot_y = jnp.zeros((rows * k, D), y.dtype).at[order].set(back[dest, pos])
+    y_ID = jnp.einsum("nxd,nx->nd", slot_y.reshape(rows, k, D).astype(jnp.float32), w_IX)
+    return y_ID
 
 
-def expert_parallel_routed(x_ND, idx_NX, w_NX, w_gate, w_up, w_down, ep: ExpertParallel, grouping: str):
-    """The routed experts' weighted output [N, D] (float32) with experts sharded over ep.expert_axis (shard_map)."""
+def expert_parallel_routed(x_ID, idx_IX, w_IX, w_gate, w_up, w_down, ep: ExpertParallel, grouping: str):
+    """The routed experts' weighted output [I, D] (float32) with experts sharded over ep.expert_axis (shard_map)."""
     F, t = w_gate.shape[2], ep.tensor_axis
     # the FFN split over tensor, psum'd
     tp = t if t is not None and ep.mesh.shape[t] > 1 and F % ep.mesh.shape[t] == 0 else None
@@ -150,7 +151,7 @@ def expert_parallel_routed(x_ND, idx_NX, w_NX, w_gate, w_up, w_down, ep: ExpertP
     rows = P(ep.batch_axes, None)
     return jax.shard_map(body, mesh=ep.mesh, in_specs=(rows, rows, rows, P(ep.expert_axis, None, tp),
                                                        P(ep.expert_axis, None, tp), P(ep.expert_axis, tp, None)),
-                         out_specs=rows)(x_ND, idx_NX, w_NX, w_gate, w_up, w_down)
+                         out_specs=rows)(x_ID, idx_IX, w_IX, w_gate, w_up, w_down)
 
 
 def grouping_for(platform: str) -> str:
@@ -187,34 +188,36 @@ class MoE(nnx.Module):
 
     def __call__(self, x_BTD, seg_BT=None):
         B, T, D = x_BTD.shape
-        x_ND = x_BTD.reshape(B * T, D).astype(self.dtype)
-        logits_NE = jnp.dot(x_ND, self.router[...].astype(self.dtype), preferred_element_type=jnp.float32)
-        idx_NX, w_NX, s_NE = route(logits_NE, self.bias[...], k=self.k, n_group=self.n_group,
+        x_ID = x_BTD.reshape(B * T, D).astype(self.dtype)
+        logits_IE = jnp.dot(x_ID, self.router[...].astype(self.dtype), preferred_element_type=jnp.float32)
+        idx_IX, w_IX, s_IE = route(logits_IE, self.bias[...], k=self.k, n_group=self.n_group,
                                    topk_group=self.topk_group, scale=self.scale)
-        E, k = s_NE.shape[1], self.k
-        e_S = idx_NX.reshape(-1)  # S = N·k token-slots, slot n*k + j
+        E, k = s_IE.shape[1], self.k
+        slot_e = idx_IX.reshape(-1)  # the I·k token-slots' experts, slot i*k + j
         weights = tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
         if self.ep is not None and self.ep.applies(B):
-            y_ND = expert_parallel_routed(x_ND, idx_NX, w_NX, *weights, self.ep, self.grouping)
+            y_ID = expert_parallel_routed(x_ID, idx_IX, w_IX, *weights, self.ep, self.grouping)
         else:
-            order = jnp.argsort(e_S, stable=True)
-            y_S = grouped_swiglu(x_ND[order // k], e_S[order], jnp.bincount(e_S, length=E), *weights, self.grouping)
-            y_NXD = jnp.zeros_like(y_S).at[order].set(y_S).reshape(B * T, k, D)
-            y_ND = jnp.einsum("nxd,nx->nd", y_NXD.astype(jnp.float32), w_NX)
-        y_ND = y_ND.astype(self.dtype)
+            order = jnp.argsort(slot_e, stable=True)
+            slot_y = grouped_swiglu(x_ID[order // k], slot_e[order], jnp.bincount(slot_e, length=E), *weights,
+                                    self.grouping)
+            y_IXD = jnp.zeros_like(slot_y).at[order].set(slot_y).reshape(B * T, k, D)
+            y_ID = jnp.einsum("nxd,nx->nd", y_IXD.astype(jnp.float32), w_IX)
+        y_ID = y_ID.astype(self.dtype)
         if hasattr(self, "shared"):
-            y_ND = y_ND + self.shared(x_ND)
+            y_ID = y_ID + self.shared(x_ID)
         # Sequence-wise balance (DeepSeek-V3 eq. 17-20), summed over rows: f_i = E/(kT)·(row's slots on i),
         # P_i = the row's mean of the scores normalized over all experts; T counts a row's real tokens only
         # (segment id 0 is padding: it reaches experts, since the output is per token, but is not the sequence's).
         real_BT = jnp.ones((B, T), jnp.float32) if seg_BT is None else (seg_BT != 0).astype(jnp.float32)
         t_B = jnp.maximum(real_BT.sum(1), 1.0)
-        f_BE = (jax.nn.one_hot(idx_NX, E, dtype=jnp.float32).sum(1).reshape(B, T, E)
+        f_BE = (jax.nn.one_hot(idx_IX, E, dtype=jnp.float32).sum(1).reshape(B, T, E)
                 * real_BT[..., None]).sum(1) * (E / k) / t_B[:, None]
-        p_BE = ((s_NE / s_NE.sum(-1, keepdims=True)).reshape(B, T, E) * real_BT[..., None]).sum(1) / t_B[:, None]
-        real_S = jnp.repeat(real_BT.reshape(-1).astype(e_S.dtype), k)
-        aux = {"load": jnp.zeros((E,), jnp.int32).at[e_S].add(real_S.astype(jnp.int32)), "balance": (f_BE * p_BE).sum()}
-        return y_ND.reshape(B, T, D), aux
+        p_BE = ((s_IE / s_IE.sum(-1, keepdims=True)).reshape(B, T, E) * real_BT[..., None]).sum(1) / t_B[:, None]
+        slot_real = jnp.repeat(real_BT.reshape(-1).astype(slot_e.dtype), k)
+        aux = {"load": jnp.zeros((E,), jnp.int32).at[slot_e].add(slot_real.astype(jnp.int32)),
+               "balance": (f_BE * p_BE).sum()}
+        return y_ID.reshape(B, T, D), aux
 
 
 def next_bias(bias_E, load_E, speed: float):

@@ -1,7 +1,8 @@
 """What the train loop runs at each eval step: validation metrics and generated samples, written to TensorBoard.
 
-`run_eval` is the one hook the loop calls; a new eval scalar is one more function whose dict joins `scalars`
-there (as `eval/bits_per_byte` does). Every eval is also appended to `<run_dir>/eval.jsonl` (`eval_log`).
+`run_eval` is the eval job the loop registers (train/loop.py); a new eval scalar is one more function whose dict
+joins `scalars` there (as `eval/bits_per_byte` does). Every eval is also appended to `<run_dir>/eval.jsonl`
+(`eval_log`).
 """
 
 from __future__ import annotations

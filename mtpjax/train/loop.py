@@ -1,8 +1,8 @@
-"""Training loop (docs/design.md §5): set up in stages (train/setup.py), jit once, loop; eval, checkpoints, NaN
-guard and preemption hang off it.
+"""Training loop (docs/design.md §5): set up (train/setup.py), jit once, loop; the jobs between steps (report,
+eval, checkpoint, preemption, profile) are hooks (train/hooks.py), each registered once in `_loop` with its schedule.
 
 Around the loop: `setup` (mesh, run directory and data, programs, first state), `step` (TrainState and the
-jitted step), `evals` (the eval hook), `report` (banner, metrics, summary), `checkpoint`.
+jitted step), `evals` (the eval job), `report` (banner, metrics, summary), `checkpoint`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ from tqdm import tqdm
 
 from mtpjax.config import Config
 from mtpjax.parallel import distributed, runtime
-from mtpjax.train import posttrain, setup
-from mtpjax.train.checkpoint import Checkpointer
+from mtpjax.train import setup
 from mtpjax.train.evals import run_eval
+from mtpjax.train.hooks import Hooks, Tick
 from mtpjax.train.metrics import Writer, measure_peak_flops
-from mtpjax.train.owntext import use_own_text
 from mtpjax.train.report import Logger, banner, say, summary
 from mtpjax.train.setup import TrainError
 from mtpjax.train.step import Programs, make_programs
@@ -94,8 +93,68 @@ class NonFiniteGuard:
         return False
 
 
-def _meta(cfg: Config, step: int, last: dict) -> dict:
-    return {"step": step, "config": cfg.to_dict(), "metrics": last}
+class _Report:
+    """The report job: each step's metrics read one step late (the host never stalls the device), through the NaN
+    guard into the logger; `sync` reads the step at a tick at once."""
+
+    def __init__(self, cfg: Config, writer: Writer, bar, n_devices: int):
+        self.bar, self.guard = bar, NonFiniteGuard(cfg)
+        self.log = Logger(cfg, writer, bar, n_devices, cfg.train.peak_flops or measure_peak_flops())
+        self.pending, self.seen = None, None
+
+    def read(self, tick: Tick) -> None:
+        """Queue this step's metrics and read the previous step's."""
+        if self.seen == tick.step:
+            return
+        self.catch_up()
+        self.pending, self.seen = (tick.step, tick.metrics), tick.step
+
+    def sync(self, tick: Tick) -> None:
+        """Read this step's metrics now: a job that must see them checked is due."""
+        self.read(tick)
+        self.catch_up()
+
+    def catch_up(self) -> None:
+        """Read the queued step's metrics; NonFiniteError when train.nan_policy stops the run."""
+        if self.pending is None:
+            return
+        (step, met_dev), self.pending = self.pending, None
+        met = {k: float(v) for k, v in jax.device_get(met_dev).items()}
+        self.bar.update(1)
+        if self.guard.check(step, met):
+            self.log.record(step, met)
+
+
+class _Saving:
+    """The checkpoint job: saves when checkpoint.every says; `last` saves the step the run stops at, if not yet."""
+
+    def __init__(self, r: setup.Run, start: int, report: _Report):
+        self.r, self.saved, self.report = r, start, report
+
+    def save(self, tick: Tick, force: bool = False) -> None:
+        meta = {"step": tick.step, "config": self.r.cfg.to_dict(), "metrics": self.report.log.last}
+        if self.r.ck.save(tick.step, tick.state, self.r.data.train.get_state(), meta, force=force):
+            self.saved = tick.step
+
+    def last(self, tick: Tick) -> None:
+        """A run always checkpoints its last step (also when preempted)."""
+        if self.saved != tick.step:
+            self.save(tick, force=True)
+
+
+def _evaluate(r: setup.Run, writer: Writer, report: _Report, result: dict):
+    """The eval job: validation metrics and samples (train/evals.py), a line per eval; tokens/s restarts after."""
+
+    def job(tick: Tick) -> None:
+        ev = run_eval(r.progs, tick.state, r.data.val, r.data.val_sources, lambda b: to_global(r.progs, b),
+                      r.data.prepared.tokenizer, writer, tick.step, r.cfg.train.num_samples, r.dir)
+        result.update(ev)
+        if ev:
+            say(f"step {tick.step}: eval loss/main {ev['eval/loss/main']:.4f}" + "".join(
+                f", mtp_{k} {ev[f'eval/loss/mtp_{k}']:.4f}" for k in range(1, r.cfg.model.mtp_depth + 1)))
+        report.log.restart_clock(tick.step)
+
+    return job
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -105,85 +164,57 @@ def train(cfg: Config, *, fresh: bool = False, max_steps: int | None = None) -> 
     """Train (resuming from the run dir's latest checkpoint) up to train.steps or max_steps; final metrics."""
     # SIGTERM is caught from the start: one during setup stops the run before its first step, with exit 0.
     with _Preemption() as pre:
-        return _train(cfg, pre, fresh, max_steps)
-
-
-def _train(cfg: Config, pre: _Preemption, fresh: bool, max_steps: int | None) -> dict:
-    t_start = time.perf_counter()
-    runtime.enable_compilation_cache(cfg.train.compilation_cache)
-    mesh = setup.open_mesh(cfg)
-    source = posttrain.source_config(cfg, fresh)  # a new run's init_from, checked before anything is written
-    run_dir, run_data = setup.open_run_dir(cfg, mesh, fresh, source)
-    run_data = use_own_text(cfg, run_dir, run_data, mesh)  # train.own_text: the trunk's continuations instead
-    run = setup.Run(cfg, mesh, run_dir, run_data, make_programs(cfg, mesh), Checkpointer(run_dir, cfg.checkpoint))
-    return _loop(run, setup.open_state(run, source), pre, max_steps, t_start)
+        t_start = time.perf_counter()
+        run, first = setup.open_run(cfg, fresh, make_programs)
+        return _loop(run, first, pre, max_steps, t_start)
 
 
 def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | None, t_start: float) -> dict:
-    """The loop from `first` up to train.steps or max_steps; the final metrics."""
-    cfg, mesh, run, progs, ck = r.cfg, r.mesh, r.dir, r.progs, r.ck
-    prepared, train_it, val, val_sources = r.data.prepared, r.data.train, r.data.val, r.data.val_sources
-    start, state = first.step, first.state
-    end = min(cfg.train.steps, cfg.train.steps if max_steps is None else max_steps)
-    say(banner(cfg, mesh, run, start, prepared))
-
-    writer = Writer(run, enabled=jax.process_index() == 0)
-    if start == 0:
+    """Steps from `first` up to train.steps or max_steps, the jobs run between them; the final metrics."""
+    cfg, end = r.cfg, min(r.cfg.train.steps, r.cfg.train.steps if max_steps is None else max_steps)
+    say(banner(cfg, r.mesh, r.dir, first.step, r.data.prepared))
+    writer = Writer(r.dir, enabled=jax.process_index() == 0)
+    if first.step == 0:
         writer.text(0, "config", cfg.to_yaml())
-    peak = cfg.train.peak_flops or measure_peak_flops()
     show = cfg.train.progress and distributed.is_primary()
-    bar = tqdm(total=cfg.train.steps, initial=start, disable=not show, desc="train", unit="step")
-    log, guard = Logger(cfg, writer, bar, mesh.size, peak), NonFiniteGuard(cfg)
-    prof = runtime.Profiler(cfg.train.profile, run / "tensorboard")
-
-    def consume(step: int, met_dev) -> None:  # one step late, so the host never stalls the device
-        met = {k: float(v) for k, v in jax.device_get(met_dev).items()}
-        bar.update(1)
-        if guard.check(step, met):
-            log.record(step, met)
-
-    result: dict = {"preempted": False}
-    step, pending, saved = start, None, start
+    bar = tqdm(total=cfg.train.steps, initial=first.step, disable=not show, desc="train", unit="step")
+    prof, result = runtime.Profiler(cfg.train.profile, r.dir / "tensorboard"), {"preempted": False}
+    report = _Report(cfg, writer, bar, r.mesh.size)
+    saving = _Saving(r, first.step, report)
+    hooks = Hooks(sync=report.sync)
+    hooks.add(report.read)
+    hooks.add(_evaluate(r, writer, report, result), every=lambda s: s % cfg.train.eval_every == 0 or s == end,
+              synced=True)
+    hooks.add(saving.save, every=r.ck.due, synced=True)  # a checkpoint never holds a step the guard has not seen
+    hooks.add(lambda t: pre.check(t.step), before_step=True)
+    hooks.add(lambda t: prof.step(t.step, t.state), before_step=True)
+    tick = Tick(first.step, first.state, None, last=first.step >= end)
     try:
-        while step < end and not pre.check(step):
-            prof.step(step, state)
-            batch = to_global(progs, next(train_it))
-            if step == start and jax.process_count() > 1:
-                # Compile, then meet: on CPU, gloo gives up on a collective's first use after 30 s, which a process
-                # whose compile ran longer than another's would otherwise miss.
-                progs.train_step.lower(state, *batch).compile()
-                distributed.barrier("train_step compiled")
-            with prof.annotate(step + 1):
-                state, met = progs.train_step(state, *batch)
-            step += 1  # the host's mirror of state.step: one batch, one step, skipped or not
-            if pending is not None:
-                consume(*pending)
-            pending = (step, met)
-            if step % cfg.train.eval_every == 0 or step == end or ck.due(step):
-                consume(*pending)  # a checkpoint never holds a step whose NaN guard has not been checked yet
-                pending = None
-            if step % cfg.train.eval_every == 0 or step == end:
-                ev = run_eval(progs, state, val, val_sources, lambda b: to_global(progs, b), prepared.tokenizer,
-                              writer, step, cfg.train.num_samples, run)
-                result.update(ev)
-                if ev:
-                    say(f"step {step}: eval loss/main {ev['eval/loss/main']:.4f}" + "".join(
-                        f", mtp_{k} {ev[f'eval/loss/mtp_{k}']:.4f}" for k in range(1, cfg.model.mtp_depth + 1)))
-                log.restart_clock(step)
-            if ck.save(step, state, train_it.get_state(), _meta(cfg, step, log.last), force=step == end):
-                saved = step
+        while not hooks.run(tick) and not tick.last:
+            tick = _step(r, tick, prof, first.step, end)
         result["preempted"] = pre.requested
-        if pending is not None:
-            consume(*pending)
-        if saved != step:  # a run always checkpoints its last step (also when preempted)
-            ck.save(step, state, train_it.get_state(), _meta(cfg, step, log.last), force=True)
+        report.catch_up()
+        saving.last(tick)
     finally:
-        prof.close(step, state)
-        ck.close()
+        prof.close(tick.step, tick.state)
+        r.ck.close()
         writer.close()
         bar.close()
-    out = {**log.last, **result, "step": step, "skipped_steps": guard.skipped, "history": log.history,
-           "seconds": time.perf_counter() - t_start}
-    last = ck.dir / str(step)
-    say(summary(cfg, run, out, last if last.is_dir() else None))
+    out = {**report.log.last, **result, "step": tick.step, "skipped_steps": report.guard.skipped,
+           "history": report.log.history, "seconds": time.perf_counter() - t_start}
+    last = r.ck.dir / str(tick.step)
+    say(summary(cfg, r.dir, out, last if last.is_dir() else None))
     return out
+
+
+def _step(r: setup.Run, tick: Tick, prof: runtime.Profiler, start: int, end: int) -> Tick:
+    """One train step on the stream's next batch: the tick after it."""
+    batch = to_global(r.progs, next(r.data.train))
+    if tick.step == start and jax.process_count() > 1:
+        # Compile, then meet: on CPU, gloo gives up on a collective's first use after 30 s, which a process
+        # whose compile ran longer than another's would otherwise miss.
+        r.progs.train_step.lower(tick.state, *batch).compile()
+        distributed.barrier("train_step compiled")
+    with prof.annotate(tick.step + 1):
+        state, met = r.progs.train_step(tick.state, *batch)
+    return Tick(tick.step + 1, state, met, last=tick.step + 1 == end)  # one batch, one step, skipped or not

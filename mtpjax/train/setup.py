@@ -1,14 +1,15 @@
-"""A training run's setup, one stage after the next, each handing the next what it needs.
+"""A training run's setup, one stage after the next, each handing the next what it needs (`open_run`).
 
-mesh → run directory and data → programs → state; `loop.train` runs them in this order, then the loop. The mesh
-comes first: the data shards its batches over it. Nothing is written before every check that can refuse the
-run has passed (batch vs mesh, init_from, identity, data), so a refused run leaves no run directory behind.
-The state stage chooses among resuming, post-training (train.init_from, read and checked up front with the
-other refusals by `posttrain.source_config`) and a fresh init.
+compilation cache → mesh → init_from → run directory and data → own text → programs → state; `loop.train` runs
+`open_run`, then the loop. The mesh comes first: the data shards its batches over it. Nothing is written before
+every check that can refuse the run has passed (batch vs mesh, init_from, identity, data), so a refused run
+leaves no run directory behind. The state stage chooses among resuming, post-training (train.init_from, read
+and checked up front with the other refusals by `posttrain.source_config`) and a fresh init.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,8 @@ from mtpjax import data
 from mtpjax.config import Config
 from mtpjax.errors import MtpjaxError
 from mtpjax.parallel.sharding import BATCH_AXES, batch_sharding, data_parallelism, make_mesh, named_axes
-from mtpjax.train import posttrain, rundir
+from mtpjax.parallel import runtime
+from mtpjax.train import owntext, posttrain, rundir
 from mtpjax.train.checkpoint import Checkpointer
 from mtpjax.train.report import say
 from mtpjax.train.step import Programs, TrainState
@@ -27,6 +29,18 @@ from mtpjax.train.step import Programs, TrainState
 
 class TrainError(MtpjaxError, RuntimeError):
     """Bad training setup (batch vs mesh); the message is one line naming the problem and the fix."""
+
+
+def open_run(cfg: Config, fresh: bool, make_programs: Callable[[Config, Mesh], Programs]) -> tuple[Run, Start]:
+    """Every stage of a run's setup in order, and the loop's first step; the programs come from `make_programs`
+    (train.step's, or a wrapper that records what a sweep's variants train on)."""
+    runtime.enable_compilation_cache(cfg.train.compilation_cache)
+    mesh = open_mesh(cfg)
+    source = posttrain.source_config(cfg, fresh)  # a new run's init_from, checked before anything is written
+    run_dir, run_data = open_run_dir(cfg, mesh, fresh, source)
+    run_data = owntext.use_own_text(cfg, run_dir, run_data, mesh)  # train.own_text: the trunk's continuations
+    run = Run(cfg, mesh, run_dir, run_data, make_programs(cfg, mesh), Checkpointer(run_dir, cfg.checkpoint))
+    return run, open_state(run, source)
 
 
 def check_parallelism(cfg: Config, mesh: Mesh) -> None:

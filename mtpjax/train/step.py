@@ -56,9 +56,18 @@ def _sum_micro_metrics(metrics: dict, depth: int) -> dict:
     return add_expected_lengths(out, depth)
 
 
-def loss_and_grads(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, graphdef, loss_cfg: LossConfig,
-                   micro_batches: int, batch_sharding=None):
-    """(gradient of the trainable parameters, metrics) of one batch, summed over its micro-batches."""
+@struct.dataclass
+class Backward:
+    """One batch's backward pass, summed over its micro-batches."""
+
+    grads: nnx.State  # of the trainable parameters
+    metrics: dict  # loss/..., accept_prob/..., lambda/...: what the step reports
+    loads: dict  # MoE layer name -> float32[E]: the batch's tokens routed to each expert (empty without MoE)
+
+
+def backward(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, graphdef, loss_cfg: LossConfig,
+             micro_batches: int, batch_sharding=None) -> Backward:
+    """Gradient, metrics and expert loads of one batch, summed over its micro-batches."""
     depth = nnx.merge(graphdef, train, frozen).cfg.mtp_depth
     counts = token_counts(tokens_BT, seg_BT, depth, loss_cfg)
     B, T = tokens_BT.shape
@@ -68,22 +77,24 @@ def loss_and_grads(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step,
         model = nnx.merge(graphdef, train, frozen)
         out = forward(model, tok_BT, seg_BT, loss_cfg)
         loss, met = mtp_loss(model, out, tok_BT, seg_BT, step=step, cfg=loss_cfg, counts=counts, rows=B)
-        # Expert loads ride with the metrics, which the micro-batch scan sums: the whole batch's loads.
-        return loss, {**met, **{f"{LOAD}{k}": aux["load"] for k, aux in out.routing.items()}}
+        return loss, (met, {k: aux["load"] for k, aux in out.routing.items()})
 
     def body(acc, xs):
         if batch_sharding is not None:
             xs = tuple(jax.lax.with_sharding_constraint(x, batch_sharding) for x in xs)
-        (_, met), g = jax.value_and_grad(loss_fn, has_aux=True)(train, *xs)
-        return jax.tree.map(jnp.add, acc, g), met
+        (_, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(train, *xs)
+        return jax.tree.map(jnp.add, acc, g), aux
 
     # Micro-batch a holds rows a, a+A, ...: every device keeps its own rows, no resharding.
     split = lambda x_BT: x_BT.reshape(B // A, A, T).swapaxes(0, 1)
-    grads, mets = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, train), (split(tokens_BT), split(seg_BT)))
-    return grads, _sum_micro_metrics(mets, depth)
+    grads, (mets, loads) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, train), (split(tokens_BT), split(seg_BT)))
+    return Backward(grads, _sum_micro_metrics(mets, depth), {k: v.sum(0) for k, v in loads.items()})
 
 
-LOAD = "expert_load/"  # metrics keys of the per-layer expert loads loss_and_grads returns
+def loss_and_grads(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, **kw) -> tuple[nnx.State, dict]:
+    """(gradient of the trainable parameters, metrics) of one batch: `backward` without the expert loads."""
+    out = backward(train, frozen, tokens_BT, seg_BT, step, **kw)
+    return out.grads, out.metrics
 
 
 def balance_experts(model: MTPTransformer, loads: dict, speed, frozen_trunk: bool) -> dict:
@@ -111,8 +122,9 @@ def train_step(state: TrainState, tokens_BT, seg_BT, *, graphdef, tx: optax.Grad
     not the counter."""
     # Frozen parameters are closed over, not differentiated: a frozen trunk's forward builds no backward.
     train, frozen = split_trainable(state.params, what)
-    grads, metrics = loss_and_grads(train, frozen, tokens_BT, seg_BT, state.step, graphdef=graphdef,
-                                    loss_cfg=loss_cfg, micro_batches=micro_batches, batch_sharding=batch_sharding)
+    back = backward(train, frozen, tokens_BT, seg_BT, state.step, graphdef=graphdef, loss_cfg=loss_cfg,
+                    micro_batches=micro_batches, batch_sharding=batch_sharding)
+    grads, metrics = back.grads, back.metrics
     lr_now = jnp.asarray(lr(state.step), jnp.float32)
     gnorm = global_norm(grads)
     ok = jnp.isfinite(metrics["loss/total"]) & jnp.isfinite(gnorm)
@@ -125,10 +137,9 @@ def train_step(state: TrainState, tokens_BT, seg_BT, *, graphdef, tx: optax.Grad
     # (a select between new and old state would need both alive); the host decides to stop or go on.
     train, opt = jax.lax.cond(ok, update, lambda train, opt: (train, opt), train, state.opt)
     params = nnx.merge_state(train, frozen)
-    loads = {k.removeprefix(LOAD): metrics.pop(k) for k in list(metrics) if k.startswith(LOAD)}
-    if loads:
+    if back.loads:
         model = nnx.merge(graphdef, params)
-        metrics |= balance_experts(model, loads, jnp.where(ok, bias_update_speed, 0.0), frozen_trunk)
+        metrics |= balance_experts(model, back.loads, jnp.where(ok, bias_update_speed, 0.0), frozen_trunk)
         params = nnx.state(model)
     new = state.replace(params=params, opt=opt, step=state.step + 1)
     return new, {**metrics, "lr": lr_now, "grad_norm": gnorm, "skipped": (~ok).astype(jnp.int32)}
