@@ -32,7 +32,7 @@ def test_round_trip_of_state_data_state_and_meta(tmp_path):
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "4").iterdir() if p.is_dir()) == \
-        ["data", "meta", "model", "train"]
+        ["data", "digests", "meta", "model", "train"]
 
 
 def test_keep_every_and_load_model(tiny_run):
