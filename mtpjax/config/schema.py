@@ -330,7 +330,7 @@ class CheckpointConfig:
     async_save: bool = key(True, "save in the background while training continues")
     verify: bool = key(True, "check every restored array, the data position and the config against the xxh3-128 "
                              "digests saved with them (a mismatch falls back to the previous checkpoint); false "
-                             "skips the check, for speed", runtime=True)
+                             "skips the check, for speed")
 
 
 @dataclass(frozen=True)
