@@ -47,6 +47,7 @@ class Checkpointer:
         opts = ocp.CheckpointManagerOptions(save_interval_steps=ccfg.every, max_to_keep=ccfg.keep,
                                             enable_async_checkpointing=ccfg.async_save)
         self.dir, self.verify = ckpt_dir(run_dir), ccfg.verify
+        self.restore_seconds = 0.0  # spent in restore_latest (goodput counts it as checkpointing)
         self.mngr = ocp.CheckpointManager(self.dir, options=opts)
 
     def latest_step(self) -> int | None:
@@ -105,6 +106,13 @@ class Checkpointer:
         Unreadable newer checkpoints are reported on stderr and, once an older one restored, moved aside to
         `checkpoints-corrupt/` (never deleted) so their steps can be saved again. CheckpointError if none restores.
         """
+        t0 = time.perf_counter()
+        try:
+            return self._restore_latest(target)
+        finally:
+            self.restore_seconds += time.perf_counter() - t0
+
+    def _restore_latest(self, target):
         steps, bad = sorted(self.mngr.all_steps(), reverse=True), []
         for step in steps:
             try:

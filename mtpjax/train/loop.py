@@ -21,6 +21,7 @@ from mtpjax.parallel import distributed, runtime
 from mtpjax.train import posttrain, setup
 from mtpjax.train.checkpoint import Checkpointer
 from mtpjax.train.evals import run_eval
+from mtpjax.train.goodput import Goodput
 from mtpjax.train.metrics import Writer, measure_peak_flops
 from mtpjax.train.owntext import use_own_text
 from mtpjax.train.report import Logger, banner, say, summary
@@ -94,8 +95,15 @@ class NonFiniteGuard:
         return False
 
 
-def _meta(cfg: Config, step: int, last: dict) -> dict:
-    return {"step": step, "config": cfg.to_dict(), "metrics": last}
+def _meta(cfg: Config, step: int, last: dict, gp: Goodput) -> dict:
+    return {"step": step, "config": cfg.to_dict(), "metrics": last, "goodput": gp.record()}
+
+
+def _count(gp: Goodput, category: str, writer: Writer, step: int) -> None:
+    """The time since the last mark went to `category`; the totals go to goodput.json and TensorBoard."""
+    gp.mark(category)
+    gp.save()
+    writer.scalars(step, gp.scalars())
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -135,6 +143,10 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not show, desc="train", unit="step")
     log, guard = Logger(cfg, writer, bar, mesh.size, peak), NonFiniteGuard(cfg)
     prof = runtime.Profiler(cfg.train.profile, run / "tensorboard")
+    gp = Goodput(run, t_start, enabled=distributed.is_primary())
+    gp.start(first.goodput)
+    gp.mark("startup")
+    gp.move(ck.restore_seconds, "startup", "checkpoint")
 
     def consume(step: int, met_dev) -> None:  # one step late, so the host never stalls the device
         met = {k: float(v) for k, v in jax.device_get(met_dev).items()}
@@ -155,6 +167,7 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
                 distributed.barrier("train_step compiled")
             with prof.annotate(step + 1):
                 state, met = progs.train_step(state, *batch)
+            gp.mark("compile" if step == start else "step")
             step += 1  # the host's mirror of state.step: one batch, one step, skipped or not
             if pending is not None:
                 consume(*pending)
@@ -163,27 +176,33 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
                 consume(*pending)  # a checkpoint never holds a step whose NaN guard has not been checked yet
                 pending = None
             if step % cfg.train.eval_every == 0 or step == end:
+                gp.mark("step")
                 ev = run_eval(progs, state, val, val_sources, lambda b: to_global(progs, b), prepared.tokenizer,
                               writer, step, cfg.train.num_samples, run)
                 result.update(ev)
                 if ev:
                     say(f"step {step}: eval loss/main {ev['eval/loss/main']:.4f}" + "".join(
                         f", mtp_{k} {ev[f'eval/loss/mtp_{k}']:.4f}" for k in range(1, cfg.model.mtp_depth + 1)))
+                _count(gp, "eval", writer, step)
                 log.restart_clock(step)
-            if ck.save(step, state, train_it.get_state(), _meta(cfg, step, log.last), force=step == end):
+            gp.mark("step")
+            if ck.save(step, state, train_it.get_state(), _meta(cfg, step, log.last, gp), force=step == end):
                 saved = step
+                _count(gp, "checkpoint", writer, step)
         result["preempted"] = pre.requested
         if pending is not None:
             consume(*pending)
         if saved != step:  # a run always checkpoints its last step (also when preempted)
-            ck.save(step, state, train_it.get_state(), _meta(cfg, step, log.last), force=True)
+            gp.mark("step")
+            ck.save(step, state, train_it.get_state(), _meta(cfg, step, log.last, gp), force=True)
     finally:
         prof.close(step, state)
         ck.close()
+        _count(gp, "checkpoint", writer, step)
         writer.close()
         bar.close()
     out = {**log.last, **result, "step": step, "skipped_steps": guard.skipped, "history": log.history,
-           "seconds": time.perf_counter() - t_start}
+           "seconds": time.perf_counter() - t_start, "goodput": gp.scalars()["goodput"], "goodput_s": gp.record()}
     last = ck.dir / str(step)
     say(summary(cfg, run, out, last if last.is_dir() else None))
     return out

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from mtpjax.config import Config
 from mtpjax.parallel import distributed
 from mtpjax.nn.flops import train_flops_per_token
+from mtpjax.train import goodput
 from mtpjax.train.metrics import Writer, mfu
 from mtpjax.nn.model import build_model, param_counts
 
@@ -75,6 +76,8 @@ def summary(cfg: Config, run: Path, out: dict, checkpoint: Path | None) -> str:
         if losses[0][1] is not None:
             lines.append(f"  {name} loss: " + ", ".join(f"{k} {v:.4f}" for k, v in losses if v is not None))
     lines.append(f"  checkpoint: {checkpoint}" if checkpoint else "  checkpoint: none")
+    if "goodput_s" in out:
+        lines.append(goodput.line(out["goodput_s"]))
     if out["step"] < cfg.train.steps:
         lines.append("  resume: run the same command again")
     lines.append(f"  next: {decode_command(run)}")
