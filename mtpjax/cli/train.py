@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+import jax
+
 from mtpjax.cli.args import Parser, command
 from mtpjax.config import load_config
 from mtpjax.parallel import distributed
@@ -19,7 +21,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
     args = ap.parse_intermixed_args(argv)
     distributed.initialize()  # before any other JAX use; a no-op on one process
-    out = train(load_config(args.config, args.overrides), fresh=args.fresh)
+    try:
+        out = train(load_config(args.config, args.overrides), fresh=args.fresh)
+    except jax.errors.JaxRuntimeError:  # a collective failed: when a peer died, the peer watch ends this process
+        distributed.await_lost_peer()
+        raise
+    distributed.finished()
     if out["preempted"] and distributed.is_primary():
         print(f"preempted: checkpoint saved at step {out['step']}", file=sys.stderr)
     return 0

@@ -135,7 +135,7 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
     end = min(cfg.train.steps, cfg.train.steps if max_steps is None else max_steps)
     say(banner(cfg, mesh, run, start, prepared))
 
-    writer = Writer(run, enabled=jax.process_index() == 0)
+    writer = Writer(run, enabled=jax.process_index() == 0, purge_step=start + 1 if start else None)
     if start == 0:
         writer.text(0, "config", cfg.to_yaml())
     peak = cfg.train.peak_flops or measure_peak_flops()

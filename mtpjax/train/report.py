@@ -104,11 +104,14 @@ class Logger:
         """One applied step's metrics (host floats)."""
         self.last = met
         self.history.append((step, met["loss/total"]))
-        if self.t0 is None:
-            self.restart_clock(step)  # the first fetched step included compilation
+        losses = {k: v for k, v in met.items() if k not in ("loss/total", "skipped")}
+        if self.t0 is None:  # the first fetched step included compilation: its losses, no throughput
+            self.restart_clock(step)
+            if step % self.cfg.train.log_every == 0:
+                self.writer.scalars(step, losses)
         elif step % self.cfg.train.log_every == 0 and step > self.s0:
             tps = (step - self.s0) * self.tokens_per_step / (time.perf_counter() - self.t0)
             extra = {"tokens_per_sec": tps, "mfu": mfu(tps, self.flops, self.peak, self.n_devices)}
-            self.writer.scalars(step, {k: v for k, v in met.items() if k not in ("loss/total", "skipped")} | extra)
+            self.writer.scalars(step, losses | extra)
             self.bar.set_postfix(loss=f"{met['loss/main']:.3f}", tok_s=f"{tps:,.0f}")
             self.restart_clock(step)
