@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bench.soak import flip_bit
 from train_helpers import HANG, cli_args, evaluated_at, spawn, tiny_cfg, wait_for, write_corpus
 
 import mtpjax.train.step
@@ -205,19 +206,6 @@ def test_no_readable_checkpoint_is_an_error_not_a_silent_restart(tiny_run, tmp_p
         {k: v for k, v in before.items() if k.startswith("checkpoints")}
     with pytest.raises(CheckpointError, match="no checkpoint of run .* is readable"):
         load_model(run)
-
-
-def flip_bit(step_dir: Path, item: str, name: str) -> None:
-    """One bit of one element of a stored array changed in place (through tensorstore: orbax compresses each chunk,
-    so a raw flip in the file mostly fails to decompress, which reads as unreadable; this one still reads)."""
-    import tensorstore as ts
-
-    t = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{step_dir / item}",
-                                               "path": name}}).result()
-    a = t.read().result()
-    idx = (0,) * a.ndim
-    a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint8)[idx] ^= 1
-    t[idx].write(a[idx]).result()
 
 
 def shift_data_position(step_dir: Path) -> None:

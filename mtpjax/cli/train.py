@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import sys
 
-import jax
-
 from mtpjax.cli.args import Parser, command
 from mtpjax.config import load_config
 from mtpjax.parallel import distributed
@@ -23,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     distributed.initialize()  # before any other JAX use; a no-op on one process
     try:
         out = train(load_config(args.config, args.overrides), fresh=args.fresh)
-    except jax.errors.JaxRuntimeError:  # a collective failed: when a peer died, the peer watch ends this process
+    except Exception:  # a collective or save may fail because a peer died: the peer watch then ends this process
         distributed.await_lost_peer()
         raise
     distributed.finished()

@@ -298,6 +298,8 @@ class _PeerWatch:
         self.client, self.me, self.n = jd.global_state.client, jd.global_state.process_id, jd.global_state.num_processes
         self.timeout, self.interval = timeout, max(0.2, timeout / 10)
         self.thread = threading.Thread(target=self._run, daemon=True, name="mtpjax-peer-watch")
+        self.beats: dict[int, float] = {}  # when each peer's heartbeat last moved (time.monotonic)
+        self.done: set[str] = set()
 
     @classmethod
     def start(cls, timeout: int) -> None:
@@ -311,7 +313,7 @@ class _PeerWatch:
             try:
                 self.client.key_value_set(f"mtpjax/alive/{self.me}", str(beat), allow_overwrite=True)
                 values = dict(self.client.key_value_dir_get("mtpjax/alive/"))
-                done = {k.rsplit("/", 1)[-1] for k, _ in self.client.key_value_dir_get("mtpjax/done/")}
+                self.done = {k.rsplit("/", 1)[-1] for k, _ in self.client.key_value_dir_get("mtpjax/done/")}
                 reached, beat = now, beat + 1
             except Exception:  # the coordinator does not answer (JAX's client usually ends the process first)
                 if now - reached > self.timeout:
@@ -319,10 +321,11 @@ class _PeerWatch:
                 values = None
             for p in range(self.n) if values is not None else ():
                 v = values.get(f"mtpjax/alive/{p}")
-                if p == self.me or str(p) in done:
+                if p == self.me or str(p) in self.done:
                     continue
                 if p not in seen or seen[p][0] != v:
                     seen[p] = (v, now)
+                    self.beats[p] = now
                 elif now - seen[p][1] > self.timeout:
                     self._lost(p, "")
             time.sleep(self.interval)
@@ -343,8 +346,15 @@ def finished() -> None:
 
 
 def await_lost_peer() -> None:
-    """After a failed collective: wait until the peer watch has decided whether a process was lost (it then ends
-    this process with its line); returns when no process was lost (the failure is another one) or on one process."""
+    """After a failure in a multi-process run: wait until the peer watch has decided whether a process was lost (it
+    then ends this process with its line); returns once every other process has shown a heartbeat since (the
+    failure is another one, reported as usual), at once on one process."""
     w = _PeerWatch.current
-    if w is not None and w.thread.is_alive():
-        w.thread.join(w.timeout + 3 * w.interval + 5)
+    if w is None:
+        return
+    since, deadline = time.monotonic(), time.monotonic() + w.timeout + 3 * w.interval + 5
+    while w.thread.is_alive() and time.monotonic() < deadline:
+        peers = [p for p in range(w.n) if p != w.me and str(p) not in w.done]
+        if all(w.beats.get(p, 0.0) > since + w.interval for p in peers):
+            return
+        time.sleep(w.interval / 4)

@@ -69,7 +69,8 @@ def local_digests(tree) -> dict[str, dict[str, str]]:
 def _record(args: DigestSave) -> dict:
     return {"algorithm": checksum.ALGORITHM,
             "arrays": {item: local_digests(tree) for item, tree in args.arrays.items()},
-            "json": {k: checksum.of_json(v) for k, v in args.json.items()}}
+            # only process 0 writes the JSON items (its own data position and goodput are the stored ones)
+            "json": {k: checksum.of_json(v) for k, v in args.json.items()} if jax.process_index() == 0 else {}}
 
 
 class DigestHandler(ocp.handlers.AsyncCheckpointHandler):
