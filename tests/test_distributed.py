@@ -66,6 +66,7 @@ def test_explicit_variables(env):
     ({"MTPJAX_NUM_PROCESSES": "2", "MTPJAX_COORDINATOR": "host", "MTPJAX_PROCESS_ID": "0"}, "MTPJAX_COORDINATOR"),
     ({"MTPJAX_PROCESS_ID": "1"}, "MTPJAX_NUM_PROCESSES"),
     ({"MTPJAX_INIT_TIMEOUT": "0"}, "MTPJAX_INIT_TIMEOUT"),
+    ({"MTPJAX_HEARTBEAT_TIMEOUT": "1"}, "MTPJAX_HEARTBEAT_TIMEOUT"),
     ({"MTPJAX_LOCAL_DEVICES": "x"}, "MTPJAX_LOCAL_DEVICES"),
 ])
 def test_bad_variables_are_one_line_errors(env, variables, named):
@@ -225,6 +226,37 @@ def test_local_sh_stops_the_others_when_one_fails(tmp_path):
     assert lines == sorted([f"{i} 2 {port} {LAUNCH}/../train.py --config x.yaml a.b=1" for i in range(2)]
                            + ["0 stopped"])  # both started, and process 0 was stopped
     assert port.startswith("127.0.0.1:")
+
+
+def test_local_sh_names_a_lost_process(tmp_path):
+    """Process 1 is killed (SIGKILL) once process 0 has started: local.sh names it as lost and stops process 0."""
+    seen = tmp_path / "seen"
+    stub = tmp_path / "py"
+    stub.write_text(f'#!/bin/bash\n[ "$1" = -c ] && exec {sys.executable} "$@"\n'
+                    f'echo "$MTPJAX_PROCESS_ID" >> {seen}\n'
+                    'if [ "$MTPJAX_PROCESS_ID" = 0 ]; then\n'
+                    f'  trap \'kill $!; echo "0 stopped" >> {seen}; exit 143\' TERM\n'
+                    '  sleep 60 & wait $!\n  exit 0\nfi\n'
+                    f'for _ in $(seq 600); do grep -q "^0$" {seen} && break; sleep 0.05; done\n'
+                    'kill -9 $$\n')
+    stub.chmod(0o755)
+    p = subprocess.run(["bash", str(LAUNCH / "local.sh"), "2"], env={**os.environ, "PYTHON": str(stub)},
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 137, p.stderr
+    assert "local.sh: process 1 of 2 was lost (killed by signal 9, SIGKILL); stopping the others" in p.stderr
+    assert "0 stopped" in seen.read_text()
+
+
+def test_slurm_sbatch_names_the_task_srun_lost(tmp_path):
+    srun = tmp_path / "srun"
+    srun.write_text('#!/bin/bash\necho "srun: error: node7: task 3: Killed" >&2\nexit 137\n')
+    srun.chmod(0o755)
+    env = {**sub_env(), "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(REPO)}
+    p = subprocess.run(["bash", str(LAUNCH / "slurm.sbatch"), "--config", "c.yaml"], env=env, capture_output=True,
+                       text=True, timeout=30)
+    assert p.returncode == 137
+    assert p.stderr.splitlines()[-1].startswith("slurm.sbatch: srun exited with status 137; process 3 was lost or "
+                                                "failed first; re-submit"), p.stderr
 
 
 SHRINK = ["model.d_model=32", "model.n_layers=2", "model.d_ff=64", "data.seq_len=64", "train.batch_size=8",
