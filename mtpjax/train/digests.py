@@ -53,14 +53,17 @@ def _leaves(tree) -> list[tuple[str, object]]:
 
 def local_digests(tree) -> dict[str, dict[str, str]]:
     """{array path: {region "a:b,c:d": digest}} of this process's shards with replica id 0."""
-    out = {}
+    parts = []  # (path, region key, host array)
     for path, x in _leaves(tree):
         if isinstance(x, jax.Array):
-            out[path] = {_key(_slices(s.index, x.shape)): checksum.of_array(np.asarray(s.data))
-                         for s in x.addressable_shards if s.replica_id == 0}
+            parts += [(path, _key(_slices(s.index, x.shape)), np.asarray(s.data))
+                      for s in x.addressable_shards if s.replica_id == 0]
         elif jax.process_index() == 0:  # a host value: process 0 stores it whole
-            out[path] = {_key(_slices((slice(None),) * np.ndim(x), np.shape(x))): checksum.of_array(np.asarray(x))}
-    return out
+            parts.append((path, _key(_slices((slice(None),) * np.ndim(x), np.shape(x))), np.asarray(x)))
+    out: dict = {path: {} for path, _ in _leaves(tree)}
+    for (path, key, _), d in zip(parts, checksum.of_arrays([a for *_, a in parts])):
+        out[path][key] = d
+    return {k: v for k, v in out.items() if v}
 
 
 # ----------------------------------------------------------------------------- the orbax item
@@ -134,30 +137,29 @@ def _check_local(x: jax.Array, region) -> np.ndarray:
     raise AssertionError("no local shard holds the region")
 
 
-def _array_ok(x, regions: dict[str, str]) -> bool:
-    """Whether this process's share of the check of one array passes (collective when a region must be gathered)."""
+def _parts(x, regions: dict[str, str]) -> list[tuple[np.ndarray, str]] | None:
+    """(part, recorded digest) of each region of one array this process checks; None if the regions do not fit the
+    array. Collective when a region must be gathered (every process reaches the same answer)."""
     if not isinstance(x, jax.Array):
         whole = np.asarray(x)
-        return all(checksum.of_array(whole[tuple(slice(a, b) for a, b in _region(k))]) == d
-                   for k, d in regions.items())
-    me, gathered, ok = jax.process_index(), None, True
+        if any(len(_region(k)) != whole.ndim for k in regions):
+            return None
+        return [(whole[tuple(slice(a, b) for a, b in _region(k))], d) for k, d in regions.items()]
+    me, gathered, out = jax.process_index(), None, []
     for k, d in sorted(regions.items()):
         region = _region(k)
         if len(region) != x.ndim:
-            return False
+            return None
         who = _holder(x, region)
-        if who is None:  # every process reaches the same answer: the gather is collective
+        if who is None:
             if gathered is None:
                 from jax.experimental import multihost_utils
 
                 gathered = np.asarray(multihost_utils.process_allgather(x, tiled=True))
-            part = gathered[tuple(slice(a, b) for a, b in region)]
+            out.append((gathered[tuple(slice(a, b) for a, b in region)], d))
         elif who == me:
-            part = _check_local(x, region)
-        else:
-            continue
-        ok = ok and checksum.of_array(part) == d
-    return ok
+            out.append((_check_local(x, region), d))
+    return out
 
 
 def first_mismatch(record: dict, arrays: dict, values: dict) -> str | None:
@@ -165,13 +167,17 @@ def first_mismatch(record: dict, arrays: dict, values: dict) -> str | None:
 
     `arrays`: item name -> restored pytree; `values`: item name -> restored JSON value.
     """
-    names, bad = [], []
+    names, bad, checks = [], [], []  # checks: (leaf number, part, recorded digest)
     for item, tree in arrays.items():
         saved = record["arrays"].get(item, {})
         for path, x in _leaves(tree):
             names.append(f"array {item}.{path}")
-            if path not in saved or not _array_ok(x, saved[path]):
+            parts = _parts(x, saved[path]) if path in saved else None
+            if parts is None:
                 bad.append(len(names) - 1)
+            checks += [(len(names) - 1, p, d) for p, d in parts or ()]
+    got = checksum.of_arrays([p for _, p, _ in checks])
+    bad += [i for (i, _, d), g in zip(checks, got) if g != d]
     for item, v in values.items():
         names.append({"data": "the data position", "meta": "the config and metrics"}.get(item, item) + f" ({item})")
         if item in record["json"] and checksum.of_json(v) != record["json"][item]:
