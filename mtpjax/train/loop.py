@@ -100,10 +100,12 @@ def _meta(cfg: Config, step: int, last: dict, gp: Goodput) -> dict:
 
 
 def _count(gp: Goodput, category: str, writer: Writer, step: int) -> None:
-    """The time since the last mark went to `category`; the totals go to goodput.json and TensorBoard."""
+    """The time since the last mark went to `category`; the totals go to goodput.json and TensorBoard, whose log is
+    flushed: a killed process loses no step up to its last checkpoint (a resume purges the ones after it)."""
     gp.mark(category)
     gp.save()
     writer.scalars(step, gp.scalars())
+    writer.flush()
 
 
 # ----------------------------------------------------------------------------- the loop
