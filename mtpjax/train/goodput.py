@@ -89,6 +89,6 @@ class Goodput:
 
 
 def line(totals: dict) -> str:
-    """The summary's goodput line."""
+    """The goodput part of the summary's first line."""
     rest = ", ".join(f"{c} {totals[c]:.1f} s" for c in CATEGORIES[1:])
-    return f"  goodput: {goodput(totals):.0%} ({totals['step']:.1f} s of steps in {sum(totals.values()):.1f} s; {rest})"
+    return f"goodput {goodput(totals):.0%} ({totals['step']:.1f} s of steps in {sum(totals.values()):.1f} s; {rest})"

@@ -70,14 +70,13 @@ def summary(cfg: Config, run: Path, out: dict, checkpoint: Path | None) -> str:
     if out["step"] >= cfg.train.steps:
         done = f"done: {out['step']} steps"
     lines = [f"{done} of {cfg.train.steps} in {out['seconds']:.0f} s"
-             + (f", {out['skipped_steps']} non-finite updates skipped" if out["skipped_steps"] else "")]
+             + (f", {out['skipped_steps']} non-finite updates skipped" if out["skipped_steps"] else "")
+             + (f"; {goodput.line(out['goodput_s'])}" if "goodput_s" in out else "")]
     for prefix, name in (("", "train"), ("eval/", "eval")):
         losses = [(k, out.get(f"{prefix}loss/{k}")) for k in ["main"] + [f"mtp_{i}" for i in range(1, depth + 1)]]
         if losses[0][1] is not None:
             lines.append(f"  {name} loss: " + ", ".join(f"{k} {v:.4f}" for k, v in losses if v is not None))
     lines.append(f"  checkpoint: {checkpoint}" if checkpoint else "  checkpoint: none")
-    if "goodput_s" in out:
-        lines.append(goodput.line(out["goodput_s"]))
     if out["step"] < cfg.train.steps:
         lines.append("  resume: run the same command again")
     lines.append(f"  next: {decode_command(run)}")
