@@ -4,8 +4,8 @@
 #   launch/local.sh N [train.py arguments...]
 #   e.g. MTPJAX_LOCAL_DEVICES=2 launch/local.sh 2 --config configs/tiny.yaml mesh.data=2 mesh.fsdp=2
 # Environment: MTPJAX_LOCAL_DEVICES (CPU devices per process, default 1), MTPJAX_INIT_TIMEOUT (seconds,
-# default 300), PYTHON (default python3). Waits for all; if one process fails, the others are stopped and
-# its exit status is returned.
+# default 300), MTPJAX_HEARTBEAT_TIMEOUT (default 30), PYTHON (default python3). Waits for all; if one process
+# fails or is lost (killed), it is named, the others are stopped and its exit status is returned.
 set -u
 
 usage() { echo "usage: launch/local.sh N [train.py arguments...]  (N: number of processes, >= 1)" >&2; exit 2; }
@@ -60,7 +60,10 @@ while [ ${#running[@]} -gt 0 ]; do
   running=("${left[@]}")
   if [ "$rc" -ne 0 ]; then
     for ((i = 0; i < N; i++)); do [ "${PIDS[$i]}" = "$done_pid" ] && who=$i; done
-    echo "local.sh: process ${who:-?} of $N exited with status $rc; stopping the others" >&2
+    how="exited with status $rc"
+    [ "$rc" -gt 128 ] && how="was lost (killed by signal $((rc - 128)), SIG$(kill -l $((rc - 128)) 2>/dev/null))"
+    echo "local.sh: process ${who:-?} of $N $how; stopping the others; run the same command again to resume" \
+         "from the last complete checkpoint" >&2
     status=$rc
     stop_all 5
     wait

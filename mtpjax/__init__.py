@@ -5,6 +5,7 @@ the ones below it (tests/test_imports.py holds this for module-level, function-l
 imports). A package's `__main__` is an entry point and counts as the command shell.
 
     errors    MtpjaxError, the base of every error a command reports as one line (with its exit status)
+    checksum  the one content hash (xxh3-128) of checkpoints, exported safetensors and the data cache
     config    the typed schema every layer reads its own section of
     nn        layers (the shape alphabet), model, kernels, loss, FLOPs, speculation arithmetic: pure, no I/O
     parallel  mesh and sharding rules, the multi-process runtime, compilation cache and profiler
@@ -18,4 +19,4 @@ imports). A package's `__main__` is an entry point and counts as the command she
 
 __version__ = "0.1.0"
 
-LAYERS = ("errors", "config", "nn", "parallel", "data", "decode", "eval", "train", "convert", "cli")
+LAYERS = ("errors", "checksum", "config", "nn", "parallel", "data", "decode", "eval", "train", "convert", "cli")

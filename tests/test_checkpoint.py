@@ -1,6 +1,11 @@
 """Checkpoints: manager policy (every / keep / last step), load_model, and its errors."""
 
+import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -32,7 +37,7 @@ def test_round_trip_of_state_data_state_and_meta(tmp_path):
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "4").iterdir() if p.is_dir()) == \
-        ["data", "meta", "model", "train"]
+        ["data", "digests", "meta", "model", "train"]
 
 
 def test_keep_every_and_load_model(tiny_run):
@@ -73,3 +78,16 @@ def test_load_model_reads_a_model_only_directory(tiny_run, tmp_path):
     assert got_cfg == cfg
     for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(again)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow
+def test_digests_are_checked_across_layouts(tmp_path):
+    """Saved whole and restored in halves over 2 devices (the saved region gathered), and the reverse; a changed
+    element is caught (tests/digest_layouts_worker.py)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    p = subprocess.run([sys.executable, str(Path(__file__).parent / "digest_layouts_worker.py"), str(tmp_path / "ck")],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res == {"holder": None, "whole_to_halves": None, "changed": "array model.w",
+                   "regions": ["0:4,0:8", "4:8,0:8"], "halves_to_whole": None}

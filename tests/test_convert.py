@@ -406,6 +406,34 @@ def test_companion_an_export_that_changes_one_tensor_fails_the_roundtrip(tmp_pat
         _assert_same_params(params_of(load_model(run)[1]), params_of(load_model(tmp_path / "back")[1]))
 
 
+def _flip_a_byte_of(path: Path, tensor: str) -> None:
+    """One byte in the middle of `tensor`'s data, flipped in the file."""
+    n = int.from_bytes(path.read_bytes()[:8], "little")
+    begin, end = json.loads(path.read_bytes()[8:8 + n])[tensor]["data_offsets"]
+    with path.open("r+b") as f:
+        f.seek(8 + n + (begin + end) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def test_import_checks_the_exported_digests(tmp_path, capsys):
+    """An export records each tensor's digest; a flipped byte is refused by name. Companion: the same file with its
+    digests' keys renamed (as a writer without them would leave it) imports the flipped value silently."""
+    run = make_run(tmp_path, "run")
+    assert cli("export", "--run-dir", run, "--out", tmp_path / "hf") == 0
+    st = tmp_path / "hf" / "model.safetensors"
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert f'"mtpjax.xxh3-128.{name}":"' in st.read_bytes()[:20000].decode(errors="replace")
+    _flip_a_byte_of(st, name)
+    err = _bad(capsys, tmp_path / "back", "import", "--hf", tmp_path / "hf", "--out", tmp_path / "back")
+    assert f"tensor {name} in" in err and "does not match its xxh3-128 digest" in err, err
+    st.write_bytes(st.read_bytes().replace(b'"mtpjax.xxh3-128.', b'"mtpjax.xxh3-12X.'))  # same length: offsets hold
+    assert cli("import", "--hf", tmp_path / "hf", "--out", tmp_path / "back") == 0
+    with pytest.raises(AssertionError):
+        _assert_same_params(params_of(load_model(run)[1]), params_of(load_model(tmp_path / "back")[1]))
+
+
 def test_default_export_writes_module_1_only(tmp_path):
     run = make_run(tmp_path, "run")
     assert cli("export", "--run-dir", run, "--out", tmp_path / "hf") == 0

@@ -267,6 +267,30 @@ def test_changed_file_gets_a_new_cache_entry(tmp_path):
     assert a.dir != b.dir and a.content_hash != b.content_hash
 
 
+@pytest.mark.parametrize("recorded", [True, False])
+def test_a_damaged_cache_entry_is_refused_by_name(tmp_path, recorded):
+    """meta.json records each cached file's digest; a changed byte in train.npy is refused with the fix. Companion:
+    an entry without the record (as written before digests) hands the changed token to training."""
+    f = tmp_path / "one.txt"
+    f.write_text("some text to cache " * 10)
+    cfg = _cfg(tmp_path, source="text", paths=(str(f),))
+    p = prepare(cfg)
+    assert set(p.meta["digests"]) >= {"train.npy", "val.npy"}
+    before, arr = np.array(p.train_tokens), p.dir / "train.npy"
+    raw = bytearray(arr.read_bytes())
+    raw[-3] ^= 0x01  # a token id's bits, past the .npy header
+    arr.write_bytes(bytes(raw))
+    if recorded:
+        with pytest.raises(DataError, match=f"'{p.dir}' is damaged: train.npy does not match its xxh3-128 digest; "
+                                            "delete that directory"):
+            prepare(cfg)
+        return
+    meta = json.loads((p.dir / "meta.json").read_text())
+    del meta["digests"]
+    (p.dir / "meta.json").write_text(json.dumps(meta))
+    assert (np.asarray(prepare(cfg).train_tokens) != before).sum() == 1
+
+
 def test_non_utf8_text_warns_and_replaces(tmp_path):
     f = tmp_path / "latin.txt"
     f.write_bytes("café ".encode("latin-1") * 20)

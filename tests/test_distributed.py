@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from mtpjax.parallel import distributed as dist
 from mtpjax.parallel.distributed import DistributedError, Launch, detect
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_helpers import HANG, evaluated_at, wait_for, write_corpus  # noqa: E402
+from train_helpers import HANG, evaluated_at, free_port, sub_env, wait_for, write_corpus  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch"
@@ -31,17 +30,6 @@ def env(monkeypatch):
         if k.startswith(("MTPJAX_", "SLURM_", "TPU_", "JAX_COORDINATOR", "JAX_LOCAL_DEVICE")):
             monkeypatch.delenv(k)
     return monkeypatch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def sub_env(**kw) -> dict:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("MTPJAX_", "SLURM_", "TPU_"))}
-    return {**base, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), **{k: str(v) for k, v in kw.items()}}
 
 
 def our_lines(text: str) -> list[str]:
@@ -78,6 +66,7 @@ def test_explicit_variables(env):
     ({"MTPJAX_NUM_PROCESSES": "2", "MTPJAX_COORDINATOR": "host", "MTPJAX_PROCESS_ID": "0"}, "MTPJAX_COORDINATOR"),
     ({"MTPJAX_PROCESS_ID": "1"}, "MTPJAX_NUM_PROCESSES"),
     ({"MTPJAX_INIT_TIMEOUT": "0"}, "MTPJAX_INIT_TIMEOUT"),
+    ({"MTPJAX_HEARTBEAT_TIMEOUT": "1"}, "MTPJAX_HEARTBEAT_TIMEOUT"),
     ({"MTPJAX_LOCAL_DEVICES": "x"}, "MTPJAX_LOCAL_DEVICES"),
 ])
 def test_bad_variables_are_one_line_errors(env, variables, named):
@@ -239,6 +228,37 @@ def test_local_sh_stops_the_others_when_one_fails(tmp_path):
     assert port.startswith("127.0.0.1:")
 
 
+def test_local_sh_names_a_lost_process(tmp_path):
+    """Process 1 is killed (SIGKILL) once process 0 has started: local.sh names it as lost and stops process 0."""
+    seen = tmp_path / "seen"
+    stub = tmp_path / "py"
+    stub.write_text(f'#!/bin/bash\n[ "$1" = -c ] && exec {sys.executable} "$@"\n'
+                    f'echo "$MTPJAX_PROCESS_ID" >> {seen}\n'
+                    'if [ "$MTPJAX_PROCESS_ID" = 0 ]; then\n'
+                    f'  trap \'kill $!; echo "0 stopped" >> {seen}; exit 143\' TERM\n'
+                    '  sleep 60 & wait $!\n  exit 0\nfi\n'
+                    f'for _ in $(seq 600); do grep -q "^0$" {seen} && break; sleep 0.05; done\n'
+                    'kill -9 $$\n')
+    stub.chmod(0o755)
+    p = subprocess.run(["bash", str(LAUNCH / "local.sh"), "2"], env={**os.environ, "PYTHON": str(stub)},
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 137, p.stderr
+    assert "local.sh: process 1 of 2 was lost (killed by signal 9, SIGKILL); stopping the others" in p.stderr
+    assert "0 stopped" in seen.read_text()
+
+
+def test_slurm_sbatch_names_the_task_srun_lost(tmp_path):
+    srun = tmp_path / "srun"
+    srun.write_text('#!/bin/bash\necho "srun: error: node7: task 3: Killed" >&2\nexit 137\n')
+    srun.chmod(0o755)
+    env = {**sub_env(), "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(REPO)}
+    p = subprocess.run(["bash", str(LAUNCH / "slurm.sbatch"), "--config", "c.yaml"], env=env, capture_output=True,
+                       text=True, timeout=30)
+    assert p.returncode == 137
+    assert p.stderr.splitlines()[-1].startswith("slurm.sbatch: srun exited with status 137; process 3 was lost or "
+                                                "failed first; re-submit"), p.stderr
+
+
 SHRINK = ["model.d_model=32", "model.n_layers=2", "model.d_ff=64", "data.seq_len=64", "train.batch_size=8",
           "train.steps=4", "train.eval_every=4", "train.eval_batches=1", "train.log_every=1",
           "train.num_samples=1", "train.progress=false", "train.peak_flops=1e9", "checkpoint.every=2",
@@ -269,7 +289,7 @@ def test_two_processes_match_one_and_resume_on_one(tmp_path):
     assert len([d for d in (tmp_path / "cache").iterdir() if not d.name.startswith(".")]) == 1
     assert len(list((run / "tensorboard").iterdir())) == 1
     two = {k: scalars(run / "tensorboard", f"loss/{k}") for k in ("main", "mtp_1", "mtp_2")}
-    assert sorted(two["main"]) == [2, 3, 4]  # step 1 includes compilation and is not logged
+    assert sorted(two["main"]) == [1, 2, 3, 4]  # every step; the first (compilation included) without throughput
 
     inp, out = tmp_path / "in.json", tmp_path / "out.json"
     inp.write_text(json.dumps({"config": str(REPO / "configs/tiny.yaml"), "overrides": overrides,

@@ -6,6 +6,7 @@ never corrupts one, and a resumed run ends bit-identical to an uninterrupted one
 
 import errno
 import hashlib
+import json
 import random
 import re
 import shutil
@@ -17,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bench.soak import flip_bit
 from train_helpers import HANG, cli_args, evaluated_at, spawn, tiny_cfg, wait_for, write_corpus
 
 import mtpjax.train.step
-from mtpjax.train.checkpoint import CheckpointError, load_model
+from mtpjax.train.checkpoint import CheckpointError, load_model, load_model_step
 from mtpjax.config import ConfigError, load_config, replace
 from mtpjax.cli.train import main
 from mtpjax.train.loop import NonFiniteError, train
@@ -204,6 +206,68 @@ def test_no_readable_checkpoint_is_an_error_not_a_silent_restart(tiny_run, tmp_p
         {k: v for k, v in before.items() if k.startswith("checkpoints")}
     with pytest.raises(CheckpointError, match="no checkpoint of run .* is readable"):
         load_model(run)
+
+
+def shift_data_position(step_dir: Path) -> None:
+    """The checkpoint's data position moved one batch on (still valid JSON)."""
+    path = step_dir / "data" / "metadata"
+    state = json.loads(path.read_text())
+    state["batch"] += 1
+    path.write_text(json.dumps(state))
+
+
+TAMPERING = {  # what is changed in checkpoint 7 -> (damage, what the one line names)
+    "a parameter": (lambda d: flip_bit(d, "model", "embed"), "array model.embed "),
+    "an optimizer moment": (lambda d: flip_bit(d, "train", "opt.inner_state.1.0.mu.embed"),
+                            "array train.opt.inner_state.1.0.mu.embed "),
+    "the data position": (shift_data_position, "the data position (data) "),
+}
+
+
+def _restore_latest(cfg, run: Path, *overrides: str):
+    from mtpjax.parallel.sharding import make_mesh
+    from mtpjax.train.checkpoint import Checkpointer
+    from mtpjax.train.step import make_programs
+
+    cfg = replace(cfg, list(overrides))
+    ck = Checkpointer(run, cfg.checkpoint)
+    try:
+        return ck.restore_latest(make_programs(cfg, make_mesh(cfg.mesh)).target)
+    finally:
+        ck.close()
+
+
+@pytest.mark.parametrize("kind", list(TAMPERING))
+def test_a_changed_byte_that_still_reads_is_caught_and_the_previous_checkpoint_used(tiny_run, tmp_path, capsys, kind):
+    cfg, run = _copy_run(tiny_run, tmp_path, "run")
+    damage, named = TAMPERING[kind]
+    damage(run / "checkpoints" / "7")
+    # load_model reads the model item only: it falls back when a parameter changed
+    assert load_model_step(run)[3] == (6 if kind == "a parameter" else 7)
+    capsys.readouterr()
+    step, state, data_state, _ = _restore_latest(cfg, run)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "checkpoint 7" in ln]
+    assert step == 6 and "does not match its xxh3-128 digest" in err[0] and named in err[0], err
+    moved = list((run / "checkpoints-corrupt").iterdir())
+    assert len(moved) == 1 and moved[0].name.startswith("7-") and complete_steps(run) == [4, 6]
+    _, model6, _ = load_model(tiny_run[1], step=6)
+    np.testing.assert_array_equal(np.asarray(state.params["embed"][...]), np.asarray(model6.embed[...]))
+
+
+@pytest.mark.parametrize("kind", list(TAMPERING))
+def test_companion_without_verification_the_changed_checkpoint_loads_silently(tiny_run, tmp_path, capsys, kind):
+    """checkpoint.verify=false: the same damage restores step 7 without a word, the change carried into training."""
+    cfg, run = _copy_run(tiny_run, tmp_path, "run")
+    damage, _ = TAMPERING[kind]
+    damage(run / "checkpoints" / "7")
+    capsys.readouterr()
+    step, state, data_state, _ = _restore_latest(cfg, run, "checkpoint.verify=false")
+    assert step == 7 and "warning" not in capsys.readouterr().err
+    _, clean, clean_data, _ = _restore_latest(tiny_run[0], tiny_run[1])
+    differs = [not np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(clean), strict=True)]
+    assert sum(differs) == (0 if kind == "the data position" else 1)
+    assert (data_state != clean_data) == (kind == "the data position")
 
 
 # ----------------------------------------------------------------------------- NaN / inf

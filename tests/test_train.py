@@ -1,5 +1,6 @@
 """The train loop and train.py: resume, TensorBoard tags, banner and summary, preemption, NaN policy, bad input."""
 
+import json
 import os
 import re
 import shutil
@@ -38,6 +39,7 @@ def test_resume_equals_straight_run(tmp_path, monkeypatch):
     _, mb, _ = load_model(tmp_path / "b")
     for a, b in zip(jax.tree.leaves(ma), jax.tree.leaves(mb)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert all(second["goodput_s"][c] >= v for c, v in first["goodput_s"].items())  # totals carry over a resume
     again = train(cfg_b)  # nothing left to do: no step runs, nothing breaks
     assert again["step"] == 8 and again["history"] == []
     # Companion: the same resume with the data iterator's saved state ignored (it starts over) differs.
@@ -64,6 +66,25 @@ def test_tensorboard_has_every_tag(tmp_path):
     assert {"config", "samples/0"} <= texts
     mfu = [e.value for e in acc.Scalars("mfu")]
     assert all(0 < v < 1 for v in mfu) and out["eval/loss/main"] > 0
+    # goodput: its parts cover the run, it is their productive share, and TensorBoard and goodput.json say the same
+    parts = out["goodput_s"]
+    assert {"goodput"} | {f"goodput/{c}_s" for c in parts} <= tags and min(parts.values()) >= 0
+    assert parts["step"] > 0 and parts["compile"] > 0 and parts["eval"] > 0 and parts["checkpoint"] > 0
+    assert out["goodput"] == pytest.approx(parts["step"] / sum(parts.values()), rel=1e-12)
+    assert acc.Scalars("goodput")[-1].value == pytest.approx(out["goodput"], rel=1e-6)
+    assert json.loads((tmp_path / "run" / "goodput.json").read_text()) == parts
+
+
+def test_goodput_moves_lost_steps_to_restart_and_keeps_the_total():
+    from mtpjax.train.goodput import CATEGORIES, goodput, resumed
+
+    latest = dict(zip(CATEGORIES, (10.0, 3.0, 2.0, 1.0, 4.0, 0.5)))  # goodput.json of a killed process
+    carried = resumed(latest, {"step": 7.0, "compile": 3.0})  # its last checkpoint had 7 s of steps
+    assert carried["step"] == 7.0 and carried["restart"] == 3.5 and sum(carried.values()) == sum(latest.values())
+    assert resumed(latest, {}) == {**latest, "step": 0.0, "restart": 10.5}  # killed before its first checkpoint
+    assert resumed(latest, None) == latest  # a checkpoint without totals: nothing is known to be lost
+    assert resumed(None, {}) == dict.fromkeys(CATEGORIES, 0.0) and goodput(dict.fromkeys(CATEGORIES, 0.0)) == 0
+    assert goodput(carried) == pytest.approx(7.0 / 20.5)
 
 
 def test_fresh_moves_the_old_run_aside(tiny_run, tmp_path):

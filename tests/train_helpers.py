@@ -90,6 +90,21 @@ REPO = Path(__file__).resolve().parent.parent
 HANG = 900.0  # seconds: only a hung run takes this long, and that fails the test (no step depends on it)
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a coordinator)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sub_env(**kw) -> dict:
+    """The environment of a train.py subprocess: this checkout, CPU, no inherited launch variables, plus `kw`."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("MTPJAX_", "SLURM_", "TPU_"))}
+    return {**base, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), **{k: str(v) for k, v in kw.items()}}
+
+
 def spawn(args: list[str], log: Path, script: str = "train.py") -> subprocess.Popen:
     """A `python train.py ARGS` process; stderr goes to `log` (a file, so it never blocks on a full pipe)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -19,7 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
     args = ap.parse_intermixed_args(argv)
     distributed.initialize()  # before any other JAX use; a no-op on one process
-    out = train(load_config(args.config, args.overrides), fresh=args.fresh)
+    try:
+        out = train(load_config(args.config, args.overrides), fresh=args.fresh)
+    except Exception:  # a collective or save may fail because a peer died: the peer watch then ends this process
+        distributed.await_lost_peer()
+        raise
+    distributed.finished()
     if out["preempted"] and distributed.is_primary():
         print(f"preempted: checkpoint saved at step {out['step']}", file=sys.stderr)
     return 0

@@ -328,6 +328,9 @@ class CheckpointConfig:
     every: int = key(500, "steps between checkpoints (the last step is always saved)", gt=0)
     keep: int = key(3, "checkpoints kept", gt=0)
     async_save: bool = key(True, "save in the background while training continues")
+    verify: bool = key(True, "check every restored array, the data position and the config against the xxh3-128 "
+                             "digests saved with them (a mismatch falls back to the previous checkpoint); false "
+                             "skips the check, for speed")
 
 
 @dataclass(frozen=True)

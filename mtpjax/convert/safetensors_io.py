@@ -5,6 +5,10 @@ Format (https://github.com/huggingface/safetensors): 8-byte little-endian header
 raw little-endian bytes. The header is known before any tensor is read (shapes come from the config), so
 a writer holds one tensor at a time; above `max_bytes` per file the tensors are split into
 `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`, as transformers writes them.
+
+Digests: the header's `__metadata__` records each tensor's xxh3-128 digest (`mtpjax.xxh3-128.<name>`, hashed
+as the tensor is written; the header is written first with placeholders of the same length, then filled in).
+Other readers ignore these keys; `Reader.array` checks a tensor against its digest when one is recorded.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
+from mtpjax import checksum
 from mtpjax.convert.errors import ConvertError
 
 SINGLE = "model.safetensors"
@@ -42,8 +47,13 @@ class Spec(NamedTuple):
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
 
-def _header(specs: list[Spec]) -> bytes:
-    head, offset = {"__metadata__": {"format": "pt"}}, 0
+DIGEST = f"mtpjax.{checksum.ALGORITHM}."  # + a tensor's name: a __metadata__ key
+_UNSET = "0" * len(checksum.of_bytes(b""))
+
+
+def _header(specs: list[Spec], digests: dict[str, str] | None = None) -> bytes:
+    meta = {"format": "pt"} | {DIGEST + s.name: (digests or {}).get(s.name, _UNSET) for s in specs}
+    head, offset = {"__metadata__": meta}, 0
     for s in specs:
         head[s.name] = {"dtype": _NAMES[np.dtype(s.dtype)], "shape": list(s.shape),
                         "data_offsets": [offset, offset + s.nbytes]}
@@ -53,8 +63,8 @@ def _header(specs: list[Spec]) -> bytes:
 
 
 def write_file(path: Path, specs: list[Spec]) -> None:
-    """Write one safetensors file, producing and releasing the tensors one by one."""
-    header = _header(specs)
+    """Write one safetensors file, producing and releasing the tensors one by one; their digests go in the header."""
+    header, digests = _header(specs), {}
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
@@ -62,8 +72,11 @@ def write_file(path: Path, specs: list[Spec]) -> None:
             arr = np.ascontiguousarray(s.produce(), dtype=s.dtype)
             if arr.shape != tuple(s.shape):
                 raise ConvertError(f"tensor {s.name} has shape {arr.shape}, expected {tuple(s.shape)}")
+            digests[s.name] = checksum.of_array(arr)
             arr.tofile(f)  # raw little-endian bytes (every platform jax runs on), without a copy
             del arr
+        f.seek(8)
+        f.write(_header(specs, digests))  # the same length: digests replace placeholders of their size
 
 
 def shard(specs: list[Spec], max_bytes: float) -> list[list[Spec]]:
@@ -99,6 +112,7 @@ class Entry(NamedTuple):
     dtype: np.dtype
     shape: tuple
     offset: int  # absolute byte offset of the data in the file
+    digest: str | None  # recorded by an mtpjax export
 
 
 def _read_header(path: Path) -> dict[str, Entry]:
@@ -111,6 +125,7 @@ def _read_header(path: Path) -> dict[str, Entry]:
     except (OSError, ValueError, struct.error) as e:
         raise ConvertError(f"'{path}' is not a readable safetensors file ({e})") from None
     size, out = path.stat().st_size, {}
+    meta = head.get("__metadata__") or {}
     for name, info in head.items():
         if name == "__metadata__":
             continue
@@ -123,7 +138,7 @@ def _read_header(path: Path) -> dict[str, Entry]:
         shape = tuple(info["shape"])
         if end - begin != int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize or 8 + n + end > size:
             raise ConvertError(f"tensor {name} in '{path}' has offsets that do not match its shape or the file")
-        out[name] = Entry(path, np.dtype(dt), shape, 8 + n + begin)
+        out[name] = Entry(path, np.dtype(dt), shape, 8 + n + begin, meta.get(DIGEST + name))
     return out
 
 
@@ -145,6 +160,7 @@ class Reader:
         else:
             raise ConvertError(f"'{d}' has no {SINGLE} or {INDEX}")
         self.entries: dict[str, Entry] = {}
+        self.checked: set[str] = set()
         for f in files:
             self.entries.update(_read_header(d / f))
 
@@ -152,8 +168,14 @@ class Reader:
         return name in self.entries
 
     def array(self, name: str) -> np.ndarray:
-        """A read-only memory-mapped view (nothing is read until it is used)."""
+        """A read-only memory-mapped view; checked once against its recorded digest, if there is one."""
         e = self.entries[name]
         if 0 in e.shape:  # np.memmap cannot map zero bytes
             return np.zeros(e.shape, e.dtype)
-        return np.memmap(e.file, e.dtype, "r", offset=e.offset, shape=e.shape or (1,)).reshape(e.shape)
+        a = np.memmap(e.file, e.dtype, "r", offset=e.offset, shape=e.shape or (1,)).reshape(e.shape)
+        if e.digest is not None and name not in self.checked:
+            if checksum.of_array(a) != e.digest:
+                raise ConvertError(f"tensor {name} in '{e.file}' does not match its {checksum.ALGORITHM} digest (a "
+                                   "changed or flipped byte); export it again or restore the file from a good copy")
+            self.checked.add(name)
+        return a

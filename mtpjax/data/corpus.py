@@ -34,7 +34,7 @@ import numpy as np
 
 from mtpjax.data import encode, sources
 from mtpjax.data.errors import DataError
-from mtpjax.data.prepared import PreparedData
+from mtpjax.data.prepared import PreparedData, check_files, file_digests
 from mtpjax.data.tokenizer import Tokenizer, load_spec, tokenizer_file, tokenizer_from_dir, tokenizer_kind, train_bpe
 
 FORMAT = 2  # 2: content hash over per-unit digests
@@ -80,6 +80,7 @@ def cache_path(cfg) -> Path:
 
 def _load(d: Path) -> PreparedData:
     meta = json.loads((d / "meta.json").read_text())
+    check_files(d, meta)
     return PreparedData(d, meta, tokenizer_from_dir(d), np.load(d / "train.npy", mmap_mode="r"),
                         np.load(d / "val.npy", mmap_mode="r"))
 
@@ -275,7 +276,7 @@ def _build(cfg, files, units, kind: str, out: Path, progress: bool) -> None:
             "eos_id": tok.eos_id, "dtype": np.dtype(dtype).name, "val_fraction": cfg.val_fraction,
             "bpe_vocab_size": cfg.bpe_vocab_size if kind == "bpe" else None, "content_hash": content_hash,
             "split": split, "train": stats["train"], "val": stats["val"],
-            "seconds": round(time.time() - t0, 3)}
+            "seconds": round(time.time() - t0, 3), "digests": file_digests(out)}
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 

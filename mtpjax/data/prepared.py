@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mtpjax import checksum
 from mtpjax.data.errors import DataError
 from mtpjax.data.tokenizer import Tokenizer
 
@@ -34,3 +35,18 @@ class PreparedData:
     def sources(self) -> list[tuple[str, float, PreparedData]]:
         """(name, weight, prepared) of each source: one unnamed source here (a mixture has several)."""
         return [("", 1.0, self)]
+
+
+def file_digests(entry: Path) -> dict[str, str]:
+    """{file name: xxh3-128 digest} of a cache entry's files (token arrays, tokenizer), meta.json aside."""
+    return {p.name: checksum.of_file(p) for p in sorted(entry.iterdir()) if p.is_file() and p.name != "meta.json"}
+
+
+def check_files(entry: Path, meta: dict) -> None:
+    """DataError naming the first file of a cache entry that no longer matches the digest its meta.json recorded
+    (an entry written before digests were recorded is not checked)."""
+    for name, want in (meta.get("digests") or {}).items():
+        p = entry / name
+        if not p.is_file() or checksum.of_file(p) != want:
+            raise DataError(f"the prepared data cache entry '{entry}' is damaged: {name} does not match its "
+                            f"{checksum.ALGORITHM} digest; delete that directory and it is rebuilt on the next run")

@@ -12,6 +12,13 @@ bounds the rendezvous: a coordinator that cannot be reached, a missing process o
 on the process count end the process with one line on stderr and exit status 2 instead of a hang.
 Cross-process collectives on CPU use gloo.
 
+A lost process (kill -9, out of memory, a failed host): every process heartbeats through the coordinator's
+key-value store; when a peer's heartbeat has not moved for `MTPJAX_HEARTBEAT_TIMEOUT` seconds (default 30),
+every survivor prints one line naming it and exits with status 75 (re-launch to resume) without committing a
+checkpoint (orbax commits a save only after every process wrote its part). JAX's own coordination-service
+heartbeat is set 30 s later, as a backstop. When the lost process is process 0, the coordinator itself is gone
+and JAX's client ends the survivors at once (its own log, exit status 134); the launchers name the lost rank.
+
 JAX internals used here, with no public equivalent (tests/test_distributed.py pins both): `jax._src.clusters.
 SlurmCluster` (SLURM's coordinator, process count and ids as JAX itself reads them) and the key-value client
 of `jax._src.distributed.global_state` (processes compare their counts before any collective could hang).
@@ -24,6 +31,7 @@ import re
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import jax
@@ -32,7 +40,9 @@ from mtpjax.errors import MtpjaxError, first_line
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "MTPJAX_COORDINATOR", "MTPJAX_NUM_PROCESSES", "MTPJAX_PROCESS_ID"
 LOCAL_DEVICES, INIT_TIMEOUT, CLUSTER = "MTPJAX_LOCAL_DEVICES", "MTPJAX_INIT_TIMEOUT", "MTPJAX_CLUSTER"
-DEFAULT_TIMEOUT = 300
+HEARTBEAT = "MTPJAX_HEARTBEAT_TIMEOUT"
+DEFAULT_TIMEOUT, DEFAULT_HEARTBEAT = 300, 30
+LOST_EXIT_STATUS = 75  # EX_TEMPFAIL: nothing is wrong with the input; re-launch to resume
 
 
 class DistributedError(MtpjaxError, RuntimeError):
@@ -71,6 +81,12 @@ def timeout_s() -> int:
     """Seconds allowed for the rendezvous (MTPJAX_INIT_TIMEOUT, default 300)."""
     t = _int_env(INIT_TIMEOUT, 1)
     return DEFAULT_TIMEOUT if t is None else t
+
+
+def heartbeat_s() -> int:
+    """Seconds without a peer's heartbeat before it counts as lost (MTPJAX_HEARTBEAT_TIMEOUT, default 30)."""
+    t = _int_env(HEARTBEAT, 2)
+    return DEFAULT_HEARTBEAT if t is None else t
 
 
 def local_cpu_devices() -> int | None:
@@ -130,6 +146,7 @@ def detect() -> Launch | None:
     """How this process joins a multi-process run, from the environment; None when it runs alone."""
     timeout = timeout_s()
     local_cpu_devices()  # validate early
+    heartbeat_s()
     cluster = os.environ.get(CLUSTER, "auto").strip().lower() or "auto"
     if cluster == "off":
         return None
@@ -226,8 +243,9 @@ def initialize() -> Launch | None:
         return launch
     kw = dict(coordinator_address=launch.coordinator, num_processes=launch.num_processes,
               process_id=launch.process_id, local_device_ids=launch.local_device_ids,
-              # JAX's own deadline lies past ours so that the watchdog, not an abort, reports a stuck start
-              initialization_timeout=2 * launch.timeout + 30)
+              # JAX's own deadlines lie past ours so that our watchdogs, not an abort, report a stuck start or a
+              # lost process
+              initialization_timeout=2 * launch.timeout + 30, heartbeat_timeout_seconds=heartbeat_s() + 30)
     if launch.method == "env" or launch.method == "slurm":
         kw["cluster_detection_method"] = "deactivate"
     elif launch.method != "tpu":
@@ -243,6 +261,7 @@ def initialize() -> Launch | None:
                                    f"the {launch.method} launch settings") from None
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # backends start after this
         _check_agreement(launch)
+    _PeerWatch.start(heartbeat_s())
     return launch
 
 
@@ -262,3 +281,80 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+# ----------------------------------------------------------------------------- a lost process
+
+
+class _PeerWatch:
+    """Heartbeats this process through the coordinator's key-value store and ends it with one line when a peer's
+    heartbeat stops for `timeout` seconds (a peer that called `finished()` is no longer watched)."""
+
+    current: _PeerWatch | None = None
+
+    def __init__(self, timeout: int):
+        from jax._src import distributed as jd
+
+        self.client, self.me, self.n = jd.global_state.client, jd.global_state.process_id, jd.global_state.num_processes
+        self.timeout, self.interval = timeout, max(0.2, timeout / 10)
+        self.thread = threading.Thread(target=self._run, daemon=True, name="mtpjax-peer-watch")
+        self.beats: dict[int, float] = {}  # when each peer's heartbeat last moved (time.monotonic)
+        self.done: set[str] = set()
+
+    @classmethod
+    def start(cls, timeout: int) -> None:
+        cls.current = cls(timeout)
+        cls.current.thread.start()
+
+    def _run(self) -> None:
+        beat, seen, reached = 0, {}, time.monotonic()
+        while True:
+            now = time.monotonic()
+            try:
+                self.client.key_value_set(f"mtpjax/alive/{self.me}", str(beat), allow_overwrite=True)
+                values = dict(self.client.key_value_dir_get("mtpjax/alive/"))
+                self.done = {k.rsplit("/", 1)[-1] for k, _ in self.client.key_value_dir_get("mtpjax/done/")}
+                reached, beat = now, beat + 1
+            except Exception:  # the coordinator does not answer (JAX's client usually ends the process first)
+                if now - reached > self.timeout:
+                    self._lost(0, "the coordinator")
+                values = None
+            for p in range(self.n) if values is not None else ():
+                v = values.get(f"mtpjax/alive/{p}")
+                if p == self.me or str(p) in self.done:
+                    continue
+                if p not in seen or seen[p][0] != v:
+                    seen[p] = (v, now)
+                    self.beats[p] = now
+                elif now - seen[p][1] > self.timeout:
+                    self._lost(p, "")
+            time.sleep(self.interval)
+
+    def _lost(self, p: int, what: str) -> None:
+        who = f"process {p} of {self.n}" + (f" ({what})" if what else "")
+        print(f"error: {who} was lost (no heartbeat for {self.timeout} s: killed, out of memory or its host failed); "
+              f"process {self.me} stops without committing a checkpoint; re-launch the run to resume from its last "
+              "complete checkpoint", file=sys.stderr, flush=True)
+        os._exit(LOST_EXIT_STATUS)
+
+
+def finished() -> None:
+    """Tell the other processes that this one ends normally (its heartbeat stopping is then no loss)."""
+    w = _PeerWatch.current
+    if w is not None:
+        w.client.key_value_set(f"mtpjax/done/{w.me}", "1", allow_overwrite=True)
+
+
+def await_lost_peer() -> None:
+    """After a failure in a multi-process run: wait until the peer watch has decided whether a process was lost (it
+    then ends this process with its line); returns once every other process has shown a heartbeat since (the
+    failure is another one, reported as usual), at once on one process."""
+    w = _PeerWatch.current
+    if w is None:
+        return
+    since, deadline = time.monotonic(), time.monotonic() + w.timeout + 3 * w.interval + 5
+    while w.thread.is_alive() and time.monotonic() < deadline:
+        peers = [p for p in range(w.n) if p != w.me and str(p) not in w.done]
+        if all(w.beats.get(p, 0.0) > since + w.interval for p in peers):
+            return
+        time.sleep(w.interval / 4)

@@ -6,8 +6,10 @@ export open a run through it. `read_run_config` reads the config.yaml a run dire
 Run directory layout: `config.yaml`, `tokenizer/`, `tensorboard/`, and `checkpoints/<step>/` with the items
 - `model`: `nnx.to_pure_dict` of the model state: all that `load_model` (decoding, export) reads;
 - `train`: the rest of the TrainState: `{"opt": optimizer state, "step": int32, "rng": uint32[2]}`;
-- `data`: the data iterator's state (JSON); `meta`: `{"step", "config": cfg.to_dict(), "metrics"}` (JSON).
-A model-only directory (export/import) holds just `model` and `meta`.
+- `data`: the data iterator's state (JSON); `meta`: `{"step", "config": cfg.to_dict(), "metrics"}` (JSON);
+- `digests`: an xxh3-128 digest of every stored array shard, of `data` and of `meta` (train/digests.py), checked
+  on restore unless `checkpoint.verify=false`: a mismatch makes the checkpoint unreadable.
+A model-only directory (export/import) holds just `model` and `meta` (and `digests`).
 Arrays are saved with StandardSave and restored with StandardRestore onto the caller's target shardings,
 so a checkpoint written on one mesh restores onto any other.
 """
@@ -26,6 +28,7 @@ from flax import nnx
 from mtpjax.config import CheckpointConfig, Config, ConfigError, from_dict
 from mtpjax.errors import MtpjaxError, first_line
 from mtpjax.nn.model import build_model
+from mtpjax.train import digests
 
 
 class CheckpointError(MtpjaxError, RuntimeError):
@@ -43,7 +46,8 @@ class Checkpointer:
     def __init__(self, run_dir: str | Path, ccfg: CheckpointConfig = CheckpointConfig()):
         opts = ocp.CheckpointManagerOptions(save_interval_steps=ccfg.every, max_to_keep=ccfg.keep,
                                             enable_async_checkpointing=ccfg.async_save)
-        self.dir = ckpt_dir(run_dir)
+        self.dir, self.verify = ckpt_dir(run_dir), ccfg.verify
+        self.restore_seconds = 0.0  # spent in restore_latest (goodput counts it as checkpointing)
         self.mngr = ocp.CheckpointManager(self.dir, options=opts)
 
     def latest_step(self) -> int | None:
@@ -56,10 +60,11 @@ class Checkpointer:
 
     def save(self, step: int, state, data_state: dict, meta: dict, *, force: bool = False) -> bool:
         """Save a TrainState (maybe asynchronously) if `step` is due or `force`; returns whether a save started."""
+        arrays = {"model": nnx.to_pure_dict(state.params), "train": _train_item(state)}
         args = ocp.args.Composite(
-            model=ocp.args.StandardSave(nnx.to_pure_dict(state.params)),
-            train=ocp.args.StandardSave(_train_item(state)),
-            data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta))
+            **{k: ocp.args.StandardSave(v) for k, v in arrays.items()},
+            data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta),
+            digests=digests.DigestSave(arrays, {"data": data_state, "meta": meta}))
         try:  # also raises the error of a failed earlier asynchronous save
             return self.mngr.save(step, args=args, force=force)
         except Exception as e:
@@ -76,16 +81,24 @@ class Checkpointer:
         args = ocp.args.Composite(
             model=ocp.args.StandardRestore(nnx.to_pure_dict(target.params)),
             train=ocp.args.StandardRestore(_train_item(target)),
-            data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
+            data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore(),
+            **self._digests(step))
         try:
             out = self.mngr.restore(step, args=args)
         except Exception as e:  # orbax raises many types; the user needs one line
             raise CheckpointError(f"checkpoint {step} in {self.dir} could not be restored "
                                   f"({first_line(e, typed=True)})") from None
+        if ITEM in out:
+            check(out[ITEM], {k: out[k] for k in ("model", "train")}, {k: out[k] for k in ("data", "meta")},
+                  f"checkpoint {step} in {self.dir}")
         train = out["train"]
         state = target.replace(params=_fill(target.params, out["model"]), opt=_fill_vars(target.opt, train["opt"]),
                                step=train["step"], rng=train["rng"])
         return state, out["data"], out["meta"]
+
+    def _digests(self, step: int) -> dict:
+        """The digests item to restore with `step`'s arrays: none when not verifying or for a checkpoint without one."""
+        return has_digests(self.dir, step) if self.verify else {}
 
     def restore_latest(self, target):
         """(step, state, data_state, meta) of the newest checkpoint that restores, or None if there is none.
@@ -93,6 +106,13 @@ class Checkpointer:
         Unreadable newer checkpoints are reported on stderr and, once an older one restored, moved aside to
         `checkpoints-corrupt/` (never deleted) so their steps can be saved again. CheckpointError if none restores.
         """
+        t0 = time.perf_counter()
+        try:
+            return self._restore_latest(target)
+        finally:
+            self.restore_seconds += time.perf_counter() - t0
+
+    def _restore_latest(self, target):
         steps, bad = sorted(self.mngr.all_steps(), reverse=True), []
         for step in steps:
             try:
@@ -147,6 +167,22 @@ def warn(message: str) -> None:
         print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+ITEM = digests.ITEM
+
+
+def has_digests(directory: Path, step: int) -> dict:
+    """{ITEM: DigestRestore()} if checkpoint `step` under `directory` recorded digests, else {} (an older one)."""
+    return {ITEM: digests.DigestRestore()} if (directory / str(step) / ITEM).is_dir() else {}
+
+
+def check(record: dict, arrays: dict, values: dict, what: str) -> None:
+    """CheckpointError naming the first array or JSON item of `what` that does not match its recorded digest."""
+    bad = digests.first_mismatch(record, arrays, values)
+    if bad is not None:
+        raise CheckpointError(f"{what}: {bad} does not match its {digests.checksum.ALGORITHM} digest (a changed "
+                              "or flipped byte)")
+
+
 def complete_steps(run_dir: str | Path) -> list[int]:
     """A run directory's complete checkpoint steps, oldest first (orbax renames a finished save to its bare step)."""
     d = ckpt_dir(run_dir)
@@ -156,8 +192,8 @@ def complete_steps(run_dir: str | Path) -> list[int]:
 class SavedRun:
     """A run directory opened read-only (steps, a checkpoint's config, tokenizer, parameters); errors name it `name`."""
 
-    def __init__(self, run_dir: str | Path, name: str | None = None):
-        self.dir = Path(run_dir)
+    def __init__(self, run_dir: str | Path, name: str | None = None, *, verify: bool = True):
+        self.dir, self.verify = Path(run_dir), verify
         self.name = name or f"'{self.dir}'"
         if not self.dir.is_dir():
             raise CheckpointError(f"{self.name} is not a run directory (it does not exist or is not a directory); "
@@ -232,11 +268,16 @@ class SavedRun:
         return out
 
     def _restore(self, step: int, what: str = "", **items) -> dict:
+        extra = has_digests(ckpt_dir(self.dir), step) if self.verify else {}
         try:
-            return self.mngr.restore(step, args=ocp.args.Composite(**items))
+            out = self.mngr.restore(step, args=ocp.args.Composite(**items, **extra))
         except Exception as e:  # orbax raises many types; the user needs one line
             raise CheckpointError(f"{what}checkpoint {step} of {self.name} is unreadable "
                                   f"({first_line(e, typed=True)})") from None
+        if ITEM in out:
+            check(out[ITEM], {k: out[k] for k in ("model", "train") if k in out},
+                  {k: out[k] for k in ("data", "meta") if k in out}, f"{what}checkpoint {step} of {self.name}")
+        return out
 
     def close(self) -> None:
         self.mngr.close()

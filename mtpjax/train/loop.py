@@ -20,6 +20,7 @@ from mtpjax.config import Config
 from mtpjax.parallel import distributed, runtime
 from mtpjax.train import setup
 from mtpjax.train.evals import run_eval
+from mtpjax.train.goodput import Goodput
 from mtpjax.train.hooks import Hooks, Tick
 from mtpjax.train.metrics import Writer, measure_peak_flops
 from mtpjax.train.report import Logger, banner, say, summary
@@ -125,16 +126,28 @@ class _Report:
             self.log.record(step, met)
 
 
+def _count(gp: Goodput, category: str, writer: Writer, step: int) -> None:
+    """The time since the last mark went to `category`; the totals go to goodput.json and TensorBoard, whose log is
+    flushed: a killed process loses no step up to its last checkpoint (a resume purges the ones after it)."""
+    gp.mark(category)
+    gp.save()
+    writer.scalars(step, gp.scalars())
+    writer.flush()
+
+
 class _Saving:
     """The checkpoint job: saves when checkpoint.every says; `last` saves the step the run stops at, if not yet."""
 
-    def __init__(self, r: setup.Run, start: int, report: _Report):
-        self.r, self.saved, self.report = r, start, report
+    def __init__(self, r: setup.Run, start: int, report: _Report, gp: Goodput, writer: Writer):
+        self.r, self.saved, self.report, self.gp, self.writer = r, start, report, gp, writer
 
     def save(self, tick: Tick, force: bool = False) -> None:
-        meta = {"step": tick.step, "config": self.r.cfg.to_dict(), "metrics": self.report.log.last}
+        self.gp.mark("step")
+        meta = {"step": tick.step, "config": self.r.cfg.to_dict(), "metrics": self.report.log.last,
+                "goodput": self.gp.record()}
         if self.r.ck.save(tick.step, tick.state, self.r.data.train.get_state(), meta, force=force):
             self.saved = tick.step
+            _count(self.gp, "checkpoint", self.writer, tick.step)
 
     def last(self, tick: Tick) -> None:
         """A run always checkpoints its last step (also when preempted)."""
@@ -142,16 +155,18 @@ class _Saving:
             self.save(tick, force=True)
 
 
-def _evaluate(r: setup.Run, writer: Writer, report: _Report, result: dict):
+def _evaluate(r: setup.Run, writer: Writer, report: _Report, result: dict, gp: Goodput):
     """The eval job: validation metrics and samples (train/evals.py), a line per eval; tokens/s restarts after."""
 
     def job(tick: Tick) -> None:
+        gp.mark("step")
         ev = run_eval(r.progs, tick.state, r.data.val, r.data.val_sources, lambda b: to_global(r.progs, b),
                       r.data.prepared.tokenizer, writer, tick.step, r.cfg.train.num_samples, r.dir)
         result.update(ev)
         if ev:
             say(f"step {tick.step}: eval loss/main {ev['eval/loss/main']:.4f}" + "".join(
                 f", mtp_{k} {ev[f'eval/loss/mtp_{k}']:.4f}" for k in range(1, r.cfg.model.mtp_depth + 1)))
+        _count(gp, "eval", writer, tick.step)
         report.log.restart_clock(tick.step)
 
     return job
@@ -173,17 +188,22 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
     """Steps from `first` up to train.steps or max_steps, the jobs run between them; the final metrics."""
     cfg, end = r.cfg, min(r.cfg.train.steps, r.cfg.train.steps if max_steps is None else max_steps)
     say(banner(cfg, r.mesh, r.dir, first.step, r.data.prepared))
-    writer = Writer(r.dir, enabled=jax.process_index() == 0)
+    writer = Writer(r.dir, enabled=jax.process_index() == 0, purge_step=first.step + 1 if first.step else None)
     if first.step == 0:
         writer.text(0, "config", cfg.to_yaml())
     show = cfg.train.progress and distributed.is_primary()
     bar = tqdm(total=cfg.train.steps, initial=first.step, disable=not show, desc="train", unit="step")
     prof, result = runtime.Profiler(cfg.train.profile, r.dir / "tensorboard"), {"preempted": False}
     report = _Report(cfg, writer, bar, r.mesh.size)
-    saving = _Saving(r, first.step, report)
+    gp = Goodput(r.dir, t_start, enabled=distributed.is_primary())
+    gp.start(first.goodput)
+    gp.mark("startup")
+    gp.move(r.ck.restore_seconds, "startup", "checkpoint")
+    saving = _Saving(r, first.step, report, gp, writer)
     hooks = Hooks(sync=report.sync)
+    hooks.add(lambda t: gp.mark("compile" if t.step == first.step + 1 else "step"))  # the step just done
     hooks.add(report.read)
-    hooks.add(_evaluate(r, writer, report, result), every=lambda s: s % cfg.train.eval_every == 0 or s == end,
+    hooks.add(_evaluate(r, writer, report, result, gp), every=lambda s: s % cfg.train.eval_every == 0 or s == end,
               synced=True)
     hooks.add(saving.save, every=r.ck.due, synced=True)  # a checkpoint never holds a step the guard has not seen
     hooks.add(lambda t: pre.check(t.step), before_step=True)
@@ -198,10 +218,12 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
     finally:
         prof.close(tick.step, tick.state)
         r.ck.close()
+        _count(gp, "checkpoint", writer, tick.step)
         writer.close()
         bar.close()
     out = {**report.log.last, **result, "step": tick.step, "skipped_steps": report.guard.skipped,
-           "history": report.log.history, "seconds": time.perf_counter() - t_start}
+           "history": report.log.history, "seconds": time.perf_counter() - t_start,
+           "goodput": gp.scalars()["goodput"], "goodput_s": gp.record()}
     last = r.ck.dir / str(tick.step)
     say(summary(cfg, r.dir, out, last if last.is_dir() else None))
     return out

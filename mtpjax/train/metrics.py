@@ -52,12 +52,13 @@ def mfu(tokens_per_sec: float, flops_per_token: float, peak_flops_per_device: fl
 class Writer:
     """tensorboardX SummaryWriter under `<run_dir>/tensorboard`; a no-op when disabled (processes > 0)."""
 
-    def __init__(self, run_dir: str | Path, enabled: bool = True):
+    def __init__(self, run_dir: str | Path, enabled: bool = True, purge_step: int | None = None):
         self.tb = None
         if enabled:
             from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            # a resumed run purges what an interrupted one logged past its checkpoint: each step is logged once
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=purge_step)
 
     def scalars(self, step: int, values: dict, prefix: str = "") -> None:
         """One scalar per key (keys are TensorBoard tags)."""

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from mtpjax.config import Config
 from mtpjax.parallel import distributed
 from mtpjax.nn.flops import train_flops_per_token
+from mtpjax.train import goodput
 from mtpjax.train.metrics import Writer, mfu
 from mtpjax.nn.model import build_model, param_counts
 
@@ -69,7 +70,8 @@ def summary(cfg: Config, run: Path, out: dict, checkpoint: Path | None) -> str:
     if out["step"] >= cfg.train.steps:
         done = f"done: {out['step']} steps"
     lines = [f"{done} of {cfg.train.steps} in {out['seconds']:.0f} s"
-             + (f", {out['skipped_steps']} non-finite updates skipped" if out["skipped_steps"] else "")]
+             + (f", {out['skipped_steps']} non-finite updates skipped" if out["skipped_steps"] else "")
+             + (f"; {goodput.line(out['goodput_s'])}" if "goodput_s" in out else "")]
     for prefix, name in (("", "train"), ("eval/", "eval")):
         losses = [(k, out.get(f"{prefix}loss/{k}")) for k in ["main"] + [f"mtp_{i}" for i in range(1, depth + 1)]]
         if losses[0][1] is not None:
@@ -101,11 +103,14 @@ class Logger:
         """One applied step's metrics (host floats)."""
         self.last = met
         self.history.append((step, met["loss/total"]))
-        if self.t0 is None:
-            self.restart_clock(step)  # the first fetched step included compilation
+        losses = {k: v for k, v in met.items() if k not in ("loss/total", "skipped")}
+        if self.t0 is None:  # the first fetched step included compilation: its losses, no throughput
+            self.restart_clock(step)
+            if step % self.cfg.train.log_every == 0:
+                self.writer.scalars(step, losses)
         elif step % self.cfg.train.log_every == 0 and step > self.s0:
             tps = (step - self.s0) * self.tokens_per_step / (time.perf_counter() - self.t0)
             extra = {"tokens_per_sec": tps, "mfu": mfu(tps, self.flops, self.peak, self.n_devices)}
-            self.writer.scalars(step, {k: v for k, v in met.items() if k not in ("loss/total", "skipped")} | extra)
+            self.writer.scalars(step, losses | extra)
             self.bar.set_postfix(loss=f"{met['loss/main']:.3f}", tok_s=f"{tps:,.0f}")
             self.restart_clock(step)

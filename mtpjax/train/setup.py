@@ -102,10 +102,11 @@ class Run:
 
 @dataclass(frozen=True)
 class Start:
-    """The loop's first step and state."""
+    """The loop's first step and state; `goodput`: the checkpoint's goodput totals ({} at step 0, None: unknown)."""
 
     step: int
     state: TrainState
+    goodput: dict | None = None
 
 
 def open_state(run: Run, source: posttrain.Source | None) -> Start:
@@ -113,10 +114,10 @@ def open_state(run: Run, source: posttrain.Source | None) -> Start:
     step 0: from init_from's trunk when a source was chosen, else a fresh init."""
     restored = run.ck.restore_latest(run.progs.target)  # unreadable newer checkpoints are reported
     if restored:
-        step, state, data_state, _ = restored
+        step, state, data_state, meta = restored
         run.data.train.set_state(data_state)
         say(f"resuming from checkpoint {step} in {run.ck.dir}")
-        return Start(step, state)
+        return Start(step, state, meta.get("goodput"))
     if source is not None:  # read only now, before the first checkpoint
-        return Start(0, posttrain.initial_state(run.cfg, source, run.progs))
-    return Start(0, run.progs.init())
+        return Start(0, posttrain.initial_state(run.cfg, source, run.progs), {})
+    return Start(0, run.progs.init(), {})
