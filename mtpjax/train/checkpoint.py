@@ -14,6 +14,7 @@ so a checkpoint written on one mesh restores onto any other.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -168,8 +169,9 @@ class SavedRun:
             none = "" if ckpt_dir(self.dir).is_dir() else " (no checkpoints/ directory)"
             raise CheckpointError(f"{self.name} holds no complete checkpoint{none}; train it first (python train.py "
                                   "...) or pass another run directory")
-        self.mngr = ocp.CheckpointManager(ckpt_dir(self.dir), options=ocp.CheckpointManagerOptions(
-            save_interval_steps=0, create=False, read_only=True))
+        with _quiet(_READ_ONLY_NOTICE):  # reading is what the caller asked for, not news
+            self.mngr = ocp.CheckpointManager(ckpt_dir(self.dir), options=ocp.CheckpointManagerOptions(
+                save_interval_steps=0, create=False, read_only=True))
 
     def __enter__(self):
         return self
@@ -240,6 +242,25 @@ class SavedRun:
 
     def close(self) -> None:
         self.mngr.close()
+
+
+_READ_ONLY_NOTICE = "Given directory is read only"  # orbax's warning on every read-only CheckpointManager
+
+
+@contextlib.contextmanager
+def _quiet(message: str):
+    """Drop absl log records that start with `message` while the block runs."""
+    import logging
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(message)
+
+    logger = logging.getLogger("absl")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def load_model(run_dir: str | Path, step: int | None = None):

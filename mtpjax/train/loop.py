@@ -8,16 +8,14 @@ jitted step), `evals` (the eval hook), `report` (banner, metrics, summary), `che
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 import time
 
 import jax
 import numpy as np
-from tqdm import tqdm
 
 from mtpjax.config import Config
-from mtpjax.parallel import distributed, runtime
+from mtpjax.parallel import console, distributed, runtime
 from mtpjax.train import posttrain, setup
 from mtpjax.train.checkpoint import Checkpointer
 from mtpjax.train.evals import run_eval
@@ -90,7 +88,7 @@ class NonFiniteGuard:
             raise NonFiniteError(f"{what}; {self.skipped} updates skipped > train.max_skipped_steps={self.limit}; "
                                  "stopped, the last good checkpoint is kept")
         if distributed.is_primary():
-            tqdm.write(f"warning: {what}; update skipped ({self.skipped}/{self.limit})", file=sys.stderr)
+            console.say(f"warning: {what}; update skipped ({self.skipped}/{self.limit})")
         return False
 
 
@@ -132,7 +130,7 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
         writer.text(0, "config", cfg.to_yaml())
     peak = cfg.train.peak_flops or measure_peak_flops()
     show = cfg.train.progress and distributed.is_primary()
-    bar = tqdm(total=cfg.train.steps, initial=start, disable=not show, desc="train", unit="step")
+    bar = console.bar(cfg.train.steps, initial=start, enabled=show, desc="train", unit="step")
     log, guard = Logger(cfg, writer, bar, mesh.size, peak), NonFiniteGuard(cfg)
     prof = runtime.Profiler(cfg.train.profile, run / "tensorboard")
 
