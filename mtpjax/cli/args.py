@@ -25,11 +25,17 @@ class Parser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message):
-        takes = any(a.dest == "overrides" for a in self._actions)
+        takes = takes_overrides(self)
         hint = override_hint(message, getattr(self, "_argv", [])) if takes else ""
         if hint:
             message = f"{message}; config keys are set as section.key=value: {hint}"
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def takes_overrides(p: argparse.ArgumentParser) -> bool:
+    """Whether the parser, or one of its subcommands (whose unknown flags it reports), takes config overrides."""
+    subs = [q for a in p._actions if isinstance(a, argparse._SubParsersAction) for q in a.choices.values()]
+    return any(a.dest == "overrides" for a in p._actions) or any(map(takes_overrides, subs))
 
 
 def override_hint(message: str, argv: list[str]) -> str:

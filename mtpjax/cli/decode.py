@@ -349,17 +349,20 @@ def _print_report(r: dict) -> None:
 
 
 def _to_tensorboard(run_dir: Path, step: int, r: dict) -> None:
+    """The report as one text table in the run's TensorBoard log (Text tab): one evaluation is no curve, and dozens
+    of one-point charts would bury the training scalars."""
     from tensorboardX import SummaryWriter
 
+    rows = [f"| val {k} | {v:.4f} |" for k, v in sorted(r["validation"].items())]
+    rows += [f"| {k} | {_cell(v)} |" for k, v in r["decode"].items()]
     with SummaryWriter(str(run_dir / "tensorboard")) as w:
-        for k, v in r["validation"].items():
-            w.add_scalar(f"decode_eval/val/{k}", v, step)
-        for k, v in r["decode"].items():
-            if isinstance(v, list):
-                for i, x in enumerate(v, start=1):
-                    w.add_scalar(f"decode_eval/{k}/{i}", x, step)
-            elif isinstance(v, (int, float)) and not isinstance(v, bool):
-                w.add_scalar(f"decode_eval/{k}", v, step)
+        w.add_text("decode_eval", "\n".join(["| metric | value |", "|---|---|", *rows]), step)
+
+
+def _cell(v) -> str:
+    if isinstance(v, list):
+        return "[" + ", ".join(_cell(x) for x in v) + "]"
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
 @command

@@ -16,6 +16,9 @@ from mtpjax.train.metrics import Writer, mfu
 from mtpjax.nn.model import build_model, param_counts
 
 NEXT_PROMPT = "def fibonacci(n):"  # the prompt of the decode command the summary suggests
+# Sampled, not greedy: a young model's greedy text repeats one line. decode.py's default num_draft (auto) drafts
+# from the first call on (its estimate from the run's own agreement), then measures what this machine prefers.
+NEXT_SAMPLING = ("--temperature", "0.7", "--top-k", "40")
 
 
 def say(text: str) -> None:
@@ -57,7 +60,8 @@ def banner(cfg: Config, mesh, run: Path, start: int, prepared) -> str:
 
 def decode_command(run: Path) -> str:
     """The command that decodes from this run (what the summary suggests next)."""
-    return f"python decode.py --run-dir {shlex.quote(str(run))} --prompt {shlex.quote(NEXT_PROMPT)} --stats"
+    return (f"python decode.py --run-dir {shlex.quote(str(run))} --prompt {shlex.quote(NEXT_PROMPT)} "
+            f"{' '.join(NEXT_SAMPLING)} --stats")
 
 
 def summary(cfg: Config, run: Path, out: dict, checkpoint: Path | None) -> str:

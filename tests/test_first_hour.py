@@ -1,0 +1,256 @@
+"""What a newcomer meets first: `import mtpjax` and its lazy API, text in and text out, prompts of the wrong type,
+a clean terminal (status lines above the bar, one bar line when piped, plurals, override hints, nothing echoed
+before a request is checked), auto's first decode drafting from an estimate, and the line saying why
+speculation lost."""
+
+import io
+import json
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from tqdm import tqdm
+
+from mtpjax.cli.decode import main as decode_main
+from mtpjax.cli.train import main as train_main
+from mtpjax.decode import autodraft
+from mtpjax.decode.prompts import PromptError, check_token_prompts
+from mtpjax.eval import verdict
+from mtpjax.parallel import console
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_import_mtpjax_loads_no_jax_and_its_api_names_load_on_first_use():
+    """`import mtpjax` and a command's bad input load no JAX; `mtpjax.decode`, `mtpjax.load_model`, ... resolve."""
+    probe = ("import sys, mtpjax; from mtpjax.__main__ import main\n"
+             "codes = [main(['nope']), main(['data', 'prepare', '--config', 'configs/tiny.yaml', '--steps', '3'])]\n"
+             "before = 'jax' in sys.modules\n"
+             "names = [mtpjax.decode.__name__, mtpjax.load_model.__module__, mtpjax.load.__module__,\n"
+             "         mtpjax.generate.__module__, mtpjax.Generator.__name__, 'load' in dir(mtpjax)]\n"
+             "print(codes, before, 'jax' in sys.modules, names)\n"
+             "try:\n    mtpjax.nope\nexcept AttributeError as e:\n    print(e)\n")
+    res = _python(probe)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout.splitlines()
+    assert out[0] == ("[2, 2] False True ['mtpjax.decode', 'mtpjax.train.checkpoint', 'mtpjax.train.pretrained', "
+                      "'mtpjax.decode.api', 'Generator', True]"), out
+    assert out[1] == "module 'mtpjax' has no attribute 'nope'"
+    assert "train.steps=3" in res.stderr  # data prepare takes overrides: the flag's key form is suggested
+
+
+def test_companion_the_probe_sees_jax_when_the_package_loads_it_eagerly():
+    res = _python("import sys, mtpjax, mtpjax.decode; print('jax' in sys.modules)")
+    assert res.stdout.strip() == "True", res.stderr
+
+
+@pytest.mark.parametrize("prompts, words", [
+    ("def f():", "prompts is text"),
+    ([5, 6, 7], "one flat list of token ids; wrap it"),
+    (np.array([5, 6, 7]), "1-D int"),
+    (["import os"], "prompt 0 is text"),
+    ([[1, 2], "x"], "prompt 1 is text"),
+    ([[1, 2.5]], "prompt 0 is not a list of integer token ids"),
+    (7, "prompts is a int"),
+])
+def test_generate_names_the_fix_for_prompts_of_the_wrong_type(prompts, words):
+    from mtpjax.decode import generate
+
+    with pytest.raises(PromptError, match="^" + words.split(";")[0] if words.startswith("prompts is") else words):
+        generate(None, prompts, max_new_tokens=4)  # checked before the model is touched
+
+
+def test_companion_token_id_batches_pass_the_prompt_check():
+    for ok in ([[1, 2, 3]], [[1], [2, 3]], np.zeros((2, 3), np.int32), [np.array([1, 2])], ((4, 5),)):
+        check_token_prompts(ok)
+
+
+def test_a_generator_takes_text_and_refuses_token_ids():
+    from mtpjax import Generator
+
+    gen = Generator(model=None, tokenizer=None)
+    for bad, words in (([[1, 2]], "takes text"), ([], "non-empty list of strings"), (3, "non-empty list")):
+        with pytest.raises(PromptError, match=words):
+            gen(bad)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _screen(raw: str) -> list[str]:
+    """What a terminal shows for `raw`: a carriage return moves to column 0, later characters overwrite."""
+    lines = []
+    for text in raw.split("\n"):
+        row: list[str] = []
+        col = 0
+        for ch in text:
+            if ch == "\r":
+                col = 0
+                continue
+            row[col:col + 1] = [ch]
+            col += 1
+        lines.append("".join(row).rstrip())
+    return lines
+
+
+def _note_under_a_bar(monkeypatch, note) -> list[str]:
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    bar = console.bar(3, desc="train", unit="step")
+    note()
+    bar.update(3)
+    bar.close()
+    return _screen(term.getvalue())
+
+
+def test_a_status_line_under_the_bar_is_a_line_of_its_own(monkeypatch):
+    from mtpjax.nn import kernels
+
+    monkeypatch.setattr(kernels, "_NOTED", set())
+    screen = _note_under_a_bar(monkeypatch, lambda: kernels.note("runs xla"))
+    assert "attention: runs xla" in screen, screen
+
+
+def test_companion_a_print_under_the_bar_glues_to_it(monkeypatch):
+    screen = _note_under_a_bar(monkeypatch, lambda: print("attention: runs xla", file=sys.stderr, flush=True))
+    assert "attention: runs xla" not in screen and any(s.endswith("attention: runs xla") for s in screen), screen
+
+
+def _piped(monkeypatch, make) -> str:
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", out)
+    bar = make(10, initial=8, desc="train", unit="step")  # a resumed run
+    for _ in range(2):
+        bar.update(1)
+        console.say("step: eval")
+    bar.close()
+    done = make(10, initial=10, desc="train", unit="step")  # resumed when already done
+    done.close()
+    return out.getvalue()
+
+
+def test_a_piped_bar_prints_one_line_per_phase(monkeypatch):
+    text = _piped(monkeypatch, lambda total, **kw: console.bar(total, **kw))
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert lines[:2] == ["step: eval", "step: eval"] and len(lines) == 4, lines
+    assert all(ln.startswith("train: 100%") and "10/10" in ln for ln in lines[2:])
+
+
+def test_companion_tqdm_piped_repeats_its_last_bar(monkeypatch):
+    text = _piped(monkeypatch, lambda total, **kw: tqdm(total=total, file=sys.stderr, **kw))
+    assert text.count("10/10") >= 3  # the finished run's bar twice, the resumed one's at least once more
+
+
+def test_the_banner_counts_one_mtp_module_in_the_singular():
+    from mtpjax.config import load_config
+    from mtpjax.train.report import banner
+
+    part = SimpleNamespace(meta={"files": 1}, train_tokens=[0] * 9, val_tokens=[0])
+    prepared = SimpleNamespace(sources=lambda: [(None, None, part)], tokenizer=SimpleNamespace(vocab_size=1024),
+                               content_hash="abc")
+    text = banner(load_config(TINY), SimpleNamespace(shape={"data": 1}), Path("runs/tiny"), 0, prepared)
+    assert ", 1 MTP module x " in text and "(1 file)" in text, text
+    two = banner(load_config(TINY, ["model.mtp_depth=2"]), SimpleNamespace(shape={"data": 1}), Path("r"), 0, prepared)
+    assert ", 2 MTP modules x " in two
+
+
+def test_a_flag_named_like_a_config_key_suggests_the_override(capsys):
+    for argv, hint in ((["--steps", "10"], "train.steps=10"), (["--lr=3e-4"], "optim.lr=3e-4"),
+                       (["--seq-len", "64"], "data.seq_len=64")):
+        assert train_main(["--config", TINY, *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"config keys are set as section.key=value: {hint}" in err[0], err
+
+
+def test_companion_no_hint_for_an_unknown_flag_or_a_command_without_overrides(capsys):
+    assert train_main(["--config", TINY, "--no-such-option"]) == 2
+    assert "section.key=value" not in capsys.readouterr().err
+    assert decode_main(["--run-dir", "x", "--steps", "3"]) == 2
+    assert "section.key=value" not in capsys.readouterr().err
+
+
+def test_a_refused_request_echoes_nothing_and_restores_quietly(tiny_run, capfd, caplog):
+    """The request is checked before the prompt is echoed; reading the run logs no read-only notice."""
+    _, run = tiny_run
+    for flag in (["--top-p", "1.5"], ["--temperature", "-1"]):
+        assert decode_main(["--run-dir", str(run), "--prompt", "def f():", *flag]) == 2
+        out = capfd.readouterr()
+        assert out.out == "" and len(out.err.strip().splitlines()) == 1 and out.err.startswith("error: "), out
+    from mtpjax import load_model
+
+    with caplog.at_level(logging.INFO, logger="absl"):  # decode.py quiets absl for the whole process
+        load_model(run)
+    assert not [r for r in caplog.records if "read only" in r.getMessage()]
+
+
+def test_companion_orbax_logs_its_read_only_notice_unfiltered(tiny_run, caplog, monkeypatch):
+    from mtpjax.train import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_READ_ONLY_NOTICE", "a message orbax never logs")
+    with caplog.at_level(logging.INFO, logger="absl"):
+        checkpoint.load_model(tiny_run[1])
+    assert [r for r in caplog.records if "read only" in r.getMessage()]
+
+
+def _with_agreement(tiny_run, tmp_path, agreement: list[float]) -> Path:
+    """A copy of the tiny run whose eval.jsonl logged `agreement` at its last step."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run[1], run)
+    rec = {"step": 7, **{f"agreement/mtp_{k}": a for k, a in enumerate(agreement, start=1)}}
+    (run / "eval.jsonl").write_text(json.dumps(rec) + "\n")
+    return run
+
+
+def _first_call(run, monkeypatch, tmp_path, capsys) -> str:
+    monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: autodraft.Calibration(
+        num_draft=0, round_cost={0: 1.0, 1: 1.9, 2: 2.8}, alpha_by_position=[0.6, 0.4],
+        expected_tokens={0: 1.0, 1: 1.6, 2: 1.84}, seconds=0.5))
+    assert decode_main(["--run-dir", str(run), "--prompt", "def f(x):", "--max-new-tokens", "8", "--stats"]) == 0
+    return capsys.readouterr().err
+
+
+def test_auto_s_first_call_drafts_as_the_estimate_from_training_s_agreement_says(tiny_run, monkeypatch, tmp_path,
+                                                                                   capsys):
+    """No measurement yet: the cost model on the run's agreement chooses (here 1 draft); the measurement after it
+    says plain, and the stats line says why, from its own numbers."""
+    err = _first_call(_with_agreement(tiny_run, tmp_path, [0.9, 0.8]), monkeypatch, tmp_path, capsys)
+    assert "[mtp num_draft=1] rounds=" in err, err
+    assert "so it ran mtp num_draft=1, the cost model's choice from training's agreement [0.9, 0.8]" in err
+    assert "-> next time plain" in err
+    assert "[why plain] a round of mtp num_draft=1 costs 1.90 plain steps for 1.60 tokens (0.84x)" in err
+    assert "compute-bound" in err and verdict.DOCS in err
+
+
+def test_companion_low_agreement_estimates_plain(tiny_run, monkeypatch, tmp_path, capsys):
+    err = _first_call(_with_agreement(tiny_run, tmp_path, [0.02, 0.01]), monkeypatch, tmp_path, capsys)
+    assert "[plain] rounds=" in err and "so it ran plain, the cost model's choice" in err, err
+
+
+def test_the_eval_line_names_why_speculation_lost():
+    d = {"speedup": 0.83, "verify_cost_v": 1.8, "draft_cost_c": 0.12, "num_draft": 1, "tokens_per_round": 1.6,
+         "speedup_ceiling": 1.04}
+    line = verdict.eval_line(d)
+    assert line.startswith("why MTP is slower here (0.83x): verifying 2 tokens costs v=1.80 plain steps and a draft "
+                           "c=0.12, so a round costs 1.92 steps for 1.60 tokens; the decode step is compute-bound")
+    assert "(ceiling 1.04)" in line and line.endswith(verdict.DOCS)
+    cheap_v = verdict.eval_line({**d, "verify_cost_v": 1.05, "draft_cost_c": 0.6})
+    assert "the drafts cost more than" in cheap_v
+
+
+def test_companion_no_eval_line_when_speculation_wins():
+    assert verdict.eval_line({"speedup": 1.2}) is None and verdict.eval_line({}) is None
+    assert verdict.stats_line({"num_draft": 1, "round_cost": {0: 1.0, 1: 1.2}, "expected_tokens": {}}, "mtp") is None
