@@ -37,12 +37,15 @@ def test_generate_streams_text(runs, capsys):
     out = capsys.readouterr()
     assert out.out.endswith("\n") and len(out.out) > 1
     assert "tokens/round=" in out.err and "[mtp num_draft=2]" in out.err
-    # The default (auto) decodes a request shape it has no measurement for plain, then times 0..mtp_depth and
-    # the trees 2x1 and 2x2 on the prompt; the probe writes only a progress line, to stderr.
+    # The default (auto) decodes a request shape it has no measurement for as the cost model estimates from the
+    # run's logged agreement (mtpjax.decode.firstguess), then times 0..mtp_depth and the trees 2x1 and 2x2 on the
+    # prompt; the probe writes only a progress line, to stderr.
     assert main(argv) == 0
     auto = capsys.readouterr()
     assert auto.out == out.out  # greedy: the same text whatever the choice, streamed once
-    assert "[plain] rounds=" in auto.err and "round cost vs plain {0: 1.00, 1: " in auto.err
+    ran = auto.err.split("so it ran ", 1)[1].split(",", 1)[0]
+    assert f"[{ran}] rounds=" in auto.err and "the cost model's choice from training's agreement [" in auto.err
+    assert "round cost vs plain {0: 1.00, 1: " in auto.err
     assert "probe took" in auto.err and "auto: compiling and timing 5 candidates (0, 1, 2, 2x1, 2x2)" in auto.err
 
 
