@@ -1,12 +1,10 @@
 """What a newcomer meets first: `import mtpjax` and its lazy API, text in and text out, prompts of the wrong type,
-a clean terminal (status lines above the bar, one bar line when piped, plurals, override hints, nothing echoed
-before a request is checked), auto's first decode drafting from an estimate, and the line saying why
-speculation lost."""
+a clean terminal (status lines above the bar, one bar line when piped, plurals, override hints), and the line
+saying why speculation lost. The tests that decode from the shared tiny run (nothing echoed before a request is
+checked, a quiet read-only restore, auto's first decode drafting from an estimate) are in test_decode_manners,
+whose programs they reuse."""
 
 import io
-import json
-import logging
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +16,6 @@ from tqdm import tqdm
 
 from mtpjax.cli.decode import main as decode_main
 from mtpjax.cli.train import main as train_main
-from mtpjax.decode import autodraft
 from mtpjax.decode.prompts import PromptError, check_token_prompts
 from mtpjax.eval import verdict
 from mtpjax.parallel import console
@@ -32,7 +29,8 @@ def _python(code: str) -> subprocess.CompletedProcess:
 
 
 def test_import_mtpjax_loads_no_jax_and_its_api_names_load_on_first_use():
-    """`import mtpjax` and a command's bad input load no JAX; `mtpjax.decode`, `mtpjax.load_model`, ... resolve."""
+    """`import mtpjax` and a command's bad input load no JAX; `mtpjax.decode`, `mtpjax.load_model`, ... resolve;
+    companion: the same probe sees JAX once a name that needs it was used (the `True` after `False`)."""
     probe = ("import sys, mtpjax; from mtpjax.__main__ import main\n"
              "codes = [main(['nope']), main(['data', 'prepare', '--config', 'configs/tiny.yaml', '--steps', '3'])]\n"
              "before = 'jax' in sys.modules\n"
@@ -47,11 +45,6 @@ def test_import_mtpjax_loads_no_jax_and_its_api_names_load_on_first_use():
                       "'mtpjax.decode.api', 'Generator', True]"), out
     assert out[1] == "module 'mtpjax' has no attribute 'nope'"
     assert "train.steps=3" in res.stderr  # data prepare takes overrides: the flag's key form is suggested
-
-
-def test_companion_the_probe_sees_jax_when_the_package_loads_it_eagerly():
-    res = _python("import sys, mtpjax, mtpjax.decode; print('jax' in sys.modules)")
-    assert res.stdout.strip() == "True", res.stderr
 
 
 @pytest.mark.parametrize("prompts, words", [
@@ -180,64 +173,6 @@ def test_companion_no_hint_for_an_unknown_flag_or_a_command_without_overrides(ca
     assert "section.key=value" not in capsys.readouterr().err
     assert decode_main(["--run-dir", "x", "--steps", "3"]) == 2
     assert "section.key=value" not in capsys.readouterr().err
-
-
-def test_a_refused_request_echoes_nothing_and_restores_quietly(tiny_run, capfd, caplog):
-    """The request is checked before the prompt is echoed; reading the run logs no read-only notice."""
-    _, run = tiny_run
-    for flag in (["--top-p", "1.5"], ["--temperature", "-1"]):
-        assert decode_main(["--run-dir", str(run), "--prompt", "def f():", *flag]) == 2
-        out = capfd.readouterr()
-        assert out.out == "" and len(out.err.strip().splitlines()) == 1 and out.err.startswith("error: "), out
-    from mtpjax import load_model
-
-    with caplog.at_level(logging.INFO, logger="absl"):  # decode.py quiets absl for the whole process
-        load_model(run)
-    assert not [r for r in caplog.records if "read only" in r.getMessage()]
-
-
-def test_companion_orbax_logs_its_read_only_notice_unfiltered(tiny_run, caplog, monkeypatch):
-    from mtpjax.train import checkpoint
-
-    monkeypatch.setattr(checkpoint, "_READ_ONLY_NOTICE", "a message orbax never logs")
-    with caplog.at_level(logging.INFO, logger="absl"):
-        checkpoint.load_model(tiny_run[1])
-    assert [r for r in caplog.records if "read only" in r.getMessage()]
-
-
-def _with_agreement(tiny_run, tmp_path, agreement: list[float]) -> Path:
-    """A copy of the tiny run whose eval.jsonl logged `agreement` at its last step."""
-    run = tmp_path / "run"
-    shutil.copytree(tiny_run[1], run)
-    rec = {"step": 7, **{f"agreement/mtp_{k}": a for k, a in enumerate(agreement, start=1)}}
-    (run / "eval.jsonl").write_text(json.dumps(rec) + "\n")
-    return run
-
-
-def _first_call(run, monkeypatch, tmp_path, capsys) -> str:
-    monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: autodraft.Calibration(
-        num_draft=0, round_cost={0: 1.0, 1: 1.9, 2: 2.8}, alpha_by_position=[0.6, 0.4],
-        expected_tokens={0: 1.0, 1: 1.6, 2: 1.84}, seconds=0.5))
-    assert decode_main(["--run-dir", str(run), "--prompt", "def f(x):", "--max-new-tokens", "8", "--stats"]) == 0
-    return capsys.readouterr().err
-
-
-def test_auto_s_first_call_drafts_as_the_estimate_from_training_s_agreement_says(tiny_run, monkeypatch, tmp_path,
-                                                                                   capsys):
-    """No measurement yet: the cost model on the run's agreement chooses (here 1 draft); the measurement after it
-    says plain, and the stats line says why, from its own numbers."""
-    err = _first_call(_with_agreement(tiny_run, tmp_path, [0.9, 0.8]), monkeypatch, tmp_path, capsys)
-    assert "[mtp num_draft=1] rounds=" in err, err
-    assert "so it ran mtp num_draft=1, the cost model's choice from training's agreement [0.9, 0.8]" in err
-    assert "-> next time plain" in err
-    assert "[why plain] a round of mtp num_draft=1 costs 1.90 plain steps for 1.60 tokens (0.84x)" in err
-    assert "compute-bound" in err and verdict.DOCS in err
-
-
-def test_companion_low_agreement_estimates_plain(tiny_run, monkeypatch, tmp_path, capsys):
-    err = _first_call(_with_agreement(tiny_run, tmp_path, [0.02, 0.01]), monkeypatch, tmp_path, capsys)
-    assert "[plain] rounds=" in err and "so it ran plain, the cost model's choice" in err, err
 
 
 def test_the_eval_line_names_why_speculation_lost():
