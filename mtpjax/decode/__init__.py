@@ -11,4 +11,5 @@ from mtpjax.decode.sampling import Sampler, make_sampler
 from mtpjax.decode.text import Generator, TextResult
 
 __all__ = ["generate", "DecodeError", "GenerateResult", "make_loop", "run", "summarize", "MTPProposer",
-           "NgramProposer", "DraftModelProposer", "Proposer", "Sampler", "make_sampler", "Generator", "TextResult", "PromptError"]
+           "NgramProposer", "DraftModelProposer", "Proposer", "Sampler", "make_sampler", "Generator", "TextResult",
+           "PromptError"]
