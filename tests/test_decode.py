@@ -37,6 +37,15 @@ def test_generate_streams_text(runs, capsys):
     out = capsys.readouterr()
     assert out.out.endswith("\n") and len(out.out) > 1
     assert "tokens/round=" in out.err and "[mtp num_draft=2]" in out.err
+
+
+@pytest.mark.slow
+def test_auto_decodes_as_estimated_then_probes_every_candidate(runs, capsys):
+    """Slow (the probe compiles and times five loops; test_decode_manners checks the first call with a stand-in
+    calibration in the default tier)."""
+    argv = ["--run-dir", str(runs["mtp"]), "--prompt", "def f(x):", "--max-new-tokens", "24", "--stats"]
+    assert main(argv + ["--num-draft", "2"]) == 0
+    out = capsys.readouterr()
     # The default (auto) decodes a request shape it has no measurement for as the cost model estimates from the
     # run's logged agreement (mtpjax.decode.firstguess), then times 0..mtp_depth and the trees 2x1 and 2x2 on the
     # prompt; the probe writes only a progress line, to stderr.

@@ -29,22 +29,25 @@ def _python(code: str) -> subprocess.CompletedProcess:
 
 
 def test_import_mtpjax_loads_no_jax_and_its_api_names_load_on_first_use():
-    """`import mtpjax` and a command's bad input load no JAX; `mtpjax.decode`, `mtpjax.load_model`, ... resolve;
-    companion: the same probe sees JAX once a name that needs it was used (the `True` after `False`)."""
+    """`import mtpjax` and a command's bad input load neither JAX nor the config's YAML; a name of the API loads its
+    module when first used (companion: the probe sees YAML arrive with `mtpjax.load_config`)."""
     probe = ("import sys, mtpjax; from mtpjax.__main__ import main\n"
+             "seen = lambda: [m for m in ('jax', 'yaml') if m in sys.modules]\n"
+             "print(seen(), mtpjax.load_config.__module__, seen())\n"
              "codes = [main(['nope']), main(['data', 'prepare', '--config', 'configs/tiny.yaml', '--steps', '3'])]\n"
-             "before = 'jax' in sys.modules\n"
-             "names = [mtpjax.decode.__name__, mtpjax.load_model.__module__, mtpjax.load.__module__,\n"
-             "         mtpjax.generate.__module__, mtpjax.Generator.__name__, 'load' in dir(mtpjax)]\n"
-             "print(codes, before, 'jax' in sys.modules, names)\n"
-             "try:\n    mtpjax.nope\nexcept AttributeError as e:\n    print(e)\n")
+             "print(codes, seen())\n")
     res = _python(probe)
     assert res.returncode == 0, res.stderr
-    out = res.stdout.splitlines()
-    assert out[0] == ("[2, 2] False True ['mtpjax.decode', 'mtpjax.train.checkpoint', 'mtpjax.train.pretrained', "
-                      "'mtpjax.decode.api', 'Generator', True]"), out
-    assert out[1] == "module 'mtpjax' has no attribute 'nope'"
+    assert res.stdout.splitlines() == ["[] mtpjax.config.load ['yaml']", "[2, 2] ['yaml']"], res.stdout
     assert "train.steps=3" in res.stderr  # data prepare takes overrides: the flag's key form is suggested
+    import mtpjax
+
+    assert mtpjax.decode.__name__ == "mtpjax.decode" and mtpjax.Generator.__name__ == "Generator"
+    assert [f.__module__ for f in (mtpjax.load, mtpjax.generate, mtpjax.load_model)] == [
+        "mtpjax.train.pretrained", "mtpjax.decode.api", "mtpjax.train.checkpoint"]
+    assert {"load", "generate", "decode", "train"} <= set(dir(mtpjax))
+    with pytest.raises(AttributeError, match="module 'mtpjax' has no attribute 'nope'"):
+        mtpjax.nope  # noqa: B018
 
 
 @pytest.mark.parametrize("prompts, words", [
