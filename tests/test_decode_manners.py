@@ -192,7 +192,7 @@ def test_auto_s_first_call_drafts_as_the_estimate_from_training_s_agreement_says
     assert "[mtp num_draft=1] rounds=" in err, err
     assert "so it ran mtp num_draft=1, the cost model's choice from training's agreement [0.9, 0.8]" in err
     assert "-> next time plain" in err
-    assert "[why plain] a round of mtp num_draft=1 costs 1.90 plain steps for 1.60 tokens (0.84x)" in err
+    assert "[why plain] a round of mtp num_draft=1 costs 1.90 plain steps for 1.60 tokens (0.84x): " in err
     assert "compute-bound" in err and verdict.DOCS in err
 
 

@@ -180,13 +180,13 @@ def test_companion_no_hint_for_an_unknown_flag_or_a_command_without_overrides(ca
 
 def test_the_eval_line_names_why_speculation_lost():
     d = {"speedup": 0.83, "verify_cost_v": 1.8, "draft_cost_c": 0.12, "num_draft": 1, "tokens_per_round": 1.6,
-         "speedup_ceiling": 1.04}
+         "round_cost": 1.92, "speedup_ceiling": 1.04}
     line = verdict.eval_line(d)
-    assert line.startswith("why MTP is slower here (0.83x): verifying 2 tokens costs v=1.80 plain steps and a draft "
-                           "c=0.12, so a round costs 1.92 steps for 1.60 tokens; the decode step is compute-bound")
-    assert "(ceiling 1.04)" in line and line.endswith(verdict.DOCS)
-    cheap_v = verdict.eval_line({**d, "verify_cost_v": 1.05, "draft_cost_c": 0.6})
-    assert "the drafts cost more than" in cheap_v
+    assert line.startswith("why MTP is slower here (0.83x): verifying 2 tokens costs v=1.80 plain steps, a draft "
+                           "c=0.12, a round 1.92 for 1.60 tokens: the decode step is compute-bound")
+    assert line.endswith(f"(ceiling 1.04; {verdict.DOCS})")
+    cheap_v = verdict.eval_line({**d, "verify_cost_v": 1.05, "draft_cost_c": 0.6, "round_cost": 1.65})
+    assert ": the drafts cost more than their accepted tokens save" in cheap_v
 
 
 def test_companion_no_eval_line_when_speculation_wins():

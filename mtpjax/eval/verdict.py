@@ -15,10 +15,11 @@ def eval_line(d: dict, prefix: str = "", what: str = "MTP") -> str | None:
     speedup = d.get(f"{prefix}speedup")
     if speedup is None or speedup >= 1.0:
         return None
-    v, c, g = d["verify_cost_v"], d[f"{prefix}draft_cost_c"], d["num_draft"]
-    return (f"why {what} is slower here ({speedup:.2f}x): verifying {g + 1} tokens costs v={v:.2f} plain steps and "
-            f"a draft c={c:.2f}, so a round costs {v + g * c:.2f} steps for {d[f'{prefix}tokens_per_round']:.2f} "
-            f"tokens; {_regime(v, g)} (ceiling {d[f'{prefix}speedup_ceiling']:.2f}); see {DOCS}")
+    v, g = d["verify_cost_v"], d["num_draft"]
+    return (f"why {what} is slower here ({speedup:.2f}x): verifying {g + 1} tokens costs v={v:.2f} plain steps, a "
+            f"draft c={d[f'{prefix}draft_cost_c']:.2f}, a round {d[f'{prefix}round_cost']:.2f} for "
+            f"{d[f'{prefix}tokens_per_round']:.2f} tokens: {_regime(v, g)} (ceiling "
+            f"{d[f'{prefix}speedup_ceiling']:.2f}; {DOCS})")
 
 
 def stats_line(cal: dict, label: str) -> str | None:
@@ -29,13 +30,12 @@ def stats_line(cal: dict, label: str) -> str | None:
     g = max(chains, key=lambda k: cal["expected_tokens"][k] / chains[k])
     e, cost = cal["expected_tokens"][g], chains[g]
     return (f"[why plain] a round of {label} num_draft={g} costs {cost:.2f} plain steps for {e:.2f} tokens "
-            f"({e / cost:.2f}x); {_regime(cost, g)}; see {DOCS}")
+            f"({e / cost:.2f}x): {_regime(cost, g)} ({DOCS})")
 
 
 def _regime(cost: float, g: int) -> str:
     """The cause a round's cost over plain names: compute-bound if it nears its γ+1 rows, else the drafts' price."""
     if cost >= 1 + 0.5 * g:
-        return ("the decode step is compute-bound (a small model in the CPU's cache), so verifying extra tokens costs "
-                "nearly what decoding them does; speculation pays where a step waits on reading the weights (a larger "
-                "model, an accelerator)")
-    return "the drafts cost more than their accepted tokens save at this acceptance"
+        return ("the decode step is compute-bound (a small model in the CPU's cache); speculation pays where a step "
+                "waits on reading the weights")
+    return "the drafts cost more than their accepted tokens save"
