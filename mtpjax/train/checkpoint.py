@@ -15,7 +15,6 @@ so a checkpoint written on one mesh restores onto any other.
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from flax import nnx
 
 from mtpjax.config import CheckpointConfig, Config, ConfigError, from_dict
 from mtpjax.errors import MtpjaxError, first_line
+from mtpjax.parallel import console
 from mtpjax.nn.model import build_model
 
 
@@ -145,7 +145,7 @@ class Checkpointer:
 def warn(message: str) -> None:
     """One `warning: ...` line on stderr (process 0 only)."""
     if jax.process_index() == 0:
-        print(f"warning: {message}", file=sys.stderr, flush=True)
+        console.say(f"warning: {message}")  # above the progress bar of a run in progress
 
 
 def complete_steps(run_dir: str | Path) -> list[int]:
