@@ -15,8 +15,41 @@ imports). A package's `__main__` is an entry point and counts as the command she
     train     TrainState and step, loop, eval hook, report, checkpoints, run directories, post-training
     convert   Hugging Face / engine layouts in and out
     cli       every command's main: train, decode, plan, convert, data, distributed
+
+The package itself imports nothing: `mtpjax.decode`, `mtpjax.load`, `mtpjax.generate` (and the other names of
+API) load their modules on first use (PEP 562), so `import mtpjax` costs no JAX and a command's bad input is
+answered before JAX loads. The Python API, with a runnable first example: docs/api.md.
 """
 
 __version__ = "0.1.0"
 
 LAYERS = ("errors", "checksum", "config", "nn", "parallel", "data", "decode", "eval", "train", "convert", "cli")
+
+# name -> (module, attribute or None for the module itself): what `mtpjax.NAME` loads on first use
+API = {
+    "load": ("mtpjax.train.pretrained", "load"),
+    "Generator": ("mtpjax.decode.text", "Generator"),
+    "TextResult": ("mtpjax.decode.text", "TextResult"),
+    "generate": ("mtpjax.decode.api", "generate"),
+    "load_model": ("mtpjax.train.checkpoint", "load_model"),
+    "load_config": ("mtpjax.config", "load_config"),
+    "MtpjaxError": ("mtpjax.errors", "MtpjaxError"),
+    **{layer: (f"mtpjax.{layer}", None) for layer in LAYERS},
+}
+
+
+def __getattr__(name: str):
+    """`mtpjax.NAME` of API, imported when first asked for (PEP 562) and kept in the package's namespace."""
+    if name not in API:
+        raise AttributeError(f"module 'mtpjax' has no attribute {name!r}")
+    import importlib
+
+    module, attr = API[name]
+    value = importlib.import_module(module)
+    value = value if attr is None else getattr(value, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *API])

@@ -37,12 +37,24 @@ def test_generate_streams_text(runs, capsys):
     out = capsys.readouterr()
     assert out.out.endswith("\n") and len(out.out) > 1
     assert "tokens/round=" in out.err and "[mtp num_draft=2]" in out.err
-    # The default (auto) decodes a request shape it has no measurement for plain, then times 0..mtp_depth and
-    # the trees 2x1 and 2x2 on the prompt; the probe writes only a progress line, to stderr.
+
+
+@pytest.mark.slow
+def test_auto_decodes_as_estimated_then_probes_every_candidate(runs, capsys):
+    """Slow (the probe compiles and times five loops; test_decode_manners checks the first call with a stand-in
+    calibration in the default tier)."""
+    argv = ["--run-dir", str(runs["mtp"]), "--prompt", "def f(x):", "--max-new-tokens", "24", "--stats"]
+    assert main(argv + ["--num-draft", "2"]) == 0
+    out = capsys.readouterr()
+    # The default (auto) decodes a request shape it has no measurement for as the cost model estimates from the
+    # run's logged agreement (mtpjax.decode.firstguess), then times 0..mtp_depth and the trees 2x1 and 2x2 on the
+    # prompt; the probe writes only a progress line, to stderr.
     assert main(argv) == 0
     auto = capsys.readouterr()
     assert auto.out == out.out  # greedy: the same text whatever the choice, streamed once
-    assert "[plain] rounds=" in auto.err and "round cost vs plain {0: 1.00, 1: " in auto.err
+    ran = auto.err.split("so it ran ", 1)[1].split(",", 1)[0]
+    assert f"[{ran}] rounds=" in auto.err and "the cost model's choice from training's agreement [" in auto.err
+    assert "round cost vs plain {0: 1.00, 1: " in auto.err
     assert "probe took" in auto.err and "auto: compiling and timing 5 candidates (0, 1, 2, 2x1, 2x2)" in auto.err
 
 
@@ -133,8 +145,11 @@ def test_eval_report_json_and_tensorboard(runs, tmp_path, capsys):
 
     acc = EventAccumulator(str(runs["mtp"] / "tensorboard"))
     acc.Reload()
-    tags = set(acc.Tags()["scalars"])
-    assert {"decode_eval/speedup", "decode_eval/acceptance_by_position/1", "decode_eval/val/loss/main"} <= tags
+    # the report is one text table (the Text tab), not dozens of one-point charts among the training scalars
+    assert not any(t.startswith("decode_eval") for t in acc.Tags()["scalars"])
+    table = [t for t in acc.Tags()["tensors"] if t.startswith("decode_eval")]
+    text = acc.Tensors(table[0])[-1].tensor_proto.string_val[0].decode()
+    assert "| speedup |" in text and "| val loss/main |" in text and "| acceptance_by_position | [" in text
 
 
 def _check_speed_report(d: dict, run) -> None:

@@ -3,8 +3,14 @@ calibrates (and evaluates: test_decode), and a first `--num-draft auto` calibrat
 run reuses."""
 
 
+import json
+import logging
+import shutil
+from pathlib import Path
+
 import pytest
 from mtpjax.decode import api, autodraft
+from mtpjax.eval import verdict
 from mtpjax.cli.decode import label, main
 from mtpjax.decode.loop import execute
 
@@ -135,3 +141,61 @@ def test_auto_never_picks_drafts_within_the_noise_of_plain():
     assert autodraft.choose(alpha, {0: 1.0, 1: 1.45}) == 0
     assert autodraft.choose(alpha, {0: 1.0, 1: 1.2}) == 1  # a clear win (1.25) is taken
     assert autodraft.choose([], {0: 1.0}) == 0
+
+
+def test_a_refused_request_echoes_nothing_and_restores_quietly(tiny_run, capfd, caplog):
+    """The request is checked before the prompt is echoed; reading the run logs no read-only notice."""
+    _, run = tiny_run
+    for flag in (["--top-p", "1.5"], ["--temperature", "-1"]):
+        assert main(["--run-dir", str(run), "--prompt", "def f():", *flag]) == 2
+        out = capfd.readouterr()
+        assert out.out == "" and len(out.err.strip().splitlines()) == 1 and out.err.startswith("error: "), out
+    from mtpjax import load_model
+
+    with caplog.at_level(logging.INFO, logger="absl"):  # decode.py quiets absl for the whole process
+        load_model(run)
+    assert not [r for r in caplog.records if "read only" in r.getMessage()]
+
+
+def test_companion_orbax_logs_its_read_only_notice_unfiltered(tiny_run, caplog, monkeypatch):
+    from mtpjax.train import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_READ_ONLY_NOTICE", "a message orbax never logs")
+    with caplog.at_level(logging.INFO, logger="absl"):
+        checkpoint.load_model(tiny_run[1])
+    assert [r for r in caplog.records if "read only" in r.getMessage()]
+
+
+def _with_agreement(tiny_run, tmp_path, agreement: list[float]) -> Path:
+    """A copy of the tiny run whose eval.jsonl logged `agreement` at its last step."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run[1], run)
+    rec = {"step": 7, **{f"agreement/mtp_{k}": a for k, a in enumerate(agreement, start=1)}}
+    (run / "eval.jsonl").write_text(json.dumps(rec) + "\n")
+    return run
+
+
+def _first_call(run, monkeypatch, tmp_path, capsys) -> str:
+    monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: autodraft.Calibration(
+        num_draft=0, round_cost={0: 1.0, 1: 1.9, 2: 2.8}, alpha_by_position=[0.6, 0.4],
+        expected_tokens={0: 1.0, 1: 1.6, 2: 1.84}, seconds=0.5))
+    assert main(_argv(run, "--stats")) == 0
+    return capsys.readouterr().err
+
+
+def test_auto_s_first_call_drafts_as_the_estimate_from_training_s_agreement_says(tiny_run, monkeypatch, tmp_path,
+                                                                                   capsys):
+    """No measurement yet: the cost model on the run's agreement chooses (here 1 draft); the measurement after it
+    says plain, and the stats line says why, from its own numbers."""
+    err = _first_call(_with_agreement(tiny_run, tmp_path, [0.9, 0.8]), monkeypatch, tmp_path, capsys)
+    assert "[mtp num_draft=1] rounds=" in err, err
+    assert "so it ran mtp num_draft=1, the cost model's choice from training's agreement [0.9, 0.8]" in err
+    assert "-> next time plain" in err
+    assert "[why plain] a round of mtp num_draft=1 costs 1.90 plain steps for 1.60 tokens (0.84x): " in err
+    assert "compute-bound" in err and verdict.DOCS in err
+
+
+def test_companion_low_agreement_estimates_plain(tiny_run, monkeypatch, tmp_path, capsys):
+    err = _first_call(_with_agreement(tiny_run, tmp_path, [0.02, 0.01]), monkeypatch, tmp_path, capsys)
+    assert "[plain] rounds=" in err and "so it ran plain, the cost model's choice" in err, err

@@ -11,12 +11,27 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def one_line_repeated(text: str) -> bool:
+    """Whether generated text loops: fewer than 3 distinct non-blank lines, or one line is half of them."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    most = max((lines.count(ln) for ln in set(lines)), default=0)
+    return len(set(lines)) < 3 or most * 2 > len(lines)
+
+
+def test_one_line_repeated_sees_the_greedy_loop():
+    """The check on the suggested commands' text, on the outputs the former commands printed, and on Python."""
+    assert one_line_repeated("def fibonacci(n):\n" + "        self.writ = self.writ\n" * 8)
+    assert one_line_repeated("import os" * 15)
+    assert not one_line_repeated("def f(n):\n    if n < 2:\n        return n\n    return f(n - 1) + f(n - 2)\n")
+
+
 @pytest.mark.slow
 def test_readme_main_job_trains_and_speculates(quickstart_run, tmp_path):
     run, train_stderr = quickstart_run  # configs/tiny.yaml trained by the README's command
     # train.py's summary ends with the command to run next, for this run directory; it is run as printed below
     nxt = train_stderr.rstrip().splitlines()[-1]
-    assert nxt == f"  next: python decode.py --run-dir {run} --prompt 'def fibonacci(n):' --stats"
+    assert nxt == (f"  next: python decode.py --run-dir {run} --prompt 'def fibonacci(n):' --temperature 0.7 "
+                   "--top-k 40 --stats")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(run / "tensorboard"))
@@ -27,10 +42,16 @@ def test_readme_main_job_trains_and_speculates(quickstart_run, tmp_path):
 
     python, *args = shlex.split(nxt.split("next: ", 1)[1])
     assert python == "python"
-    gen = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert gen.returncode == 0, gen.stderr[-2000:]
-    # greedy (the default) text of the tiny model repeats itself; test_quickstart judges the README's sampled decode
-    assert len(gen.stdout.rstrip("\n")) >= 32 and "tokens/round=" in gen.stderr
+    # As printed, and (a calibration file of its own) as a newcomer's first call; then the README's usage line.
+    readme = next(ln for ln in (ROOT / "README.md").read_text().split("## The two commands", 1)[1].splitlines()
+                  if ln.startswith("python decode.py") and "--prompt" in ln)
+    _, *usage = shlex.split(readme.replace("runs/tiny", str(run)), comments=True)
+    for i, argv in enumerate((args, usage)):
+        gen = subprocess.run([sys.executable, *argv, "--calibration-file", str(tmp_path / f"cal{i}.json")], cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+        assert gen.returncode == 0, gen.stderr[-2000:]
+        assert not one_line_repeated(gen.stdout), gen.stdout  # sampled: the greedy text repeated one line 8 times
+        assert "[mtp num_draft=" in gen.stderr and "so it ran mtp num_draft=" in gen.stderr, gen.stderr  # drafted
 
     out = tmp_path / "eval.json"
     ev = subprocess.run([sys.executable, "decode.py", "--run-dir", str(run), "--eval", "--json", str(out),

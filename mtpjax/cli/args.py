@@ -15,10 +15,45 @@ class UsageError(MtpjaxError):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose errors are a UsageError pointing at --help: one line and exit 2, never a usage block."""
+    """argparse whose errors are a UsageError pointing at --help: one line and exit 2, never a usage block.
+
+    A command that takes config overrides (a positional `overrides`) answers an unknown `--flag` named like a config
+    key with the `section.key=value` to write instead."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message):
+        takes = takes_overrides(self)
+        hint = override_hint(message, getattr(self, "_argv", [])) if takes else ""
+        if hint:
+            message = f"{message}; config keys are set as section.key=value: {hint}"
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def takes_overrides(p: argparse.ArgumentParser) -> bool:
+    """Whether the parser, or one of its subcommands (whose unknown flags it reports), takes config overrides."""
+    subs = [q for a in p._actions if isinstance(a, argparse._SubParsersAction) for q in a.choices.values()]
+    return any(a.dest == "overrides" for a in p._actions) or any(map(takes_overrides, subs))
+
+
+def override_hint(message: str, argv: list[str]) -> str:
+    """`train.steps=10` for an unrecognized `--steps 10` (or `--steps=10`) that names a config key; else ''."""
+    from mtpjax.config import field_doc
+
+    if not message.startswith("unrecognized arguments: "):
+        return ""
+    keys = [k for k, _ in field_doc()]
+    hints = []
+    for flag in message.removeprefix("unrecognized arguments: ").split():
+        name, eq, value = flag.removeprefix("--").partition("=")
+        matches = [k for k in keys if k.rpartition(".")[2] == name.replace("-", "_")] if flag.startswith("--") else []
+        if matches and not eq and flag in argv:
+            i = argv.index(flag) + 1
+            value = argv[i] if i < len(argv) and not argv[i].startswith("-") and "=" not in argv[i] else "VALUE"
+        hints += [" or ".join(f"{k}={value}" for k in matches)] if matches else []
+    return ", ".join(hints)
 
 
 def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:

@@ -17,6 +17,8 @@ from mtpjax.decode import api, autodraft
 from mtpjax.decode.cache import cache_bytes, rows
 from mtpjax.decode.host import DecodeError
 from mtpjax.decode.tree import TreeError, parse_tree, split_hybrid
+from mtpjax.eval import verdict
+from mtpjax.eval.log import agreement_at
 
 MAX_DRAFT = 16  # more drafts per round than this is never accepted in practice; the round loop is unrolled
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
@@ -166,9 +168,15 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
     shown: list[int] = []
     printed = [""]
 
+    def echo():  # the prompt, once, when its continuation starts: a refused request has printed nothing
+        if stream and printed[0] == "":
+            sys.stdout.write(texts[0])
+            printed[0] = texts[0]
+
     def on_commit(toks, counts):  # host side, once per round: print the new text of row 0
+        echo()
         shown.extend(toks[0, : int(counts[0])].tolist())
-        text = tok.decode(shown)
+        text = texts[0] + tok.decode(shown)
         if text.startswith(printed[0]):
             sys.stdout.write(text[len(printed[0]):])
             sys.stdout.flush()
@@ -183,18 +191,20 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
             ended[0] = True
         _progress(text)
 
-    if stream:
-        sys.stdout.write(texts[0])  # the prompt, then its continuation as it is committed
-        sys.stdout.flush()
+    guess = None  # auto's first choice for a new request shape: the cost model on training's agreement
+    if num_draft == "auto" and proposer in ("mtp", "mtp1") and cfg.model.mtp_depth:
+        guess = agreement_at(run_dir, step, cfg.model.mtp_depth if proposer == "mtp" else 1)
     t0 = time.perf_counter()
     res = api.generate(model, prompts, max_new_tokens=max_new, num_draft=num_draft,
                    proposer=proposer, temperature=d.temperature if args.temperature is None else args.temperature,
                    top_k=args.top_k if args.top_k is not None else d.top_k,
                    top_p=args.top_p if args.top_p is not None else d.top_p, seed=args.seed,
                    eos_id=tok.eos_id, max_len=args.max_len or d.max_len, on_commit=on_commit if stream else None,
-                   calibrations=saved, draft=draft, progress=progress, plain_first=True, tree=tree)
+                   calibrations=saved, draft=draft, progress=progress, plain_first=True, tree=tree,
+                   first_guess=guess)
     seconds = time.perf_counter() - t0
     if stream:
+        echo()
         if not ended[0]:
             sys.stdout.write("\n")
     else:
@@ -235,13 +245,25 @@ def _print_stats(s: dict, proposer: str, seconds: float, saved_path) -> None:
         if c.get("pruned"):
             measured += f" (timed in the first pass only: {', '.join(map(str, c['pruned']))})"
         if c["source"] == "after":
-            print(f"[auto] no measurement for this request shape yet, so it decoded plain; measured after it (the "
-                  f"probe took {c['seconds']:.1f}s, saved in {saved_path}): {measured} -> next time {chose}",
-                  file=sys.stderr)
+            print(f"[auto] no measurement for this request shape yet, so {_first(s.get('first_guess'), proposer)}; "
+                  f"measured after it (the probe took {c['seconds']:.1f}s, saved in {saved_path}): {measured} -> "
+                  f"next time {chose}", file=sys.stderr)
         else:
             how = (f"measurement saved in {saved_path}; --recalibrate measures again" if c["source"] == "saved"
                    else f"measured now: the probe took {c['seconds']:.1f}s of the request's {seconds:.1f}s")
             print(f"[auto] {measured} -> {chose} ({how})", file=sys.stderr)
+        if why := verdict.stats_line(c, proposer):
+            print(why, file=sys.stderr)
+
+
+def _first(g: dict | None, proposer: str) -> str:
+    """What a request shape's first decode ran (the estimate of mtpjax.decode.firstguess, or plain without one)."""
+    if g is None:
+        return "it decoded plain (the run logged no agreement to estimate from)"
+    ran = label(proposer, g["num_draft"]) if g["num_draft"] else "plain"
+    return (f"it ran {ran}, the cost model's choice from training's agreement "
+            f"{[round(a, 3) for a in g['alpha_by_position']]} with free verification and drafts at their floor cost "
+            f"(round cost {_fmt(g['round_cost'])})")
 
 
 def _memory_bytes() -> int:
@@ -321,20 +343,26 @@ def _print_report(r: dict) -> None:
             print(f"  {k:<32}{v:>12.3f}")
         else:
             print(f"  {k:<32}{v!s:>12}")
+    for line in (verdict.eval_line(r["decode"]), verdict.eval_line(r["decode"], "model_", "the draft model")):
+        if line:
+            print(line)
 
 
 def _to_tensorboard(run_dir: Path, step: int, r: dict) -> None:
+    """The report as one text table in the run's TensorBoard log (Text tab): one evaluation is no curve, and dozens
+    of one-point charts would bury the training scalars."""
     from tensorboardX import SummaryWriter
 
+    rows = [f"| val {k} | {v:.4f} |" for k, v in sorted(r["validation"].items())]
+    rows += [f"| {k} | {_cell(v)} |" for k, v in r["decode"].items()]
     with SummaryWriter(str(run_dir / "tensorboard")) as w:
-        for k, v in r["validation"].items():
-            w.add_scalar(f"decode_eval/val/{k}", v, step)
-        for k, v in r["decode"].items():
-            if isinstance(v, list):
-                for i, x in enumerate(v, start=1):
-                    w.add_scalar(f"decode_eval/{k}/{i}", x, step)
-            elif isinstance(v, (int, float)) and not isinstance(v, bool):
-                w.add_scalar(f"decode_eval/{k}", v, step)
+        w.add_text("decode_eval", "\n".join(["| metric | value |", "|---|---|", *rows]), step)
+
+
+def _cell(v) -> str:
+    if isinstance(v, list):
+        return "[" + ", ".join(_cell(x) for x in v) + "]"
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
 @command

@@ -40,9 +40,9 @@ class Progress:
     """A tqdm bar over the source's bytes (hence an ETA) that also shows tokens/s."""
 
     def __init__(self, enabled: bool, total: int, desc: str):
-        from tqdm import tqdm
+        from mtpjax.parallel import console
 
-        self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled, leave=False)
+        self.bar = console.bar(total, desc=desc, unit="B", unit_scale=True, enabled=enabled, leave=False)
         self.tokens, self.t0 = 0, time.perf_counter()
 
     def advance(self, nbytes: int, tokens: int = 0) -> None:

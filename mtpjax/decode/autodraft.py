@@ -13,7 +13,8 @@ must beat it by MARGIN (more than the probe's timing noise), which is how specul
 Every candidate is timed once; only the KEEP most promising are timed again, so the passes that make the timings
 robust cost the same however many candidates there are.
 A first probe's cost is mostly compiling every candidate's loop (the real run reuses its own); decode.py
-therefore decodes a request of a new shape plain and measures after it (`resolve(..., measure=False)`).
+therefore decodes a request of a new shape first, with the cost model's estimate from training's acceptance
+(mtpjax.decode.firstguess; plain where there is none), and measures after it (`resolve(..., measure=False)`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class Calibration:
     alpha_by_position: list = field(default_factory=list)
     expected_tokens: dict = field(default_factory=dict)  # candidate -> tokens per round: chains from α, trees below
     seconds: float = 0.0  # wall time the probe took, compiles included
-    source: str = "probe"  # probe | saved (read back from a SavedCalibrations file)
+    source: str = "probe"  # probe | saved (read back from a SavedCalibrations file) | estimate (nothing timed)
     tree: str | None = None  # the chosen tree's shape (None: a chain, or plain)
     acceptance_by_depth_rank: dict = field(default_factory=dict)  # tree shape -> a[d][r] measured on its probe
     pruned: list = field(default_factory=list)  # candidates timed in the first pass only
@@ -303,11 +304,12 @@ class SavedCalibrations:
 
 
 def resolve(model, prompts, loop_for, proposer: str, seed: int, saved: SavedCalibrations | None = None,
-            draft=None, progress=None, measure: bool = True):
+            draft=None, progress=None, measure: bool = True, guess=None):
     """(the choice: γ or a tree's shape, Calibration) for this request shape: measured once per model (or read
     from `saved`), then remembered. The key names the candidates, so a measurement among others is never reused.
 
-    measure=False: (0, None) when nothing is known yet for this shape (plain decoding until a measurement exists).
+    measure=False: when nothing is known yet for this shape, `guess()` (a Calibration of source "estimate",
+    mtpjax.decode.firstguess) decides, or plain decoding, (0, None), without a guess; neither is remembered.
     """
     cands = candidates(model, proposer)
     loops = {c: loop_for(c) for c in cands}
@@ -317,7 +319,8 @@ def resolve(model, prompts, loop_for, proposer: str, seed: int, saved: SavedCali
         cal = saved.get(key) if saved is not None else None
         if cal is None:
             if not measure:
-                return 0, None
+                est = guess() if guess is not None else None
+                return (est.choice, est) if est is not None else (0, None)
             cal = calibrate(model, prompts, loops, seed, draft=draft, progress=progress)
             if saved is not None:
                 saved.put(key, cal)

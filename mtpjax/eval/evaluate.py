@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtpjax.decode.firstguess import decode_context  # noqa: F401 (also this module's name for it)
 from mtpjax.decode.host import execute_request, make_loop, request, run, summarize
 from mtpjax.decode.loop import DecodeState, Forced, Loop
 from mtpjax.decode.proposers import DraftModelProposer, MTPProposer
@@ -117,11 +118,6 @@ def forced_acceptance(model, sequences, prompt_len: int, num_draft: int, propose
     n = min(len(r) for r in refs)
     loop = make_loop(model, prompts, max_new_tokens=n, num_draft=num_draft, proposer=proposer, draft=draft)
     return summarize(run_forced(model, prompts, loop, refs, draft)).stats["acceptance_by_position"]
-
-
-def decode_context(prompts, max_new: int) -> int:
-    """Mean context length while decoding these prompts max_new tokens further (for speed.work_ratio)."""
-    return int(np.mean([len(p) for p in prompts])) + max_new // 2
 
 
 def speed_report(model, prompts, *, num_draft: int, max_new: int, batch: int = 1, repeats: int = 1,

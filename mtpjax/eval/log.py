@@ -32,3 +32,11 @@ def read_evals(run_dir: str | Path) -> list[dict]:
                 continue
             by_step[int(rec["step"])] = rec
     return [by_step[s] for s in sorted(by_step)]
+
+
+def agreement_at(run_dir: str | Path, step: int, depth: int) -> list[float] | None:
+    """Training's teacher-forced agreement of MTP depths 1..depth at the last eval at or before `step` (None if the
+    run logged none): what decode.py's first guess takes for the acceptance by draft position."""
+    keys = [f"agreement/mtp_{k}" for k in range(1, depth + 1)]
+    recs = [r for r in read_evals(run_dir) if r["step"] <= step and all(k in r for k in keys)]
+    return [float(recs[-1][k]) for k in keys] if recs and keys else None

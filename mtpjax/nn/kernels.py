@@ -14,6 +14,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+from tqdm import tqdm
 
 PAD_SEGMENT = -1  # data segment ids are >= 0 (0 = padding), so a padded position matches no real one
 
@@ -21,7 +22,7 @@ PAD_SEGMENT = -1  # data segment ids are >= 0 (0 = padding), so a padded positio
 def note(message: str) -> None:
     """One `attention: ...` line on stderr, once per process and message (process 0 only)."""
     if message not in _NOTED and jax.process_index() == 0:
-        print(f"attention: {message}", file=sys.stderr, flush=True)
+        tqdm.write(f"attention: {message}", file=sys.stderr)  # above a progress bar, never glued to it
     _NOTED.add(message)
 
 

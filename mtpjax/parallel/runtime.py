@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import jax
 
 from mtpjax.config import parse_profile
+from mtpjax.parallel import console
 
 
 def cache_root() -> Path:
@@ -103,5 +103,5 @@ class Profiler:
             pass
         jax.profiler.stop_trace()
         if jax.process_index() == 0 and done >= first:
-            print(f"profile of steps {first}..{done} written under {self.log_dir}/plugins/profile (TensorBoard's "
-                  f"profile tab: tensorboard --logdir {self.log_dir})", file=sys.stderr, flush=True)
+            console.say(f"profile of steps {first}..{done} written under {self.log_dir}/plugins/profile "
+                        f"(TensorBoard's profile tab: tensorboard --logdir {self.log_dir})")  # above the bar

@@ -16,7 +16,7 @@ so a checkpoint written on one mesh restores onto any other.
 
 from __future__ import annotations
 
-import sys
+import contextlib
 import time
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from flax import nnx
 
 from mtpjax.config import CheckpointConfig, Config, ConfigError, from_dict
 from mtpjax.errors import MtpjaxError, first_line
+from mtpjax.parallel import console
 from mtpjax.nn.model import build_model
 from mtpjax.train import digests
 
@@ -164,7 +165,7 @@ class Checkpointer:
 def warn(message: str) -> None:
     """One `warning: ...` line on stderr (process 0 only)."""
     if jax.process_index() == 0:
-        print(f"warning: {message}", file=sys.stderr, flush=True)
+        console.say(f"warning: {message}")  # above the progress bar of a run in progress
 
 
 ITEM = digests.ITEM
@@ -204,8 +205,9 @@ class SavedRun:
             none = "" if ckpt_dir(self.dir).is_dir() else " (no checkpoints/ directory)"
             raise CheckpointError(f"{self.name} holds no complete checkpoint{none}; train it first (python train.py "
                                   "...) or pass another run directory")
-        self.mngr = ocp.CheckpointManager(ckpt_dir(self.dir), options=ocp.CheckpointManagerOptions(
-            save_interval_steps=0, create=False, read_only=True))
+        with _quiet(_READ_ONLY_NOTICE):  # reading is what the caller asked for, not news
+            self.mngr = ocp.CheckpointManager(ckpt_dir(self.dir), options=ocp.CheckpointManagerOptions(
+                save_interval_steps=0, create=False, read_only=True))
 
     def __enter__(self):
         return self
@@ -281,6 +283,25 @@ class SavedRun:
 
     def close(self) -> None:
         self.mngr.close()
+
+
+_READ_ONLY_NOTICE = "Given directory is read only"  # orbax's warning on every read-only CheckpointManager
+
+
+@contextlib.contextmanager
+def _quiet(message: str):
+    """Drop absl log records that start with `message` while the block runs."""
+    import logging
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(message)
+
+    logger = logging.getLogger("absl")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def load_model(run_dir: str | Path, step: int | None = None):

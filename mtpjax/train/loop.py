@@ -8,16 +8,14 @@ jitted step), `evals` (the eval job), `report` (banner, metrics, summary), `chec
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 import time
 
 import jax
 import numpy as np
-from tqdm import tqdm
 
 from mtpjax.config import Config
-from mtpjax.parallel import distributed, runtime
+from mtpjax.parallel import console, distributed, runtime
 from mtpjax.train import setup
 from mtpjax.train.evals import run_eval
 from mtpjax.train.goodput import Goodput
@@ -90,7 +88,7 @@ class NonFiniteGuard:
             raise NonFiniteError(f"{what}; {self.skipped} updates skipped > train.max_skipped_steps={self.limit}; "
                                  "stopped, the last good checkpoint is kept")
         if distributed.is_primary():
-            tqdm.write(f"warning: {what}; update skipped ({self.skipped}/{self.limit})", file=sys.stderr)
+            console.say(f"warning: {what}; update skipped ({self.skipped}/{self.limit})")
         return False
 
 
@@ -192,7 +190,7 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
     if first.step == 0:
         writer.text(0, "config", cfg.to_yaml())
     show = cfg.train.progress and distributed.is_primary()
-    bar = tqdm(total=cfg.train.steps, initial=first.step, disable=not show, desc="train", unit="step")
+    bar = console.bar(cfg.train.steps, initial=first.step, enabled=show, desc="train", unit="step")
     prof, result = runtime.Profiler(cfg.train.profile, r.dir / "tensorboard"), {"preempted": False}
     report = _Report(cfg, writer, bar, r.mesh.size)
     gp = Goodput(r.dir, t_start, enabled=distributed.is_primary())

@@ -3,28 +3,29 @@
 from __future__ import annotations
 
 import shlex
-import sys
 import time
 from pathlib import Path
 
 import jax
 from flax import nnx
-from tqdm import tqdm
 
 from mtpjax.config import Config
-from mtpjax.parallel import distributed
+from mtpjax.parallel import console, distributed
 from mtpjax.nn.flops import train_flops_per_token
 from mtpjax.train import goodput
 from mtpjax.train.metrics import Writer, mfu
 from mtpjax.nn.model import build_model, param_counts
 
 NEXT_PROMPT = "def fibonacci(n):"  # the prompt of the decode command the summary suggests
+# Sampled, not greedy: a young model's greedy text repeats one line. decode.py's default num_draft (auto) drafts
+# from the first call on (its estimate from the run's own agreement), then measures what this machine prefers.
+NEXT_SAMPLING = ("--temperature", "0.7", "--top-k", "40")
 
 
 def say(text: str) -> None:
     """A line on stderr from process 0 (above the progress bar)."""
     if distributed.is_primary():
-        tqdm.write(text, file=sys.stderr)
+        console.say(text)
 
 
 def _millions(n: int) -> str:
@@ -38,7 +39,7 @@ def _count(n, what: str) -> str:
 def banner(cfg: Config, mesh, run: Path, start: int, prepared) -> str:
     """Parameters, devices and mesh, run dir (resumed or fresh), data, and the plan of steps: several lines."""
     pc = param_counts(nnx.eval_shape(lambda: build_model(cfg)))
-    mtp = f", {len(pc['mtp'])} MTP modules x {_millions(pc['mtp'][0])}" if pc["mtp"] else ", no MTP modules"
+    mtp = f", {_count(len(pc['mtp']), 'MTP module')} x {_millions(pc['mtp'][0])}" if pc["mtp"] else ", no MTP modules"
     dev = jax.devices()
     t, d = cfg.train, cfg.data
     parts = [p for _, _, p in prepared.sources()]  # one for a corpus, several for a data.mixture
@@ -60,7 +61,8 @@ def banner(cfg: Config, mesh, run: Path, start: int, prepared) -> str:
 
 def decode_command(run: Path) -> str:
     """The command that decodes from this run (what the summary suggests next)."""
-    return f"python decode.py --run-dir {shlex.quote(str(run))} --prompt {shlex.quote(NEXT_PROMPT)} --stats"
+    return (f"python decode.py --run-dir {shlex.quote(str(run))} --prompt {shlex.quote(NEXT_PROMPT)} "
+            f"{' '.join(NEXT_SAMPLING)} --stats")
 
 
 def summary(cfg: Config, run: Path, out: dict, checkpoint: Path | None) -> str:
