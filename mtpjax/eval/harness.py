@@ -25,9 +25,14 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from mtpjax.decode import api
 from mtpjax.decode.cache import rows as rows_of
+from mtpjax.errors import MtpjaxError
 from mtpjax.nn.model import MTPTransformer
 
 MIN_BUCKET = 16  # the shortest padded length
+
+
+class HarnessError(MtpjaxError):
+    """A request this backend cannot score as asked (one line naming the fix)."""
 
 
 def bucket(n: int, cap: int) -> int:
@@ -56,6 +61,10 @@ def pack(pairs, max_length: int, rows: int):
     """(tokens_BT, targets_BT, mask_BT) of (context, continuation) token pairs padded to `rows` rows and a bucket:
     each row's input is the last max_length + 1 tokens of context + continuation without its last, the mask
     over the continuation's targets."""
+    longest = max(len(x) for _, x in pairs)
+    if longest > max_length:
+        raise HarnessError(f"a continuation of {longest} tokens is longer than max_length={max_length}; raise "
+                           "max_length (the model_args' max_length, data.seq_len by default)")
     wins = [(c + x)[-(max_length + 1):] for c, x in pairs]
     T = bucket(max(len(w) - 1 for w in wins), max_length)
     tokens_BT, targets_BT = np.zeros((rows, T), np.int32), np.zeros((rows, T), np.int32)

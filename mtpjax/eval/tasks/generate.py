@@ -68,7 +68,7 @@ def nextline(files, rng: random.Random) -> list[dict]:
 
 
 def _short_functions(key: str, text: str):
-    """(def line .. line before the last, the last line) of each function of 2-8 lines ending in a one-line statement."""
+    """(key, def line up to the last line, the last line) of each 2-8 line function ending in a one-line statement."""
     try:
         tree = ast.parse(text)
     except SyntaxError:

@@ -1,0 +1,110 @@
+"""`python -m mtpjax lm_eval [lm-eval run arguments]`: lm-eval's own command line, with the `mtpjax` backend
+registered and the shipped tasks on its task path.
+
+    python -m mtpjax lm_eval --model mtpjax --model_args run_dir=runs/tiny,num_draft=auto --tasks mtpjax
+
+model_args: run_dir (required), step, max_length (default data.seq_len), num_draft (an integer or auto),
+proposer (mtp, mtp1, ngram), tree, seed, max_gen_toks; --batch_size is the rows of one compiled batch.
+Importing this module registers the backend, so `lm_eval.simple_evaluate(model="mtpjax", model_args=...)`
+works after `import mtpjax.cli.lm_eval`; `load_lm(run_dir)` returns an instance to pass as `model=`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from lm_eval.api.registry import register_model
+
+from mtpjax.cli.args import UsageError, command
+from mtpjax.eval import tasks
+from mtpjax.eval.harness import MtpjaxLM
+
+OPTIONS = ("run_dir", "step", "max_length", "batch_size", "num_draft", "proposer", "tree", "seed", "max_gen_toks")
+
+
+def load_lm(run_dir, step: int | None = None, *, max_length: int | None = None, batch_size: int = 16,
+            **options) -> MtpjaxLM:
+    """The backend over a run's checkpoint (latest step by default); CheckpointError if it is not a run."""
+    from mtpjax.train.checkpoint import load_model_step
+
+    cfg, model, tok, _ = load_model_step(run_dir, step)
+    return MtpjaxLM(model, tok, max_length=max_length or cfg.data.seq_len, batch_size=batch_size,
+                    proposer=options.pop("proposer", None) or cfg.decode.proposer, **options)
+
+
+def lm_options(given: dict, batch_size=None) -> dict:
+    """load_lm's arguments from model_args (and --batch_size); UsageError for an unknown or missing one."""
+    unknown = sorted(set(given) - set(OPTIONS))
+    if unknown:
+        raise UsageError(f"model_args {', '.join(unknown)} unknown to the mtpjax backend; use {', '.join(OPTIONS)}")
+    if "run_dir" not in given:
+        raise UsageError("the mtpjax backend needs model_args run_dir=RUN (a run directory written by train.py)")
+    out = dict(given)
+    if batch_size not in (None, "", "auto") and "batch_size" not in out:
+        out["batch_size"] = int(batch_size)
+    return out
+
+
+@register_model("mtpjax")
+class RunLM(MtpjaxLM):
+    """The registered name: lm-eval builds it from model_args (a run directory) through load_lm."""
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> MtpjaxLM:
+        return load_lm(**lm_options(arg_dict, (additional_config or {}).get("batch_size")))
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> MtpjaxLM:
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+
+def _one_line(prog: str):
+    def error(message):
+        raise UsageError(f"{message} (see {prog} --help)")
+    return error
+
+
+def _harness_cli():
+    """lm-eval's HarnessCLI whose parsers report errors as one UsageError line."""
+    from lm_eval._cli import HarnessCLI
+
+    cli = HarnessCLI()
+    cli._parser.error = _one_line("python -m mtpjax lm_eval")
+    for sub in cli._subparsers.choices.values():
+        sub.error = _one_line("python -m mtpjax lm_eval")
+    return cli
+
+
+def check_run_args(args) -> None:
+    """Before lm-eval starts: the mtpjax backend's run directory and the tasks, each problem one line."""
+    if args.model == "mtpjax":
+        from mtpjax.train.checkpoint import SavedRun
+
+        SavedRun(lm_options(args.model_args or {})["run_dir"]).close()
+    if not args.tasks:
+        raise UsageError("give --tasks NAMES (the shipped tasks: mtpjax)")
+    names = list(args.tasks)
+    manager = None if args.include_path else tasks.task_manager(names)
+    if manager is None:
+        from lm_eval.tasks import TaskManager
+
+        manager = TaskManager(include_path=[str(tasks.task_dir()), *args.include_path.split(":")])
+    tasks.load(names, manager)
+
+
+@command
+def main(argv: list[str] | None = None) -> int:
+    """Run lm-eval's command line (`run` is implied, as in lm-eval) after checking what it is given."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    tasks.go_offline()
+    cli = _harness_cli()
+    if argv and argv[0] not in cli._subparsers.choices and argv[0] not in ("-h", "--help"):
+        argv = ["run", *argv]
+    args = cli._parser.parse_args(argv)
+    if getattr(args, "command", None) == "run":
+        check_run_args(args)
+        args.include_path = ":".join([str(tasks.task_dir()), *([args.include_path] if args.include_path else [])])
+    cli.execute(args)
+    return 0
