@@ -108,3 +108,52 @@ def main(argv: list[str] | None = None) -> int:
         args.include_path = ":".join([str(tasks.task_dir()), *([args.include_path] if args.include_path else [])])
     cli.execute(args)
     return 0
+
+
+def run_tasks(args, cfg, model, tok, step: int, proposer: str, draft=None) -> int:
+    """decode.py --tasks: the harness's table, then what speculative generation did on the generation tasks."""
+    import json
+    from pathlib import Path
+
+    from lm_eval.utils import make_table
+
+    from mtpjax.eval.harness import spec_summary
+
+    names = tasks.parse_names(args.tasks)
+    if args.limit is not None and args.limit <= 0:
+        raise UsageError(f"--limit {args.limit} must be > 0 (documents per task, or a fraction below 1)")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise UsageError(f"--num-fewshot {args.num_fewshot} must be >= 0")
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size {args.batch_size} must be >= 1")
+    manager = tasks.task_manager(names)
+    tasks.load(names, manager)  # an unknown or unreadable task before anything runs
+    d = cfg.decode
+    num_draft = args.num_draft if args.num_draft is not None else (d.num_draft if d.num_draft >= 0 else "auto")
+    tree = args.tree or d.tree or None
+    lm = MtpjaxLM(model, tok, max_length=cfg.data.seq_len, batch_size=args.batch_size,
+                  num_draft=0 if tree else num_draft, proposer=proposer, tree=tree, seed=args.seed,
+                  draft_model=draft, measure=True)
+    results = tasks.evaluate(lm, names, limit=args.limit, num_fewshot=args.num_fewshot, manager=manager)
+    spec = {task: spec_summary(t) for task, t in lm.stats.items()}
+    print(f"checkpoint {args.run_dir} step {step}")
+    print(make_table(results))
+    if spec:
+        print(spec_table(spec))
+    if args.json:
+        report = {"run_dir": str(args.run_dir), "step": step, "results": results["results"], "speculative": spec}
+        Path(args.json).write_text(json.dumps(report, indent=2, default=float) + "\n")
+    return 0
+
+
+def spec_table(spec: dict) -> str:
+    """The speculative-generation table: per generation task, the draft, tokens/s, tokens per round, acceptance
+    by depth and the measured speedup over plain decoding of the same batches."""
+    rows = ["| task | draft | tokens/s | tokens/round | acceptance by depth | speedup vs plain |",
+            "|---|---|---:|---:|---|---:|"]
+    for task, s in spec.items():
+        acc = "[" + ", ".join(f"{a:.3f}" for a in s["acceptance_by_depth"]) + "]"
+        speed = f"{s['speedup_vs_plain']:.2f}x" if "speedup_vs_plain" in s else "(plain)"
+        rows.append(f"| {task} | {s['draft']} | {s['tokens_per_sec']:.1f} | {s['tokens_per_round']:.2f} | {acc} "
+                    f"| {speed} |")
+    return "\n".join(rows)

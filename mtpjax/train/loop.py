@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from mtpjax.config import Config
 from mtpjax.parallel import distributed, runtime
-from mtpjax.train import posttrain, setup
+from mtpjax.train import posttrain, setup, task_evals
 from mtpjax.train.checkpoint import Checkpointer
 from mtpjax.train.evals import run_eval
 from mtpjax.train.metrics import Writer, measure_peak_flops
@@ -169,6 +169,9 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
                 if ev:
                     say(f"step {step}: eval loss/main {ev['eval/loss/main']:.4f}" + "".join(
                         f", mtp_{k} {ev[f'eval/loss/mtp_{k}']:.4f}" for k in range(1, cfg.model.mtp_depth + 1)))
+                log.restart_clock(step)
+            if task_evals.due(cfg, step, end):
+                result.update(task_evals.run_task_eval(cfg, progs, state, prepared.tokenizer, writer, step))
                 log.restart_clock(step)
             if ck.save(step, state, train_it.get_state(), _meta(cfg, step, log.last), force=step == end):
                 saved = step

@@ -88,3 +88,25 @@ def first_arg(e: BaseException) -> str:
     """An exception's message, its first line."""
     text = str(e.args[0]) if e.args else str(e)
     return text.strip().splitlines()[0] if text.strip() else type(e).__name__
+
+
+def evaluate(lm, names: list[str], *, limit: float | None = None, num_fewshot: int | None = None,
+             manager=None) -> dict:
+    """lm-eval's results of `lm` on the named tasks (checked first: TaskError for an unknown or unreadable one)."""
+    import lm_eval
+
+    manager = manager or task_manager(names)
+    load(names, manager)
+    return lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+                                   log_samples=False, bootstrap_iters=0)
+
+
+def scores(results: dict) -> dict[str, float]:
+    """{'task/metric': value} of every numeric score in lm-eval's results (filters and stderr left out)."""
+    out = {}
+    for task, met in results["results"].items():
+        for key, v in met.items():
+            name, _, _ = key.partition(",")
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not name.endswith("_stderr") and "," in key:
+                out[f"{task}/{name}"] = float(v)
+    return out
