@@ -11,11 +11,12 @@ works after `import mtpjax.cli.lm_eval`; `load_lm(run_dir)` returns an instance 
 
 from __future__ import annotations
 
+import functools
 import sys
 
 from lm_eval.api.registry import register_model
 
-from mtpjax.cli.args import UsageError, command
+from mtpjax.cli.args import Parser, UsageError, command
 from mtpjax.eval import tasks
 from mtpjax.eval.harness import MtpjaxLM
 
@@ -60,20 +61,14 @@ class RunLM(MtpjaxLM):
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
 
-def _one_line(prog: str):
-    def error(message):
-        raise UsageError(f"{message} (see {prog} --help)")
-    return error
-
-
 def _harness_cli():
-    """lm-eval's HarnessCLI whose parsers report errors as one UsageError line."""
+    """lm-eval's HarnessCLI whose parsers report errors as ours do (Parser.error: one UsageError line)."""
     from lm_eval._cli import HarnessCLI
 
     cli = HarnessCLI()
-    cli._parser.error = _one_line("python -m mtpjax lm_eval")
-    for sub in cli._subparsers.choices.values():
-        sub.error = _one_line("python -m mtpjax lm_eval")
+    for p in (cli._parser, *cli._subparsers.choices.values()):
+        p.prog = "python -m mtpjax lm_eval" + ("" if p is cli._parser else f" {p.prog.split()[-1]}")
+        p.error = functools.partial(Parser.error, p)
     return cli
 
 

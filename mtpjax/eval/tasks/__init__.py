@@ -55,11 +55,17 @@ def only_shipped(names: list[str]) -> bool:
 
 
 def task_manager(names: list[str]):
-    """lm-eval's TaskManager over the shipped tasks, and its own unless only shipped ones are named."""
+    """lm-eval's TaskManager over the shipped tasks, and its own unless only shipped ones are named (one of each per
+    process: indexing lm-eval's takes seconds)."""
+    return _manager(not only_shipped(names))
+
+
+@functools.cache
+def _manager(defaults: bool):
     go_offline()
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(task_dir()), include_defaults=not only_shipped(names))
+    return TaskManager(include_path=str(task_dir()), include_defaults=defaults)
 
 
 def parse_names(text: str) -> list[str]:
