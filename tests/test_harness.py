@@ -177,7 +177,7 @@ def test_decode_tasks_bad_input_is_one_line_exit_2(run, capsys, argv, words):
 
 @pytest.mark.parametrize("argv, words", [
     (["--model", "mtpjax", "--model_args", "run_dir=/no/such/run", "--tasks", "mtpjax"], "is not a run directory"),
-    (["--model", "mtpjax", "--model_args", "pretrained=x", "--tasks", "mtpjax"], "needs model_args run_dir"),
+    (["--model", "mtpjax", "--model_args", "step=1", "--tasks", "mtpjax"], "needs model_args run_dir"),
     (["--model", "mtpjax", "--model_args", "run_dir=RUN,colour=red", "--tasks", "mtpjax"], "colour unknown"),
     (["--model", "mtpjax", "--model_args", "run_dir=RUN", "--tasks", "no_such_task"], "unknown task"),
 ])
