@@ -281,9 +281,9 @@ class TrainConfig:
     num_samples: int = key(2, "generated samples written to TensorBoard per eval", ge=0)
     eval_tasks: tuple[str, ...] = key((), "lm-eval tasks scored every `eval_tasks_every` steps, logged to "
                                       "TensorBoard as `tasks/<task>/<metric>` (the shipped ones: `mtpjax`; needs the "
-                                      "`eval` extra); empty: none", runtime=True)
-    eval_tasks_every: int = key(1000, "steps between task evals (`eval_tasks`), and the last step", gt=0, runtime=True)
-    eval_tasks_limit: float = key(0.0, "documents per task in a task eval (0: all)", ge=0, runtime=True)
+                                      "`eval` extra); empty: none")
+    eval_tasks_every: int = key(1000, "steps between task evals (`eval_tasks`), and the last step", gt=0)
+    eval_tasks_limit: float = key(0.0, "documents per task in a task eval (0: all)", ge=0)
     nan_policy: NanPolicy = key("stop", "on a non-finite loss or gradient", choices={
         "stop": "stop the run", "skip": "skip the update"})
     max_skipped_steps: int = key(10, "`skip` policy: stop after this many skipped updates", ge=0)
