@@ -188,3 +188,11 @@ def test_lm_eval_bad_input_is_one_line_exit_2(run, capsys, argv, words):
     assert lm_eval_main([a.replace("RUN", str(run[0])) for a in argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+
+
+def test_an_unknown_training_task_stops_the_run_before_its_first_step(tmp_path):
+    cfg = tiny_cfg(tmp_path, "train.steps=2", "train.eval_batches=0", "train.num_samples=0",
+                   "train.eval_tasks=no_such_task")
+    with pytest.raises(tasks.TaskError, match="unknown task"):
+        train(cfg)
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())

@@ -126,6 +126,7 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
     start, state = first.step, first.state
     end = min(cfg.train.steps, cfg.train.steps if max_steps is None else max_steps)
     say(banner(cfg, mesh, run, start, prepared))
+    task_evals.check(cfg)
 
     writer = Writer(run, enabled=jax.process_index() == 0)
     if start == 0:

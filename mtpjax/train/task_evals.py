@@ -11,6 +11,14 @@ from mtpjax.train.evals import _host_model
 from mtpjax.train.metrics import Writer
 
 
+def check(cfg) -> None:
+    """Before training: TaskError for a task in train.eval_tasks that is unknown or cannot be read here."""
+    if cfg.train.eval_tasks and distributed.is_primary():
+        from mtpjax.eval import tasks
+
+        tasks.load(list(cfg.train.eval_tasks))
+
+
 def due(cfg, step: int, end: int) -> bool:
     """Whether a task eval runs after `step` (every eval_tasks_every steps, and at the last)."""
     return bool(cfg.train.eval_tasks) and (step % cfg.train.eval_tasks_every == 0 or step == end)
