@@ -10,26 +10,35 @@ from the BPE the run was trained with (docs/evaluation.md).
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from test_convert import cli as convert_cli
 from train_helpers import tiny_cfg
 
+from mtpjax.eval import tasks
+
 pytestmark = pytest.mark.slow
 
-lm_eval = pytest.importorskip("lm_eval")  # the eval extra (the README's test command installs it)
+# lm-eval, torch and the backends are imported by the tests, not at collection: the default tier collects this file
 
-from lm_eval.api.instance import Instance  # noqa: E402
-from lm_eval.models.huggingface import HFLM  # noqa: E402
-from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from mtpjax.cli.decode import main as decode_main  # noqa: E402
-from mtpjax.cli.lm_eval import main as lm_eval_main  # noqa: E402
-from mtpjax.eval import tasks  # noqa: E402
-from mtpjax.eval.harness import MtpjaxLM  # noqa: E402
-from mtpjax.train.checkpoint import load_model  # noqa: E402
-from mtpjax.train.loop import train  # noqa: E402
+def harness():
+    """The modules the tests use (the eval extra: the README's test command installs it)."""
+    pytest.importorskip("lm_eval")
+    import lm_eval
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from mtpjax.cli.decode import main as decode_main
+    from mtpjax.cli.lm_eval import main as lm_eval_main
+    from mtpjax.eval.harness import MtpjaxLM
+    from mtpjax.train.loop import train
+
+    return SimpleNamespace(lm_eval=lm_eval, Instance=Instance, HFLM=HFLM, decode_main=decode_main,
+                           lm_eval_main=lm_eval_main, MtpjaxLM=MtpjaxLM, train=train)
+
 
 SEQ = 256
 LIMIT = 8
@@ -45,25 +54,29 @@ def run(tmp_path_factory):
                    f"data.seq_len={SEQ}", "model.mtp_depth=1", "train.steps=40", "train.eval_every=1000",
                    "train.eval_batches=0", "train.num_samples=0", "checkpoint.every=1000",
                    "checkpoint.async_save=false", "train.eval_tasks=mtpjax_nextline", "train.eval_tasks_limit=4")
-    out = train(cfg)
+    out = harness().train(cfg)
     assert convert_cli("export", "--run-dir", tmp / "run", "--out", tmp / "hf") == 0
     return tmp / "run", tmp / "hf", out
 
 
 @pytest.fixture(scope="module")
 def hf_lm(run):
-    return HFLM(pretrained=str(run[1]), tokenizer=PreTrainedTokenizerFast.from_pretrained(str(run[1])),
+    from transformers import PreTrainedTokenizerFast
+
+    return harness().HFLM(pretrained=str(run[1]), tokenizer=PreTrainedTokenizerFast.from_pretrained(str(run[1])),
                 backend="causal", dtype="float32", batch_size=8, max_length=SEQ, device="cpu")
 
 
 @pytest.fixture(scope="module")
 def ours(run):
+    from mtpjax.train.checkpoint import load_model
+
     _, model, tok = load_model(run[0])
-    return lambda **kw: MtpjaxLM(model, tok, max_length=SEQ, batch_size=8, **kw)
+    return lambda **kw: harness().MtpjaxLM(model, tok, max_length=SEQ, batch_size=8, **kw)
 
 
 def evaluate(lm, names=SCORED) -> dict:
-    return lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=tasks.task_manager(names), limit=LIMIT,
+    return harness().lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=tasks.task_manager(names), limit=LIMIT,
                                    log_samples=True, bootstrap_iters=0)
 
 
@@ -99,8 +112,9 @@ def test_loglikelihoods_and_rolling_perplexity_agree_with_the_hf_backend(ours, r
 def test_companion_a_boundary_one_token_off_changes_the_scores(ours, reference, monkeypatch):
     """Companion: the context/continuation split moved by one token (the continuation's first token counted as
     context) changes the loglikelihoods, and the agreement check refuses them."""
-    real = MtpjaxLM._encode_pair
-    monkeypatch.setattr(MtpjaxLM, "_encode_pair", lambda self, c, x: (lambda ce, xe: (ce + xe[:1], xe[1:]) if
+    lm_cls = harness().MtpjaxLM
+    real = lm_cls._encode_pair
+    monkeypatch.setattr(lm_cls, "_encode_pair", lambda self, c, x: (lambda ce, xe: (ce + xe[:1], xe[1:]) if
                                                                         len(xe) > 1 else (ce, xe))(*real(self, c, x)))
     res = evaluate(ours(), ["mtpjax_nextline"])
     assert np.abs(loglikelihoods(res, "mtpjax_nextline") - loglikelihoods(reference, "mtpjax_nextline")).min() > TOL
@@ -109,10 +123,11 @@ def test_companion_a_boundary_one_token_off_changes_the_scores(ours, reference, 
                       loglikelihoods(reference, "mtpjax_nextline")).max() <= TOL
 
 
-def _requests(n: int = 12, **gen) -> list[Instance]:
+def _requests(n: int = 12, **gen) -> list:
     docs = [json.loads(line) for line in (tasks.HERE / "funcret.jsonl").read_text().splitlines()[:n]]
     kw = {"until": ["\n\n"], "max_gen_toks": 24, "do_sample": False, **gen}
-    return [Instance(request_type="generate_until", doc=d, arguments=(d["prompt"], dict(kw)), idx=0) for d in docs]
+    make = harness().Instance
+    return [make(request_type="generate_until", doc=d, arguments=(d["prompt"], dict(kw)), idx=0) for d in docs]
 
 
 @pytest.fixture(scope="module")
@@ -140,13 +155,13 @@ def test_companion_generation_not_cut_at_the_stop_sequence_is_not_the_hf_text(ou
 def test_python_m_mtpjax_lm_eval_runs_lm_eval_s_command_line(run, capsys):
     argv = ["--model", "mtpjax", "--model_args", f"run_dir={run[0]},max_gen_toks=8", "--tasks", "mtpjax_nextline",
             "--limit", "4", "--batch_size", "8"]
-    assert lm_eval_main(argv) == 0
+    assert harness().lm_eval_main(argv) == 0
     assert "mtpjax_nextline" in capsys.readouterr().out
 
 
 def test_decode_tasks_prints_the_scores_and_the_speculative_table(run, tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert decode_main(["--run-dir", str(run[0]), "--tasks", "mtpjax", "--limit", "4", "--num-draft", "1",
+    assert harness().decode_main(["--run-dir", str(run[0]), "--tasks", "mtpjax", "--limit", "4", "--num-draft", "1",
                         "--batch-size", "8", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "| mtpjax_funcret | 1 |" in text and "acc_norm" in text
@@ -172,7 +187,7 @@ def test_the_training_hook_logs_task_scores(run):
 def test_decode_tasks_bad_input_is_one_line_exit_2(run, capsys, argv, words):
     capsys.readouterr()
     run_dir = "/no/such/run" if words == "is not a run directory" else str(run[0])
-    assert decode_main(["--run-dir", run_dir, *argv]) == 2
+    assert harness().decode_main(["--run-dir", run_dir, *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
 
@@ -185,7 +200,7 @@ def test_decode_tasks_bad_input_is_one_line_exit_2(run, capsys, argv, words):
 ])
 def test_lm_eval_bad_input_is_one_line_exit_2(run, capsys, argv, words):
     capsys.readouterr()
-    assert lm_eval_main([a.replace("RUN", str(run[0])) for a in argv]) == 2
+    assert harness().lm_eval_main([a.replace("RUN", str(run[0])) for a in argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
 
@@ -194,5 +209,5 @@ def test_an_unknown_training_task_stops_the_run_before_its_first_step(tmp_path):
     cfg = tiny_cfg(tmp_path, "train.steps=2", "train.eval_batches=0", "train.num_samples=0",
                    "train.eval_tasks=no_such_task")
     with pytest.raises(tasks.TaskError, match="unknown task"):
-        train(cfg)
+        harness().train(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
