@@ -11,10 +11,11 @@ imports). A package's `__main__` is an entry point and counts as the command she
     parallel  mesh and sharding rules, the multi-process runtime, compilation cache and profiler
     data      sources, tokenizers, mixtures, the global batch stream
     decode    the jitted loop and its state, proposers, samplers, caches, host API, streaming, calibration
-    eval      held-out evaluation (validation metrics, bits per byte, forced acceptance, speed), the plan
+    eval      held-out evaluation (validation metrics, bits per byte, forced acceptance, speed), the plan,
+              the lm-eval backend and its shipped tasks
     train     TrainState and step, loop, eval hook, report, checkpoints, run directories, post-training
     convert   Hugging Face / engine layouts in and out
-    cli       every command's main: train, decode, plan, convert, data, distributed
+    cli       every command's main: train, decode, plan, convert, data, distributed, lm_eval
 
 The package itself imports nothing: `mtpjax.decode`, `mtpjax.load`, `mtpjax.generate` (and the other names of
 API) load their modules on first use (PEP 562), so `import mtpjax` costs no JAX and a command's bad input is

@@ -78,10 +78,12 @@ WORK = {
     "convert": (mtpjax.convert, "export_run"),
     "data": (mtpjax.config, "load_config"),
     "distributed": ("mtpjax.cli.distributed", "initialize"),
+    "lm_eval": ("mtpjax.cli.lm_eval", "check_run_args"),
 }
 ARGV = {
     "train": ["--config", TINY], "decode": ["--run-dir", "r", "--prompt", "x"], "plan": ["--config", "x.yaml"],
     "convert": ["export", "--run-dir", "r", "--out", "o"], "data": ["prepare"], "distributed": [],
+    "lm_eval": ["--model", "mtpjax", "--model_args", "run_dir=r", "--tasks", "mtpjax"],
 }
 
 

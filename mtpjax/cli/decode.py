@@ -32,6 +32,8 @@ def parser() -> Parser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompts-file", help="a file with one prompt per line (\\n escapes allowed)")
     src.add_argument("--eval", action="store_true", help="validation metrics + speculative speed report")
+    src.add_argument("--tasks", help="lm-eval tasks, comma-separated (the shipped ones: mtpjax): the harness's table "
+                                     "and what speculative generation did (--limit, --num-fewshot, --batch-size)")
     p.add_argument("--num-draft", type=_num_draft, default=None,
                    help="drafts per round, or auto: measure 0..mtp_depth drafts and the trees 2x1 and 2x2 (a depth-1 "
                         "model: 2) (n-gram 0..3, draft model 0..4) on the prompts and use the fastest (default: "
@@ -62,7 +64,10 @@ def parser() -> Parser:
                    help="--eval: validation batches (default: train.eval_batches, the training eval's, or 8)")
     p.add_argument("--eval-prompts", type=int, default=8, help="--eval: held-out prompts")
     p.add_argument("--prompt-len", type=int, default=64, help="--eval: tokens per held-out prompt")
-    p.add_argument("--json", help="--eval: also write the report as JSON here")
+    p.add_argument("--json", help="--eval, --tasks: also write the report as JSON here")
+    p.add_argument("--limit", type=float, default=None, help="--tasks: documents per task (default: all)")
+    p.add_argument("--num-fewshot", type=int, default=None, help="--tasks: few-shot examples (default: the task's)")
+    p.add_argument("--batch-size", type=int, default=16, help="--tasks: rows of one compiled batch")
     return p
 
 
@@ -370,8 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of decode.py; returns the exit status (2 for bad input, one line on stderr)."""
     p = parser()
     args = p.parse_args(argv)
-    if not args.eval and args.prompt is None and args.prompts_file is None:
-        p.error("give --prompt TEXT, --prompts-file FILE or --eval")
+    if not args.eval and args.prompt is None and args.prompts_file is None and args.tasks is None:
+        p.error("give --prompt TEXT, --prompts-file FILE, --eval or --tasks NAMES")
     import absl.logging
 
     absl.logging.set_verbosity(absl.logging.ERROR)  # orbax's read-only notice is not news to a reader
@@ -384,4 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     draft, draft_tag = _load_draft(args, tok, Path(args.run_dir))
     if args.eval:
         return _eval(args, cfg, model, tok, Path(args.run_dir), step, draft)
+    if args.tasks is not None:
+        from mtpjax.cli.lm_eval import run_tasks
+
+        return run_tasks(args, cfg, model, tok, step, _proposer(args, cfg), draft)
     return _generate(args, cfg, model, tok, Path(args.run_dir), step, draft, draft_tag)

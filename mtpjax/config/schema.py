@@ -279,6 +279,11 @@ class TrainConfig:
     eval_every: int = key(200, "steps between validation evals (and samples)", gt=0)
     eval_batches: int = key(8, "validation batches per eval", ge=0)
     num_samples: int = key(2, "generated samples written to TensorBoard per eval", ge=0)
+    eval_tasks: tuple[str, ...] = key((), "lm-eval tasks scored every `eval_tasks_every` steps, logged to "
+                                      "TensorBoard as `tasks/<task>/<metric>` (the shipped ones: `mtpjax`; needs the "
+                                      "`eval` extra); empty: none")
+    eval_tasks_every: int = key(1000, "steps between task evals (`eval_tasks`), and the last step", gt=0)
+    eval_tasks_limit: float = key(0.0, "documents per task in a task eval (0: all)", ge=0)
     nan_policy: NanPolicy = key("stop", "on a non-finite loss or gradient", choices={
         "stop": "stop the run", "skip": "skip the update"})
     max_skipped_steps: int = key(10, "`skip` policy: stop after this many skipped updates", ge=0)

@@ -16,7 +16,7 @@ import numpy as np
 
 from mtpjax.config import Config
 from mtpjax.parallel import console, distributed, runtime
-from mtpjax.train import setup
+from mtpjax.train import setup, task_evals
 from mtpjax.train.evals import run_eval
 from mtpjax.train.goodput import Goodput
 from mtpjax.train.hooks import Hooks, Tick
@@ -170,6 +170,17 @@ def _evaluate(r: setup.Run, writer: Writer, report: _Report, result: dict, gp: G
     return job
 
 
+def _task_evaluate(r: setup.Run, writer: Writer, report: _Report, result: dict):
+    """The lm-eval job (train.eval_tasks): task scores to TensorBoard beside the losses; tokens/s restarts after."""
+
+    def job(tick: Tick) -> None:
+        result.update(task_evals.run_task_eval(r.cfg, r.progs, tick.state, r.data.prepared.tokenizer, writer,
+                                               tick.step))
+        report.log.restart_clock(tick.step)
+
+    return job
+
+
 # ----------------------------------------------------------------------------- the loop
 
 
@@ -186,6 +197,7 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
     """Steps from `first` up to train.steps or max_steps, the jobs run between them; the final metrics."""
     cfg, end = r.cfg, min(r.cfg.train.steps, r.cfg.train.steps if max_steps is None else max_steps)
     say(banner(cfg, r.mesh, r.dir, first.step, r.data.prepared))
+    task_evals.check(cfg)
     writer = Writer(r.dir, enabled=jax.process_index() == 0, purge_step=first.step + 1 if first.step else None)
     if first.step == 0:
         writer.text(0, "config", cfg.to_yaml())
@@ -203,6 +215,7 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
     hooks.add(report.read)
     hooks.add(_evaluate(r, writer, report, result, gp), every=lambda s: s % cfg.train.eval_every == 0 or s == end,
               synced=True)
+    hooks.add(_task_evaluate(r, writer, report, result), every=lambda s: task_evals.due(cfg, s, end), synced=True)
     hooks.add(saving.save, every=r.ck.due, synced=True)  # a checkpoint never holds a step the guard has not seen
     hooks.add(lambda t: pre.check(t.step), before_step=True)
     hooks.add(lambda t: prof.step(t.step, t.state), before_step=True)

@@ -1,0 +1,154 @@
+"""`python -m mtpjax lm_eval [lm-eval run arguments]`: lm-eval's own command line, with the `mtpjax` backend
+registered and the shipped tasks on its task path.
+
+    python -m mtpjax lm_eval --model mtpjax --model_args run_dir=runs/tiny,num_draft=auto --tasks mtpjax
+
+model_args: run_dir (required), step, max_length (default data.seq_len), num_draft (an integer or auto),
+proposer (mtp, mtp1, ngram), tree, seed, max_gen_toks; --batch_size is the rows of one compiled batch.
+Importing this module registers the backend, so `lm_eval.simple_evaluate(model="mtpjax", model_args=...)`
+works after `import mtpjax.cli.lm_eval`; `load_lm(run_dir)` returns an instance to pass as `model=`.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+from lm_eval.api.registry import register_model
+
+from mtpjax.cli.args import Parser, UsageError, command
+from mtpjax.eval import tasks
+from mtpjax.eval.harness import MtpjaxLM
+
+OPTIONS = ("run_dir", "step", "max_length", "batch_size", "num_draft", "proposer", "tree", "seed", "max_gen_toks")
+
+
+def load_lm(run_dir, step: int | None = None, *, max_length: int | None = None, batch_size: int = 16,
+            **options) -> MtpjaxLM:
+    """The backend over a run's checkpoint (latest step by default); CheckpointError if it is not a run."""
+    from mtpjax.train.checkpoint import load_model_step
+
+    cfg, model, tok, _ = load_model_step(run_dir, step)
+    return MtpjaxLM(model, tok, max_length=max_length or cfg.data.seq_len, batch_size=batch_size,
+                    proposer=options.pop("proposer", None) or cfg.decode.proposer, **options)
+
+
+def lm_options(given: dict, batch_size=None) -> dict:
+    """load_lm's arguments from model_args (and --batch_size); UsageError for an unknown or missing one."""
+    unknown = sorted(set(given) - set(OPTIONS))
+    if unknown:
+        raise UsageError(f"model_args {', '.join(unknown)} unknown to the mtpjax backend; use {', '.join(OPTIONS)}")
+    if "run_dir" not in given:
+        raise UsageError("the mtpjax backend needs model_args run_dir=RUN (a run directory written by train.py)")
+    out = dict(given)
+    if batch_size not in (None, "", "auto") and "batch_size" not in out:
+        out["batch_size"] = int(batch_size)
+    return out
+
+
+@register_model("mtpjax")
+class RunLM(MtpjaxLM):
+    """The registered name: lm-eval builds it from model_args (a run directory) through load_lm."""
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> MtpjaxLM:
+        return load_lm(**lm_options(arg_dict, (additional_config or {}).get("batch_size")))
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> MtpjaxLM:
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+
+def _harness_cli():
+    """lm-eval's HarnessCLI whose parsers report errors as ours do (Parser.error: one UsageError line)."""
+    from lm_eval._cli import HarnessCLI
+
+    cli = HarnessCLI()
+    for p in (cli._parser, *cli._subparsers.choices.values()):
+        p.prog = "python -m mtpjax lm_eval" + ("" if p is cli._parser else f" {p.prog.split()[-1]}")
+        p.error = functools.partial(Parser.error, p)
+    return cli
+
+
+def check_run_args(args) -> None:
+    """Before lm-eval starts: the mtpjax backend's run directory and the tasks, each problem one line."""
+    if args.model == "mtpjax":
+        from mtpjax.train.checkpoint import SavedRun
+
+        SavedRun(lm_options(args.model_args or {})["run_dir"]).close()
+    if not args.tasks:
+        raise UsageError("give --tasks NAMES (the shipped tasks: mtpjax)")
+    names = list(args.tasks)
+    manager = None if args.include_path else tasks.task_manager(names)
+    if manager is None:
+        from lm_eval.tasks import TaskManager
+
+        manager = TaskManager(include_path=[str(tasks.task_dir()), *args.include_path.split(":")])
+    tasks.load(names, manager)
+
+
+@command
+def main(argv: list[str] | None = None) -> int:
+    """Run lm-eval's command line (`run` is implied, as in lm-eval) after checking what it is given."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    tasks.go_offline()
+    cli = _harness_cli()
+    if argv and argv[0] not in cli._subparsers.choices and argv[0] not in ("-h", "--help"):
+        argv = ["run", *argv]
+    args = cli._parser.parse_args(argv)
+    if getattr(args, "command", None) == "run":
+        check_run_args(args)
+        args.include_path = ":".join([str(tasks.task_dir()), *([args.include_path] if args.include_path else [])])
+    cli.execute(args)
+    return 0
+
+
+def run_tasks(args, cfg, model, tok, step: int, proposer: str, draft=None) -> int:
+    """decode.py --tasks: the harness's table, then what speculative generation did on the generation tasks."""
+    import json
+    from pathlib import Path
+
+    from lm_eval.utils import make_table
+
+    from mtpjax.eval.harness import spec_summary
+
+    names = tasks.parse_names(args.tasks)
+    if args.limit is not None and args.limit <= 0:
+        raise UsageError(f"--limit {args.limit} must be > 0 (documents per task, or a fraction below 1)")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise UsageError(f"--num-fewshot {args.num_fewshot} must be >= 0")
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size {args.batch_size} must be >= 1")
+    manager = tasks.task_manager(names)
+    tasks.load(names, manager)  # an unknown or unreadable task before anything runs
+    d = cfg.decode
+    num_draft = args.num_draft if args.num_draft is not None else (d.num_draft if d.num_draft >= 0 else "auto")
+    tree = args.tree or d.tree or None
+    lm = MtpjaxLM(model, tok, max_length=cfg.data.seq_len, batch_size=args.batch_size,
+                  num_draft=0 if tree else num_draft, proposer=proposer, tree=tree, seed=args.seed,
+                  draft_model=draft, measure=True)
+    results = tasks.evaluate(lm, names, limit=args.limit, num_fewshot=args.num_fewshot, manager=manager)
+    spec = {task: spec_summary(t) for task, t in lm.stats.items()}
+    print(f"checkpoint {args.run_dir} step {step}")
+    print(make_table(results))
+    if spec:
+        print(spec_table(spec))
+    if args.json:
+        report = {"run_dir": str(args.run_dir), "step": step, "results": results["results"], "speculative": spec}
+        Path(args.json).write_text(json.dumps(report, indent=2, default=float) + "\n")
+    return 0
+
+
+def spec_table(spec: dict) -> str:
+    """The speculative-generation table: per generation task, the draft, tokens/s, tokens per round, acceptance
+    by depth and the measured speedup over plain decoding of the same batches."""
+    rows = ["| task | draft | tokens/s | tokens/round | acceptance by depth | speedup vs plain |",
+            "|---|---|---:|---:|---|---:|"]
+    for task, s in spec.items():
+        acc = "[" + ", ".join(f"{a:.3f}" for a in s["acceptance_by_depth"]) + "]"
+        speed = f"{s['speedup_vs_plain']:.2f}x" if "speedup_vs_plain" in s else "(plain)"
+        rows.append(f"| {task} | {s['draft']} | {s['tokens_per_sec']:.1f} | {s['tokens_per_round']:.2f} | {acc} "
+                    f"| {speed} |")
+    return "\n".join(rows)

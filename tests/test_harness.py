@@ -1,0 +1,213 @@
+"""The lm-eval backend against the harness's own `hf` backend on our Qwen2-layout export of the same run, the shipped
+tasks, the commands around it (`python -m mtpjax lm_eval`, `decode.py --tasks`, train.eval_tasks) and their bad input.
+
+One run (a 40-step BPE model, float32, the task eval on at its last step) is trained and exported once. The `hf`
+backend gets the export's tokenizer.json as a plain fast tokenizer: transformers 5 loads a directory whose
+config.json says qwen2 with Qwen2Tokenizer, which replaces the pre-tokenizer and splits "\\n    " differently
+from the BPE the run was trained with (docs/evaluation.md).
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from test_convert import cli as convert_cli
+from train_helpers import tiny_cfg
+
+from mtpjax.eval import tasks
+
+pytestmark = pytest.mark.slow
+
+# lm-eval, torch and the backends are imported by the tests, not at collection: the default tier collects this file
+
+
+def harness():
+    """The modules the tests use (the eval extra: the README's test command installs it)."""
+    pytest.importorskip("lm_eval")
+    import lm_eval
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from mtpjax.cli.decode import main as decode_main
+    from mtpjax.cli.lm_eval import main as lm_eval_main
+    from mtpjax.eval.harness import MtpjaxLM
+    from mtpjax.train.loop import train
+
+    return SimpleNamespace(lm_eval=lm_eval, Instance=Instance, HFLM=HFLM, decode_main=decode_main,
+                           lm_eval_main=lm_eval_main, MtpjaxLM=MtpjaxLM, train=train)
+
+
+SEQ = 256
+LIMIT = 8
+TOL = 1e-4
+SCORED = ["mtpjax_nextline", "mtpjax_heldout"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """(run dir, export dir, train()'s result) of the shared run."""
+    tmp = tmp_path_factory.mktemp("harness")
+    cfg = tiny_cfg(tmp, "data.tokenizer=bpe", "data.bpe_vocab_size=512", "model.vocab_size=512",
+                   f"data.seq_len={SEQ}", "model.mtp_depth=1", "train.steps=40", "train.eval_every=1000",
+                   "train.eval_batches=0", "train.num_samples=0", "checkpoint.every=1000",
+                   "checkpoint.async_save=false", "train.eval_tasks=mtpjax_nextline", "train.eval_tasks_limit=4")
+    out = harness().train(cfg)
+    assert convert_cli("export", "--run-dir", tmp / "run", "--out", tmp / "hf") == 0
+    return tmp / "run", tmp / "hf", out
+
+
+@pytest.fixture(scope="module")
+def hf_lm(run):
+    from transformers import PreTrainedTokenizerFast
+
+    return harness().HFLM(pretrained=str(run[1]), tokenizer=PreTrainedTokenizerFast.from_pretrained(str(run[1])),
+                backend="causal", dtype="float32", batch_size=8, max_length=SEQ, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def ours(run):
+    from mtpjax.train.checkpoint import load_model
+
+    _, model, tok = load_model(run[0])
+    return lambda **kw: harness().MtpjaxLM(model, tok, max_length=SEQ, batch_size=8, **kw)
+
+
+def evaluate(lm, names=SCORED) -> dict:
+    return harness().lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=tasks.task_manager(names), limit=LIMIT,
+                                   log_samples=True, bootstrap_iters=0)
+
+
+@pytest.fixture(scope="module")
+def reference(hf_lm):
+    return evaluate(hf_lm)
+
+
+def loglikelihoods(results: dict, task: str) -> np.ndarray:
+    """Per document, each request's loglikelihood ([docs, choices])."""
+    return np.array([[r[0][0] if isinstance(r[0], (list, tuple)) else r[0] for r in s["resps"]]
+                     for s in sorted(results["samples"][task], key=lambda s: s["doc_id"])], np.float64)
+
+
+def agree(a: dict, b: dict) -> None:
+    """The agreement the issue asks for: loglikelihoods within 1e-4, acc identical, rolling within 1e-4 relative."""
+    assert np.abs(loglikelihoods(a, "mtpjax_nextline") - loglikelihoods(b, "mtpjax_nextline")).max() <= TOL
+    for m in ("acc,none", "acc_norm,none"):
+        assert a["results"]["mtpjax_nextline"][m] == b["results"]["mtpjax_nextline"][m]
+    ra, rb = loglikelihoods(a, "mtpjax_heldout"), loglikelihoods(b, "mtpjax_heldout")
+    assert np.abs(ra - rb).max() <= TOL * np.abs(rb).max()
+    for m in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        x, y = a["results"]["mtpjax_heldout"][m], b["results"]["mtpjax_heldout"][m]
+        assert abs(x - y) <= TOL * abs(y), m
+
+
+def test_loglikelihoods_and_rolling_perplexity_agree_with_the_hf_backend(ours, reference):
+    res = evaluate(ours())
+    assert loglikelihoods(res, "mtpjax_nextline").shape == (LIMIT, 4)
+    agree(res, reference)
+
+
+def test_companion_a_boundary_one_token_off_changes_the_scores(ours, reference, monkeypatch):
+    """Companion: the context/continuation split moved by one token (the continuation's first token counted as
+    context) changes the loglikelihoods, and the agreement check refuses them."""
+    lm_cls = harness().MtpjaxLM
+    real = lm_cls._encode_pair
+    monkeypatch.setattr(lm_cls, "_encode_pair", lambda self, c, x: (lambda ce, xe: (ce + xe[:1], xe[1:]) if
+                                                                        len(xe) > 1 else (ce, xe))(*real(self, c, x)))
+    res = evaluate(ours(), ["mtpjax_nextline"])
+    assert np.abs(loglikelihoods(res, "mtpjax_nextline") - loglikelihoods(reference, "mtpjax_nextline")).min() > TOL
+    with pytest.raises(AssertionError):
+        assert np.abs(loglikelihoods(res, "mtpjax_nextline") -
+                      loglikelihoods(reference, "mtpjax_nextline")).max() <= TOL
+
+
+def _requests(n: int = 12, **gen) -> list:
+    docs = [json.loads(line) for line in (tasks.HERE / "funcret.jsonl").read_text().splitlines()[:n]]
+    kw = {"until": ["\n\n"], "max_gen_toks": 24, "do_sample": False, **gen}
+    make = harness().Instance
+    return [make(request_type="generate_until", doc=d, arguments=(d["prompt"], dict(kw)), idx=0) for d in docs]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_lm):
+    return hf_lm.generate_until(_requests())
+
+
+@pytest.mark.parametrize("draft", [{"num_draft": 0}, {"num_draft": 1}])
+def test_greedy_generation_is_the_hf_backend_s_plain_and_speculative(ours, hf_greedy, draft):
+    lm = ours(**draft)
+    out = lm.generate_until(_requests())
+    assert out == hf_greedy and sum(map(len, out)) > 0
+    (st,) = lm.stats.values()
+    assert (sum(st["reached"]) > 0) == (draft != {"num_draft": 0})  # drafts were verified
+
+
+def test_companion_generation_not_cut_at_the_stop_sequence_is_not_the_hf_text(ours, hf_greedy, monkeypatch):
+    """Companion: the equality above tells texts apart: without the cut at the first stop sequence the texts differ."""
+    import mtpjax.eval.harness as harness
+
+    monkeypatch.setattr(harness, "postprocess_generated_text", lambda generation, **kw: generation)
+    assert ours().generate_until(_requests()) != hf_greedy
+
+
+def test_python_m_mtpjax_lm_eval_runs_lm_eval_s_command_line(run, capsys):
+    argv = ["--model", "mtpjax", "--model_args", f"run_dir={run[0]},max_gen_toks=8", "--tasks", "mtpjax_nextline",
+            "--limit", "4", "--batch_size", "8"]
+    assert harness().lm_eval_main(argv) == 0
+    assert "mtpjax_nextline" in capsys.readouterr().out
+
+
+def test_decode_tasks_prints_the_scores_and_the_speculative_table(run, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert harness().decode_main(["--run-dir", str(run[0]), "--tasks", "mtpjax", "--limit", "4", "--num-draft", "1",
+                        "--batch-size", "8", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| mtpjax_funcret | 1 |" in text and "acc_norm" in text
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == set(tasks.SHIPPED)
+    spec = report["speculative"]["mtpjax_funcret"]
+    assert spec["speedup_vs_plain"] > 0 and len(spec["acceptance_by_depth"]) == 1
+
+
+def test_the_training_hook_logs_task_scores(run):
+    result = run[2]
+    assert 0.0 <= result["tasks/mtpjax_nextline/acc"] <= 1.0 and "tasks/mtpjax_nextline/acc_norm" in result
+    assert list((run[0] / "tensorboard").glob("events.*"))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--tasks", "no_such_task"], "unknown task"),
+    (["--tasks", "arc_easy"], "cannot be read here"),  # a hub dataset, offline
+    (["--tasks", " , "], "names no task"),
+    (["--tasks", "mtpjax", "--limit", "0"], "--limit 0.0 must be > 0"),
+    (["--tasks", "mtpjax"], "is not a run directory"),
+])
+def test_decode_tasks_bad_input_is_one_line_exit_2(run, capsys, argv, words):
+    capsys.readouterr()
+    run_dir = "/no/such/run" if words == "is not a run directory" else str(run[0])
+    assert harness().decode_main(["--run-dir", run_dir, *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "mtpjax", "--model_args", "run_dir=/no/such/run", "--tasks", "mtpjax"], "is not a run directory"),
+    (["--model", "mtpjax", "--model_args", "step=1", "--tasks", "mtpjax"], "needs model_args run_dir"),
+    (["--model", "mtpjax", "--model_args", "run_dir=RUN,colour=red", "--tasks", "mtpjax"], "colour unknown"),
+    (["--model", "mtpjax", "--model_args", "run_dir=RUN", "--tasks", "no_such_task"], "unknown task"),
+])
+def test_lm_eval_bad_input_is_one_line_exit_2(run, capsys, argv, words):
+    capsys.readouterr()
+    assert harness().lm_eval_main([a.replace("RUN", str(run[0])) for a in argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+
+
+def test_an_unknown_training_task_stops_the_run_before_its_first_step(tmp_path):
+    cfg = tiny_cfg(tmp_path, "train.steps=2", "train.eval_batches=0", "train.num_samples=0",
+                   "train.eval_tasks=no_such_task")
+    with pytest.raises(tasks.TaskError, match="unknown task"):
+        harness().train(cfg)
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
