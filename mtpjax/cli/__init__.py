@@ -4,4 +4,4 @@
 train and decode commands.
 """
 
-COMMANDS = ("train", "decode", "plan", "convert", "data", "distributed")
+COMMANDS = ("train", "decode", "plan", "compile", "convert", "data", "distributed")
