@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-decode", action="store_true", help="compile the train and eval steps only")
     ap.add_argument("--decode-batch", type=int, default=1, help="rows of the compiled decode loop")
     ap.add_argument("--json", default=None, help="also write the report as JSON here")
+    ap.add_argument("--dump-hlo", default=None, help="write each compiled program's optimized HLO text into this "
+                    "directory (PROGRAM.hlo.txt)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides such as mesh.fsdp=8")
     args = ap.parse_args(argv)
     if not 0.0 <= args.alpha <= 1.0:
@@ -42,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report_json(report), indent=1, default=float) + "\n")
+    if args.dump_hlo:
+        Path(args.dump_hlo).mkdir(parents=True, exist_ok=True)
+        for p in report["programs"]:
+            (Path(args.dump_hlo) / f"{p['program']}.hlo.txt").write_text(p["_text"])
     return 0
 
 

@@ -27,6 +27,7 @@ def prepare_environment(platforms: str | None = None) -> None:
         if platforms == "cpu":  # what the metadata server would say; a topology's own name overrides the type
             os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
             os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
+            os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no TPU to guard: compiles run side by side
     if platforms:
         os.environ.setdefault("JAX_PLATFORMS", platforms)
 

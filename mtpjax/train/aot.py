@@ -80,10 +80,11 @@ def kernels_in(stats: hlo.Stats, cfg: Config) -> dict:
 
 def analyse(name: str, compiled, seconds: float, cfg: Config) -> dict:
     """One compiled program's report entry."""
-    prog = hlo.Program(compiled.as_text(), MTP_SCOPE)
+    text = compiled.as_text()
+    prog = hlo.Program(text, MTP_SCOPE)
     stats = prog.stats()
     return {"program": name, "compile_seconds": round(seconds, 1), "memory": memory_of(compiled),
-            **hlo.summary(stats), "kernels": kernels_in(stats, cfg), "_program": prog}
+            **hlo.summary(stats), "kernels": kernels_in(stats, cfg), "_program": prog, "_text": text}
 
 
 def _compile(lowered_fn, name: str, capacity: float, table_so_far):
@@ -128,14 +129,14 @@ def decode_loops(cfg: Config, alpha: float) -> list[tuple[str, dict, float]]:
     """(name, make_loop's drafting arguments, expected tokens per round at α) of the loops compiled: plain, the MTP
     chain (γ = the model's depth) and the first draft tree the plan tabulates."""
     J = cfg.model.mtp_depth
-    loops = [("decode plain", {"num_draft": 0}, 1.0)]
+    loops = [("decode_plain", {"num_draft": 0}, 1.0)]
     if J:
-        loops.append((f"decode mtp chain (gamma {J})", {"num_draft": J}, expected_tokens([alpha] * J, J)))
+        loops.append((f"decode_chain_{J}", {"num_draft": J}, expected_tokens([alpha], J)))
         trees = plan_trees(cfg)
         if trees:
             t = parse_tree(trees[0])
             ranks = [alpha] + [(1 - alpha) / 2 / 2**i for i in range(max(t.rank) if t.rank else 0)]
-            loops.append((f"decode tree {trees[0]}", {"num_draft": 0, "tree": trees[0]},
+            loops.append((f"decode_tree_{trees[0]}", {"num_draft": 0, "tree": trees[0]},
                           tree_expected_tokens(t, [ranks] * t.max_depth)))
     return loops
 
