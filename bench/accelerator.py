@@ -5,7 +5,7 @@
 Rows (every one measured in this process, on this device):
 - train: one jitted train step of configs/gpu_1b.yaml (bf16 compute, float32 master weights and AdamW state,
   seq 4096, packed documents) per `model.attention` backend: tokens/s, MFU against the chip's published dense
-  bf16 peak (PEAK_BF16; on a CPU a measured float32 matmul, labelled so) and the compiled program's memory.
+  bf16 peak (mtpjax.parallel.targets.KIND_PEAKS; on a CPU a measured float32 matmul, labelled so) and the compiled program's memory.
 - decode: greedy plain vs MTP (1 draft) at batch 1/8/32 on gpu_1b's shape with bfloat16 weights (2 GB: far
   beyond any listed chip's on-chip cache), random weights. Round costs relative to a plain round: v (a round of
   n-gram speculation: a verification of 2 tokens, drafting nearly free) and c (what an MTP draft adds). α is not
@@ -40,13 +40,6 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # mtpjax from this checkout, imported inside the functions below
 
-# Published dense (no sparsity) bf16 peak FLOP/s per chip, matched against jax's device_kind, first match wins.
-PEAK_BF16 = [
-    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL", 835e12), ("H200", 989e12),
-    ("A100", 312e12),
-    ("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12), ("TPU v5p", 459e12), ("TPU v5", 459e12),
-    ("TPU v6 lite", 918e12), ("TPU v6e", 918e12),
-]
 DEFAULT_BACKENDS = {"gpu": "xla,cudnn,pallas", "tpu": "xla,splash", "cpu": "xla"}
 SMOKE = ["model.vocab_size=256", "model.d_model=32", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2",
          "model.d_ff=64", "data.seq_len=48", "loss.chunk_size=16"]
@@ -65,8 +58,10 @@ def _decoder():
 
 
 def published_peak(kind: str) -> float | None:
-    """The chip's published dense bf16 FLOP/s from PEAK_BF16 (None if the chip is not listed)."""
-    return next((p for name, p in PEAK_BF16 if name.lower() in kind.lower()), None)
+    """The chip's published dense bf16 FLOP/s (mtpjax.parallel.targets.KIND_PEAKS; None if the chip is not listed)."""
+    from mtpjax.parallel.targets import published_peak as peak
+
+    return peak(kind)
 
 
 def _first_line(e: BaseException) -> str:

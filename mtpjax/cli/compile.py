@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     print(format_report(report))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report_json(report), indent=1, default=float) + "\n")
     if args.dump_hlo:
         Path(args.dump_hlo).mkdir(parents=True, exist_ok=True)

@@ -294,7 +294,8 @@ def gathers_around(prog: Program, is_kernel, hops: int = 4) -> list[str]:
 
 def summary(stats: Stats) -> dict:
     """JSON-ready numbers of a Stats."""
-    return {"flops": stats.flops, "attention_kernel_flops": stats.attention_flops, "scoped_flops": stats.scoped_flops, "hbm_bytes": stats.hbm_bytes,
+    return {"flops": stats.flops, "attention_kernel_flops": stats.attention_flops, "scoped_flops": stats.scoped_flops,
+            "hbm_bytes": stats.hbm_bytes,
             "collectives": {k: {"count": n, "bytes": b} for k, (n, b) in sorted(stats.collectives.items())},
             "custom_calls": dict(sorted(stats.calls.items()))}
 

@@ -62,6 +62,21 @@ CHIPS = {
     "a100": Chip("NVIDIA A100 SXM 80GB", "gpu", 312e12, 85100068864, 2.039e12, 300e9, 25e9, "a100_sxm_80.txtpb"),
     "b200": Chip("NVIDIA B200", "gpu", 2250e12, 191514411008, 7.7e12, 900e9, 50e9, "b200.txtpb"),
 }
+# jax's device_kind -> published dense bf16 peak FLOP/s, first match wins (bench/accelerator.py's MFU reads it too).
+KIND_PEAKS = [
+    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", CHIPS["h100"].peak_bf16), ("H200 NVL", 835e12),
+    ("H200", CHIPS["h200"].peak_bf16), ("A100", CHIPS["a100"].peak_bf16), ("B200", CHIPS["b200"].peak_bf16),
+    ("TPU v4", 275e12), ("TPU v5 lite", CHIPS["v5e"].peak_bf16), ("TPU v5e", CHIPS["v5e"].peak_bf16),
+    ("TPU v5p", CHIPS["v5p"].peak_bf16), ("TPU v5", CHIPS["v5p"].peak_bf16), ("TPU v6 lite", CHIPS["v6e"].peak_bf16),
+    ("TPU v6e", CHIPS["v6e"].peak_bf16),
+]
+
+
+def published_peak(kind: str) -> float | None:
+    """The published dense bf16 peak of a jax device_kind, or None for a chip not listed."""
+    return next((peak for name, peak in KIND_PEAKS if name.lower() in kind.lower()), None)
+
+
 # Cloud slice names -> the topology libtpu understands; v5p's suffix counts TensorCores (two per chip), v5e/v6e's
 # chips.
 _TPU_TOPOLOGY = {"v5e": "v5e", "v6e": "v6e", "v5p": "v5"}

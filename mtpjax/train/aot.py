@@ -250,14 +250,15 @@ def _program_lines(p: dict) -> list[str]:
              + (f", plan {_h(p['analytic_flops'])} ({p['flops'] / p['analytic_flops']:.3f}x)"
                 if p.get("analytic_flops") else "")]
     if p.get("mtp_share") and p["mtp_share"]["plan"] is not None:
-        lines.append(f"  MTP modules' share of FLOPs {p['mtp_share']['compiled']:.1%} (plan {p['mtp_share']['plan']:.1%};"
-                     " module blocks, head applications apart)")
+        share = p["mtp_share"]
+        lines.append(f"  MTP modules' share of FLOPs {share['compiled']:.1%} (plan {share['plan']:.1%}; module blocks, "
+                     "head applications apart)")
     lines.append(f"  HBM bytes (estimate: each unfused op reads its inputs, writes its output) {_h(p['hbm_bytes'])}B; "
                  f"collectives {_h(p['collective_bytes'])}B = {p['collective_fraction']:.1%} of the bytes moved")
     for kind, v in p["collectives"].items():
         lines.append(f"    {kind:<20} x{v['count']:<8g} {_h(v['bytes'])}B")
-    lines.append(f"  roofline ESTIMATE: compute {r['compute_s'] * 1e3:.2f} ms, HBM {r['hbm_s'] * 1e3:.2f} ms, collectives "
-                 f"{r['collective_s'] * 1e3:.2f} ms -> {r['estimate_s'] * 1e3:.2f} ms ({r['bound']}-bound)"
+    lines.append(f"  roofline ESTIMATE: compute {r['compute_s'] * 1e3:.2f} ms, HBM {r['hbm_s'] * 1e3:.2f} ms, "
+                 f"collectives {r['collective_s'] * 1e3:.2f} ms -> {r['estimate_s'] * 1e3:.2f} ms ({r['bound']}-bound)"
                  + (f", MFU {p['mfu_estimate']:.1%}" if "mfu_estimate" in p else ""))
     if "round" in p:
         q = p["round"]
