@@ -231,6 +231,10 @@ def table(res: dict) -> str:
         else:
             result = r.get("failed") or f"skipped: {r['skipped']}"
         out.append(f"| {what} | {setting} | {result} |")
+    for e in res.get("estimate", []):  # python -m mtpjax compile's roofline for the same config, beside the measure
+        out.append(f"| {e['program']}, compiled estimate | {e['target']} ({e['chip']}), mesh {e['mesh']} | "
+                   f"{e['step_seconds']:.3f} s/step ({e['bound']}-bound roofline), MFU {e['mfu']:.1%}, memory "
+                   f"{_gib(e['memory_bytes'])} (estimate, not measured) |")
     dec = res.get("decode")
     if dec and "failed" in dec:
         out.append(f"| decode | | {dec['failed']} |")
@@ -270,6 +274,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--budget", type=float, default=270.0, help="seconds; sections that would overrun are skipped")
     ap.add_argument("--json", help="also write every number here")
+    ap.add_argument("--estimate", help="a `python -m mtpjax compile --json` report of the same config: its roofline "
+                    "rows go beside the measured ones")
     args = ap.parse_args(argv)
     from mtpjax.config import load_config, replace
 
@@ -301,6 +307,8 @@ def main(argv=None) -> int:
                                           [float(a) for a in args.alpha.split(",")], 16 if args.smoke else 64,
                                           8 if args.smoke else args.max_new, 1 if args.smoke else 2, budget)),
     ]
+    if args.estimate:
+        res["estimate"] = estimate_rows(json.loads(Path(args.estimate).read_text()))
     for name, fn in sections:
         t, cpu = time.perf_counter(), time.process_time()
         try:
@@ -317,6 +325,14 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2, default=str))
     return 0
+
+
+def estimate_rows(report: dict) -> list[dict]:
+    """The train and eval steps' roofline estimates of a compile report, as the table shows them."""
+    return [{"program": p["program"], "target": report["target"], "chip": report["chip"]["name"],
+             "mesh": " x ".join(f"{k} {v}" for k, v in report["mesh"].items() if v > 1) or "one device", "step_seconds": p["roofline"]["estimate_s"],
+             "bound": p["roofline"]["bound"], "mfu": p["mfu_estimate"], "memory_bytes": p["memory"]["total"]}
+            for p in report["programs"] if "mfu_estimate" in p]
 
 
 def _param_count(cfg) -> int:
