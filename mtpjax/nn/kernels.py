@@ -104,13 +104,6 @@ def splash_attention(q_BTKRH, k_BTKH, v_BTKH, seg_BT, *, interpret: bool = False
     return o_BNTH.transpose(0, 2, 1, 3)[:, :T].reshape(B, T, K, R, H)
 
 
-def head_pad(qk: int, v: int, multiple: int) -> int:
-    """The one head width a kernel computes with when query/key and value widths differ (MLA: 192 and 128): both
-    padded with zeros to a multiple of `multiple` (zeros add nothing to the scores, and the padded output columns
-    are dropped). Attention FLOPs grow by 2·pad / (qk + v): 1.6x at MLA's 192/128 padded to 256."""
-    return _round_up(max(qk, v), multiple)
-
-
 def pad_heads(q_BTKRH, k_BTKH, v_BTKH, width: int):
     """q, k and v zero-padded on their last axis to `width`."""
     pad = lambda x: x if x.shape[-1] == width else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])

@@ -86,19 +86,31 @@ def parse_instr(line: str) -> Instr | None:
 
 
 def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
-    """({computation name: its instructions}, the entry computation's name) of an HLO module's text."""
-    comps, entry, current = {}, "", None
+    """({computation name: its instructions}, the entry computation's name) of an HLO module's text. An instruction
+    may span lines (a Mosaic kernel's backend_config holds newlines): a line that starts no instruction continues
+    the one before."""
+    comps, entry, current, pending = {}, "", None, []
+
+    def flush():
+        if current is not None and pending and (ins := parse_instr(" ".join(pending))):
+            current.append(ins)
+        pending.clear()
+
     for line in text.splitlines():
         head = re.match(r"(ENTRY\s+)?%([^\s(]+)\s*\(.*\{\s*$", line)
         if head and not line.startswith(" "):
+            flush()
             current = comps.setdefault(head[2], [])
             entry = head[2] if head[1] else entry
-            continue
-        if line.startswith("}"):
+        elif line.strip() == "}":
+            flush()
             current = None
-            continue
-        if current is not None and (ins := parse_instr(line)):
-            current.append(ins)
+        elif re.match(r"\s+(?:ROOT\s+)?%", line):
+            flush()
+            pending.append(line)
+        elif pending:
+            pending.append(line.strip())
+    flush()
     return comps, entry
 
 
@@ -174,17 +186,29 @@ def dot_flops(ins: Instr, shapes: dict) -> float:
     return 2.0 * out_elems * math.prod(lhs[d] for d in dims if d < len(lhs))
 
 
+_FLOATS = ("bf16", "f16", "f32", "f8e4m3fn", "f8e5m2")
+# A fused attention kernel's work in forward passes (2 products): its backward recomputes the scores and forms dP,
+# dV, dK (dkv kernel: 2x), or the scores, dP and dQ (dq kernel: 1.5x); one kernel for all three gradients: 2.5x.
+# Pallas GPU's preprocess (o·do, elementwise) does no product.
+_BACKWARD = (("preprocess", 0.0), ("dkv", 2.0), ("dq", 1.5), ("bwd", 2.5), ("backward", 2.5))
+
+
 def attention_call_flops(ins: Instr, shapes: dict) -> float:
-    """A fused attention kernel's FLOPs from its operands: 4·(query rows)·S·H per query head (scores and values, the
-    full matrix), 2.5× for a backward kernel (it recomputes the scores and forms three products)."""
-    ops = [_dims_of(shapes, o) for o in ins.operands]
-    ops = [d for d in ops if len(d) >= 3]
-    if len(ops) < 2:
+    """A fused attention kernel's FLOPs from its operands: 4·(query elements)·S (scores and values over all S keys,
+    the full matrix), times its backward factor (_BACKWARD, read from the kernel's name). Triton's operands are
+    [B,T,N,H] (S is axis 1), Mosaic splash's [.., N, T, H] (S is axis -2)."""
+    floats = [d for d, dt in ((_dims_of(shapes, o), arrays(shapes.get(o, ""))) for o in ins.operands)
+              if len(d) >= 3 and dt and dt[0][0] in _FLOATS]
+    if len(floats) < 2:
         return 0.0
-    q, k = ops[0], ops[1]
-    fwd = 4.0 * math.prod(q) * k[-2]
-    backward = "bwd" in ins.attrs.lower() or "backward" in ins.attrs.lower() or "_dq" in ins.attrs or "dkv" in ins.attrs
-    return fwd * (2.5 if backward else 1.0)
+    q, k = floats[0], floats[1]
+    triton = "triton" in ins.attrs
+    kernel = re.search(r'name = \\?"([^"\\]+)', ins.attrs) if triton else None
+    what = (kernel[1] if kernel else ins.name).lower()
+    factor = next((f for key, f in _BACKWARD if key in what), 1.0)
+    if "dkv" in what and "dq" in what:
+        factor = 2.5
+    return 4.0 * math.prod(q) * (k[1] if triton else k[-2]) * factor
 
 
 def attention_kind(target: str) -> str | None:
