@@ -5,7 +5,8 @@
 Rows (every one measured in this process, on this device):
 - train: one jitted train step of configs/gpu_1b.yaml (bf16 compute, float32 master weights and AdamW state,
   seq 4096, packed documents) per `model.attention` backend: tokens/s, MFU against the chip's published dense
-  bf16 peak (mtpjax.parallel.targets.KIND_PEAKS; on a CPU a measured float32 matmul, labelled so) and the compiled program's memory.
+  bf16 peak (mtpjax.parallel.targets.KIND_PEAKS; on a CPU a measured float32 matmul, labelled so) and the
+  compiled program's memory.
 - decode: greedy plain vs MTP (1 draft) at batch 1/8/32 on gpu_1b's shape with bfloat16 weights (2 GB: far
   beyond any listed chip's on-chip cache), random weights. Round costs relative to a plain round: v (a round of
   n-gram speculation: a verification of 2 tokens, drafting nearly free) and c (what an MTP draft adds). α is not
@@ -330,7 +331,8 @@ def main(argv=None) -> int:
 def estimate_rows(report: dict) -> list[dict]:
     """The train and eval steps' roofline estimates of a compile report, as the table shows them."""
     return [{"program": p["program"], "target": report["target"], "chip": report["chip"]["name"],
-             "mesh": " x ".join(f"{k} {v}" for k, v in report["mesh"].items() if v > 1) or "one device", "step_seconds": p["roofline"]["estimate_s"],
+             "mesh": " x ".join(f"{k} {v}" for k, v in report["mesh"].items() if v > 1) or "one device",
+             "step_seconds": p["roofline"]["estimate_s"],
              "bound": p["roofline"]["bound"], "mfu": p["mfu_estimate"], "memory_bytes": p["memory"]["total"]}
             for p in report["programs"] if "mfu_estimate" in p]
 
