@@ -13,7 +13,7 @@ imports). A package's `__main__` is an entry point and counts as the command she
     eval      held-out evaluation (validation metrics, bits per byte, forced acceptance, speed), the plan
     train     TrainState and step, loop, eval hook, report, checkpoints, run directories, post-training
     convert   Hugging Face / engine layouts in and out
-    cli       every command's main: train, decode, plan, convert, data, distributed
+    cli       every command's main: train, decode, plan, compile, convert, data, distributed
 """
 
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""The command shell: every command's `main` (train, decode, plan, convert, data, distributed), the top layer.
+"""The command shell: every command's `main` (train, decode, plan, compile, convert, data, distributed), the top layer.
 
 `python -m mtpjax COMMAND ...` runs one; `train.py` and `decode.py` at the repository root are the same
 train and decode commands.

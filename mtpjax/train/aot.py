@@ -148,6 +148,7 @@ def decode_programs(cfg: Config, device, report: dict, alpha: float, batch: int,
     on = SingleDeviceSharding(device)
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), params)
     prompts = [[1] * prompt] * batch
+    # Decoding on a mesh is not built yet: a loop that needs more than one chip is reported, not refused.
     for name, kw, tokens in decode_loops(cfg, alpha):
         loop = make_loop(model, prompts, max_new_tokens=new, **kw)
         req = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), request(loop, prompts))
