@@ -27,6 +27,7 @@ from mtpjax.errors import MtpjaxError
 from mtpjax.eval.plan import plan_trees
 from mtpjax.nn.flops import flops_per_token, train_flops_per_token
 from mtpjax.nn.model import MTP_SCOPE, build_model
+from mtpjax.nn.placement import Placement, platform_of
 from mtpjax.nn.speed import expected_tokens, tree_expected_tokens
 from mtpjax.parallel import hlo
 from mtpjax.parallel.sharding import make_mesh
@@ -143,7 +144,7 @@ def decode_loops(cfg: Config, alpha: float) -> list[tuple[str, dict, float]]:
 
 def decode_programs(cfg: Config, device, report: dict, alpha: float, batch: int, prompt: int, new: int) -> None:
     """Compile each speculative decode loop for one device of the target; per round: FLOPs and HBM bytes."""
-    model = nnx.eval_shape(lambda: build_model(cfg, seed=0))
+    model = nnx.eval_shape(lambda: build_model(cfg, seed=0, placement=Placement(platform=platform_of(device))))
     graph, params = nnx.split(model)
     on = SingleDeviceSharding(device)
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), params)
