@@ -61,16 +61,13 @@ def compiled(request, tmp_path_factory):
 
 def activation_gathers(hlo_dir: Path, program: str) -> list[str]:
     """All-gathers of an activation (a dimension of T, or rank >= 3: no weight of the dense tiny model has either)
-    next to an attention kernel's custom call in the program."""
+    that feed an attention kernel's custom call: what a compiler does to run a kernel it cannot partition. (After
+    the kernel, XLA gathers some backward outputs' rows for the FSDP weight gradients of the q/k/v projections at
+    these tiny shapes, where they are smaller than the weights: docs/accelerators.md.)"""
     prog = hlo.Program((hlo_dir / f"{program}.hlo.txt").read_text())
     is_kernel = lambda i: i.op == "custom-call" and hlo.attention_kind(i.attrs.split('custom_call_target="')[-1])
-    near = hlo.gathers_around(prog, is_kernel)
-    acts = []
-    for name in near:
-        dims = [d for _, d in hlo.arrays(prog.shapes[name])]
-        if any(T in d or len(d) >= 3 for d in dims):
-            acts.append(f"{name} {prog.shapes[name]}")
-    return acts
+    return [f"{n} {prog.shapes[n]}" for n in hlo.gathers_around(prog, is_kernel, after=False)
+            if any(T in d or len(d) >= 3 for _, d in hlo.arrays(prog.shapes[n]))]
 
 
 def test_every_program_compiles_with_the_platform_kernel(compiled):

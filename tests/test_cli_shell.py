@@ -82,7 +82,8 @@ WORK = {
 }
 ARGV = {
     "train": ["--config", TINY], "decode": ["--run-dir", "r", "--prompt", "x"], "plan": ["--config", "x.yaml"],
-    "compile": ["--config", TINY, "--target", "v5e-4"], "convert": ["export", "--run-dir", "r", "--out", "o"], "data": ["prepare"], "distributed": [],
+    "compile": ["--config", TINY, "--target", "v5e-4"], "convert": ["export", "--run-dir", "r", "--out", "o"],
+    "data": ["prepare"], "distributed": [],
 }
 
 

@@ -289,30 +289,20 @@ class Program:
         return out
 
 
-def gathers_around(prog: Program, is_kernel, hops: int = 4) -> list[str]:
-    """Names of all-gathers within `hops` data-flow steps before or after an instruction `is_kernel(ins)` accepts
-    (through fusions' inputs and outputs): an activation gathered to feed a kernel, or a kernel's output gathered."""
+def gathers_around(prog: Program, is_kernel, hops: int = 4, after: bool = True) -> list[str]:
+    """Names of all-gathers within `hops` data-flow steps before (and, with `after`, after) an instruction
+    `is_kernel(ins)` accepts: an activation gathered to feed a kernel, or a kernel's output gathered."""
     producers = {i.name: i for c in prog.comps.values() for i in c}
     users = prog.users()
+    is_gather = lambda i: i.op.removesuffix("-start").removesuffix("-done") == "all-gather"
     found = set()
     for c in prog.comps.values():
         for k in (i for i in c if is_kernel(i)):
-            frontier_up, frontier_down = list(k.operands), [u.name for u in users.get(k.name, [])]
+            up, down = list(k.operands), [u.name for u in users.get(k.name, [])] if after else []
             for _ in range(hops):
-                ups, downs = [], []
-                for n in frontier_up:
-                    p = producers.get(n)
-                    if p is not None:
-                        if p.op.removesuffix("-start").removesuffix("-done") == "all-gather":
-                            found.add(p.name)
-                        ups += p.operands
-                for n in frontier_down:
-                    p = producers.get(n)
-                    if p is not None:
-                        if p.op.removesuffix("-start").removesuffix("-done") == "all-gather":
-                            found.add(p.name)
-                        downs += [u.name for u in users.get(n, [])]
-                frontier_up, frontier_down = ups, downs
+                found |= {n for n in up + down if n in producers and is_gather(producers[n])}
+                up = [o for n in up if n in producers for o in producers[n].operands]
+                down = [u.name for n in down for u in users.get(n, [])]
     return sorted(found)
 
 
