@@ -4,12 +4,14 @@ with their real compilers, no accelerator here.
 The compilers (libtpu, the CUDA PJRT plugin) live apart in .aot/site (README's CI command installs them there;
 MTPJAX_AOT_SITE names another place), on the path of the compile processes only: installed beside JAX, the CUDA
 plugin prints a line on every process's start on a machine without CUDA, which other tests' exact stderr would see.
+Every compile this file needs starts when its first test does, two processes at a time (the CI machine's cores).
 """
 
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -25,38 +27,67 @@ pytestmark = [pytest.mark.slow, pytest.mark.as_users_compile]  # the targets' co
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = Path(os.environ.get("MTPJAX_AOT_SITE", ROOT / ".aot" / "site"))
-T = 80  # sequence length: no weight has a dimension of 80, so a [.., 80, ..] array is an activation
-SMALL = ["model.dtype=bfloat16", "model.n_layers=2", f"data.seq_len={T}", "train.batch_size=4",
-         "train.micro_batches=2", "loss.chunk_size=0", "decode.max_len=256"]
-TPU = ("v5e-4", ["mesh.fsdp=2", "mesh.tensor=2"], "splash (Mosaic)")
-GPU = ("h100:2", ["mesh.fsdp=2"], "pallas (Triton)")
+T = 80  # sequence length on TPU: no weight has a dimension of 80, so a [.., 80, ..] array is an activation
+SMALL = ["model.dtype=bfloat16", "model.n_layers=2", "train.batch_size=4", "train.micro_batches=2",
+         "loss.chunk_size=0", "decode.max_len=256"]
+TPU = ("v5e-4", ["mesh.fsdp=2", "mesh.tensor=2", f"data.seq_len={T}"], "splash (Mosaic)")
+# GPU: T = 128, the kernels' block, so its FLOPs are the plan's work and not padding; a scanned trunk in micro-batches
+# (two nested loops, whose bodies XLA's own count sees once)
+GPU = ("h100:2", ["mesh.fsdp=2", "data.seq_len=128", "model.scan_layers=true"], "pallas (Triton)")
+TOO_LARGE = ["model.n_layers=1", "model.n_heads=16", "model.n_kv_heads=8"]
+RUNS = {  # name: (target, overrides, patch, flags)
+    "tpu": (TPU[0], TPU[1], "none", ()),
+    "gpu": (GPU[0], GPU[1], "none", ()),
+    "gpu_depth2": (GPU[0], GPU[1] + ["model.mtp_depth=2"], "none", ("--no-decode",)),
+    "tpu_too_large": (TPU[0], TPU[1] + TOO_LARGE + ["model.vocab_size=2097152", "model.d_model=2048"], "none",
+                      ("--no-decode",)),
+    "gpu_too_large": (GPU[0], GPU[1] + TOO_LARGE + ["model.vocab_size=4194304", "model.d_model=4096"], "none",
+                      ("--no-decode",)),
+    "tpu_bad_mesh": (TPU[0], TPU[1] + ["mesh.fsdp=3"], "none", ("--no-decode",)),
+    "tpu_host_kernel": (TPU[0], TPU[1], "host_kernel", ("--no-decode",)),
+    "tpu_no_shard_map": (TPU[0], TPU[1], "no_shard_map", ("--no-decode",)),
+    "gpu_no_shard_map": (GPU[0], GPU[1], "no_shard_map", ("--no-decode",)),
+}
 
 
-def compile_run(tmp: Path, target: str, overrides: list, patch: str = "none", *flags) -> subprocess.CompletedProcess:
+def _start(tmp: Path, target: str, overrides: list, patch: str, flags) -> subprocess.Popen:
     """The compile command in a fresh process with the compilers on its path; report in tmp/report.json, HLO in
-    tmp/hlo."""
-    if not (SITE / "libtpu").exists() or not (SITE / "jax_plugins").exists():
-        pytest.fail(f"the AOT compilers are not in {SITE}; install them as README's CI command does")
+    tmp/hlo, its output in tmp/out and tmp/err."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(SITE)]), "JAX_PLATFORMS": "cpu"}
     for k in ("JAX_DISABLE_MOST_OPTIMIZATIONS", "XLA_FLAGS"):
         env.pop(k, None)
     argv = [sys.executable, str(ROOT / "tests" / "aot_worker.py"), patch, "--config", str(ROOT / "configs/tiny.yaml"),
             "--target", target, "--json", str(tmp / "report.json"), "--dump-hlo", str(tmp / "hlo"), *flags,
             *SMALL, *overrides]
-    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    tmp.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=open(tmp / "out", "w"), stderr=open(tmp / "err", "w"))
 
 
-def report_of(tmp: Path, p: subprocess.CompletedProcess) -> dict:
-    assert p.returncode == 0, p.stderr[-3000:]
-    return {q["program"]: q for q in json.loads((tmp / "report.json").read_text())["programs"]}
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{name: (exit status, stdout, stderr, its directory)} of every RUNS compile, two at a time."""
+    if not (SITE / "libtpu").exists() or not (SITE / "jax_plugins").exists():
+        pytest.fail(f"the AOT compilers are not in {SITE}; install them as README's CI command does")
+    base, slots, done = tmp_path_factory.mktemp("aot"), threading.Semaphore(2), {}
+
+    def run(name):
+        d = base / name
+        with slots:
+            code = _start(d, *RUNS[name]).wait(timeout=900)
+        done[name] = (code, (d / "out").read_text(), (d / "err").read_text(), d)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in RUNS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return done
 
 
-@pytest.fixture(scope="module", params=[TPU, GPU], ids=["tpu", "gpu"])
-def compiled(request, tmp_path_factory):
-    """(target, expected kernel, {program: report entry}, the HLO directory) of one compile of every program."""
-    target, mesh, kernel = request.param
-    tmp = tmp_path_factory.mktemp(target.replace(":", "_"))
-    return target, kernel, report_of(tmp, compile_run(tmp, target, mesh)), tmp / "hlo"
+def report_of(runs: dict, name: str) -> dict:
+    code, _, err, d = runs[name]
+    assert code == 0, err[-3000:]
+    return {q["program"]: q for q in json.loads((d / "report.json").read_text())["programs"]}
 
 
 def activation_gathers(hlo_dir: Path, program: str) -> list[str]:
@@ -70,27 +101,29 @@ def activation_gathers(hlo_dir: Path, program: str) -> list[str]:
             if any(T in d or len(d) >= 3 for _, d in hlo.arrays(prog.shapes[n]))]
 
 
-def test_every_program_compiles_with_the_platform_kernel(compiled):
-    target, kernel, programs, _ = compiled
+@pytest.mark.parametrize("name,kernel", [("tpu", TPU[2]), ("gpu", GPU[2])])
+def test_every_program_compiles_with_the_platform_kernel(runs, name, kernel):
+    programs = report_of(runs, name)
     assert {"train_step", "eval_step", "decode_plain", "decode_chain_1", "decode_tree_2"} <= set(programs)
-    for name in ("train_step", "eval_step"):
-        assert programs[name]["kernels"]["attention"] == [kernel], name
-    for name in ("decode_plain", "decode_chain_1", "decode_tree_2"):  # the decode loop keeps XLA attention
-        assert programs[name]["kernels"]["attention"] == ["xla (einsum)"], name
+    for p in ("train_step", "eval_step"):
+        assert programs[p]["kernels"]["attention"] == [kernel], p
+    for p in ("decode_plain", "decode_chain_1", "decode_tree_2"):  # the decode loop keeps XLA attention
+        assert programs[p]["kernels"]["attention"] == ["xla (einsum)"], p
 
 
-def test_no_activation_is_gathered_around_the_kernel(compiled):
-    _, _, programs, hlo_dir = compiled
-    for name in ("train_step", "eval_step"):
-        assert activation_gathers(hlo_dir, name) == [], name
+@pytest.mark.parametrize("name", ["tpu", "gpu"])
+def test_no_activation_is_gathered_to_feed_the_kernel(runs, name):
+    report_of(runs, name)
+    for p in ("train_step", "eval_step"):
+        assert activation_gathers(runs[name][3] / "hlo", p) == [], p
 
 
-def test_the_memory_report_adds_up(compiled):
-    _, _, programs, _ = compiled
-    for name, p in programs.items():
-        m = p["memory"]
+@pytest.mark.parametrize("name", ["tpu", "gpu"])
+def test_the_memory_report_adds_up(runs, name):
+    for p, entry in report_of(runs, name).items():
+        m = entry["memory"]
         assert m["total"] == m["arguments"] + m["outputs"] - m["aliased"] + m["temporaries"] + m["generated_code"]
-        assert m["total"] > 0 and m["arguments"] > 0, name
+        assert m["total"] > 0 and m["arguments"] > 0, p
 
 
 def test_memory_parts_are_the_compilers_analysis():
@@ -101,41 +134,30 @@ def test_memory_parts_are_the_compilers_analysis():
         ref.generated_code_size_in_bytes)
 
 
-def test_flops_with_trip_counts_match_the_plan_at_two_depths(compiled, tmp_path):
-    """A scanned trunk in micro-batches: two nested loops whose bodies XLA's own count sees once."""
-    target, _, programs, hlo_dir = compiled
-    if target != GPU[0]:
-        pytest.skip("one target suffices: the count is the same code on both")
-    for depth in (1, 2):
-        tmp = tmp_path / f"d{depth}"
-        # T = 128: the kernels' blocks, so the count is of the work the plan counts, not of padding
-        p = compile_run(tmp, target, GPU[1] + ["model.scan_layers=true", f"model.mtp_depth={depth}",
-                                               "data.seq_len=128"], "none", "--no-decode")
-        train = report_of(tmp, p)["train_step"]
-        ratio = train["flops"] / train["analytic_flops"]
-        assert abs(ratio - 1) < 0.15, (depth, ratio)
-        # companion: the loops' bodies counted once, as XLA's cost analysis does, miss the count by far
-        once = hlo.Program((tmp / "hlo" / "train_step.hlo.txt").read_text()).stats(trip_counts=False).flops
-        assert abs(once / train["analytic_flops"] - 1) > 0.15
+@pytest.mark.parametrize("name", ["gpu", "gpu_depth2"])
+def test_flops_with_trip_counts_match_the_plan_at_two_depths(runs, name):
+    train = report_of(runs, name)["train_step"]
+    ratio = train["flops"] / train["analytic_flops"]
+    assert abs(ratio - 1) < 0.15, ratio
+    # companion: the loops' bodies counted once, as XLA's cost analysis does, miss the count by far
+    once = hlo.Program((runs[name][3] / "hlo" / "train_step.hlo.txt").read_text()).stats(trip_counts=False).flops
+    assert abs(once / train["analytic_flops"] - 1) > 0.15
 
 
-@pytest.mark.parametrize("target,mesh,overflow", [
-    (TPU[0], TPU[1], ["model.vocab_size=2097152", "model.d_model=2048", "model.n_heads=16", "model.n_kv_heads=8"]),
-    (GPU[0], GPU[1], ["model.vocab_size=4194304", "model.d_model=4096", "model.n_heads=32", "model.n_kv_heads=8"])],
-    ids=["tpu", "gpu"])
-def test_a_program_too_large_does_not_fit(tmp_path, target, mesh, overflow):
-    p = compile_run(tmp_path, target, mesh + overflow + ["model.n_layers=1"], "none", "--no-decode")
-    assert p.returncode == 2, p.stderr[-3000:]
-    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "does not fit" in errors[0], p.stderr[-2000:]
-    assert ("refused" in errors[0]) == (target == TPU[0])  # TPU: the compiler's own refusal; GPU: against capacity
-    assert "memory per device" in p.stdout and not (tmp_path / "report.json").exists()
+@pytest.mark.parametrize("name", ["tpu_too_large", "gpu_too_large"])
+def test_a_program_too_large_does_not_fit(runs, name):
+    code, out, err, d = runs[name]
+    assert code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "does not fit" in errors[0], err[-2000:]
+    assert ("refused" in errors[0]) == name.startswith("tpu")  # TPU: the compiler's own refusal; GPU: capacity
+    assert "memory per device" in out and not (d / "report.json").exists()
 
 
-def test_a_mesh_that_does_not_match_the_target_is_one_line(tmp_path):
-    p = compile_run(tmp_path, TPU[0], ["mesh.fsdp=3"], "none", "--no-decode")
-    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("error: mesh")
-    assert not (tmp_path / "report.json").exists()
+def test_a_mesh_that_does_not_match_the_target_is_one_line(runs):
+    code, _, err, d = runs["tpu_bad_mesh"]
+    assert code == 2 and err.strip().splitlines()[-1].startswith("error: mesh"), err[-2000:]
+    assert not (d / "report.json").exists()
 
 
 def test_an_unknown_target_is_one_line(capsys, tmp_path):
@@ -153,16 +175,13 @@ def test_target_names():
     assert parse_target("v5e:2x2").devices == 4
 
 
-def test_companion_kernel_chosen_from_the_host(tmp_path):
-    p = compile_run(tmp_path, TPU[0], TPU[1], "host_kernel", "--no-decode")
-    assert report_of(tmp_path, p)["train_step"]["kernels"]["attention"] == ["xla (einsum)"]
+def test_companion_kernel_chosen_from_the_host(runs):
+    assert report_of(runs, "tpu_host_kernel")["train_step"]["kernels"]["attention"] == ["xla (einsum)"]
 
 
-@pytest.mark.parametrize("target,mesh", [TPU[:2], GPU[:2]], ids=["tpu", "gpu"])
-def test_companion_kernel_without_shard_map(tmp_path, target, mesh):
+def test_companion_kernel_without_shard_map(runs):
     """Mosaic cannot partition a kernel, so the TPU compile fails; on GPU the compiler gathers q/k/v for it."""
-    p = compile_run(tmp_path, target, mesh, "no_shard_map", "--no-decode")
-    if target == TPU[0]:
-        assert p.returncode != 0 and "shard_map" in p.stderr
-    else:
-        assert activation_gathers(tmp_path / "hlo", "train_step")
+    code, _, err, _ = runs["tpu_no_shard_map"]
+    assert code != 0 and "shard_map" in err
+    report_of(runs, "gpu_no_shard_map")
+    assert activation_gathers(runs["gpu_no_shard_map"][3] / "hlo", "train_step")
