@@ -157,8 +157,10 @@ def decode_programs(cfg: Config, device, report: dict, alpha: float, batch: int,
         c = execute.lower(loop, (graph, None), (params, None), req).compile()
         entry = analyse(name, c, time.perf_counter() - t0, cfg)
         prog = entry["_program"]
-        rounds = max(prog.loops(), key=lambda lt: prog.stats(prog.body_of(lt[0])).flops, default=None)
-        body = prog.stats(prog.body_of(rounds[0])) if rounds else hlo.Stats()
+        # The rounds: the loop whose trip count the data decides (layer scans and the like have known ones)
+        rounds = max((i for c in prog.comps for i, n in prog.loops(c) if n is None),
+                     key=lambda i: prog.stats(prog.body_of(i)).flops, default=None)
+        body = prog.stats(prog.body_of(rounds)) if rounds is not None else hlo.Stats()
         entry["round"] = {"flops": body.flops, "hbm_bytes": body.hbm_bytes, "tokens_per_round": tokens}
         report["programs"].append(entry)
 
