@@ -289,21 +289,27 @@ class Program:
         return out
 
 
-def gathers_around(prog: Program, is_kernel, hops: int = 4, after: bool = True) -> list[str]:
-    """Names of all-gathers within `hops` data-flow steps before (and, with `after`, after) an instruction
-    `is_kernel(ins)` accepts: an activation gathered to feed a kernel, or a kernel's output gathered."""
+def gathers_around(prog: Program, is_kernel, hops: int = 4, after: bool = True) -> list[tuple[str, int | None]]:
+    """(all-gather, the element of its tuple result that flows, or None for all) within `hops` data-flow steps before
+    (and, with `after`, after) an instruction `is_kernel(ins)` accepts: an activation gathered to feed a kernel, or
+    a kernel's output gathered. Upstream, a get-tuple-element says which element of a combined gather is read."""
     producers = {i.name: i for c in prog.comps.values() for i in c}
     users = prog.users()
     is_gather = lambda i: i.op.removesuffix("-start").removesuffix("-done") == "all-gather"
     found = set()
     for c in prog.comps.values():
         for k in (i for i in c if is_kernel(i)):
-            up, down = list(k.operands), [u.name for u in users.get(k.name, [])] if after else []
+            up = [(o, None) for o in k.operands]
+            down = [u.name for u in users.get(k.name, [])] if after else []
             for _ in range(hops):
-                found |= {n for n in up + down if n in producers and is_gather(producers[n])}
-                up = [o for n in up if n in producers for o in producers[n].operands]
+                found |= {(n, idx) for n, idx in up if n in producers and is_gather(producers[n])}
+                found |= {(n, None) for n in down if n in producers and is_gather(producers[n])}
+                up = [(p.operands[0], int(m[1])) if p.op == "get-tuple-element" and (m := re.search(r"index=(\d+)",
+                                                                                                   p.attrs))
+                      else (o, None) for n, _ in up if (p := producers.get(n)) is not None and not is_gather(p)
+                      for o in (p.operands if p.op != "get-tuple-element" else p.operands[:1])]
                 down = [u.name for n in down for u in users.get(n, [])]
-    return sorted(found)
+    return sorted(found, key=str)
 
 
 def summary(stats: Stats) -> dict:
