@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import sys
 
-from mtpjax.cli.decode import main
+from mtpjax.parallel.targets import prepare_environment
+
+prepare_environment()  # before JAX loads
+
+from mtpjax.cli.decode import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -2,7 +2,11 @@
 
 import sys
 
-from mtpjax.cli.train import main
+from mtpjax.parallel.targets import prepare_environment
+
+prepare_environment()  # before JAX loads
+
+from mtpjax.cli.train import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -5,7 +5,8 @@
 Rows (every one measured in this process, on this device):
 - train: one jitted train step of configs/gpu_1b.yaml (bf16 compute, float32 master weights and AdamW state,
   seq 4096, packed documents) per `model.attention` backend: tokens/s, MFU against the chip's published dense
-  bf16 peak (PEAK_BF16; on a CPU a measured float32 matmul, labelled so) and the compiled program's memory.
+  bf16 peak (mtpjax.parallel.targets.KIND_PEAKS; on a CPU a measured float32 matmul, labelled so) and the
+  compiled program's memory.
 - decode: greedy plain vs MTP (1 draft) at batch 1/8/32 on gpu_1b's shape with bfloat16 weights (2 GB: far
   beyond any listed chip's on-chip cache), random weights. Round costs relative to a plain round: v (a round of
   n-gram speculation: a verification of 2 tokens, drafting nearly free) and c (what an MTP draft adds). α is not
@@ -40,13 +41,6 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # mtpjax from this checkout, imported inside the functions below
 
-# Published dense (no sparsity) bf16 peak FLOP/s per chip, matched against jax's device_kind, first match wins.
-PEAK_BF16 = [
-    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL", 835e12), ("H200", 989e12),
-    ("A100", 312e12),
-    ("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12), ("TPU v5p", 459e12), ("TPU v5", 459e12),
-    ("TPU v6 lite", 918e12), ("TPU v6e", 918e12),
-]
 DEFAULT_BACKENDS = {"gpu": "xla,cudnn,pallas", "tpu": "xla,splash", "cpu": "xla"}
 SMOKE = ["model.vocab_size=256", "model.d_model=32", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2",
          "model.d_ff=64", "data.seq_len=48", "loss.chunk_size=16"]
@@ -65,8 +59,10 @@ def _decoder():
 
 
 def published_peak(kind: str) -> float | None:
-    """The chip's published dense bf16 FLOP/s from PEAK_BF16 (None if the chip is not listed)."""
-    return next((p for name, p in PEAK_BF16 if name.lower() in kind.lower()), None)
+    """The chip's published dense bf16 FLOP/s (mtpjax.parallel.targets.KIND_PEAKS; None if the chip is not listed)."""
+    from mtpjax.parallel.targets import published_peak as peak
+
+    return peak(kind)
 
 
 def _first_line(e: BaseException) -> str:
@@ -236,6 +232,10 @@ def table(res: dict) -> str:
         else:
             result = r.get("failed") or f"skipped: {r['skipped']}"
         out.append(f"| {what} | {setting} | {result} |")
+    for e in res.get("estimate", []):  # python -m mtpjax compile's roofline for the same config, beside the measure
+        out.append(f"| {e['program']}, compiled estimate | {e['target']} ({e['chip']}), mesh {e['mesh']} | "
+                   f"{e['step_seconds']:.3f} s/step ({e['bound']}-bound roofline), MFU {e['mfu']:.1%}, memory "
+                   f"{_gib(e['memory_bytes'])} (estimate, not measured) |")
     dec = res.get("decode")
     if dec and "failed" in dec:
         out.append(f"| decode | | {dec['failed']} |")
@@ -275,6 +275,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--budget", type=float, default=270.0, help="seconds; sections that would overrun are skipped")
     ap.add_argument("--json", help="also write every number here")
+    ap.add_argument("--estimate", help="a `python -m mtpjax compile --json` report of the same config: its roofline "
+                    "rows go beside the measured ones")
     args = ap.parse_args(argv)
     from mtpjax.config import load_config, replace
 
@@ -306,6 +308,8 @@ def main(argv=None) -> int:
                                           [float(a) for a in args.alpha.split(",")], 16 if args.smoke else 64,
                                           8 if args.smoke else args.max_new, 1 if args.smoke else 2, budget)),
     ]
+    if args.estimate:
+        res["estimate"] = estimate_rows(json.loads(Path(args.estimate).read_text()))
     for name, fn in sections:
         t, cpu = time.perf_counter(), time.process_time()
         try:
@@ -322,6 +326,15 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2, default=str))
     return 0
+
+
+def estimate_rows(report: dict) -> list[dict]:
+    """The train and eval steps' roofline estimates of a compile report, as the table shows them."""
+    return [{"program": p["program"], "target": report["target"], "chip": report["chip"]["name"],
+             "mesh": " x ".join(f"{k} {v}" for k, v in report["mesh"].items() if v > 1) or "one device",
+             "step_seconds": p["roofline"]["estimate_s"],
+             "bound": p["roofline"]["bound"], "mfu": p["mfu_estimate"], "memory_bytes": p["memory"]["total"]}
+            for p in report["programs"] if "mfu_estimate" in p]
 
 
 def _param_count(cfg) -> int:

@@ -15,7 +15,7 @@ imports). A package's `__main__` is an entry point and counts as the command she
               the lm-eval backend and its shipped tasks
     train     TrainState and step, loop, eval hook, report, checkpoints, run directories, post-training
     convert   Hugging Face / engine layouts in and out
-    cli       every command's main: train, decode, plan, convert, data, distributed, lm_eval
+    cli       every command's main: train, decode, plan, compile, convert, data, distributed, lm_eval
 
 The package itself imports nothing: `mtpjax.decode`, `mtpjax.load`, `mtpjax.generate` (and the other names of
 API) load their modules on first use (PEP 562), so `import mtpjax` costs no JAX and a command's bad input is

@@ -4,8 +4,13 @@ import argparse
 import importlib
 import sys
 
-from mtpjax.cli import COMMANDS
-from mtpjax.cli.args import Parser, command
+from mtpjax.parallel.targets import prepare_environment
+
+# Before anything imports JAX: `compile` builds for devices that are not here, so it starts only the CPU backend.
+prepare_environment("cpu" if sys.argv[1:2] == ["compile"] else None)
+
+from mtpjax.cli import COMMANDS  # noqa: E402
+from mtpjax.cli.args import Parser, command  # noqa: E402
 
 
 @command

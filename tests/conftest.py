@@ -13,11 +13,17 @@ import os
 import shutil
 import tempfile
 
-import jax
-import pytest
+from mtpjax.parallel.targets import prepare_environment
 
-from mtpjax.parallel import runtime
-from mtpjax.config import ModelConfig
+# Before JAX loads, here and (by the environment) in the processes tests start: the CPU backend only, and no cloud
+# metadata query from libtpu where the `tpu` extra is installed.
+prepare_environment("cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from mtpjax.parallel import runtime  # noqa: E402
+from mtpjax.config import ModelConfig  # noqa: E402
 
 # A [B,T,D] array meeting a [D] one must say how it broadcasts: silent rank promotion hides shape bugs.
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -47,3 +47,18 @@ def test_smoke_runs_the_whole_check_without_what_the_device_lacks(tmp_path):
     table = [ln for ln in p.stdout.splitlines() if ln.startswith("|")]  # one table: header, train, decode, equality
     assert table[:2] == ["| measure | setting | result |", "|---|---|---|"] and len(table) == 2 + 1 + 2 + 1
     assert "(passed in, CPU-trained run)" in table[3] and "1 draft: identical, 2 drafts: identical" in table[-1]
+
+
+def test_the_compiled_estimate_sits_beside_the_measured_rows():
+    from bench.accelerator import estimate_rows, table
+
+    report = {"target": "h100:1", "chip": {"name": "NVIDIA H100 SXM"}, "mesh": {"data": 1, "fsdp": 1},
+              "programs": [{"program": "train_step", "roofline": {"estimate_s": 1.5, "bound": "compute"},
+                            "mfu_estimate": 0.61, "memory": {"total": 40 * 2**30}},
+                           {"program": "decode_plain", "roofline": {"estimate_s": 0.1, "bound": "hbm"},
+                            "memory": {"total": 2**30}}]}
+    res = {"device": {"peak": 989e12, "peak_source": "published dense bf16"}, "train_config": {},
+           "estimate": estimate_rows(report)}
+    rows = [r for r in table(res).splitlines() if "compiled estimate" in r]
+    assert rows == ["| train_step, compiled estimate | h100:1 (NVIDIA H100 SXM), mesh one device | 1.500 s/step "
+                    "(compute-bound roofline), MFU 61.0%, memory 40.00 GiB (estimate, not measured) |"]

@@ -108,8 +108,10 @@ def test_auto_is_the_xla_path_on_cpu(monkeypatch, capfd):
 
 
 def test_choice_per_platform_and_visible_fallbacks(capfd):
-    assert attention_backend("auto", "gpu", "bfloat16", 128, False) == ("cudnn", False)
-    assert attention_backend("auto", "gpu", "float32", 128, False) == ("xla", False)  # cuDNN: bf16/fp16 only
+    # GPU: Pallas (native segment ids; compiles without the cuDNN library), bf16/fp16 models; cuDNN when asked for
+    assert attention_backend("auto", "gpu", "bfloat16", 128, False) == ("pallas", False)
+    assert attention_backend("auto", "gpu", "float32", 128, False) == ("xla", False)
+    assert attention_backend("cudnn", "gpu", "bfloat16", 128, False) == ("cudnn", False)
     assert attention_backend("auto", "tpu", "float32", 128, False) == ("splash", False)
     assert attention_backend("pallas", "gpu", "float32", 64, False) == ("pallas", False)
     assert attention_backend("pallas", "cpu", "float32", 64, True) == ("pallas", True)
@@ -117,13 +119,13 @@ def test_choice_per_platform_and_visible_fallbacks(capfd):
     err = capfd.readouterr().err
     assert "model.attention=splash runs in Pallas interpret mode on cpu" in err
     for name, platform in (("splash", "gpu"), ("pallas", "cpu"), ("cudnn", "cpu")):
-        assert attention_backend(name, platform, "bfloat16", 64, False)[0] == ("cudnn" if platform == "gpu" else "xla")
+        assert attention_backend(name, platform, "bfloat16", 64, False)[0] == ("pallas" if platform == "gpu" else "xla")
     assert attention_backend("cudnn", "gpu", "float32", 64, False) == ("xla", False)  # cuDNN never interprets
     err = capfd.readouterr().err.splitlines()
-    assert "attention: model.attention=splash needs a TPU (this is gpu, bfloat16); using cudnn" in err
+    assert "attention: model.attention=splash needs a TPU (this is gpu, bfloat16); using pallas" in err
     assert "attention: model.attention=pallas needs a GPU (this is cpu, bfloat16); using xla" in err
-    assert ("attention: model.attention=cudnn needs a GPU with bf16/fp16 compute (this is gpu, float32); "
-            "using xla") in err
+    assert ("attention: model.attention=cudnn needs a GPU with bf16/fp16 compute and head_dim <= 128 (this is gpu, "
+            "float32); using xla") in err
 
 
 def test_each_choice_is_logged_once(capfd):

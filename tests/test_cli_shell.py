@@ -75,6 +75,7 @@ WORK = {
     "train": ("mtpjax.cli.train", "train"),
     "decode": (mtpjax.train.checkpoint, "load_model_step"),
     "plan": ("mtpjax.cli.plan", "load_config"),
+    "compile": ("mtpjax.cli.compile", "compile_report"),
     "convert": (mtpjax.convert, "export_run"),
     "data": (mtpjax.config, "load_config"),
     "distributed": ("mtpjax.cli.distributed", "initialize"),
@@ -82,6 +83,7 @@ WORK = {
 }
 ARGV = {
     "train": ["--config", TINY], "decode": ["--run-dir", "r", "--prompt", "x"], "plan": ["--config", "x.yaml"],
+    "compile": ["--config", TINY, "--target", "v5e-4"],
     "convert": ["export", "--run-dir", "r", "--out", "o"], "data": ["prepare"], "distributed": [],
     "lm_eval": ["--model", "mtpjax", "--model_args", "run_dir=r", "--tasks", "mtpjax"],
 }

@@ -145,7 +145,8 @@ class ModelConfig:
     first_k_dense_replace: int = key(0, "moe: the first k trunk blocks keep the dense MLP (< `n_layers`)", ge=0)
     attention: Attention = key(
         "auto", "how attention is computed, not what", runtime=True, choices={
-            "auto": "splash on TPU, cuDNN on GPU with bf16/fp16, else XLA", "xla": "the reference",
+            "auto": "splash on TPU, Pallas on GPU with bf16/fp16, else XLA (for the mesh's devices)",
+            "xla": "the reference",
             "cudnn": "cuDNN's fused kernel (GPU)", "pallas": "a Pallas kernel (GPU)",
             "splash": "splash attention (TPU)"})
 

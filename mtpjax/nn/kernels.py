@@ -103,3 +103,36 @@ def splash_attention(q_BTKRH, k_BTKH, v_BTKH, seg_BT, *, interpret: bool = False
         seg = _pad(seg_BT, T_pad, PAD_SEGMENT)
         o_BNTH = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=SegmentIds(s, s)))(q_BNTH, k_BKTH, v_BKTH, seg)
     return o_BNTH.transpose(0, 2, 1, 3)[:, :T].reshape(B, T, K, R, H)
+
+
+def pad_heads(q_BTKRH, k_BTKH, v_BTKH, width: int):
+    """q, k and v zero-padded on their last axis to `width`."""
+    pad = lambda x: x if x.shape[-1] == width else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+    return pad(q_BTKRH), pad(k_BTKH), pad(v_BTKH)
+
+
+def per_device(kernel, mesh, batch_axes: tuple, head_axis: str | None, q_BTKRH, k_BTKH, v_BTKH, seg_BT):
+    """`kernel(q, k, v, seg)` run on each device's rows and heads (jax.shard_map): the batch split over `batch_axes`
+    (those whose product divides B), the KV heads over `head_axis` (else the query heads of each group, k and v
+    then replicated), so a multi-device mesh neither gathers q/k/v around the kernel nor asks the compiler to
+    partition it (Mosaic kernels cannot be). A mesh of one device calls the kernel directly."""
+    if mesh is None or mesh.size == 1:
+        return kernel(q_BTKRH, k_BTKH, v_BTKH, seg_BT)
+    from jax.sharding import PartitionSpec as P
+
+    B, _, K, R, _ = q_BTKRH.shape
+    rows, n = [], 1
+    for a in batch_axes:
+        if B % (n * mesh.shape[a]) == 0:
+            rows.append(a)
+            n *= mesh.shape[a]
+    rows = tuple(rows) or None
+    t = mesh.shape[head_axis] if head_axis else 1
+    kv_h = head_axis if t > 1 and K % t == 0 else None
+    q_h = head_axis if t > 1 and kv_h is None and R % t == 0 else None
+    q_spec, kv_spec = P(rows, None, kv_h, q_h, None), P(rows, None, kv_h, None)
+    args, specs = (q_BTKRH, k_BTKH, v_BTKH), (q_spec, kv_spec, kv_spec)
+    if seg_BT is not None:
+        args, specs = args + (seg_BT,), specs + (P(rows, None),)
+    body = lambda q, k, v, *seg: kernel(q, k, v, seg[0] if seg else None)
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)

@@ -142,8 +142,7 @@ class MLAttention(nnx.Module):
         self.theta, self.llama3, self.yarn = cfg.rope_theta, cfg.llama3_rope, cfg.yarn_rope
         self.scale, self.cos_sin_scale = softmax_scale(cfg), rope_scale(cfg)
         qk = self.nope + self.rope
-        # The fused kernels take one head width for q, k and v; otherwise the XLA reference runs.
-        self.attention = cfg.attention if qk == self.v_dim else "xla"
+        self.attention = cfg.attention  # unequal q/k and v widths: the fused kernels pad v (layers.fused_attention)
         self.placement = placement
         self.layout = nnx.data(None)  # (W_k, W_v) per head on decode_view's copy only
         if cfg.q_lora_rank:

@@ -28,6 +28,8 @@ class MTPOutput:
     routing: dict = struct.field(default_factory=dict)
 
 
+MTP_SCOPE = "mtp_module"  # the name scope of the MTP modules' ops in a compiled program (jax.named_scope)
+
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
@@ -157,7 +159,8 @@ class MTPTransformer(nnx.Module):
         pos_BT = _positions(next_tokens_BT) if pos_BT is None else pos_BT
         mod = self.mtp[k - 1]
         emb = self.embed_tokens(next_tokens_BT) if mod.sequential else None
-        return mod(h_prev_BTD, emb, pos_BT, seg_BT, cache, self.cfg.remat)
+        with jax.named_scope(MTP_SCOPE):  # compiled programs name its ops, so their FLOPs can be told apart
+            return mod(h_prev_BTD, emb, pos_BT, seg_BT, cache, self.cfg.remat)
 
     # ------------------------------------------------------------------ training forward
 

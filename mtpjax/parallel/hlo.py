@@ -1,0 +1,324 @@
+"""What a compiled program does per step, read from its optimized HLO text: FLOPs, HBM traffic, collectives, kernels.
+
+XLA's own cost analysis counts the body of a `while` once (a scan over micro-batches or layers) and is absent on
+GPU, so this counts from the text: every computation's instructions, a while body times its known trip count (XLA
+writes `known_trip_count` into the loop's backend_config), a conditional as its costliest branch.
+
+- FLOPs: matrix products, 2 per multiply-add, from `dot` and `convolution` (TPU writes dots as convolutions) and
+  the GPU's GEMM custom calls, with their operand shapes; elementwise work is not counted (the analytic count in
+  mtpjax.nn.flops has the same convention). A fused attention kernel is a custom call whose FLOPs are not in the
+  text: counted from its operands' shapes as 4·T·S·H per query head (full scores), times 2.5 for a backward kernel.
+- HBM bytes (an estimate): every unfused instruction reads its operands and writes its result once.
+- Collectives: per kind, the larger of the bytes a device sends in and gets out, times how often they run.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import re
+
+DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+               "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute",
+               "collective-broadcast")
+# Custom calls that are attention kernels, by target: Mosaic (TPU Pallas: splash), Triton (GPU Pallas), cuDNN.
+ATTENTION_CALLS = {"tpu_custom_call": "splash (Mosaic)", "__gpu$xla.gpu.triton": "pallas (Triton)",
+                   "__cudnn$fmha": "cudnn flash attention"}
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id", "replica-id",
+         "iota", "copy-done", "opt-barrier", "add-dependency"} | {c + "-done" for c in COLLECTIVES}
+_ARRAY = re.compile(r"([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+
+
+@dataclasses.dataclass
+class Instr:
+    """One HLO instruction: its name, result shape text, opcode, operand names and the attribute text."""
+
+    name: str
+    shape: str
+    op: str
+    operands: list
+    attrs: str
+    args: str = ""  # the text between the opcode's parentheses (a constant's value)
+
+
+def arrays(shape: str) -> list[tuple[str, tuple]]:
+    """(dtype, dims) of every array in a shape text (a tuple lists several); layouts `{...}` are dropped."""
+    return [(d, tuple(int(x) for x in dims.split(",") if x))
+            for d, dims in _ARRAY.findall(re.sub(r"\{[^}]*\}", "", shape))]
+
+
+def nbytes(shape: str) -> float:
+    """Bytes of every array in a shape text."""
+    return sum(DTYPE_BYTES.get(d, 4) * math.prod(dims) for d, dims in arrays(shape))
+
+
+def _matching(text: str, i: int) -> int:
+    """Index just past the bracket group opening at text[i]."""
+    depth, pairs = 0, {"(": ")", "{": "}", "[": "]"}
+    close = pairs[text[i]]
+    for j in range(i, len(text)):
+        if text[j] == text[i]:
+            depth += 1
+        elif text[j] == close:
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return len(text)
+
+
+def parse_instr(line: str) -> Instr | None:
+    """An instruction line `[ROOT] %name = SHAPE op(operands), attrs`; None for anything else."""
+    m = re.match(r"\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*", line)
+    if not m:
+        return None
+    rest = line[m.end():]
+    end = _matching(rest, 0) if rest.startswith("(") else rest.find(" ")
+    shape, rest = rest[:end], rest[end:].lstrip()
+    op_m = re.match(r"([a-z][a-z0-9\-]*)\(", rest)
+    if not op_m:
+        return None
+    close = _matching(rest, op_m.end() - 1)
+    args = rest[op_m.end():close - 1]
+    return Instr(m[1], shape, op_m[1], re.findall(r"%([^\s,()]+)", args), rest[close:], args)
+
+
+def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
+    """({computation name: its instructions}, the entry computation's name) of an HLO module's text. An instruction
+    may span lines (a Mosaic kernel's backend_config holds newlines): a line that starts no instruction continues
+    the one before."""
+    comps, entry, current, pending = {}, "", None, []
+
+    def flush():
+        if current is not None and pending and (ins := parse_instr(" ".join(pending))):
+            current.append(ins)
+        pending.clear()
+
+    for line in text.splitlines():
+        head = re.match(r"(ENTRY\s+)?%([^\s(]+)\s*\(.*\{\s*$", line)
+        if head and not line.startswith(" "):
+            flush()
+            current = comps.setdefault(head[2], [])
+            entry = head[2] if head[1] else entry
+        elif line.strip() == "}":
+            flush()
+            current = None
+        elif re.match(r"\s+(?:ROOT\s+)?%", line):
+            flush()
+            pending.append(line)
+        elif pending:
+            pending.append(line.strip())
+    flush()
+    return comps, entry
+
+
+def _called(ins: Instr) -> list[str]:
+    return re.findall(r"(?:calls|to_apply|body|true_computation|false_computation)=%([^\s,}]+)", ins.attrs) + [
+        n for grp in re.findall(r"(?:branch_computations|called_computations)=\{([^}]*)\}", ins.attrs)
+        for n in re.findall(r"%([^\s,]+)", grp)]
+
+
+def trip_count(ins: Instr, comps: dict | None = None) -> int | None:
+    """A while loop's trip count: XLA's `known_trip_count` (GPU, CPU), else read from its condition (TPU writes
+    none): `i < N` with a constant N, the counter starting at 0 (a scan's); None when neither says."""
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
+    if m:
+        return int(m[1])
+    cond = re.search(r"condition=%([^\s,}]+)", ins.attrs)
+    body = (comps or {}).get(cond[1], []) if cond else []
+    consts = {i.name: i for i in body if i.op == "constant"}
+    for i in body:
+        if i.op == "compare" and "direction=LT" in i.attrs and len(i.operands) == 2 and i.operands[1] in consts:
+            value = consts[i.operands[1]].args.strip()
+            return int(value) if value.lstrip("-").isdigit() else None
+    return None
+
+
+@dataclasses.dataclass
+class Stats:
+    """What one execution of a computation does (loops multiplied out)."""
+
+    flops: float = 0.0
+    attention_flops: float = 0.0  # of which: fused attention kernels, counted from their shapes
+    scoped_flops: float = 0.0  # of which: ops whose name scope holds Program's `scope` (the MTP modules')
+    hbm_bytes: float = 0.0
+    collectives: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: [0, 0.0]))
+    calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # custom-call targets
+    ops: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # opcodes, times run
+
+    def add(self, other: Stats, times: float = 1.0) -> None:
+        self.flops += times * other.flops
+        self.attention_flops += times * other.attention_flops
+        self.scoped_flops += times * other.scoped_flops
+        self.hbm_bytes += times * other.hbm_bytes
+        for k, (n, b) in other.collectives.items():
+            self.collectives[k][0] += times * n
+            self.collectives[k][1] += times * b
+        for k, n in other.calls.items():
+            self.calls[k] += times * n
+        for k, n in other.ops.items():
+            self.ops[k] += times * n
+
+
+def _dims_of(shapes: dict, name: str) -> tuple:
+    a = arrays(shapes.get(name, ""))
+    return a[0][1] if a else ()
+
+
+def dot_flops(ins: Instr, shapes: dict) -> float:
+    """2·(result elements)·(contracted elements) of a dot, a convolution or a GEMM custom call."""
+    out = arrays(ins.shape)
+    if not out or not ins.operands:
+        return 0.0
+    out_elems = math.prod(out[0][1])
+    lhs = _dims_of(shapes, ins.operands[0])
+    if ins.op == "convolution":
+        labels = re.search(r"dim_labels=([^_]+)_", ins.attrs)
+        window = re.search(r"window=\{size=([0-9x]+)", ins.attrs)
+        groups = re.search(r"feature_group_count=(\d+)", ins.attrs)
+        feat = lhs[labels[1].index("f")] if labels and lhs else 1
+        win = math.prod(int(x) for x in window[1].split("x")) if window else 1
+        return 2.0 * out_elems * win * feat / (int(groups[1]) if groups else 1)
+    contract = re.search(r'lhs_contracting_dim(?:ension)?s["=:]*\{?\[?"?([0-9,"\s]*)', ins.attrs)
+    dims = [int(x) for x in re.findall(r"\d+", contract[1])] if contract else []
+    return 2.0 * out_elems * math.prod(lhs[d] for d in dims if d < len(lhs))
+
+
+_FLOATS = ("bf16", "f16", "f32", "f8e4m3fn", "f8e5m2")
+# A fused attention kernel's work in forward passes (2 products): its backward recomputes the scores and forms dP,
+# dV, dK (dkv kernel: 2x), or the scores, dP and dQ (dq kernel: 1.5x); one kernel for all three gradients: 2.5x.
+# Pallas GPU's preprocess (o·do, elementwise) does no product.
+_BACKWARD = (("preprocess", 0.0), ("dkv", 2.0), ("dq", 1.5), ("bwd", 2.5), ("backward", 2.5))
+
+
+def attention_call_flops(ins: Instr, shapes: dict) -> float:
+    """A fused attention kernel's FLOPs from its operands: 4·(query elements)·S (scores and values over all S keys,
+    the full matrix), times its backward factor (_BACKWARD, read from the kernel's name). Triton's operands are
+    [B,T,N,H] (S is axis 1), Mosaic splash's [.., N, T, H] (S is axis -2)."""
+    floats = [d for d, dt in ((_dims_of(shapes, o), arrays(shapes.get(o, ""))) for o in ins.operands)
+              if len(d) >= 3 and dt and dt[0][0] in _FLOATS]
+    if len(floats) < 2:
+        return 0.0
+    q, k = floats[0], floats[1]
+    triton = "triton" in ins.attrs
+    kernel = re.search(r'name = \\?"([^"\\]+)', ins.attrs) if triton else None
+    what = (kernel[1] if kernel else ins.name).lower()
+    factor = next((f for key, f in _BACKWARD if key in what), 1.0)
+    if "dkv" in what and "dq" in what:
+        factor = 2.5
+    return 4.0 * math.prod(q) * (k[1] if triton else k[-2]) * factor
+
+
+def attention_kind(target: str) -> str | None:
+    """The attention kernel a custom-call target is, or None."""
+    return next((v for k, v in ATTENTION_CALLS.items() if target.startswith(k)), None)
+
+
+class Program:
+    """A compiled module's text, parsed once; `stats()` walks it from the entry (or from one computation)."""
+
+    def __init__(self, text: str, scope: str = ""):
+        self.comps, self.entry = parse_module(text)
+        self.scope = scope
+        self.shapes = {i.name: i.shape for c in self.comps.values() for i in c}
+        self._memo: dict[tuple, Stats] = {}
+
+    def stats(self, comp: str | None = None, fused: bool = False, trip_counts: bool = True) -> Stats:
+        """Stats of one execution of `comp` (default: the entry); `fused`: inside a fusion (no HBM traffic)."""
+        comp = comp or self.entry
+        key = (comp, fused, trip_counts)
+        if key in self._memo:
+            return self._memo[key]
+        s = Stats()
+        for ins in self.comps.get(comp, []):
+            self._instr(ins, s, fused, trip_counts)
+        self._memo[key] = s
+        return s
+
+    def _instr(self, ins: Instr, s: Stats, fused: bool, trip_counts: bool) -> None:
+        s.ops[ins.op] += 1
+        target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+        f = 0.0
+        if ins.op in ("dot", "convolution") or (target and ("gemm" in target[1] or "matmul" in target[1])):
+            f = dot_flops(ins, self.shapes)
+        if target:
+            s.calls[target[1]] += 1
+            if attention_kind(target[1]):
+                f = attention_call_flops(ins, self.shapes)
+                s.attention_flops += f
+        s.flops += f
+        if f and self.scope and self.scope in ins.attrs:
+            s.scoped_flops += f
+        base = ins.op.removesuffix("-start")
+        if base in COLLECTIVES:
+            inb = sum(nbytes(self.shapes.get(o, "")) for o in ins.operands)
+            outb = nbytes(ins.shape) - (inb if ins.op.endswith("-start") else 0)
+            s.collectives[base][0] += 1
+            s.collectives[base][1] += max(inb, outb)
+        if not fused and ins.op not in _FREE and ins.op not in ("while", "conditional", "call"):
+            s.hbm_bytes += nbytes(ins.shape) + sum(nbytes(self.shapes.get(o, "")) for o in ins.operands)
+        called = _called(ins)
+        if ins.op == "while":
+            body = re.search(r"body=%([^\s,}]+)", ins.attrs)
+            n = trip_count(ins, self.comps) if trip_counts else 1
+            s.add(self.stats(body[1], fused, trip_counts), n or 1)
+        elif ins.op == "conditional":
+            branches = [self.stats(c, fused, trip_counts) for c in called]
+            if branches:
+                s.add(max(branches, key=lambda b: (b.flops, b.hbm_bytes)))
+        else:
+            for c in called:
+                s.add(self.stats(c, fused or ins.op == "fusion", trip_counts))
+
+    def loops(self, comp: str | None = None) -> list[tuple[Instr, int | None]]:
+        """The while loops a computation runs directly (with their trip counts)."""
+        return [(i, trip_count(i, self.comps)) for i in self.comps.get(comp or self.entry, []) if i.op == "while"]
+
+    def body_of(self, loop: Instr) -> str:
+        return re.search(r"body=%([^\s,}]+)", loop.attrs)[1]
+
+    def users(self) -> dict[str, list[Instr]]:
+        """Who reads each instruction's result."""
+        out = collections.defaultdict(list)
+        for c in self.comps.values():
+            for i in c:
+                for o in i.operands:
+                    out[o].append(i)
+        return out
+
+
+def gathers_around(prog: Program, is_kernel, hops: int = 4, after: bool = True) -> list[tuple[str, int | None]]:
+    """(all-gather, the element of its tuple result that flows, or None for all) within `hops` data-flow steps before
+    (and, with `after`, after) an instruction `is_kernel(ins)` accepts: an activation gathered to feed a kernel, or
+    a kernel's output gathered. Upstream, a get-tuple-element says which element of a combined gather is read."""
+    producers = {i.name: i for c in prog.comps.values() for i in c}
+    users = prog.users()
+    is_gather = lambda i: i.op.removesuffix("-start").removesuffix("-done") == "all-gather"
+    found = set()
+    for c in prog.comps.values():
+        for k in (i for i in c if is_kernel(i)):
+            up = [(o, None) for o in k.operands]
+            down = [u.name for u in users.get(k.name, [])] if after else []
+            for _ in range(hops):
+                found |= {(n, idx) for n, idx in up if n in producers and is_gather(producers[n])}
+                found |= {(n, None) for n in down if n in producers and is_gather(producers[n])}
+                up = [(p.operands[0], int(m[1])) if p.op == "get-tuple-element" and (m := re.search(r"index=(\d+)",
+                                                                                                   p.attrs))
+                      else (o, None) for n, _ in up if (p := producers.get(n)) is not None and not is_gather(p)
+                      for o in (p.operands if p.op != "get-tuple-element" else p.operands[:1])]
+                down = [u.name for n in down for u in users.get(n, [])]
+    return sorted(found, key=str)
+
+
+def summary(stats: Stats) -> dict:
+    """JSON-ready numbers of a Stats."""
+    return {"flops": stats.flops, "attention_kernel_flops": stats.attention_flops, "scoped_flops": stats.scoped_flops,
+            "hbm_bytes": stats.hbm_bytes,
+            "collectives": {k: {"count": n, "bytes": b} for k, (n, b) in sorted(stats.collectives.items())},
+            "custom_calls": dict(sorted(stats.calls.items()))}
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, indent=1, sort_keys=True)

@@ -1,0 +1,292 @@
+"""Ahead-of-time compilation for a target (`python -m mtpjax compile`): the run's programs compiled for TPU or GPU
+devices that are not here, and what each does per step, read from the compiled program.
+
+The train step (micro-batches, remat, expert axis as configured) and the eval step compile on the config's mesh over
+the target's devices; the speculative decode loop (plain, the MTP chain, a draft tree) on one device of the target.
+Memory is the compiler's own analysis; FLOPs, HBM traffic and collectives come from the optimized HLO
+(mtpjax.parallel.hlo, loop trip counts multiplied out); the step time is a roofline estimate from the chip's published
+figures (mtpjax.parallel.targets.CHIPS), never a measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
+
+from mtpjax.config import Config
+from mtpjax.decode.host import make_loop, request
+from mtpjax.decode.loop import execute
+from mtpjax.decode.tree import parse_tree
+from mtpjax.errors import MtpjaxError
+from mtpjax.eval.plan import plan_trees
+from mtpjax.nn.flops import flops_per_token, train_flops_per_token
+from mtpjax.nn.model import MTP_SCOPE, build_model
+from mtpjax.nn.placement import Placement, platform_of
+from mtpjax.nn.speed import expected_tokens, tree_expected_tokens
+from mtpjax.parallel import hlo
+from mtpjax.parallel.sharding import make_mesh
+from mtpjax.parallel.targets import Target, topology_devices
+from mtpjax.train.step import make_programs
+
+GiB = 2**30
+KNOBS = ("mesh.fsdp (parameters and optimizer state split over more devices), train.micro_batches (fewer rows' "
+         "activations at once), model.remat=full (activations recomputed in the backward)")
+
+
+class DoesNotFit(MtpjaxError):
+    """A program needs more memory per device than the target's chip has; `table` is the memory the report prints."""
+
+    def __init__(self, message: str, table: str):
+        super().__init__(message)
+        self.table = table
+
+
+def memory_of(compiled) -> dict:
+    """Per-device bytes from the compiler's memory analysis; total = arguments + outputs - aliased (donated inputs
+    the outputs reuse) + temporaries + generated code."""
+    m = compiled.memory_analysis()
+    parts = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+             "aliased": m.alias_size_in_bytes, "temporaries": m.temp_size_in_bytes,
+             "generated_code": m.generated_code_size_in_bytes}
+    parts["total"] = (parts["arguments"] + parts["outputs"] - parts["aliased"] + parts["temporaries"]
+                      + parts["generated_code"])
+    return parts
+
+
+def refused_memory(message: str) -> dict | None:
+    """The bytes a TPU compiler's RESOURCE_EXHAUSTED names (used, available), or None for another error."""
+    if "RESOURCE_EXHAUSTED" not in message:
+        return None
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    sizes = [float(n) * units.get(u, 1) for n, u in re.findall(r"(\d+(?:\.\d+)?)([KMGT])\b", message)]
+    return {"total": sizes[0] if sizes else float("nan"), "available": sizes[-1] if len(sizes) > 1 else float("nan")}
+
+
+def kernels_in(stats: hlo.Stats, cfg: Config) -> dict:
+    """Which attention and MoE kernels a program contains."""
+    attention = sorted({hlo.attention_kind(t) for t in stats.calls if hlo.attention_kind(t)}) or ["xla (einsum)"]
+    moe = None
+    if cfg.model.mlp_kind == "moe":
+        grouped = "ragged_dot" if stats.ops.get("ragged-dot") or any("ragged" in t for t in stats.calls) else \
+            "expert blocks (gathered weights)"
+        moe = grouped + (", all-to-all dispatch" if "all-to-all" in stats.collectives else "")
+    return {"attention": attention, "moe": moe}
+
+
+def analyse(name: str, compiled, seconds: float, cfg: Config) -> dict:
+    """One compiled program's report entry."""
+    text = compiled.as_text()
+    prog = hlo.Program(text, MTP_SCOPE)
+    stats = prog.stats()
+    return {"program": name, "compile_seconds": round(seconds, 1), "memory": memory_of(compiled),
+            **hlo.summary(stats), "kernels": kernels_in(stats, cfg), "_program": prog, "_text": text}
+
+
+def _compile(lowered_fn, name: str, capacity: float, table_so_far):
+    """(compiled, seconds); DoesNotFit when the compiler refuses for memory (TPU)."""
+    t0 = time.perf_counter()
+    try:
+        return lowered_fn().compile(), time.perf_counter() - t0
+    except Exception as e:  # XlaRuntimeError: a refusal for memory is the user's to fix, anything else a bug
+        used = refused_memory(str(e))
+        if used is None:
+            raise
+        gib = (used["total"] - capacity) / GiB
+        raise DoesNotFit(f"{name} does not fit: the compiler refused it ({used['total'] / GiB:.2f} GiB of "
+                         f"{used['available'] / GiB:.2f} GiB; over by {gib:.2f} GiB); try {KNOBS}",
+                         table_so_far(name, used)) from None
+
+
+def train_programs(cfg: Config, target: Target, devices: list, report: dict, table) -> None:
+    """Compile the train and eval steps on the config's mesh over the target's devices into report['programs']."""
+    mesh = make_mesh(cfg.mesh, devices)
+    programs = make_programs(cfg, mesh)
+    B, T = cfg.train.batch_size, cfg.data.seq_len
+    tok = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=programs.batch_sharding)
+    for name, fn in (("train_step", programs.train_step), ("eval_step", programs.eval_step)):
+        c, s = _compile(lambda fn=fn: fn.lower(programs.target, tok, tok), name, target.chip.hbm_bytes,
+                        lambda n, used: table(report, extra=(n, used)))
+        report["programs"].append(analyse(name, c, s, cfg))
+        check_fits(report, target, table)
+
+
+def check_fits(report: dict, target: Target, table) -> None:
+    """DoesNotFit when the last compiled program needs more than the chip's memory (GPU: the compiler does not
+    refuse)."""
+    p = report["programs"][-1]
+    over = p["memory"]["total"] - target.chip.hbm_bytes
+    if over > 0:
+        raise DoesNotFit(f"{p['program']} does not fit on {target.chip.name} by {over / GiB:.2f} GiB per device; "
+                         f"try {KNOBS}", table(report))
+
+
+def decode_loops(cfg: Config, alpha: float) -> list[tuple[str, dict, float]]:
+    """(name, make_loop's drafting arguments, expected tokens per round at α) of the loops compiled: plain, the MTP
+    chain (γ = the model's depth) and the first draft tree the plan tabulates."""
+    J = cfg.model.mtp_depth
+    loops = [("decode_plain", {"num_draft": 0}, 1.0)]
+    if J:
+        loops.append((f"decode_chain_{J}", {"num_draft": J}, expected_tokens([alpha], J)))
+        trees = plan_trees(cfg)
+        if trees:
+            t = parse_tree(trees[0])
+            ranks = [alpha] + [(1 - alpha) / 2 / 2**i for i in range(max(t.rank) if t.rank else 0)]
+            loops.append((f"decode_tree_{trees[0]}", {"num_draft": 0, "tree": trees[0]},
+                          tree_expected_tokens(t, [ranks] * t.max_depth)))
+    return loops
+
+
+def decode_programs(cfg: Config, device, report: dict, alpha: float, batch: int, prompt: int, new: int) -> None:
+    """Compile each speculative decode loop for one device of the target; per round: FLOPs and HBM bytes."""
+    model = nnx.eval_shape(lambda: build_model(cfg, seed=0, placement=Placement(platform=platform_of(device))))
+    graph, params = nnx.split(model)
+    on = SingleDeviceSharding(device)
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), params)
+    prompts = [[1] * prompt] * batch
+    # Decoding on a mesh is not built yet: a loop that needs more than one chip is reported, not refused.
+    for name, kw, tokens in decode_loops(cfg, alpha):
+        loop = make_loop(model, prompts, max_new_tokens=new, **kw)
+        req = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), request(loop, prompts))
+        t0 = time.perf_counter()
+        c = execute.lower(loop, (graph, None), (params, None), req).compile()
+        entry = analyse(name, c, time.perf_counter() - t0, cfg)
+        prog = entry["_program"]
+        # The rounds: the loop whose trip count the data decides (layer scans and the like have known ones)
+        rounds = max((i for c in prog.comps for i, n in prog.loops(c) if n is None),
+                     key=lambda i: prog.stats(prog.body_of(i)).flops, default=None)
+        body = prog.stats(prog.body_of(rounds)) if rounds is not None else hlo.Stats()
+        entry["round"] = {"flops": body.flops, "hbm_bytes": body.hbm_bytes, "tokens_per_round": tokens}
+        report["programs"].append(entry)
+
+
+def analytic(cfg: Config, n_devices: int) -> dict:
+    """The plan's FLOPs per device per step: training (3 × forward, MTP applications included) and evaluation."""
+    m, T, tokens = cfg.model, cfg.data.seq_len, cfg.train.batch_size * cfg.data.seq_len
+    f = flops_per_token(m, T)
+    train = train_flops_per_token(m, T, cfg.train.freeze == "trunk", cfg.loss.mtp_unroll)
+    return {"train_step": train * tokens / n_devices, "eval_step": f["forward"] * tokens / n_devices,
+            "mtp_share": 3 * m.mtp_depth * f["mtp_module"] / train if train else 0.0}
+
+
+def roofline(flops: float, hbm: float, coll: float, target: Target) -> dict:
+    """Seconds each resource needs at the chip's published peak, and the estimate: the largest (perfect overlap)."""
+    c = target.chip
+    link = c.host_link_bw if target.hosts > 1 else c.link_bw
+    t = {"compute_s": flops / c.peak_bf16, "hbm_s": hbm / c.hbm_bw, "collective_s": coll / link if link else 0.0}
+    t["estimate_s"] = max(t.values())
+    t["bound"] = max(("compute", "hbm", "collective"), key=lambda k: t[f"{k}_s"])
+    return t
+
+
+def estimates(report: dict, cfg: Config, target: Target) -> None:
+    """Add the roofline, MFU, the analytic FLOPs and the decode speedups to every program's entry."""
+    ana = analytic(cfg, target.devices)
+    plain = None
+    for p in report["programs"]:
+        coll = sum(v["bytes"] for v in p["collectives"].values())
+        p["collective_bytes"] = coll
+        p["collective_fraction"] = coll / (coll + p["hbm_bytes"]) if coll + p["hbm_bytes"] else 0.0
+        p["roofline"] = roofline(p["flops"], p["hbm_bytes"], coll, target)
+        if p["program"] in ana:
+            p["analytic_flops"] = ana[p["program"]]
+            p["mfu_estimate"] = ana[p["program"]] / (p["roofline"]["estimate_s"] * target.chip.peak_bf16)
+            p["mtp_share"] = {"compiled": p["scoped_flops"] / p["flops"] if p["flops"] else 0.0,
+                              "plan": ana["mtp_share"] if p["program"] == "train_step" else None}
+        if "round" in p:
+            r = p["round"]
+            r["roofline_s"] = roofline(r["flops"], r["hbm_bytes"], 0.0, target)["estimate_s"]
+            plain = plain or r["roofline_s"]
+            r["speedup_estimate"] = r["tokens_per_round"] * plain / r["roofline_s"] if r["roofline_s"] else None
+
+
+def compile_report(cfg: Config, target: Target, *, alpha: float = 0.8, decode: bool = True, batch: int = 1,
+                   prompt: int = 128, new: int = 128, table=None) -> dict:
+    """Every program compiled for `target` and its numbers (JSON-ready but for each entry's `_program`)."""
+    devices = topology_devices(target)
+    report = {"target": target.name, "chip": dataclasses.asdict(target.chip), "devices": target.devices,
+              "mesh": dataclasses.asdict(cfg.mesh), "alpha": alpha, "programs": []}
+    train_programs(cfg, target, devices, report, table)
+    if decode:
+        decode_programs(cfg, devices[0], report, alpha, batch, min(prompt, cfg.data.seq_len), new)
+    estimates(report, cfg, target)
+    return report
+
+
+def _g(n: float) -> str:
+    return f"{n / GiB:8.2f}"
+
+
+def memory_table(report: dict, extra: tuple | None = None) -> str:
+    """Per-device memory of every program compiled so far (and `extra`: a refused one's (name, {total, ...}))."""
+    cap = report["chip"]["hbm_bytes"]
+    lines = [f"memory per device (GiB) on {report['target']} ({report['chip']['name']}, {cap / GiB:.2f} GiB):",
+             f"  {'program':<28} {'args':>8} {'outputs':>8} {'aliased':>8} {'temps':>8} {'code':>8} {'total':>8}  "
+             "fits"]
+    rows = [(p["program"], p["memory"]) for p in report["programs"]] + ([extra] if extra else [])
+    for name, m in rows:
+        over = m["total"] - cap
+        verdict = (f"does not fit by {over / GiB:.2f} GiB" if over > 0 else
+                   f"fits ({-over / cap:.0%} headroom)")
+        parts = "".join(_g(m[k]) + " " if k in m else f"{'-':>8} " for k in
+                        ("arguments", "outputs", "aliased", "temporaries", "generated_code"))
+        lines.append(f"  {name:<28} {parts}{_g(m['total'])}  {verdict}")
+    return "\n".join(lines)
+
+
+def _h(n: float) -> str:
+    for unit, s in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= s:
+            return f"{n / s:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def _program_lines(p: dict) -> list[str]:
+    r = p["roofline"]
+    lines = [f"{p['program']} (compiled in {p['compile_seconds']} s):",
+             f"  FLOPs per device {_h(p['flops'])} (HLO, loop trip counts multiplied out; fused attention kernels "
+             f"{_h(p['attention_kernel_flops'])} from their shapes)"
+             + (f", plan {_h(p['analytic_flops'])} ({p['flops'] / p['analytic_flops']:.3f}x)"
+                if p.get("analytic_flops") else "")]
+    if p.get("mtp_share") and p["mtp_share"]["plan"] is not None:
+        share = p["mtp_share"]
+        lines.append(f"  MTP modules' share of FLOPs {share['compiled']:.1%} (plan {share['plan']:.1%}; module blocks, "
+                     "head applications apart)")
+    lines.append(f"  HBM bytes (estimate: each unfused op reads its inputs, writes its output) {_h(p['hbm_bytes'])}B; "
+                 f"collectives {_h(p['collective_bytes'])}B = {p['collective_fraction']:.1%} of the bytes moved")
+    for kind, v in p["collectives"].items():
+        lines.append(f"    {kind:<20} x{v['count']:<8g} {_h(v['bytes'])}B")
+    lines.append(f"  roofline ESTIMATE: compute {r['compute_s'] * 1e3:.2f} ms, HBM {r['hbm_s'] * 1e3:.2f} ms, "
+                 f"collectives {r['collective_s'] * 1e3:.2f} ms -> {r['estimate_s'] * 1e3:.2f} ms ({r['bound']}-bound)"
+                 + (f", MFU {p['mfu_estimate']:.1%}" if "mfu_estimate" in p else ""))
+    if "round" in p:
+        q = p["round"]
+        lines.append(f"  one round: {_h(q['flops'])} FLOPs, {_h(q['hbm_bytes'])}B read/written, "
+                     f"{q['roofline_s'] * 1e6:.1f} us; {q['tokens_per_round']:.3f} tokens/round at alpha -> "
+                     f"speedup ESTIMATE {q['speedup_estimate']:.2f}x over plain")
+    k = p["kernels"]
+    lines.append(f"  kernels: attention {', '.join(k['attention'])}" + (f"; MoE {k['moe']}" if k["moe"] else ""))
+    return lines
+
+
+def format_report(report: dict) -> str:
+    """The report a user reads before booking the hardware."""
+    c = report["chip"]
+    lines = [memory_table(report),
+             f"chip figures (published): {c['peak_bf16'] / 1e12:.0f} TFLOP/s bf16 dense, HBM {c['hbm_bw'] / 1e12:.2f} "
+             f"TB/s, link {c['link_bw'] / 1e9:.0f} GB/s; mesh {report['mesh']}; decode alpha {report['alpha']}"]
+    for p in report["programs"]:
+        lines += _program_lines(p)
+    lines.append("estimates are rooflines from published peaks (no overlap loss, no kernel efficiency): an upper bound "
+                 "on speed, not a measurement")
+    return "\n".join(lines)
+
+
+def report_json(report: dict) -> dict:
+    """The report without its parsed programs."""
+    return {**report, "programs": [{k: v for k, v in p.items() if not k.startswith("_")} for p in report["programs"]]}

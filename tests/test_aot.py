@@ -1,0 +1,206 @@
+"""`python -m mtpjax compile`: the tiny config (bfloat16, small shapes) compiled for a 4-chip TPU slice and 2 H100s
+with their real compilers, no accelerator here.
+
+The compilers (libtpu, the CUDA PJRT plugin) live apart in .aot/site (README's CI command installs them there;
+MTPJAX_AOT_SITE names another place), on the path of the compile processes only: installed beside JAX, the CUDA
+plugin prints a line on every process's start on a machine without CUDA, which other tests' exact stderr would see.
+Every compile this file needs starts when its first test does, two processes at a time (the CI machine's cores).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from mtpjax.cli.compile import main as compile_main
+from mtpjax.parallel import hlo
+from mtpjax.parallel.targets import TargetError, parse_target
+from mtpjax.train.aot import memory_of
+
+pytestmark = [pytest.mark.slow, pytest.mark.as_users_compile]  # the targets' compilers, at their own settings
+
+ROOT = Path(__file__).resolve().parents[1]
+SITE = Path(os.environ.get("MTPJAX_AOT_SITE", ROOT / ".aot" / "site"))
+# Sequence lengths such that neither T nor a micro-batch's 2·T rows is a dimension of any weight of the tiny model: an
+# array with either is an activation.
+T = {"tpu": 80, "gpu": 48}
+SMALL = ["model.dtype=bfloat16", "model.n_layers=2", "train.batch_size=4", "train.micro_batches=2",
+         "loss.chunk_size=0", "decode.max_len=256"]
+TPU = ("v5e-4", ["mesh.fsdp=2", "mesh.tensor=2", f"data.seq_len={T['tpu']}"], "splash (Mosaic)")
+# GPU: a scanned trunk in micro-batches (two nested loops, whose bodies XLA's own count sees once)
+GPU = ("h100:2", ["mesh.fsdp=2", f"data.seq_len={T['gpu']}", "model.scan_layers=true"], "pallas (Triton)")
+TOO_LARGE = ["model.n_layers=1", "model.n_heads=16", "model.n_kv_heads=8"]
+RUNS = {  # name: (target, overrides, patch, flags)
+    "tpu": (TPU[0], TPU[1], "none", ()),
+    "gpu": (GPU[0], GPU[1], "none", ()),
+    "gpu_depth2": (GPU[0], GPU[1] + ["model.mtp_depth=2"], "none", ("--no-decode",)),
+    "tpu_too_large": (TPU[0], TPU[1] + TOO_LARGE + ["model.vocab_size=2097152", "model.d_model=2048"], "none",
+                      ("--no-decode",)),
+    "gpu_too_large": (GPU[0], GPU[1] + TOO_LARGE + ["model.vocab_size=4194304", "model.d_model=4096"], "none",
+                      ("--no-decode",)),
+    "tpu_bad_mesh": (TPU[0], TPU[1] + ["mesh.fsdp=3"], "none", ("--no-decode",)),
+    "tpu_host_kernel": (TPU[0], TPU[1], "host_kernel", ("--no-decode",)),
+    "tpu_no_shard_map": (TPU[0], TPU[1], "no_shard_map", ("--no-decode",)),
+    "gpu_no_shard_map": (GPU[0], GPU[1], "no_shard_map", ("--no-decode",)),
+}
+
+
+def _start(tmp: Path, target: str, overrides: list, patch: str, flags) -> subprocess.Popen:
+    """The compile command in a fresh process with the compilers on its path; report in tmp/report.json, HLO in
+    tmp/hlo, its output in tmp/out and tmp/err."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(SITE)]), "JAX_PLATFORMS": "cpu"}
+    for k in ("JAX_DISABLE_MOST_OPTIMIZATIONS", "XLA_FLAGS"):
+        env.pop(k, None)
+    argv = [sys.executable, str(ROOT / "tests" / "aot_worker.py"), patch, "--config", str(ROOT / "configs/tiny.yaml"),
+            "--target", target, "--json", str(tmp / "report.json"), "--dump-hlo", str(tmp / "hlo"), *flags,
+            *SMALL, *overrides]
+    tmp.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=open(tmp / "out", "w"), stderr=open(tmp / "err", "w"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{name: (exit status, stdout, stderr, its directory)} of every RUNS compile, two at a time."""
+    if not (SITE / "libtpu").exists() or not (SITE / "jax_plugins").exists():
+        pytest.fail(f"the AOT compilers are not in {SITE}; install them as README's CI command does")
+    base, slots, done = tmp_path_factory.mktemp("aot"), threading.Semaphore(2), {}
+
+    def run(name):
+        d = base / name
+        with slots:
+            code = _start(d, *RUNS[name]).wait(timeout=900)
+        done[name] = (code, (d / "out").read_text(), (d / "err").read_text(), d)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in RUNS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return done
+
+
+def report_of(runs: dict, name: str) -> dict:
+    code, _, err, d = runs[name]
+    assert code == 0, err[-3000:]
+    return {q["program"]: q for q in json.loads((d / "report.json").read_text())["programs"]}
+
+
+def activation_gathers(hlo_dir: Path, program: str, platform: str) -> list[str]:
+    """All-gathers of a floating-point activation (one with a dimension of T or 2·T rows) that feed an attention
+    kernel's custom call: q/k/v, or the rows they are projected from, gathered so a compiler can run a kernel it
+    cannot partition. (After the kernel, XLA gathers some
+    backward outputs' rows for the FSDP weight gradients of the q/k/v projections at these tiny shapes, where they
+    are smaller than the weights: docs/accelerators.md.)"""
+    prog = hlo.Program((hlo_dir / f"{program}.hlo.txt").read_text())
+    is_kernel = lambda i: i.op == "custom-call" and hlo.attention_kind(i.attrs.split('custom_call_target="')[-1])
+    out = []
+    for n, idx in hlo.gathers_around(prog, is_kernel, hops=8, after=False):
+        flows = hlo.arrays(prog.shapes[n]) if idx is None else hlo.arrays(prog.shapes[n])[idx:idx + 1]
+        if any({T[platform], 2 * T[platform]} & set(d) and dt in ("bf16", "f32") for dt, d in flows):
+            out.append(f"{n} {prog.shapes[n]}")
+    return out
+
+
+@pytest.mark.parametrize("name,kernel", [("tpu", TPU[2]), ("gpu", GPU[2])])
+def test_every_program_compiles_with_the_platform_kernel(runs, name, kernel):
+    programs = report_of(runs, name)
+    assert {"train_step", "eval_step", "decode_plain", "decode_chain_1", "decode_tree_2"} <= set(programs)
+    for p in ("train_step", "eval_step"):
+        assert programs[p]["kernels"]["attention"] == [kernel], p
+    for p in ("decode_plain", "decode_chain_1", "decode_tree_2"):  # the decode loop keeps XLA attention
+        assert programs[p]["kernels"]["attention"] == ["xla (einsum)"], p
+
+
+@pytest.mark.parametrize("name", ["tpu", "gpu"])
+def test_no_activation_is_gathered_to_feed_the_kernel(runs, name):
+    report_of(runs, name)
+    for p in ("train_step", "eval_step"):
+        assert activation_gathers(runs[name][3] / "hlo", p, name) == [], p
+
+
+@pytest.mark.parametrize("name", ["tpu", "gpu"])
+def test_the_memory_report_adds_up(runs, name):
+    for p, entry in report_of(runs, name).items():
+        m = entry["memory"]
+        assert m["total"] == m["arguments"] + m["outputs"] - m["aliased"] + m["temporaries"] + m["generated_code"]
+        assert m["total"] > 0 and m["arguments"] > 0, p
+
+
+def test_memory_parts_are_the_compilers_analysis():
+    c = jax.jit(lambda a, b: (a @ b).sum(0), donate_argnums=0).lower(jnp.ones((64, 64)), jnp.ones((64, 64))).compile()
+    m, ref = memory_of(c), c.memory_analysis()
+    assert (m["arguments"], m["outputs"], m["aliased"], m["temporaries"], m["generated_code"]) == (
+        ref.argument_size_in_bytes, ref.output_size_in_bytes, ref.alias_size_in_bytes, ref.temp_size_in_bytes,
+        ref.generated_code_size_in_bytes)
+
+
+@pytest.mark.parametrize("name", ["gpu", "gpu_depth2"])
+def test_flops_with_trip_counts_match_the_plan_at_two_depths(runs, name):
+    train = report_of(runs, name)["train_step"]
+    ratio = train["flops"] / train["analytic_flops"]
+    assert abs(ratio - 1) < 0.15, ratio
+    # companion: the loops' bodies counted once, as XLA's cost analysis does, miss the count by far
+    once = hlo.Program((runs[name][3] / "hlo" / "train_step.hlo.txt").read_text()).stats(trip_counts=False).flops
+    assert abs(once / train["analytic_flops"] - 1) > 0.15
+
+
+@pytest.mark.parametrize("name", ["tpu_too_large", "gpu_too_large"])
+def test_a_program_too_large_does_not_fit(runs, name):
+    code, out, err, d = runs[name]
+    assert code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "does not fit" in errors[0], err[-2000:]
+    assert ("refused" in errors[0]) == name.startswith("tpu")  # TPU: the compiler's own refusal; GPU: capacity
+    assert "memory per device" in out and not (d / "report.json").exists()
+
+
+def test_a_mesh_that_does_not_match_the_target_is_one_line(runs):
+    code, _, err, d = runs["tpu_bad_mesh"]
+    assert code == 2 and err.strip().splitlines()[-1].startswith("error: mesh"), err[-2000:]
+    assert not (d / "report.json").exists()
+
+
+def test_an_unknown_target_is_one_line(capsys, tmp_path):
+    with pytest.raises(TargetError):
+        parse_target("v7x-3")
+    out = tmp_path / "r.json"
+    assert compile_main(["--config", str(ROOT / "configs/tiny.yaml"), "--target", "tpu9", "--json", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown target 'tpu9'") and not out.exists()
+
+
+def test_target_names():
+    assert (parse_target("v5p-16").devices, parse_target("v5p-16").topology) == (8, "v5:2x2x2")  # TensorCores
+    assert (parse_target("v5e-4").topology, parse_target("v6e-8").topology) == ("v5e:2x2", "v6e:2x4")
+    assert (parse_target("h100:2x8").devices, parse_target("h100:2x8").hosts) == (16, 2)
+    assert parse_target("v5e:2x2").devices == 4
+
+
+def test_companion_kernel_chosen_from_the_host(runs):
+    assert report_of(runs, "tpu_host_kernel")["train_step"]["kernels"]["attention"] == ["xla (einsum)"]
+
+
+def kernel_rows(hlo_dir: Path, program: str) -> set[int]:
+    """The batch rows each Triton attention kernel call sees (its q is [B,T,N,H])."""
+    prog = hlo.Program((hlo_dir / f"{program}.hlo.txt").read_text())
+    calls = [i for c in prog.comps.values() for i in c if i.op == "custom-call" and "xla.gpu.triton" in i.attrs]
+    return {hlo.arrays(prog.shapes[i.operands[0]])[0][1][0] for i in calls if i.operands}
+
+
+def test_the_gpu_kernel_sees_each_device_s_rows(runs):
+    report_of(runs, "gpu")
+    assert kernel_rows(runs["gpu"][3] / "hlo", "train_step") == {1}  # 4 rows / 2 micro-batches / fsdp 2
+
+
+def test_companion_kernel_without_shard_map(runs):
+    """Mosaic cannot partition a kernel, so the TPU compile fails; on GPU the kernel runs on the whole batch, its rows
+    gathered to every device."""
+    code, _, err, _ = runs["tpu_no_shard_map"]
+    assert code != 0 and "shard_map" in err
+    report_of(runs, "gpu_no_shard_map")
+    assert kernel_rows(runs["gpu_no_shard_map"][3] / "hlo", "train_step") == {2}
