@@ -114,7 +114,7 @@ def tensors(cfg: ModelConfig, shapes: dict, fmt: str, mtp_modules: int, interlea
         prefix = f"model.mtp_layers.{k}."
         for name, sub, kind in _MTP:
             add(prefix + name, ("mtp", k) + sub, kind)
-        _ds_block(add, shapes, cfg.n_routed_experts, prefix, ("mtp", k, "block"), None)
+        block(prefix, ("mtp", k, "block"), None)
     return out
 
 
