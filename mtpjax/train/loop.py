@@ -164,7 +164,7 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
                 pending = None
             if step % cfg.train.eval_every == 0 or step == end:
                 ev = run_eval(progs, state, val, val_sources, lambda b: to_global(progs, b), prepared.tokenizer,
-                              writer, step, cfg.train.num_samples, run)
+                              writer, step, cfg.train.num_samples, run, tasks=r.data.tasks)
                 result.update(ev)
                 if ev:
                     say(f"step {step}: eval loss/main {ev['eval/loss/main']:.4f}" + "".join(
