@@ -1,5 +1,6 @@
 """Synthetic task sources (data.source induction / algorithmic) and their task metrics: determinism by seed, exact
-mid-stream resume, held-out instances disjoint from training, the metrics against a hand count, greedy decoding."""
+mid-stream resume, held-out instances disjoint from training, the metrics against a hand count, greedy decoding.
+Only the metrics' hand counts run in the default tier (milliseconds); the rest is slow (CI)."""
 
 import json
 
@@ -26,6 +27,7 @@ def _docs(tokens) -> list[str]:
 # ----------------------------------------------------------------------------- the sources
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", KINDS)
 def test_the_corpus_is_a_function_of_its_seed(tmp_path, source):
     a = prepare(_cfg(tmp_path / "a", source))
@@ -39,6 +41,7 @@ def test_the_corpus_is_a_function_of_its_seed(tmp_path, source):
     assert few == [x.text for x in synthetic.instances(_cfg(tmp_path, source))][:50]
 
 
+@pytest.mark.slow
 def test_instances_read_as_documented():
     story = synthetic.instance("induction", 0, 3, 2)
     names = {t for t, _ in story.segments if t[:1].isupper() and t.isalpha()}
@@ -53,6 +56,7 @@ def test_instances_read_as_documented():
     assert len(question) == 8 and not m0 and m1 and int(answer) == a + b and q.key == question
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", KINDS)
 def test_the_stream_resumes_mid_stream_exactly(tmp_path, source):
     p = prepare(_cfg(tmp_path, source))
@@ -75,6 +79,7 @@ def _overlap(tmp_path) -> set:
     return set(_docs(p.tokens("train"))) & set(_docs(p.tokens("val")))
 
 
+@pytest.mark.slow
 def test_held_out_instances_never_occur_in_training(tmp_path):
     assert _overlap(tmp_path) == set()
     cfg = _cfg(tmp_path, "algorithmic", synthetic_difficulty=1)
@@ -85,6 +90,7 @@ def test_held_out_instances_never_occur_in_training(tmp_path):
     assert len(held) == len(batch.tokens_BT)  # distinct instances
 
 
+@pytest.mark.slow
 def test_companion_a_split_by_instance_number_would_leak_held_out_instances(tmp_path, monkeypatch):
     """What the test above guards: splitting by position, not by the instance, puts repeats on both sides."""
     counter = iter(range(10**6))
@@ -92,6 +98,7 @@ def test_companion_a_split_by_instance_number_would_leak_held_out_instances(tmp_
     assert _overlap(tmp_path)
 
 
+@pytest.mark.slow
 def test_bad_synthetic_settings_are_one_line(tmp_path):
     with pytest.raises(DataError, match="raise data.synthetic_instances"):
         prepare(_cfg(tmp_path, "algorithmic", synthetic_instances=1))
@@ -148,3 +155,33 @@ def test_exact_match_equals_greedy_decoding(tmp_path):
         greedy.append(list(out[:len(cols)]) == tokens[r, cols].tolist())
     em = tasks.exact_match(tasks.main_head_argmax(model, tokens), tokens, batch.mask_BT)
     assert em == pytest.approx(np.mean(greedy)) and 0 < em < 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", KINDS)
+def test_the_training_eval_and_decode_eval_report_the_task_metric(tmp_path, source):
+    """eval.jsonl and TensorBoard (eval/task/...) at a training eval, and decode.py --eval on that checkpoint."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from train_helpers import tiny_cfg
+
+    from mtpjax.cli.decode import main
+    from mtpjax.eval.log import read_evals
+    from mtpjax.train.loop import train
+
+    cfg = tiny_cfg(tmp_path, "train.steps=2", "train.eval_every=2", "train.eval_batches=1", "checkpoint.every=2",
+                   "checkpoint.async_save=false", "train.num_samples=0", f"data.source={source}",
+                   "data.synthetic_instances=300", "data.val_fraction=0.2", "data.task_instances=8",
+                   "model.vocab_size=256")
+    train(cfg)
+    key = tasks.NAMES[source]
+    (rec,) = read_evals(tmp_path / "run")
+    assert 0 <= rec[key] <= 1
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    assert {e.step: e.value for e in acc.Scalars(f"eval/{key}")} == {2: pytest.approx(rec[key])}
+    out = tmp_path / "eval.json"
+    # a sum is ~9 tokens: held-out prompt and continuation must fit in one
+    argv = ["--run-dir", str(tmp_path / "run"), "--eval", "--eval-prompts", "1", "--prompt-len", "4",
+            "--max-new-tokens", "2", "--json", str(out)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["validation"][key] == pytest.approx(rec[key], abs=1e-7)
