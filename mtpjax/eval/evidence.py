@@ -67,7 +67,7 @@ def _task_sweep(name: str, res: dict) -> list[str]:
                 f"tokens, {_delta(b['delta_equal_flops'])} at equal training FLOPs"]
     b = _best(res, lambda r: r["task"]["equal_tokens"]["delta"]["mean"])
     t, f = b["task"]["equal_tokens"], b["task"]["equal_flops"]
-    word = lambda x: "pays" if x["pays"] else "within twice the seed spread"
+    word = lambda x: "pays" if x["pays"] else ("one seed: no spread" if x["delta"]["std"] is None else "does not pay")
     return [f"{head}, {res['task_metric']} minus D=0's (positive: MTP helped):",
             f"    best: {b['label']} {_delta(t['delta'])} at equal tokens ({word(t)}), {_delta(f['delta'])} at equal "
             f"training FLOPs ({word(f)})"]
