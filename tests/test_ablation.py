@@ -113,14 +113,17 @@ def test_grid_separate_mode_gives_each_flop_point_its_own_schedule(tmp_path):
 # ----------------------------------------------------------------------------- the report
 
 
-def _fake_evals(runs, seeds_offset=0.0):
-    """Eval logs whose loss/main is a known function of (depth, kind, seed, step)."""
+def _fake_evals(runs, seeds_offset=0.0, task=False):
+    """Eval logs whose loss/main (and task metric) is a known function of (depth, kind, seed, step)."""
     for r in runs:
         r.dir.mkdir(parents=True, exist_ok=True)
         v = r.variant
         for step in sorted({*range(0, r.steps + 1, r.cfg.train.eval_every), *r.stops} - {0}):
             loss = 3.0 - 0.1 * v.depth - 0.05 * (v.kind == "parallel") * (v.depth > 0) + 0.01 * r.seed - 0.001 * step
             rec = {"loss/main": loss, "bits_per_byte": loss / np.log(2) * 1.01}
+            if task:  # D=1: +0.2 / +0.5 by seed (spread too wide); D=2: +0.4 / +0.45 (pays)
+                rec["task/induction_accuracy"] = 0.1 + 0.2 * v.depth + (0.3 if v.depth == 1 else 0.05) * r.seed * (
+                    v.depth > 0)
             for k in range(1, v.depth + 1):
                 rec |= {f"loss/mtp_{k}": loss + k, f"agreement/mtp_{k}": 0.5 / k}
             append_eval(r.dir, step, rec)
@@ -158,6 +161,42 @@ def test_report_pairs_by_seed_and_reads_d0_at_equal_flops(tmp_path):
     paths = make_plots(res, tmp_path)
     assert [Path(p).name for p in paths] == ["loss_vs_tokens.png", "loss_vs_flops.png"]
     assert all(Path(p).stat().st_size > 1000 for p in paths)
+
+
+@pytest.mark.slow
+def test_report_states_the_task_metric_and_where_it_pays(tmp_path):
+    from mtpjax.eval.evidence import task_lines
+
+    base = _base(tmp_path)
+    vs = grid.variants([0, 1, 2], {"sequential": [1, 2]}, ["constant:0.3"])
+    runs = grid.plan_runs(base, vs, [0, 1], 8, tmp_path / "out")
+    _fake_evals(runs, task=True)
+    res = report.collect(base, runs, vs, [0, 1], 8)
+    assert res["task_metric"] == "task/induction_accuracy"
+    d1, d2 = res["variants"]["d1-seq-constant_0.3"]["task"], res["variants"]["d2-seq-constant_0.3"]["task"]
+    assert d1["delta"]["values"] == pytest.approx([0.2, 0.5]) and not d1["pays"]  # 0.35 < 2 x 0.21
+    assert d2["delta"]["values"] == pytest.approx([0.4, 0.45]) and d2["pays"]
+    assert res["variants"]["d2-seq-constant_0.3"]["equal_flops"]["task"]["pays"]  # the metric is flat in steps
+    assert "+0.425 ± 0.035 (pays)" in report.table(res) and "task/induction_accuracy" in report.markdown(res)
+    res["summary"] = report.summary(res)
+    (tmp_path / "induction").mkdir()
+    (tmp_path / "induction" / "results.json").write_text(json.dumps(res))
+    lines = task_lines({"induction": tmp_path / "induction" / "results.json", "bytes": tmp_path / "absent.json"})
+    assert "best: D=2 sequential λ=constant:0.3 +0.425 ± 0.035 at equal tokens (pays)" in lines[1]
+    assert lines[-1].endswith("in: induction: D=2 sequential λ=constant:0.3 at equal tokens; induction: D=2 "
+                              "sequential λ=constant:0.3 at equal flops")
+    from bench.ablation.plots import make_plots
+
+    names = [Path(p).name for p in make_plots(res, tmp_path)]
+    assert names == ["loss_vs_tokens.png", "loss_vs_flops.png", "task_vs_tokens.png", "task_vs_flops.png"]
+
+
+def test_companion_a_spread_as_wide_as_the_difference_never_pays():
+    """What `pays` guards: a mean difference within twice the seed spread (or with one seed) is no result."""
+    s = lambda m, sd: {"mean": m, "std": sd}
+    assert report.pays(s(0.3, 0.1), s(0.5, 0.1))
+    assert not report.pays(s(0.3, 0.16), s(0.5, 0.1)) and not report.pays(s(0.3, 0.1), s(0.5, 0.16))
+    assert not report.pays(s(0.3, None), s(0.5, None)) and not report.pays(s(-0.3, 0.01), s(0.5, 0.01))
 
 
 def test_report_names_a_missing_eval(tmp_path):

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         if not seeds:
             raise ConfigError(f"--report-only: no seed has all its runs complete under {args.out}; run the sweep")
         runs = [r for r in runs if r.seed in seeds]
-    elif not sweep.run_all(runs):
+    elif not sweep.run_all(runs, out=Path(args.out)):
         return 0
     out = Path(args.report or args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     times = None if args.report_only else timing.cached_measure(Path(args.out), cfgs, rounds)
     res = report.collect(base, runs, vs, seeds, steps, times)
     res["command"] = "python -m bench.ablation " + shlex.join(sys.argv[1:] if argv is None else argv)
+    res["sweep_load"] = report.loads(Path(args.out))
     res["summary"] = report.summary(res)
     from bench.ablation.plots import make_plots
 

@@ -3,13 +3,18 @@ directory resumes from its latest checkpoint, so a killed sweep re-run finishes 
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 from bench.ablation.grid import Run, flops_per_token
 from mtpjax.train import loop as train_loop
 from mtpjax.train.checkpoint import ckpt_dir, read_run_config
 from mtpjax.eval.log import read_evals
 from mtpjax.errors import MtpjaxError
+from bench.common import load
+
+LOADS = "loads.jsonl"  # in the sweep's out dir: the load averages and wall seconds of each stretch trained
 
 IGNORED = {("train", "progress"), ("train", "peak_flops"), ("train", "run_dir")}  # may differ between invocations
 
@@ -81,8 +86,15 @@ class Progress:
         return f"ETA {_fmt(left * self.seconds / self.flops)}" if self.flops else "ETA after the first run"
 
 
-def run_all(runs: list[Run], log=print) -> bool:
-    """Train every run to its stops; False if a SIGTERM stopped the sweep (re-run to continue)."""
+def record_load(out: Path, run: Run, steps: int, seconds: float) -> None:
+    """Append the load averages after a stretch of training (read by report.loads)."""
+    with open(Path(out) / LOADS, "a") as f:
+        f.write(json.dumps({"run": str(run.dir), "steps": steps, "seconds": round(seconds, 2), "load": load()}) + "\n")
+
+
+def run_all(runs: list[Run], log=print, out: Path | None = None) -> bool:
+    """Train every run to its stops (the load after each stretch into `out`/loads.jsonl); False if a SIGTERM stopped
+    the sweep (re-run to continue)."""
     check_same_sweep(runs)
     prog = Progress(runs)
     for i, r in enumerate(runs, 1):
@@ -98,10 +110,12 @@ def run_all(runs: list[Run], log=print) -> bool:
             if stop <= done_step(r) or (stop % r.cfg.train.eval_every == 0 and stop != r.steps):
                 continue
             t1 = time.perf_counter()
-            out = train_loop.train(r.cfg, max_steps=stop)
-            prog.record(r, len(out["history"]), time.perf_counter() - t1)
-            if out["preempted"]:
-                log(f"{head}: stopped by SIGTERM at step {out['step']}; re-run the same command to continue")
+            res = train_loop.train(r.cfg, max_steps=stop)
+            prog.record(r, len(res["history"]), time.perf_counter() - t1)
+            if out is not None:
+                record_load(out, r, len(res["history"]), time.perf_counter() - t1)
+            if res["preempted"]:
+                log(f"{head}: stopped by SIGTERM at step {res['step']}; re-run the same command to continue")
                 return False
         ev = read_evals(r.dir)
         last = ev[-1] if ev else {}

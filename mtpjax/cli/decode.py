@@ -299,7 +299,9 @@ def _check_size(mcfg, prompts, max_new: int, num_draft: int, max_len: int, nodes
 
 def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
     from mtpjax.data import first_batches, prepare
+    from mtpjax.data.synthetic import task_batch
     from mtpjax.eval.evaluate import agreement_on, forced_acceptance, heldout_prompts, speed_report
+    from mtpjax.eval.tasks import task_metrics
     from mtpjax.eval.validation import model_metrics, validation_metrics
 
     n = args.eval_batches if args.eval_batches is not None else (cfg.train.eval_batches or 8)
@@ -312,6 +314,8 @@ def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
     _progress(f"eval: validation metrics on {len(batches)} batches")
     # the training eval's metrics (eval.jsonl at this step, on its first validation batches): one function
     val = validation_metrics(model_metrics(model, batches, step=step, loss_cfg=cfg.loss), batches, tok)
+    # a synthetic source's task metric on its held-out instances (the training eval's eval/task/...)
+    val |= task_metrics(model, task_batch(cfg.data, tok, cfg.data.task_instances, cfg.data.seq_len))
     num_draft = args.num_draft if isinstance(args.num_draft, int) else max(1, cfg.model.mtp_depth)
     prompts = heldout_prompts(prepared.val_tokens, args.eval_prompts, args.prompt_len, tok.eos_id)
     max_new = args.max_new_tokens or 128

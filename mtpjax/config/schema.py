@@ -62,7 +62,7 @@ Remat = Literal["none", "full", "dots"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 ParamDtype = Literal["float32", "bfloat16"]
 Attention = Literal["auto", "xla", "cudnn", "pallas", "splash"]
-Source = Literal["stdlib", "text", "array", "parquet", "arrow"]
+Source = Literal["stdlib", "text", "array", "parquet", "arrow", "induction", "algorithmic"]
 LrSchedule = Literal["cosine", "linear", "constant"]
 NanPolicy = Literal["stop", "skip"]
 Freeze = Literal["none", "trunk"]
@@ -233,13 +233,21 @@ class DataConfig:
     source: Source = key("stdlib", "where documents come from", choices={
         "stdlib": "the embedded corpus", "text": "`.txt`/`.md` files, `.jsonl` lines",
         "array": "`.npy` / `.bin` token ids", "parquet": "`.parquet` files",
-        "arrow": "Arrow IPC / Feather v2: `.arrow`, `.feather`, `.ipc`"})
+        "arrow": "Arrow IPC / Feather v2: `.arrow`, `.feather`, `.ipc`",
+        "induction": "generated stories whose invented names repeat (scored: the repeats' letters after the first)",
+        "algorithmic": "generated sums `a+b=c` (scored: exact match of `c` by greedy decoding)"})
     paths: tuple[str, ...] = key(
         (), "files or directories for every source but `stdlib` (directories are walked for the source's suffixes)")
     text_field: str = key("text", "the text column of Parquet/Arrow files and the field of JSON lines; null or "
                           "empty values are no document")
     mixture: tuple[MixtureSource, ...] = key(
         (), "weighted sources, each prepared and cached on its own; replaces `source`/`paths`/`text_field`")
+    synthetic_instances: int = key(20000, "`induction`/`algorithmic`: instances generated before the split "
+                                   "(repeated instances stay on one side of it)", gt=0)
+    synthetic_seed: int = key(0, "`induction`/`algorithmic`: seed of the generated instances", ge=0)
+    synthetic_difficulty: int = key(2, "`induction`: names per story (1-8); `algorithmic`: digits per operand", ge=1)
+    task_instances: int = key(64, "`induction`/`algorithmic`: held-out instances the task metric scores at each "
+                              "eval (`eval/task/...`) and in `decode.py --eval`", ge=0)
     tokenizer: str = key("byte", "`byte` (256 ids, byte 0 = end of document), `bpe` (byte-level BPE trained "
                          "offline on the train split; not with a mixture), or a path to a `tokenizer.json` or "
                          "sentencepiece `.model`")

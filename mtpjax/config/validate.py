@@ -12,6 +12,7 @@ from mtpjax.config.schema import Config, DataConfig
 from mtpjax.config.specs import Spec, TreeError, parse_profile, parse_tree_spec
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+NO_PATHS = ("stdlib", "induction", "algorithmic")  # sources that read no files
 
 
 def validate(cfg: Config) -> None:
@@ -63,7 +64,7 @@ def _check_rules(cfg: Config) -> None:
     if d.mixture:
         _check_mixture(d)
     else:
-        _check(d.source == "stdlib" or len(d.paths) > 0, "data.paths", list(d.paths),
+        _check(d.source in NO_PATHS or len(d.paths) > 0, "data.paths", list(d.paths),
                f"data.source={d.source} needs at least one path")
 
     _check_train(cfg)
@@ -164,6 +165,6 @@ def _check_mixture(d: DataConfig) -> None:
                "must be a non-empty name of letters, digits, _ . -")
         _check(m.name not in seen, f"{key}.name", m.name, "is repeated; give every source its own name")
         seen.add(m.name)
-        _check(m.source == "stdlib" or len(m.paths) > 0, f"{key}.paths", list(m.paths),
+        _check(m.source in NO_PATHS or len(m.paths) > 0, f"{key}.paths", list(m.paths),
                f"source {m.source} needs at least one path")
         _check(bool(m.text_field), f"{key}.text_field", m.text_field, "must name a column / JSON field")

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from mtpjax.data import encode, sources
+from mtpjax.data import encode, sources, synthetic
 from mtpjax.data.errors import DataError
 from mtpjax.data.prepared import PreparedData, check_files, file_digests
 from mtpjax.data.tokenizer import Tokenizer, load_spec, tokenizer_file, tokenizer_from_dir, tokenizer_kind, train_bpe
@@ -43,6 +43,8 @@ TEXT_SOURCES = ("text", "parquet", "arrow")  # the sources data.text_field appli
 
 
 def _files(cfg) -> list[tuple[Path, str]]:
+    if cfg.source in synthetic.KINDS:  # generated: no files
+        return []
     if cfg.source == "stdlib":
         return sources.stdlib_files()
     if cfg.source == "text":
@@ -51,7 +53,8 @@ def _files(cfg) -> list[tuple[Path, str]]:
         return sources.array_files(tuple(cfg.paths))
     if cfg.source in ("parquet", "arrow"):
         return sources.table_files(tuple(cfg.paths), cfg.source)
-    raise DataError(f"unknown data.source '{cfg.source}'; use stdlib, text, array, parquet or arrow")
+    raise DataError(f"unknown data.source '{cfg.source}'; use stdlib, text, array, parquet, arrow, "
+                    f"{' or '.join(synthetic.KINDS)}")
 
 
 def _key(cfg, files, kind: str) -> str:
@@ -61,6 +64,8 @@ def _key(cfg, files, kind: str) -> str:
         spec["text_field"] = cfg.text_field
     if cfg.source == "stdlib":
         spec["python"] = sys.version
+    if cfg.source in synthetic.KINDS:
+        spec["synthetic"] = synthetic.spec(cfg)
     if kind == "bpe":
         spec["bpe_vocab_size"] = cfg.bpe_vocab_size
     tf = tokenizer_file(cfg.tokenizer)
@@ -116,7 +121,8 @@ def prepare(data_cfg, *, progress: bool = False):
     if (final / "meta.json").is_file():
         return _load(final)
     # tables are opened (columns checked) before anything is written
-    units = sources.units(data_cfg.source, files, data_cfg.text_field) if data_cfg.source != "array" else []
+    text_like = data_cfg.source not in ("array", *synthetic.KINDS)
+    units = sources.units(data_cfg.source, files, data_cfg.text_field) if text_like else []
     final.parent.mkdir(parents=True, exist_ok=True)
     _clean_stale(final)
     if final.exists() and not (final / "meta.json").is_file():  # no meta.json: not ours to trust
@@ -183,6 +189,8 @@ class _Sink:
 def _make_tokenizer(cfg, units, kind: str, progress: bool) -> Tokenizer:
     if kind != "bpe":
         return load_spec(cfg.tokenizer)
+    if cfg.source in synthetic.KINDS:
+        return train_bpe((x.text for x in synthetic.instances(cfg, "train")), cfg.bpe_vocab_size)
 
     def texts():
         seen, utf8 = 0, sources.Utf8Tracker()
@@ -248,6 +256,8 @@ def _build(cfg, files, units, kind: str, out: Path, progress: bool) -> None:
     sinks = {s: _Sink(out / f"{s}.npy", dtype) for s in ("train", "val")}
     if cfg.source == "array":
         content_hash = _array_stream(files, tok, sinks["train"], progress)
+    elif cfg.source in synthetic.KINDS:
+        content_hash = synthetic.write(cfg, tok, sinks)
     else:
         content_hash = _text_streams(cfg, units, tok, out, sinks, progress)
     for s in sinks.values():
@@ -257,6 +267,10 @@ def _build(cfg, files, units, kind: str, out: Path, progress: bool) -> None:
         raise DataError(f"data.paths {list(cfg.paths)} hold no data ({len(files)} file(s), all empty); "
                         "point data.paths at non-empty files")
     split = "hash"
+    if cfg.source in synthetic.KINDS and not (sinks["train"].n and sinks["val"].n):
+        # cutting the stream would put training instances into validation
+        raise DataError(f"the {cfg.source} corpus of {cfg.synthetic_instances} instances left the "
+                        f"{'val' if sinks['train'].n else 'train'} split empty; raise data.synthetic_instances")
     if sinks["train"].n and sinks["val"].n:
         stats = {s: {"docs": sinks[s].docs, "tokens": sinks[s].finish()} for s in sinks}
     else:
@@ -272,6 +286,7 @@ def _build(cfg, files, units, kind: str, out: Path, progress: bool) -> None:
         stats = {"train": {"docs": None, "tokens": whole.finish(cut)}, "val": {"docs": None, "tokens": val_tokens}}
     meta = {"format": FORMAT, "source": cfg.source, "paths": list(cfg.paths), "files": len(files),
             "text_field": cfg.text_field if cfg.source in TEXT_SOURCES else None,
+            "synthetic": synthetic.spec(cfg) if cfg.source in synthetic.KINDS else None,
             "tokenizer": cfg.tokenizer, "tokenizer_kind": tok.kind, "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id, "dtype": np.dtype(dtype).name, "val_fraction": cfg.val_fraction,
             "bpe_vocab_size": cfg.bpe_vocab_size if kind == "bpe" else None, "content_hash": content_hash,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from mtpjax.data.errors import DataError
 from mtpjax.data.hosts import local_rows, prepare_on_hosts
 from mtpjax.data.pipeline import make_iterator
+from mtpjax.data.synthetic import task_batch
 from mtpjax.data.tokenizer import check_vocab
 
 
@@ -18,7 +19,8 @@ def first_batches(prepared, n: int, name: str = "", **kw) -> list:
 
 
 def open_run_data(cfg, sharding) -> tuple:
-    """(prepared, train iterator, validation batches, {source name: its validation batches} for a mixture).
+    """(prepared, train iterator, validation batches, {source name: its validation batches} for a mixture,
+    the held-out instances of a synthetic source's task metric or None).
 
     `sharding` is the batch sharding: each process reads the rows of every global batch its devices hold.
     """
@@ -35,7 +37,8 @@ def open_run_data(cfg, sharding) -> tuple:
         val = first_batches(prepared, n, **common)
         if len(prepared.sources()) > 1:
             by_source = {name: first_batches(part, n, name, **common) for name, _, part in prepared.sources()}
-    return prepared, train_it, val, by_source
+    tasks = task_batch(cfg.data, prepared.tokenizer, cfg.data.task_instances, cfg.data.seq_len) if n else None
+    return prepared, train_it, val, by_source, tasks
 
 
 def eval_by_source(by_source: dict, evaluate, keep) -> dict:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "ablation" / "results.json"  # mtpjax/eval/ -> the root
 SEEDS = RESULTS.parent / "seeds" / "results.json"
+# The sweeps of issue 41 (docs/ablation.md): the byte-level corpus at D = 0, 1, 3, 7, and the synthetic tasks
+TASKS = {name: RESULTS.parent / name / "results.json" for name in ("bytes", "induction", "algorithmic")}
 
 # One sentence on what the committed sweep shows, written by whoever commits it (None: nothing to add yet).
 CONCLUSION: str | None = (
@@ -52,7 +54,39 @@ def _scale(res: dict) -> str:
             f"{res['tokenizer']} tokens of the {res['source']} corpus, {res['seeds']} seed(s)")
 
 
-def measured_lines(results_path: Path | None = None, seeds_path: Path | None = None) -> list[str]:
+def _best(res: dict, key) -> dict:
+    return max(res["rows"], key=key)
+
+
+def _task_sweep(name: str, res: dict) -> list[str]:
+    """Two lines of one task sweep: its scale, and its best variant on the task metric (bytes: on the loss)."""
+    head = f"  {name} sweep ({_scale(res)})"
+    if not res.get("task_metric"):
+        b = _best(res, lambda r: -r["delta_equal_tokens"]["mean"])
+        return [head + ":", f"    best on main-head loss: {b['label']} {_delta(b['delta_equal_tokens'])} at equal "
+                f"tokens, {_delta(b['delta_equal_flops'])} at equal training FLOPs"]
+    b = _best(res, lambda r: r["task"]["equal_tokens"]["delta"]["mean"])
+    t, f = b["task"]["equal_tokens"], b["task"]["equal_flops"]
+    word = lambda x: "pays" if x["pays"] else ("one seed: no spread" if x["delta"]["std"] is None else "does not pay")
+    return [f"{head}, {res['task_metric']} minus D=0's (positive: MTP helped):",
+            f"    best: {b['label']} {_delta(t['delta'])} at equal tokens ({word(t)}), {_delta(f['delta'])} at equal "
+            f"training FLOPs ({word(f)})"]
+
+
+def task_lines(paths: dict | None = None) -> list[str]:
+    """The committed task sweeps (TASKS) and the settings where an MTP variant paid on its task metric."""
+    found = {n: r for n, p in (paths or TASKS).items() if (r := _summary(p)) is not None}
+    if not found:
+        return []
+    lines = [x for n, r in found.items() for x in _task_sweep(n, r)]
+    paid = [f"{n}: {r['label']} at equal {w}" for n, res in found.items() if res.get("task_metric")
+            for r in res["rows"] for w in ("tokens", "flops") if r["task"][f"equal_{w}"]["pays"]]
+    return lines + [f"  MTP paid on a task metric (beyond twice the seed spread) in: {'; '.join(paid)}" if paid else
+                    "  MTP paid on a task metric (beyond twice the seed spread) in no recorded setting"]
+
+
+def measured_lines(results_path: Path | None = None, seeds_path: Path | None = None,
+                   task_paths: dict | None = None) -> list[str]:
     """The committed sweeps' differences in main-head validation loss, or a 'not yet measured' line."""
     res = _summary(results_path or RESULTS)
     if res is None:
@@ -62,7 +96,7 @@ def measured_lines(results_path: Path | None = None, seeds_path: Path | None = N
     spread = _summary(seeds_path or SEEDS)
     if spread is not None:
         lines += [f"  seed spread, measured at a smaller size ({_scale(spread)}):", *_rows(spread, "    ")]
-    return lines + ([f"  in short: {CONCLUSION}"] if CONCLUSION else [])
+    return lines + task_lines(task_paths) + ([f"  in short: {CONCLUSION}"] if CONCLUSION else [])
 
 
 def evidence_lines(trunk_params: int, results_path: Path | None = None, seeds_path: Path | None = None) -> list[str]:

@@ -14,6 +14,7 @@ from flax import nnx
 from mtpjax.parallel import distributed
 from mtpjax.data import eval_by_source
 from mtpjax.eval.log import append_eval
+from mtpjax.eval.tasks import task_metrics
 from mtpjax.eval.validation import validation_metrics
 from mtpjax.train.metrics import Writer
 from mtpjax.decode import generate  # the decoder's cached generation: the one import of the decoder here
@@ -51,14 +52,16 @@ def samples(progs, state, val: list, tokenizer, n: int) -> list[str]:
 
 
 def run_eval(progs, state, val: list, val_sources: dict, to_global, tokenizer, writer: Writer, step: int,
-             num_samples: int, run_dir=None) -> dict:
-    """Validation scalars (returned as `eval/...`; a mixture's also per source) and samples, written at `step`
-    (and appended to `<run_dir>/eval.jsonl` given `run_dir`)."""
+             num_samples: int, run_dir=None, tasks=None) -> dict:
+    """Validation scalars (returned as `eval/...`; a mixture's also per source; a synthetic source's task metric on
+    the held-out instances `tasks`) and samples, written at `step` (and appended to `<run_dir>/eval.jsonl`)."""
     if not val:
         return {}
     met = validation(progs, state, val, to_global, tokenizer)
     met |= eval_by_source(val_sources, lambda batches: validation(progs, state, batches, to_global, tokenizer),
                           list(met))
+    if tasks is not None:
+        met |= task_metrics(_host_model(progs, state), tasks)
     scalars = {f"eval/{k}": v for k, v in met.items()}
     writer.scalars(step, scalars)
     if run_dir is not None and distributed.is_primary():

@@ -159,7 +159,8 @@ def _evaluate(r: setup.Run, writer: Writer, report: _Report, result: dict, gp: G
     def job(tick: Tick) -> None:
         gp.mark("step")
         ev = run_eval(r.progs, tick.state, r.data.val, r.data.val_sources, lambda b: to_global(r.progs, b),
-                      r.data.prepared.tokenizer, writer, tick.step, r.cfg.train.num_samples, r.dir)
+                      r.data.prepared.tokenizer, writer, tick.step, r.cfg.train.num_samples, r.dir,
+                      tasks=r.data.tasks)
         result.update(ev)
         if ev:
             say(f"step {tick.step}: eval loss/main {ev['eval/loss/main']:.4f}" + "".join(

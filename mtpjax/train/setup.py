@@ -64,12 +64,13 @@ def open_mesh(cfg: Config) -> Mesh:
 @dataclass(frozen=True)
 class RunData:
     """The corpus and what the loop reads from it: the training stream (its position is checkpointed) and the
-    validation batches, per source too for a mixture."""
+    validation batches, per source too for a mixture, and a synthetic source's task instances."""
 
     prepared: data.PreparedData | data.PreparedMixture
     train: data.BatchIterator
     val: list
     val_sources: dict
+    tasks: data.synthetic.TaskBatch | None = None  # a synthetic source's held-out instances (task metric)
 
 
 def open_data(cfg: Config, mesh: Mesh) -> RunData:
