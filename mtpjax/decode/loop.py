@@ -22,6 +22,7 @@ from flax import nnx, struct
 from mtpjax.decode import stream
 from mtpjax.decode import tree as trees
 from mtpjax.decode.cache import keep_path, read_rows, take_rows, trunk_cache, write_rows
+from mtpjax.decode.mesh import lay_out
 from mtpjax.decode.protocol import Context, Models, Proposer
 from mtpjax.decode.sampling import Sampler, choose, draw, probs, row_keys
 from mtpjax.nn.mla import decode_view
@@ -100,11 +101,13 @@ class Loop:
         return trees.Tree(tuple(self.proposer.parents()))
 
     def __call__(self, models: Models, req: Request) -> DecodeState:
-        st = self.prefill(models, req)
+        # On a mesh every carried array keeps one layout: caches sharded as their producers, rows over the data axes.
+        where, B = models.target.placement, req.tokens_BP.shape[0]
+        st = lay_out(where, self.prefill(models, req), B)
 
         def body(carry):
             it, st = carry
-            return it + 1, self.round(models, st, it + 1)
+            return it + 1, lay_out(where, self.round(models, st, it + 1), B)
 
         _, st = jax.lax.while_loop(lambda c: jnp.any(~c[1].done_B), body, (jnp.int32(0), st))
         return st
