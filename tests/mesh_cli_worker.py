@@ -26,6 +26,7 @@ from train_helpers import tiny_cfg  # noqa: E402
 import mtpjax.train.checkpoint as checkpoint  # noqa: E402
 from mtpjax.cli.decode import main  # noqa: E402
 from mtpjax.config import MeshConfig  # noqa: E402
+from mtpjax.decode import autodraft  # noqa: E402
 from mtpjax.eval.log import read_evals  # noqa: E402
 from mtpjax.nn.model import build_model  # noqa: E402
 from mtpjax.parallel.sharding import make_mesh, placement, state_shardings  # noqa: E402
@@ -94,6 +95,19 @@ def main_worker(inp: dict) -> dict:
     out["restore"] = restore_report(lambda: checkpoint.SavedRun(run).model(STEP, mesh))
     out["whole_first"] = restore_report(lambda: whole_first(run, STEP, mesh))
     prompt = ["--run-dir", str(run), "--prompt", "ab", "--max-new-tokens", "2"]
+    tags = []
+
+    class Recorded(autodraft.SavedCalibrations):  # the key a calibration would be saved under
+        def __init__(self, path, tag, refresh=False):
+            tags.append(tag)
+            super().__init__(path, tag, refresh)
+
+    real, autodraft.SavedCalibrations = autodraft.SavedCalibrations, Recorded
+    try:
+        out["generate"] = decode_cli(prompt + ["--num-draft", "1", "--calibration-file", str(tmp / "cal.json")])
+    finally:
+        autodraft.SavedCalibrations = real
+    out["calibration_tags"] = tags
     out["bad"] = {name: decode_cli(prompt + over) for name, over in {
         "product": ["mesh.tensor=1"], "dense-expert": ["mesh.tensor=1", "mesh.expert=2"],
         "not-mesh": ["train.steps=3"]}.items()}

@@ -124,3 +124,21 @@ def test_bad_meshes_are_one_line_exit_2(cli, name, says):
     assert bad["rc"] == 2
     lines = bad["stderr"].strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], bad["stderr"]
+
+
+def test_generation_on_the_mesh_keys_its_calibrations_by_the_mesh(cli):
+    assert cli["generate"]["rc"] == 0, cli["generate"]["stderr"]
+    assert "decoding on mesh data=1 fsdp=1 expert=1 tensor=2" in cli["generate"]["stderr"]
+    (tag,) = cli["calibration_tags"]
+    assert tag.endswith("step 4 mesh data=1 fsdp=1 expert=1 tensor=2 (2 cpu devices)")
+
+
+def test_a_tensor_axis_that_splits_no_heads_is_refused():
+    from types import SimpleNamespace
+
+    from mtpjax.decode.mesh import check_mesh
+    from mtpjax.config import ModelConfig
+    from mtpjax.parallel.sharding import MeshError
+
+    with pytest.raises(MeshError, match="mesh.tensor=3 does not divide the model's 4 attention heads"):
+        check_mesh(ModelConfig(n_heads=4, n_kv_heads=1), SimpleNamespace(shape={"tensor": 3, "expert": 1}))
