@@ -142,3 +142,14 @@ def test_a_tensor_axis_that_splits_no_heads_is_refused():
 
     with pytest.raises(MeshError, match="mesh.tensor=3 does not divide the model's 4 attention heads"):
         check_mesh(ModelConfig(n_heads=4, n_kv_heads=1), SimpleNamespace(shape={"tensor": 3, "expert": 1}))
+
+
+def test_streamed_commits_reach_the_callback_in_order_whatever_order_they_arrive_in():
+    """On a mesh the loop's emissions are unordered effects; the host orders them by their sequence number."""
+    from mtpjax.decode import stream
+
+    heard = []
+    with stream.registered(lambda toks, counts: heard.append(int(toks[0, 0]))) as sid:
+        for seq in (1, 0, 3, 2):
+            stream.emit(sid, seq, [[10 + seq]], [1])
+    assert heard == [10, 11, 12, 13]
