@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 def _worker(name: str, tmp: Path, inp: dict) -> dict:
     (tmp / "in.json").write_text(json.dumps(inp))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
-    env.pop("XLA_FLAGS", None)  # the timeout allows a host loaded 15-fold (the loop worker: 2.5 min of CPU)
+    env.pop("XLA_FLAGS", None)
+    # the timeout allows a host loaded 15-fold (the loop worker takes 2.5 min of CPU)
     proc = subprocess.run([sys.executable, str(Path(__file__).parent / name), str(tmp / "in.json"),
                            str(tmp / "out.json")], env=env, capture_output=True, text=True, timeout=2400)
     assert proc.returncode == 0, proc.stderr[-3000:]
