@@ -16,6 +16,7 @@ from mtpjax.config import DecodeConfig, choices
 from mtpjax.decode import api, autodraft
 from mtpjax.decode.cache import cache_bytes, rows
 from mtpjax.decode.host import DecodeError
+from mtpjax.decode.mesh import describe
 from mtpjax.decode.tree import TreeError, parse_tree, split_hybrid
 from mtpjax.eval import verdict
 from mtpjax.eval.log import agreement_at
@@ -68,7 +69,30 @@ def parser() -> Parser:
     p.add_argument("--limit", type=float, default=None, help="--tasks: documents per task (default: all)")
     p.add_argument("--num-fewshot", type=int, default=None, help="--tasks: few-shot examples (default: the task's)")
     p.add_argument("--batch-size", type=int, default=16, help="--tasks: rows of one compiled batch")
+    p.add_argument("overrides", nargs="*", metavar="mesh.AXIS=N",
+                   help="the mesh to decode on: the run's config's mesh with these overrides (mesh.tensor=2 splits "
+                        "heads, MLP and vocabulary over 2 devices; mesh.data, mesh.fsdp, mesh.expert); the product is "
+                        "the device count")
     return p
+
+
+def _mesh(args):
+    """The mesh to decode on (None: one device): the checkpoint's config's mesh with the command's mesh.* overrides;
+    MeshError (exit 2) for one the devices or the model cannot take."""
+    from mtpjax.config import replace
+    from mtpjax.decode.mesh import check_mesh
+    from mtpjax.parallel.sharding import make_mesh
+    from mtpjax.train.checkpoint import SavedRun
+
+    bad = [o for o in args.overrides if not o.startswith("mesh.")]
+    if bad:
+        raise DecodeError(f"{bad[0]!r}: decode.py overrides only the mesh (mesh.data=N, mesh.fsdp=N, mesh.expert=N, "
+                          "mesh.tensor=N); the rest of the config is the run's")
+    with SavedRun(args.run_dir) as run:
+        cfg = replace(run.config(run.step(args.step)), args.overrides)
+    mesh = make_mesh(cfg.mesh)
+    check_mesh(cfg.model, mesh)
+    return mesh if mesh.size > 1 else None
 
 
 def _num_draft(text: str):
@@ -121,13 +145,14 @@ def _proposer(args, cfg) -> str:
     return args.proposer or cfg.decode.proposer
 
 
-def _load_draft(args, tok, run_dir: Path):
-    """(draft model, tag) of --draft-run-dir, or (None, ""); DecodeError if it tokenizes differently."""
+def _load_draft(args, tok, run_dir: Path, mesh=None):
+    """(draft model, tag) of --draft-run-dir (on the target's mesh), or (None, ""); DecodeError if it tokenizes
+    differently."""
     from mtpjax.train.checkpoint import load_model_step
 
     if args.draft_run_dir is None:
         return None, ""
-    _, draft, dtok, dstep = load_model_step(args.draft_run_dir)
+    _, draft, dtok, dstep = load_model_step(args.draft_run_dir, mesh=mesh)
     if _tokenizer_identity(Path(args.draft_run_dir), dtok) != _tokenizer_identity(run_dir, tok):
         raise DecodeError(f"the draft run '{args.draft_run_dir}' uses another tokenizer than '{run_dir}' ({dtok!r} vs "
                           f"{tok!r}); train the draft with the same data.tokenizer")
@@ -168,8 +193,10 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
         raise DecodeError(f"--temperature {args.temperature} must be a finite number >= 0 (0 = greedy)")
     stream = len(prompts) == 1  # one prompt streams as it decodes; several print when done
     # Kept outside the run directory: decoding never changes a run (it may be shared or read-only).
+    on = model.placement.mesh  # a calibration is kept per mesh shape: a round's cost depends on it
     saved = autodraft.SavedCalibrations(args.calibration_file or autodraft.default_calibration_file(),
-                                        f"{run_dir.resolve()} step {step}{draft_tag}", refresh=args.recalibrate)
+                                        f"{run_dir.resolve()} step {step}{draft_tag}"
+                                        + ("" if on is None else f" mesh {describe(on)}"), refresh=args.recalibrate)
     shown: list[int] = []
     printed = [""]
 
@@ -331,7 +358,8 @@ def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
         speed["forced_acceptance_by_position"] = forced_acceptance(model, texts, args.prompt_len, num_draft)
         speed["agreement_on_heldout"] = agreement_on(model, [t[:args.prompt_len] for t in texts],
                                                      [t[args.prompt_len:] for t in texts], cfg.model.mtp_depth)
-    report = {"run_dir": str(run_dir), "step": step, "validation": val, "decode": speed}
+    report = {"run_dir": str(run_dir), "step": step, "mesh": describe(model.placement.mesh), "validation": val,
+              "decode": speed}
     _print_report(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
@@ -340,7 +368,7 @@ def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
 
 
 def _print_report(r: dict) -> None:
-    print(f"checkpoint {r['run_dir']} step {r['step']}")
+    print(f"checkpoint {r['run_dir']} step {r['step']} on {r['mesh']}")
     print(f"{'metric':<34}{'value':>12}")
     for k, v in sorted(r["validation"].items()):
         print(f"  val {k:<30}{v:>12.4f}")
@@ -387,10 +415,13 @@ def main(argv: list[str] | None = None) -> int:
     from mtpjax.parallel import runtime
     from mtpjax.train.checkpoint import load_model_step
 
-    cfg, model, tok, step = load_model_step(args.run_dir, args.step)
+    mesh = _mesh(args)
+    cfg, model, tok, step = load_model_step(args.run_dir, args.step, mesh)
     runtime.enable_compilation_cache(cfg.train.compilation_cache)  # under $MTPJAX_CACHE_DIR, not the run
     _proposer(args, cfg)  # flag conflicts before loading a draft
-    draft, draft_tag = _load_draft(args, tok, Path(args.run_dir))
+    draft, draft_tag = _load_draft(args, tok, Path(args.run_dir), mesh)
+    if mesh is not None:
+        _progress(f"decoding on mesh {describe(mesh)}")
     if args.eval:
         return _eval(args, cfg, model, tok, Path(args.run_dir), step, draft)
     if args.tasks is not None:

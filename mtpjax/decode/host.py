@@ -12,6 +12,7 @@ from flax import nnx
 from mtpjax.decode import stream
 from mtpjax.decode.cache import rows
 from mtpjax.decode.loop import DecodeState, Loop, Request, execute
+from mtpjax.decode.mesh import put
 from mtpjax.decode.proposers import PROPOSERS, make_proposer
 from mtpjax.decode.sampling import Sampler
 from mtpjax.decode.tree import Tree, TreeError, parse_tree, split_hybrid
@@ -107,7 +108,8 @@ def execute_request(loop: Loop, model: MTPTransformer, req: Request, draft: MTPT
     gt, pt = nnx.split(model)
     gd, pd = nnx.split(draft) if draft is not None else (None, None)
     with stream.registered(on_commit) as sid:
-        st = execute(loop, (gt, gd), (pt, pd), req.replace(stream=jnp.int32(sid)))
+        req = put(model.placement, req.replace(stream=jnp.int32(sid)), req.tokens_BP.shape[0])  # rows over data axes
+        st = execute(loop, (gt, gd), (pt, pd), req)
         if on_commit is not None:
             jax.block_until_ready(st)
     return st

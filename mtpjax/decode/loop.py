@@ -22,6 +22,7 @@ from flax import nnx, struct
 from mtpjax.decode import stream
 from mtpjax.decode import tree as trees
 from mtpjax.decode.cache import keep_path, read_rows, take_rows, trunk_cache, write_rows
+from mtpjax.decode.mesh import lay_out
 from mtpjax.decode.protocol import Context, Models, Proposer
 from mtpjax.decode.sampling import Sampler, choose, draw, probs, row_keys
 from mtpjax.nn.mla import decode_view
@@ -100,18 +101,20 @@ class Loop:
         return trees.Tree(tuple(self.proposer.parents()))
 
     def __call__(self, models: Models, req: Request) -> DecodeState:
-        st = self.prefill(models, req)
+        # On a mesh every carried array keeps one layout: caches sharded as their producers, rows over the data axes.
+        where, B = models.target.placement, req.tokens_BP.shape[0]
+        st = lay_out(where, self.prefill(models, req), B)
 
         def body(carry):
             it, st = carry
-            return it + 1, self.round(models, st, it + 1)
+            return it + 1, lay_out(where, self.round(models, st, it + 1), B)
 
         _, st = jax.lax.while_loop(lambda c: jnp.any(~c[1].done_B), body, (jnp.int32(0), st))
         return st
 
-    def emit(self, stream_id, toks_BY, c_B) -> None:
-        if self.stream:
-            jax.debug.callback(stream.emit, stream_id, toks_BY, c_B, ordered=True)
+    def emit(self, stream_id, seq, toks_BY, c_B) -> None:
+        if self.stream:  # unordered (an ordered effect runs on one device only): the host orders them by `seq`
+            jax.debug.callback(stream.emit, stream_id, seq, toks_BY, c_B)
 
     def prefill(self, models: Models, req: Request) -> DecodeState:
         """Trunk over the prompts, the first token from the last prompt position, then the proposer's start."""
@@ -123,7 +126,7 @@ class Loop:
         ones_B = jnp.ones_like(req.plen_B)
         first_B = self.commits(req.ref_BS, first_B[:, None], ones_B, req.plen_B)[0][:, 0]
         seq_BS = write_rows(jnp.zeros((B, S), jnp.int32).at[:, :P].set(req.tokens_BP), first_B[:, None], req.plen_B)
-        self.emit(req.stream, first_B[:, None], ones_B)
+        self.emit(req.stream, 0, first_B[:, None], ones_B)
         n_B = req.plen_B + 1
         with jax.named_scope("propose"):
             ctx = Context(seq_BS, n_B, h_BPD, jnp.zeros_like(n_B), self.sampler, req.key, 0)
@@ -218,7 +221,7 @@ class Loop:
         active_B = ~st.done_B
         c_B = jnp.where(active_B, c_B, 0)
         seq_BS = write_rows(st.seq_BS, toks_BY, st.n_B)  # past n for inactive rows: scratch
-        self.emit(st.stream, toks_BY, c_B)
+        self.emit(st.stream, jnp.max(st.rounds_B) + 1, toks_BY, c_B)  # a row active now was active every round
         n_B = st.n_B + c_B
         g = jnp.arange(Y - 1)[None, :]
         return st.replace(

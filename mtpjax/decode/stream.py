@@ -13,16 +13,26 @@ import jax
 import numpy as np
 
 _CALLBACKS: dict[int, object] = {}
+_NEXT: dict[int, int] = {}  # per stream id: the sequence number the callback hears next
+_WAITING: dict[int, dict] = {}  # per stream id: emissions that arrived before an earlier one, by sequence number
 _IDS = itertools.count()
 _LOCK = threading.Lock()
 NONE = -1  # the id of no callback: the loop's emissions go nowhere
 
 
-def emit(stream_id, toks_BY, counts_B) -> None:
-    """Host side of the loop's emission: hand the committed tokens to the callback registered under the id."""
-    fn = _CALLBACKS.get(int(stream_id))
-    if fn is not None:
-        fn(np.asarray(toks_BY), np.asarray(counts_B))
+def emit(stream_id, seq, toks_BY, counts_B) -> None:
+    """Host side of the loop's emission number `seq` (0, 1, ...): hand the committed tokens to the callback registered
+    under the id, in the order of `seq` whatever order they arrive in."""
+    sid = int(stream_id)
+    fn = _CALLBACKS.get(sid)
+    if fn is None:
+        return
+    with _LOCK:
+        waiting = _WAITING[sid]
+        waiting[int(seq)] = (np.asarray(toks_BY), np.asarray(counts_B))
+        while _NEXT[sid] in waiting:
+            fn(*waiting.pop(_NEXT[sid]))
+            _NEXT[sid] += 1
 
 
 @contextmanager
@@ -36,9 +46,11 @@ def registered(fn):
         return
     with _LOCK:
         sid = next(_IDS) % (2**31 - 1)
-        _CALLBACKS[sid] = fn
+        _CALLBACKS[sid], _NEXT[sid], _WAITING[sid] = fn, 0, {}
     try:
         yield sid
         jax.effects_barrier()
     finally:
         _CALLBACKS.pop(sid, None)
+        _NEXT.pop(sid, None)
+        _WAITING.pop(sid, None)

@@ -8,15 +8,20 @@ the length of the averages once there are two depths).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtpjax.config import LossConfig
+from mtpjax.decode.mesh import batch_axes
 from mtpjax.eval.bpb import eval_bits_per_byte
 from mtpjax.nn.loss import add_expected_lengths, forward, mtp_loss, token_counts
 from mtpjax.nn.model import MTPTransformer
+from mtpjax.parallel.sharding import replicated, state_shardings
 
 KEPT = ("loss/", "accuracy/", "agreement/", "accept_prob/")  # what a validation reports of mtp_loss's metrics
 COUNTS = "counts_M"  # a batch's valid targets per depth, beside its metrics
@@ -65,9 +70,21 @@ def validation_metrics(per_batch: list[dict], batches: list[dict], tokenizer=Non
 
 
 def model_metrics(model: MTPTransformer, batches: list[dict], *, step: int, loss_cfg: LossConfig) -> list[dict]:
-    """batch_metrics of a loaded model on each batch (one device; the training eval runs it on its mesh)."""
+    """batch_metrics of a loaded model on each batch, on the mesh the model is placed on with the training eval step's
+    shardings (parameters by the logical rules, rows over the data axes, metrics replicated); one device off a mesh."""
     graphdef, params = nnx.split(model)
-    one = jax.jit(lambda p, t, s, st: batch_metrics(nnx.merge(graphdef, p), t, s, step=st, loss_cfg=loss_cfg))
-    step_ = jnp.asarray(step, jnp.int32)
+    metrics = functools.partial(_merged_metrics, graphdef=graphdef, loss_cfg=loss_cfg)
+    where, step_ = model.placement, jnp.asarray(step, jnp.int32)
+    if where.mesh is None:
+        one = jax.jit(metrics)
+    else:
+        mesh = where.mesh
+        rows = NamedSharding(mesh, P(batch_axes(where, len(batches[0]["tokens"])), None))
+        one = jax.jit(metrics, in_shardings=(state_shardings(params, mesh), rows, rows, replicated(mesh)),
+                      out_shardings=replicated(mesh))
     return jax.device_get([one(params, jnp.asarray(b["tokens"], jnp.int32), jnp.asarray(b["segment_ids"], jnp.int32),
                                step_) for b in batches])
+
+
+def _merged_metrics(params, tokens_BT, seg_BT, step, *, graphdef, loss_cfg: LossConfig) -> dict:
+    return batch_metrics(nnx.merge(graphdef, params), tokens_BT, seg_BT, step=step, loss_cfg=loss_cfg)

@@ -24,12 +24,14 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh
 
 from mtpjax.config import CheckpointConfig, Config, ConfigError, from_dict
 from mtpjax.errors import MtpjaxError, first_line
 from mtpjax.parallel import console
 from mtpjax.nn.model import build_model
 from mtpjax.train import digests
+from mtpjax.parallel.sharding import placement, state_shardings
 
 
 class CheckpointError(MtpjaxError, RuntimeError):
@@ -243,12 +245,18 @@ class SavedRun:
         except DataError as e:
             raise CheckpointError(f"{self.name} has no usable tokenizer ({e})") from None
 
-    def model(self, step: int):
-        """(cfg, model) of a checkpoint, the model on one device."""
+    def model(self, step: int, mesh: Mesh | None = None):
+        """(cfg, model) of a checkpoint: on one device, or built for `mesh` with each parameter restored straight into
+        its training sharding (orbax reads every device's shard, never the whole array first)."""
         cfg = self.config(step)
-        graphdef, abs_state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
-        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), abs_state)
+        where = None if mesh is None else placement(mesh)
+        graphdef, abs_state = nnx.split(nnx.eval_shape(lambda: build_model(cfg, placement=where)))
+        if mesh is None:
+            dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            shardings = jax.tree.map(lambda _: dev, abs_state)
+        else:
+            shardings = state_shardings(abs_state, mesh)
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, shardings)
         out = self._restore(step, model=ocp.args.StandardRestore(nnx.to_pure_dict(target)))
         return cfg, nnx.merge(graphdef, _fill(target, out["model"]))
 
@@ -304,13 +312,14 @@ def _quiet(message: str):
         logger.removeFilter(keep)
 
 
-def load_model(run_dir: str | Path, step: int | None = None):
-    """(cfg, model, tokenizer) of a trained run on one device (latest step by default); CheckpointError if absent."""
-    cfg, model, tok, _ = load_model_step(run_dir, step)
+def load_model(run_dir: str | Path, step: int | None = None, mesh: Mesh | None = None):
+    """(cfg, model, tokenizer) of a trained run on one device or sharded over `mesh` (SavedRun.model; latest step by
+    default); CheckpointError if absent."""
+    cfg, model, tok, _ = load_model_step(run_dir, step, mesh)
     return cfg, model, tok
 
 
-def load_model_step(run_dir: str | Path, step: int | None = None):
+def load_model_step(run_dir: str | Path, step: int | None = None, mesh: Mesh | None = None):
     """(cfg, model, tokenizer, step); step is the checkpoint actually restored (older if the latest is unreadable)."""
     with SavedRun(run_dir) as run:
         tried = [run.step(step)] if step is not None else run.steps[::-1]
@@ -318,7 +327,7 @@ def load_model_step(run_dir: str | Path, step: int | None = None):
         # The latest by default; an unreadable one is reported and the next older one is tried.
         for s in tried:
             try:
-                return (*run.model(s), tok, s)
+                return (*run.model(s, mesh), tok, s)
             except CheckpointError as e:
                 if step is not None:
                     raise

@@ -16,6 +16,8 @@ from mtpjax.data import eval_by_source
 from mtpjax.eval.log import append_eval
 from mtpjax.eval.tasks import task_metrics
 from mtpjax.eval.validation import validation_metrics
+from mtpjax.nn.model import placed
+from mtpjax.nn.placement import host_placement
 from mtpjax.train.metrics import Writer
 from mtpjax.decode import generate  # the decoder's cached generation: the one import of the decoder here
 
@@ -36,7 +38,8 @@ def _host_model(progs, state):
     from jax.experimental import multihost_utils
 
     params = multihost_utils.process_allgather(state.params, tiled=True)  # numpy: sharded over processes before
-    return nnx.merge(progs.graphdef, jax.device_put(params, jax.local_devices()[0]))
+    # rebuilt for the one device it now lives on: the decode loop lays its state out where the model is placed
+    return placed(nnx.merge(progs.graphdef, jax.device_put(params, jax.local_devices()[0])), host_placement())
 
 
 def samples(progs, state, val: list, tokenizer, n: int) -> list[str]:
