@@ -354,7 +354,7 @@ def test_every_choice_field_refuses_a_value_outside_its_literal(key, options):
 def test_a_mixture_source_refuses_a_value_outside_its_literal():
     msg = error_of(["data.mixture=[{name: a, source: web, paths: [x]}]"])
     assert msg == ("config key 'data.mixture[0].source' = 'web' is invalid: "
-                   "expected one of stdlib, text, array, parquet, arrow")
+                   "expected one of stdlib, text, array, parquet, arrow, induction, algorithmic")
 
 
 def _outside(bounds, tp) -> list:

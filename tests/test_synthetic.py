@@ -9,7 +9,7 @@ import pytest
 
 from mtpjax.config import DataConfig, load_config
 from mtpjax.data import DataError, ByteTokenizer, make_iterator, prepare, synthetic
-from mtpjax.eval import tasks
+from mtpjax.eval import task_metrics as tasks
 
 KINDS = ("induction", "algorithmic")
 

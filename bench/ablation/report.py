@@ -48,7 +48,7 @@ def _at(evals: dict, run: Run, step: int) -> dict:
 
 
 def task_key(rec: dict) -> str | None:
-    """The task metric an eval record holds (mtpjax.eval.tasks.NAMES), or None."""
+    """The task metric an eval record holds (mtpjax.eval.task_metrics.NAMES), or None."""
     return next((k for k in sorted(rec) if k.startswith("task/")), None)
 
 

@@ -328,7 +328,7 @@ def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
     from mtpjax.data import first_batches, prepare
     from mtpjax.data.synthetic import task_batch
     from mtpjax.eval.evaluate import agreement_on, forced_acceptance, heldout_prompts, speed_report
-    from mtpjax.eval.tasks import task_metrics
+    from mtpjax.eval.task_metrics import task_metrics
     from mtpjax.eval.validation import model_metrics, validation_metrics
 
     n = args.eval_batches if args.eval_batches is not None else (cfg.train.eval_batches or 8)

@@ -1,5 +1,5 @@
 """Synthetic task corpora (`data.source: induction | algorithmic`): instances generated from a seed, scored by a
-task metric on the held-out ones (mtpjax.eval.tasks).
+task metric on the held-out ones (mtpjax.eval.task_metrics).
 
 Instance i is drawn from a generator seeded with (`data.synthetic_seed`, i) alone, so the corpus does not depend on
 how many instances are asked for, and any instance can be regenerated without the others. An instance is a few

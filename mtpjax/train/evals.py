@@ -14,7 +14,7 @@ from flax import nnx
 from mtpjax.parallel import distributed
 from mtpjax.data import eval_by_source
 from mtpjax.eval.log import append_eval
-from mtpjax.eval.tasks import task_metrics
+from mtpjax.eval.task_metrics import task_metrics
 from mtpjax.eval.validation import validation_metrics
 from mtpjax.nn.model import placed
 from mtpjax.nn.placement import host_placement
