@@ -73,7 +73,7 @@ class _Refused(MtpjaxError):
 # Where each command's work starts: (module, attribute) replaced by a function that raises.
 WORK = {
     "train": ("mtpjax.cli.train", "train"),
-    "decode": (mtpjax.train.checkpoint, "load_model_step"),
+    "decode": ("mtpjax.cli.decode", "_mesh"),  # its first work: the run's mesh
     "plan": ("mtpjax.cli.plan", "load_config"),
     "compile": ("mtpjax.cli.compile", "compile_report"),
     "convert": (mtpjax.convert, "export_run"),

@@ -69,7 +69,7 @@ def parser() -> Parser:
     p.add_argument("--limit", type=float, default=None, help="--tasks: documents per task (default: all)")
     p.add_argument("--num-fewshot", type=int, default=None, help="--tasks: few-shot examples (default: the task's)")
     p.add_argument("--batch-size", type=int, default=16, help="--tasks: rows of one compiled batch")
-    p.add_argument("overrides", nargs="*", metavar="mesh.AXIS=N",
+    p.add_argument("mesh_overrides", nargs="*", metavar="mesh.AXIS=N",
                    help="the mesh to decode on: the run's config's mesh with these overrides (mesh.tensor=2 splits "
                         "heads, MLP and vocabulary over 2 devices; mesh.data, mesh.fsdp, mesh.expert); the product is "
                         "the device count")
@@ -84,12 +84,12 @@ def _mesh(args):
     from mtpjax.parallel.sharding import make_mesh
     from mtpjax.train.checkpoint import SavedRun
 
-    bad = [o for o in args.overrides if not o.startswith("mesh.")]
+    bad = [o for o in args.mesh_overrides if not o.startswith("mesh.")]
     if bad:
         raise DecodeError(f"{bad[0]!r}: decode.py overrides only the mesh (mesh.data=N, mesh.fsdp=N, mesh.expert=N, "
                           "mesh.tensor=N); the rest of the config is the run's")
     with SavedRun(args.run_dir) as run:
-        cfg = replace(run.config(run.step(args.step)), args.overrides)
+        cfg = replace(run.config(run.step(args.step)), args.mesh_overrides)
     mesh = make_mesh(cfg.mesh)
     check_mesh(cfg.model, mesh)
     return mesh if mesh.size > 1 else None

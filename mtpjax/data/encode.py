@@ -42,7 +42,7 @@ class Progress:
     def __init__(self, enabled: bool, total: int, desc: str):
         from mtpjax.parallel import console
 
-        self.bar = console.bar(total, desc=desc, unit="B", unit_scale=True, enabled=enabled, leave=False)
+        self.bar = console.bar(total, desc=desc, unit="B", unit_scale=True, enabled=enabled)
         self.tokens, self.t0 = 0, time.perf_counter()
 
     def advance(self, nbytes: int, tokens: int = 0) -> None:
