@@ -1,13 +1,12 @@
-"""`generate`: the one call that checks a request, picks γ (if asked to), streams, and returns tokens and stats."""
+"""`generate`: the one call that checks a request, picks what to draft (if asked to), streams, and returns tokens
+and stats."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from mtpjax.decode import autodraft
-from mtpjax.decode.host import DecodeError, GenerateResult, check_proposer, make_loop, run, summarize
+from mtpjax.decode.host import DecodeError, GenerateResult, check_proposer, make_loop, run, shape_of, summarize
 from mtpjax.decode.sampling import make_sampler
-from mtpjax.decode.tree import Tree, acceptance_by_depth_rank
+from mtpjax.decode.tree import Auto, DraftSpec, Hybrid, Tree, acceptance_by_depth_rank, chain_tree
 from mtpjax.nn.model import MTPTransformer
 
 
@@ -16,53 +15,49 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
              eos_id: int | None = None, max_len: int | None = None, on_commit=None,
              calibrations: autodraft.SavedCalibrations | None = None,
              draft: MTPTransformer | None = None, progress=None, plain_first: bool = False,
-             tree: str | Tree | None = None) -> GenerateResult:
-    """Generate up to max_new_tokens per prompt (lists of token ids of any lengths), speculatively if num_draft>0.
+             tree: str | Tree | Hybrid | None = None, shape: DraftSpec | None = None) -> GenerateResult:
+    """Generate up to max_new_tokens per prompt (lists of token ids of any lengths), speculatively if it drafts.
 
-    proposer: "mtp" (the model's MTP modules, module k drafting token k), "mtp1" (module 1 drafting every
-    token), "ngram" (prompt lookup) or "model" (`draft`, an independent model with the same vocabulary).
-    num_draft="auto" measures every candidate (plain, chains of γ, and for the MTP modules the small trees of
-    autodraft.TREES) on these prompts and uses the fastest by the cost model (mtpjax.decode.autodraft);
-    stats["num_draft"] (and stats["tree"] when a tree won) says which, stats["calibration"] why. With
-    `calibrations`, a measurement saved there for this machine and request shape is reused, and a new one is
-    saved; `progress(text)` hears what a calibration measures. plain_first:
-    a request shape with no measurement yet decodes plain and is measured after (stats["calibration"]["source"]
-    is "after"; the next request of that shape uses it), so a first request never waits on a probe.
-    tree: a static draft tree instead of a chain (`2x2x1`: children per node at each depth, or a parent list
-    `-1,-1,0,0`), drafted by the MTP modules, `+ngramL` adding n-gram lookup's L drafts as one more branch
-    (hybrid); stats["tree"] names it.
-    `on_commit(tokens_BY, counts_B)` receives every round's
-    committed tokens on the host (streaming); it never causes a recompilation.
+    What to draft is `shape` (a Tree, a Hybrid or Auto: config.specs), or spelled as num_draft (γ drafts a chain,
+    "auto") or tree (`2x2x1`: children per node at each depth, a parent list `-1,-1,0,0`, `+ngramL` adding n-gram
+    lookup's L drafts as one more branch), read once by host.shape_of. proposer: "mtp" (the model's MTP modules, module
+    k drafting depth k), "mtp1" (module 1 drafting every depth), "ngram" (prompt lookup) or "model" (`draft`, an
+    independent model with the same vocabulary); trees are the MTP modules'. Auto measures every candidate (plain,
+    chains of γ, and for the MTP modules the small trees of autodraft.TREES) on these prompts and uses the fastest by
+    the cost model (mtpjax.decode.autodraft); stats["num_draft"] (and stats["tree"] when a tree won) says which,
+    stats["calibration"] why. With `calibrations`, a measurement saved there for this machine and request shape is
+    reused, and a new one is saved; `progress(text)` hears what a calibration measures. plain_first: a request shape
+    with no measurement yet decodes plain and is measured after (stats["calibration"]["source"] is "after"; the next
+    request of that shape uses it), so a first request never waits on a probe. `on_commit(tokens_BY, counts_B)`
+    receives every round's committed tokens on the host (streaming); it never causes a recompilation.
     """
     try:
         sampler = make_sampler(temperature, top_k, top_p)
     except ValueError as e:
         raise DecodeError(str(e)) from None
+    shape = shape_of(num_draft, tree) if shape is None else shape
 
-    def loop_for(g: int | str):  # a chain's γ, or (auto's candidates) a tree's shape
-        shape = g if isinstance(g, str) else tree
-        return make_loop(model, prompts, max_new_tokens=max_new_tokens, num_draft=0 if isinstance(g, str) else g,
-                         proposer=proposer, sampler=sampler, eos_id=eos_id, max_len=max_len, draft=draft,
-                         stream=on_commit is not None, tree=shape)
+    def loop_for(s: Tree | Hybrid):
+        return make_loop(model, prompts, max_new_tokens=max_new_tokens, proposer=proposer, sampler=sampler,
+                         eos_id=eos_id, max_len=max_len, draft=draft, stream=on_commit is not None, tree=s)
+
+    def by_candidate(c: int | str):  # auto's candidates as its calibration records spell them
+        return loop_for(autodraft.shape(c))
 
     cal, after = None, False
-    if num_draft == "auto":
-        if tree is not None:
-            raise DecodeError(f"num_draft='auto' and tree={tree!r} both say how much to draft; give one of them")
-        check_proposer(model, proposer, 1, draft)
-        num_draft, cal = autodraft.resolve(model, prompts, loop_for, proposer, seed, calibrations, draft=draft,
-                                            progress=progress, measure=not plain_first)
-        after = cal is None
-    elif isinstance(num_draft, bool) or not isinstance(num_draft, (int, np.integer)):
-        raise DecodeError(f"num_draft={num_draft!r} must be an integer >= 0 or 'auto'")
-    loop = loop_for(num_draft if isinstance(num_draft, str) else int(num_draft))
+    if isinstance(shape, Auto):
+        check_proposer(model, proposer, chain_tree(1), draft)
+        choice, cal = autodraft.resolve(model, prompts, by_candidate, proposer, seed, calibrations, draft=draft,
+                                        progress=progress, measure=not plain_first)
+        shape, after = autodraft.shape(choice), cal is None
+    loop = loop_for(shape)
     res = summarize(run(model, prompts, loop, seed, draft=draft, on_commit=on_commit))
     res.stats["num_draft"] = loop.num_draft
-    if tree is not None or isinstance(num_draft, str):
+    if isinstance(shape, Hybrid) or not shape.is_chain():
         by = acceptance_by_depth_rank(loop.tree, res.stats["accepted_by_node"], res.stats["reached"])
         res.stats.update(tree=loop.proposer.name(), acceptance_by_depth_rank=by)
     if after:  # measured now that the output is out, for the next request of this shape
-        _, cal = autodraft.resolve(model, prompts, loop_for, proposer, seed, calibrations, draft=draft,
+        _, cal = autodraft.resolve(model, prompts, by_candidate, proposer, seed, calibrations, draft=draft,
                                    progress=progress)
     if cal is not None:
         res.stats["calibration"] = {**cal.as_dict(), **({"source": "after"} if after else {})}

@@ -32,7 +32,7 @@ import numpy as np
 
 from mtpjax.decode import host
 from mtpjax.decode.proposers import PROPOSERS
-from mtpjax.decode.tree import acceptance_by_depth_rank, parse_tree
+from mtpjax.decode.tree import Tree, acceptance_by_depth_rank, chain_tree, parse_tree
 from mtpjax.nn.speed import choose_fastest, expected_tokens, tree_expected_tokens
 
 
@@ -106,19 +106,25 @@ def _order(c) -> tuple:
     return (isinstance(c, str), nodes(c), str(c))
 
 
+def shape(candidate: int | str) -> Tree:
+    """The tree a candidate drafts: a chain of γ, or the tree its shape names (candidates keep the spelling the
+    calibration file keys them by)."""
+    return chain_tree(candidate) if isinstance(candidate, int) else parse_tree(candidate)
+
+
 def nodes(candidate: int | str) -> int:
     """Drafts a round of this candidate verifies: a chain's γ, a tree's node count."""
-    return candidate if isinstance(candidate, int) else parse_tree(candidate).size
+    return shape(candidate).size
 
 
-def candidates(model, proposer: str) -> list[int | str]:
-    """What auto probes: 0 (plain), each γ up to what the proposer drafts usefully (MTP: its depth), then the
-    TREES as deep as those chains (at most 2) that this proposer and model can draft (the MTP modules only)."""
-    most = max(PROPOSERS[proposer](1).most_drafts(model), 0)
+def candidates(model, proposer: str, draft=None) -> list[int | str]:
+    """What auto probes: 0 (plain), each γ up to what the proposer drafts usefully (its most_drafts, asked of its
+    class), then the TREES as deep as those chains (at most 2) that this proposer and model can draft."""
+    most = max(PROPOSERS[proposer].most_drafts(model, draft), 0)
     out: list[int | str] = list(range(0, most + 1))
     for spec in TREES.get(min(most, max(TREES)), ()):
         try:
-            host.tree_proposer(model, proposer, 0, spec)
+            host.check_proposer(model, proposer, parse_tree(spec), None)
         except host.DecodeError:  # not an MTP proposer, or parallel heads fewer than the tree is deep
             continue
         out.append(spec)
@@ -304,12 +310,13 @@ class SavedCalibrations:
 
 def resolve(model, prompts, loop_for, proposer: str, seed: int, saved: SavedCalibrations | None = None,
             draft=None, progress=None, measure: bool = True):
-    """(the choice: γ or a tree's shape, Calibration) for this request shape: measured once per model (or read
-    from `saved`), then remembered. The key names the candidates, so a measurement among others is never reused.
+    """(the chosen candidate, Calibration) for this request shape (`loop_for(candidate)` builds each candidate's loop;
+    `shape` turns the choice into its tree): measured once per model (or read from `saved`), then remembered. The key
+    names the candidates, so a measurement among others is never reused.
 
     measure=False: (0, None) when nothing is known yet for this shape (plain decoding until a measurement exists).
     """
-    cands = candidates(model, proposer)
+    cands = candidates(model, proposer, draft)
     loops = {c: loop_for(c) for c in cands}
     key = request_key(prompts, loops[0], proposer, cands)
     known = memo(model, draft)
