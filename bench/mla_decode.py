@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--long", type=int, default=448)
     ap.add_argument("--relaid", action="store_true",
                     help="add 'mla relaid': the same MLA model decoding without its up-projections laid out before the "
-                         "loop (every step re-lays them, as before lay_out_for_decoding)")
+                         "loop (every step re-lays them, as without decode_view)")
     args = ap.parse_args(argv)
     from unittest import mock
 
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
 
     for name in cfgs:  # compile
         if name == "mla relaid":
-            with mock.patch.object(decode_loop, "lay_out_for_decoding", lambda m: None):
+            with mock.patch.object(decode_loop, "decode_view", lambda m: m):
                 timed(name, args.short)
         else:
             timed(name, args.short)

@@ -25,7 +25,8 @@ from flax import nnx  # noqa: E402
 from mla_decode import variants  # noqa: E402
 
 from mtpjax.nn.layers import KV, attend_cached  # noqa: E402
-from mtpjax.nn.mla import MLACache, attend_absorbed, lay_out_for_decoding, mla_cache  # noqa: E402
+from mtpjax.nn.mla import MLACache, attend_absorbed, decode_view, mla_cache  # noqa: E402
+from mtpjax.nn.placement import host_placement  # noqa: E402
 from mtpjax.nn.model import make_block  # noqa: E402
 
 S, STEPS = 512, 200
@@ -54,13 +55,12 @@ def block_loops(cfgs):
     out = {}
     for name in ("mla", "gqa kv=4"):
         cfg = cfgs[name]
-        g, st = nnx.split(make_block(cfg, nnx.Rngs(params=0), False))
+        g, st = nnx.split(make_block(cfg, nnx.Rngs(params=0), False, host_placement()))
         hd = cfg.d_model // cfg.n_heads
         cache = mla_cache(cfg, 1, S) if name == "mla" else KV(*(jnp.zeros((1, cfg.n_kv_heads, S, hd)),) * 2)
 
         def run(st, cache, g=g, d=cfg.d_model):
-            blk = nnx.merge(g, st)
-            lay_out_for_decoding(blk)  # as the decode loop does, once before it
+            blk = decode_view(nnx.merge(g, st))  # as the decode loop does, once before it
 
             def body(i, carry):
                 y, c, _ = blk(carry[0], jnp.full((1, 1), i), None, carry[1])

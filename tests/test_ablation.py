@@ -21,6 +21,7 @@ from mtpjax.train import loop as train_loop
 from mtpjax.config import load_config, replace
 from mtpjax.eval.log import append_eval, read_evals
 from mtpjax.nn.model import MTPModule, MTPTransformer, build_model
+from mtpjax.nn.placement import host_placement
 from mtpjax.parallel.sharding import make_mesh
 from mtpjax.train.step import make_programs
 
@@ -68,7 +69,7 @@ def test_companion_mtp_modules_created_first_would_change_the_trunk(tmp_path):
     """What the test above guards: the trunk draws its parameters before any MTP module from the same Rngs."""
     m = grid.variant_config(_base(tmp_path), grid.Variant(2, "sequential", "constant:0.3"), 0, 8, tmp_path).model
     rngs = nnx.Rngs(params=0)
-    MTPModule(m, rngs)  # an MTP module drawn first shifts every later draw
+    MTPModule(m, rngs, host_placement())  # an MTP module drawn first shifts every later draw
     broken = MTPTransformer(m, rngs=rngs)
     assert _shared(broken) != _shared(build_model(m, seed=0))
 

@@ -9,6 +9,7 @@ import pytest
 
 from mtpjax.nn import kernels
 from mtpjax.nn.layers import INTERPRET_ENV, attention_backend, self_attention
+from mtpjax.nn.placement import host_placement
 
 B, K, R, H = 2, 2, 2, 16  # grouped-query: 4 query heads over 2 key/value heads
 
@@ -33,7 +34,7 @@ def _inputs(T: int, seed: int = 0):
 
 def _reference(q, k, v, seg):
     pos = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
-    return self_attention(q, k, v, pos, seg, "xla")
+    return self_attention(q, k, v, pos, seg, "xla", host_placement())
 
 
 def _out_and_grads(fn, q, k, v, seg, cot):
@@ -100,7 +101,7 @@ def test_auto_is_the_xla_path_on_cpu(monkeypatch, capfd):
         monkeypatch.setattr(kernels, name, lambda *a, **k: pytest.fail("a fused kernel ran on CPU under auto"))
     q, k, v, seg, _ = _inputs(12)
     pos = jnp.broadcast_to(jnp.arange(12), (B, 12))
-    np.testing.assert_array_equal(self_attention(q, k, v, pos, seg, "auto"), _reference(q, k, v, seg))
+    np.testing.assert_array_equal(self_attention(q, k, v, pos, seg, "auto", host_placement()), _reference(q, k, v, seg))
     assert attention_backend("auto", "cpu", "float32", H, False) == ("xla", False)
     assert attention_backend("auto", "cpu", "bfloat16", H, True) == ("xla", False)
     assert "model.attention=auto runs xla on cpu" in capfd.readouterr().err

@@ -35,13 +35,13 @@ def loop_body_moves(model, shape: str, num_draft: int = 0) -> int:
 
 @pytest.mark.slow
 def test_mla_up_projections_are_laid_out_before_the_loop():
-    """MLA's kv_b per head ([N, Z, nope]) is read as lay_out_for_decoding laid it out once; the companion, the loop
-    without that step, re-lays it every round."""
+    """MLA's kv_b per head ([N, Z, nope]) is read as decode_view laid it out once; the companion, the loop
+    on the model itself, re-lays it every round."""
     cfg = _cfg(vocab_size=32, d_model=64, n_layers=2, n_heads=4, mtp_depth=1, attention_kind="mla", kv_lora_rank=16,
                q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=12)
     model, shape = build_model(cfg, seed=0), "f32[4,16,8]"
     assert loop_body_moves(model, shape) == 0 and loop_body_moves(model, shape, num_draft=1) == 0
-    with mock.patch.object(decode_loop, "lay_out_for_decoding", lambda m: None):
+    with mock.patch.object(decode_loop, "decode_view", lambda m: m):
         assert loop_body_moves(model, shape) > 0
 
 

@@ -15,6 +15,7 @@ from test_trees import _check_tree_equal
 from mtpjax.config import load_config
 from mtpjax.nn import mla
 from mtpjax.nn.model import build_model, make_block, moe_layers
+from mtpjax.nn.placement import host_placement
 
 
 def _cfg(*extra, **kw):
@@ -36,7 +37,7 @@ def _with_biases(model, std, seed):
 
 def _random_block(m, seed, std):
     """An MoE block, every parameter normal (norm scales around 1) from numpy: no random programs to compile."""
-    blk = nnx.eval_shape(lambda: make_block(m, nnx.Rngs(params=0), moe=True))
+    blk = nnx.eval_shape(lambda: make_block(m, nnx.Rngs(params=0), moe=True, placement=host_placement()))
     leaves, tree = jax.tree.flatten(nnx.state(blk, nnx.Param))
     rng = np.random.default_rng(seed)
     nnx.update(blk, jax.tree.unflatten(tree, [jnp.asarray((x.ndim == 1) + std * rng.normal(size=x.shape), jnp.float32)

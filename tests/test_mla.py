@@ -18,6 +18,7 @@ from mtpjax.decode.cache import layer, module_caches, stacked, trunk_cache
 from mtpjax.decode.sampling import make_sampler
 from mtpjax.nn import mla
 from mtpjax.nn.model import build_model
+from mtpjax.nn.placement import host_placement
 
 MLA = dict(attention_kind="mla", kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=6,
            v_head_dim=12)
@@ -44,7 +45,7 @@ def _randomized(attn, seed):
 # ---------------------------------------------------------------------------------------------- float64 reference
 
 def _layer_and_input(cfg, T=24, seed=0):
-    attn = _randomized(mla.MLAttention(cfg.model, nnx.Rngs(params=seed)), seed)
+    attn = _randomized(mla.MLAttention(cfg.model, nnx.Rngs(params=seed), host_placement()), seed)
     x = np.random.default_rng(seed).normal(size=(2, T, cfg.model.d_model))
     return attn, x
 
@@ -250,7 +251,7 @@ def test_mla_matmul_flops_are_twice_the_block_kernels(q_lora_rank):
     from mtpjax.nn.model import make_block
 
     cfg = _cfg(q_lora_rank=q_lora_rank).model
-    st = nnx.state(make_block(cfg, nnx.Rngs(params=0), moe=False), nnx.Param)
+    st = nnx.state(make_block(cfg, nnx.Rngs(params=0), moe=False, placement=host_placement()), nnx.Param)
     kernels = sum(int(x.size) for path, x in jax.tree.leaves_with_path(st) if "kernel" in jax.tree_util.keystr(path))
     assert flops_per_token(cfg, 16)["block_matmul"] == 2 * kernels
 

@@ -23,6 +23,7 @@ from mtpjax.eval.plan import build_plan, format_plan
 from mtpjax.nn.flops import flops_per_token
 from mtpjax.nn.model import build_model, moe_layers, param_counts
 from mtpjax.nn.moe import MoE, next_bias
+from mtpjax.nn.placement import host_placement
 from mtpjax.parallel.sharding import make_mesh
 from mtpjax.train.checkpoint import Checkpointer, load_model
 from mtpjax.train.step import make_programs
@@ -38,7 +39,7 @@ MOE = ["model.mlp_kind=moe", "model.n_routed_experts=8", "model.num_experts_per_
 def block():
     """An MoE MLP with large weights and a bias that changes choices, its float64 parameters and 64 or 160 tokens."""
     m = load_config(None, MOE + ["model.d_model=16", "model.init_std=0.5", "model.num_experts_per_tok=3"]).model
-    moe = MoE(m, nnx.Rngs(params=1))
+    moe = MoE(m, nnx.Rngs(params=1), host_placement())
     moe.bias[...] = jnp.asarray(np.random.default_rng(2).normal(0, 0.3, 8), jnp.float32)
     p = jax.tree.map(lambda v: np.asarray(v, np.float64), nnx.to_pure_dict(nnx.state(moe)))
     rng = np.random.default_rng(3)

@@ -26,7 +26,7 @@ from mtpjax.decode import tree as trees
 from mtpjax.decode.cache import keep_path, take_rows, trunk_cache, write_rows
 from mtpjax.decode.protocol import Context, Models, Proposer
 from mtpjax.decode.sampling import Sampler, choose, draw, probs, row_keys
-from mtpjax.nn.mla import lay_out_for_decoding
+from mtpjax.nn.mla import decode_view
 
 
 @struct.dataclass
@@ -206,10 +206,8 @@ class Loop:
 
 def run_loop(loop: Loop, graphs: tuple, params: tuple, req: Request) -> DecodeState:
     """The whole generation, from the split target (and draft) models; `execute` is this function jitted."""
-    models = Models(*(None if g is None else nnx.merge(g, p) for g, p in zip(graphs, params)))
-    for m in models:
-        if m is not None:
-            lay_out_for_decoding(m)  # before the loop: its steps then read the weights as laid out here
+    # Views built before the loop: its steps then read MLA's weights as laid out here, once.
+    models = Models(*(None if g is None else decode_view(nnx.merge(g, p)) for g, p in zip(graphs, params)))
     return loop(models, req)
 
 

@@ -18,6 +18,7 @@ from flax import nnx
 
 from mtpjax.nn import kernels
 from mtpjax.config import ModelConfig
+from mtpjax.nn.placement import Placement
 
 
 def dtype_of(name: str):
@@ -205,13 +206,14 @@ def attention_backend(name: str, platform: str, dtype: str, head_dim: int, inter
     return auto, False
 
 
-def self_attention(q_BTKRH, k_BTKH, v_BTKH, pos_BT, seg_BT, name: str):
+def self_attention(q_BTKRH, k_BTKH, v_BTKH, pos_BT, seg_BT, name: str, placement: Placement):
     """Causal attention of T positions over themselves (segment-restricted), computed by `model.attention`.
 
-    The one place the backend is chosen. The fused kernels take positions to be 0..T-1, as every caller
-    without a cache has them; `attend` (xla) is the reference they are tested against.
+    The one place the backend is chosen, by the platform the model is placed on (not this host's backend: a
+    program compiled here for a TPU mesh gets the TPU's kernel). The fused kernels take positions to be 0..T-1, as
+    every caller without a cache has them; `attend` (xla) is the reference they are tested against.
     """
-    backend, interpret = attention_backend(name, jax.default_backend(), jnp.dtype(q_BTKRH.dtype).name,
+    backend, interpret = attention_backend(name, placement.platform, jnp.dtype(q_BTKRH.dtype).name,
                                            q_BTKRH.shape[-1], os.environ.get(INTERPRET_ENV) == "1")
     if backend == "cudnn":
         if seg_BT is not None:
@@ -292,11 +294,11 @@ def new_rows_seen(T: int, sees_BTT=None):
 class Attention(nnx.Module):
     """Grouped-query causal attention with RoPE, segment masking and an optional KV cache."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, placement: Placement):
         d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
         self.n_heads, self.n_kv, self.head_dim, self.theta = h, kv, hd, cfg.rope_theta
         self.llama3 = cfg.llama3_rope
-        self.attention = cfg.attention  # how, not what: no parameter depends on it
+        self.attention, self.placement = cfg.attention, placement  # how, not what: no parameter depends on them
         out_std = cfg.init_std / math.sqrt(2 * max(1, cfg.n_layers))
         self.wq = Dense(d, h * hd, ("embed", "heads"), cfg, rngs, bias=cfg.qkv_bias)
         self.wk = Dense(d, kv * hd, ("embed", "kv_heads"), cfg, rngs, bias=cfg.qkv_bias)
@@ -313,7 +315,7 @@ class Attention(nnx.Module):
         R = self.n_heads // self.n_kv
         q = q.reshape(B, T, self.n_kv, R, self.head_dim)
         if cache is None:
-            o, new_cache = self_attention(q, k, v, pos_BT, seg_BT, self.attention), None
+            o, new_cache = self_attention(q, k, v, pos_BT, seg_BT, self.attention, self.placement), None
         else:
             # Entries at or past a row's start are stale (rejected drafts) and masked; this call's own
             # keys come from k, v directly and are written afterwards. A cached call has no segments: seg_BT, when
@@ -340,11 +342,12 @@ class Block(nnx.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP a SwiGLU or (`moe`) a mixture
     of experts, whose routing info (expert loads, balance statistic) is returned beside the hidden state."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attn: nnx.Module | None = None, mlp: nnx.Module | None = None):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, placement: Placement, attn: nnx.Module | None = None,
+                 mlp: nnx.Module | None = None):
         """`attn`, `mlp`: the attention and feed-forward model.make_block chose (latent attention, a mixture of
         experts); None builds GQA attention and the SwiGLU."""
         self.attn_norm = RMSNorm(cfg.d_model, cfg, rngs)
-        self.attn = Attention(cfg, rngs) if attn is None else attn
+        self.attn = Attention(cfg, rngs, placement) if attn is None else attn
         self.mlp_norm = RMSNorm(cfg.d_model, cfg, rngs)
         self.mlp = MLP(cfg, rngs) if mlp is None else mlp
 

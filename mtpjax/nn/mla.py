@@ -19,10 +19,11 @@ from flax import nnx
 from mtpjax.config import ModelConfig
 from mtpjax.nn.layers import Dense, RMSNorm, apply_rope, dtype_of, new_rows_seen, param, rope_frequencies, \
     rope_tables, self_attention
+from mtpjax.nn.placement import Placement
 
 
 class DecodeLayout(nnx.Variable):
-    """kv_b's up-projections laid out per head for the absorbed form (lay_out_for_decoding): derived, not trained."""
+    """kv_b's up-projections laid out per head for the absorbed form (decode_view): derived, not trained."""
 
 
 class MLACache(NamedTuple):
@@ -120,19 +121,21 @@ def attend_absorbed(qn_BTNH, qr_BTNH, c_BTZ, kr_BTH, cache: MLACache, start_B, w
     return jnp.einsum("bntz,nhz->btnh", oc_BNTZ.astype(dt), wv_NHZ.astype(dt), preferred_element_type=f32)
 
 
-def lay_out_for_decoding(model: nnx.Module) -> None:
-    """Give every MLA layer its up-projections laid out per head, once: called on the decode loop's model before the
-    loop, so no step re-lays them (XLA keeps a weight re-layout inside the loop, though the weights do not change)."""
-    for _, m in nnx.iter_modules(model):
+def decode_view(model: nnx.Module) -> nnx.Module:
+    """A copy of `model` (the same arrays) whose MLA layers hold kv_b's up-projections laid out per head: built once
+    before the decode loop, so no step re-lays them (XLA keeps a weight re-layout inside the loop, though the
+    weights do not change). The model itself is left as it was."""
+    view = nnx.clone(model)
+    for _, m in nnx.iter_modules(view):
         if isinstance(m, MLAttention):
-            wk, wv = m.per_head(m.kv_b.kernel[...])
-            m.decode_wk, m.decode_wv = DecodeLayout(wk), DecodeLayout(wv)
+            m.layout = tuple(DecodeLayout(w) for w in m.per_head(m.kv_b.kernel[...]))
+    return view
 
 
 class MLAttention(nnx.Module):
     """DeepSeek-V3's multi-head latent attention with RoPE (optionally YaRN), segment masking and a latent cache."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, placement: Placement):
         d, N = cfg.d_model, cfg.n_heads
         self.n_heads, self.nope, self.rope, self.v_dim = N, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.rank = cfg.kv_lora_rank
@@ -141,6 +144,8 @@ class MLAttention(nnx.Module):
         qk = self.nope + self.rope
         # The fused kernels take one head width for q, k and v; otherwise the XLA reference runs.
         self.attention = cfg.attention if qk == self.v_dim else "xla"
+        self.placement = placement
+        self.layout = nnx.data(None)  # (W_k, W_v) per head on decode_view's copy only
         if cfg.q_lora_rank:
             self.q_a = Dense(d, cfg.q_lora_rank, ("embed", "latent"), cfg, rngs)
             self.q_a_norm = _latent_norm(cfg.q_lora_rank, cfg, rngs)
@@ -176,10 +181,9 @@ class MLAttention(nnx.Module):
                 jnp.moveaxis(w_ZNH[..., self.nope:], -3, -1))
 
     def up_projections(self):
-        """kv_b's key and value parts per head: W_k [N,Z,nope], W_v [N,v,Z]; laid out once if lay_out_for_decoding
-        ran."""
-        if hasattr(self, "decode_wk"):
-            return self.decode_wk[...], self.decode_wv[...]
+        """kv_b's key and value parts per head: W_k [N,Z,nope], W_v [N,v,Z]; as laid out once on a decode_view."""
+        if self.layout is not None:
+            return tuple(w[...] for w in self.layout)
         return self.per_head(self.kv_b.kernel[...])
 
     def expanded(self, qn_BTNH, qr_BTNH, c_BTZ, kr_BTH, pos_BT, seg_BT):
@@ -189,7 +193,8 @@ class MLAttention(nnx.Module):
         k_BTNH = jnp.concatenate(
             [kv_BTNH[..., :self.nope], jnp.broadcast_to(kr_BTH[:, :, None], (B, T, self.n_heads, self.rope))], -1)
         q_BTNRH = jnp.concatenate([qn_BTNH, qr_BTNH], -1)[:, :, :, None]
-        return self_attention(q_BTNRH, k_BTNH, kv_BTNH[..., self.nope:], pos_BT, seg_BT, self.attention)[:, :, :, 0]
+        return self_attention(q_BTNRH, k_BTNH, kv_BTNH[..., self.nope:], pos_BT, seg_BT, self.attention,
+                              self.placement)[:, :, :, 0]
 
     def __call__(self, x_BTD, pos_BT, seg_BT=None, cache: MLACache | None = None):
         B, T, _ = x_BTD.shape

@@ -16,6 +16,7 @@ from mtpjax.config import Config, ModelConfig
 from mtpjax.nn.layers import KV, Block, Dense, RMSNorm, dtype_of, param
 from mtpjax.nn.mla import MLAttention
 from mtpjax.nn.moe import MoE
+from mtpjax.nn.placement import Placement, host_placement
 
 
 @struct.dataclass
@@ -48,14 +49,15 @@ def _run_block(block: Block, x, pos, seg, kv, remat: str):
 class MTPModule(nnx.Module):
     """One MTP depth: [enorm(E(x[i+k])); hnorm(h_{k-1}[i])] -> eh_proj -> block (sequential), or block(h0)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, placement: Placement):
         self.sequential = cfg.mtp_kind == "sequential"
         d = cfg.d_model
         if self.sequential:
             self.enorm = RMSNorm(d, cfg, rngs)
             self.hnorm = RMSNorm(d, cfg, rngs)
             self.eh_proj = Dense(2 * d, d, (None, "embed"), cfg, rngs)
-        self.block = make_block(cfg, rngs, cfg.mlp_kind == "moe")  # DeepSeek-V3's module block is of the trunk's kind
+        # DeepSeek-V3's module block is of the trunk's kind
+        self.block = make_block(cfg, rngs, cfg.mlp_kind == "moe", placement)
         self.norm = RMSNorm(d, cfg, rngs)
 
     def __call__(self, h_prev_BTD, emb_next_BTD, pos_BT, seg_BT, kv, remat: str):
@@ -66,10 +68,12 @@ class MTPModule(nnx.Module):
 
 
 class MTPTransformer(nnx.Module):
-    """Decoder-only LM with J multi-token-prediction modules sharing its embedding and head."""
+    """Decoder-only LM with J multi-token-prediction modules sharing its embedding and head; `placement` (default: one
+    device of this host) is where its programs run, told to every module it builds."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, placement: Placement | None = None):
+        placement = placement or host_placement()
+        self.cfg, self.placement = cfg, placement
         V, d, L = cfg.vocab_size, cfg.d_model, cfg.n_layers
         pdt = dtype_of(cfg.param_dtype)
         self.embed = param(rngs, (V, d), cfg.init_std, ("vocab", "embed"), pdt)
@@ -77,15 +81,15 @@ class MTPTransformer(nnx.Module):
             @nnx.split_rngs(splits=L)
             @nnx.vmap(in_axes=(0,), out_axes=0)
             def make(r):
-                return make_block(cfg, r, cfg.mlp_kind == "moe")  # validated: no dense-first blocks when scanned
+                return make_block(cfg, r, cfg.mlp_kind == "moe", placement)  # validated: no dense-first when scanned
 
             self.blocks = make(rngs)
         else:
-            self.blocks = nnx.List([make_block(cfg, rngs, is_moe_layer(cfg, i)) for i in range(L)])
+            self.blocks = nnx.List([make_block(cfg, rngs, is_moe_layer(cfg, i), placement) for i in range(L)])
         self.final_norm = RMSNorm(d, cfg, rngs)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (d, V), cfg.init_std, ("embed", "vocab"), pdt)
-        self.mtp = nnx.List([MTPModule(cfg, rngs) for _ in range(cfg.mtp_depth)])
+        self.mtp = nnx.List([MTPModule(cfg, rngs, placement) for _ in range(cfg.mtp_depth)])
 
     # ------------------------------------------------------------------ pieces shared with decoding
 
@@ -189,11 +193,11 @@ class MTPTransformer(nnx.Module):
         return unrolled_UBTD
 
 
-def make_block(cfg: ModelConfig, rngs: nnx.Rngs, moe: bool) -> Block:
+def make_block(cfg: ModelConfig, rngs: nnx.Rngs, moe: bool, placement: Placement) -> Block:
     """A transformer block: latent attention when model.attention_kind=mla (else GQA), and a mixture of experts as
     its MLP when `moe` (else the SwiGLU). The one place a block's parts are chosen."""
-    attn = MLAttention(cfg, rngs) if cfg.attention_kind == "mla" else None
-    return Block(cfg, rngs, attn=attn, mlp=MoE(cfg, rngs) if moe else None)
+    attn = MLAttention(cfg, rngs, placement) if cfg.attention_kind == "mla" else None
+    return Block(cfg, rngs, placement, attn=attn, mlp=MoE(cfg, rngs, placement) if moe else None)
 
 
 def is_moe_layer(cfg: ModelConfig, i: int) -> bool:
@@ -226,14 +230,20 @@ def _positions(tokens_BT):
     return jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
 
 
-def build_model(cfg: Config | ModelConfig, *, seed: int = 0) -> MTPTransformer:
+def build_model(cfg: Config | ModelConfig, *, seed: int = 0, placement: Placement | None = None) -> MTPTransformer:
     """Build the model from a Config (or its model section) with parameters from `seed`, MTP modules as
-    model.mtp_init says."""
+    model.mtp_init says, for `placement` (default: one device of this host)."""
     mcfg = cfg.model if isinstance(cfg, Config) else cfg
-    model = MTPTransformer(mcfg, rngs=nnx.Rngs(params=seed))
+    model = MTPTransformer(mcfg, rngs=nnx.Rngs(params=seed), placement=placement)
     if mcfg.mtp_init == "last_block":
         init_mtp_from_last_block(model)
     return model
+
+
+def placed(model: MTPTransformer, placement: Placement) -> MTPTransformer:
+    """The same model (its state, not a copy of it) rebuilt for another placement: only the static graph differs."""
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: MTPTransformer(model.cfg, rngs=nnx.Rngs(0), placement=placement)))
+    return nnx.merge(graphdef, nnx.state(model))
 
 
 def last_block_params(cfg: ModelConfig, params: dict) -> dict:

@@ -6,9 +6,10 @@ speculation see the same function as training). Token-slots are sorted by expert
 sorted rows are cut into blocks of one expert each and multiplied by that expert's gathered weights
 (docs/benchmarks.md has the measurement).
 
-Expert parallelism (`ExpertParallel`, set by the train programs when mesh.expert > 1): inside a shard_map each
-device sends its token-slots to the expert-axis shard holding their experts (an all-to-all), that shard multiplies
-them by its own experts, and a second all-to-all brings them back; expert weights never leave their shard.
+Expert parallelism (`ExpertParallel`, from the model's `Placement` when its mesh has an expert axis): inside a
+shard_map each device sends its token-slots to the expert-axis shard holding their experts (an all-to-all), that
+shard multiplies them by its own experts, and a second all-to-all brings them back; expert weights never leave
+their shard.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from mtpjax.config import ModelConfig
 from mtpjax.nn.layers import MLP, dtype_of, param
+from mtpjax.nn.placement import Placement
 
 
 class ExpertBias(nnx.Variable):
@@ -92,7 +94,7 @@ class ExpertParallel:
     mesh: Mesh
     batch_axes: tuple[str, ...]
     expert_axis: str = "expert"
-    tensor_axis: str = "tensor"
+    tensor_axis: str | None = "tensor"
 
     def applies(self, batch: int) -> bool:
         """Whether a batch of this many rows splits evenly over the batch axes (else the MoE runs unsharded)."""
@@ -138,7 +140,8 @@ def _routed_on_shard(x_ND, idx_NX, w_NX, w_gate, w_up, w_down, *, ep: ExpertPara
 def expert_parallel_routed(x_ND, idx_NX, w_NX, w_gate, w_up, w_down, ep: ExpertParallel, grouping: str):
     """The routed experts' weighted output [N, D] (float32) with experts sharded over ep.expert_axis (shard_map)."""
     F, t = w_gate.shape[2], ep.tensor_axis
-    tp = t if ep.mesh.shape[t] > 1 and F % ep.mesh.shape[t] == 0 else None  # the FFN split over tensor, psum'd
+    # the FFN split over tensor, psum'd
+    tp = t if t is not None and ep.mesh.shape[t] > 1 and F % ep.mesh.shape[t] == 0 else None
 
     def body(*args):
         y = _routed_on_shard(*args, ep=ep, grouping=grouping)
@@ -150,16 +153,23 @@ def expert_parallel_routed(x_ND, idx_NX, w_NX, w_gate, w_up, w_down, ep: ExpertP
                          out_specs=rows)(x_ND, idx_NX, w_NX, w_gate, w_up, w_down)
 
 
-def default_grouping() -> str:
+def grouping_for(platform: str) -> str:
     """ragged_dot where it is a grouped matmul (GPU, TPU), expert blocks on CPU."""
-    return "ragged" if jax.default_backend() in ("gpu", "tpu") else "blocks"
+    return "ragged" if platform in ("gpu", "tpu") else "blocks"
+
+
+def expert_parallel(placement: Placement) -> ExpertParallel | None:
+    """The placement's expert-parallel plan: None unless its mesh splits the routed experts."""
+    if placement.size(placement.expert_axis) <= 1:
+        return None
+    return ExpertParallel(placement.mesh, placement.batch_axes, placement.expert_axis, placement.head_axis)
 
 
 class MoE(nnx.Module):
     """Routed and always-on shared SwiGLU experts: (y, {"load": int[E] non-padding slots per expert (segment id 0 is
     padding), "balance": float[]})."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, placement: Placement):
         d, f, E = cfg.d_model, cfg.moe_d_ff, cfg.n_routed_experts
         pdt = dtype_of(cfg.param_dtype)
         out_std = cfg.init_std / math.sqrt(2 * max(1, cfg.n_layers))
@@ -172,8 +182,8 @@ class MoE(nnx.Module):
         self.w_down = param(rngs, (E, f, d), out_std, ("expert", "mlp", "embed"), pdt)
         if cfg.n_shared_experts:
             self.shared = MLP(cfg, rngs, d_ff=cfg.n_shared_experts * f)
-        self.grouping = default_grouping()  # how, not what: both are exact
-        self.ep: ExpertParallel | None = None  # set by the train programs on a mesh with an expert axis
+        self.grouping = grouping_for(placement.platform)  # how, not what: both are exact
+        self.ep = expert_parallel(placement)
 
     def __call__(self, x_BTD, seg_BT=None):
         B, T, D = x_BTD.shape

@@ -11,8 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mtpjax.config import MeshConfig
 from mtpjax.errors import MtpjaxError
-from mtpjax.nn.model import moe_layers
-from mtpjax.nn.moe import ExpertParallel
+from mtpjax.nn.placement import Placement, platform_of
 
 AXES = ("data", "fsdp", "expert", "tensor")
 # The expert axis splits the batch too: outside the MoE layers its devices are data-parallel (DeepSeek-V3's EP).
@@ -107,8 +106,8 @@ def data_parallelism(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
 
 
-def place_experts(model, mesh: Mesh) -> None:
-    """Run the model's MoE layers expert-parallel (all-to-all dispatch) when the mesh has an expert axis."""
-    if mesh.shape["expert"] > 1:
-        for layer in moe_layers(model).values():
-            layer.ep = ExpertParallel(mesh, BATCH_AXES)
+def placement(mesh: Mesh) -> Placement:
+    """What a model built for `mesh` is told: its devices' platform, the batch axes, heads over `tensor`, routed
+    experts over `expert` (expert-parallel when that axis has more than one device)."""
+    return Placement(platform=platform_of(mesh.devices.flat[0]), mesh=mesh, batch_axes=BATCH_AXES,
+                     head_axis="tensor", expert_axis="expert")

@@ -23,7 +23,7 @@ from mtpjax.nn.loss import add_expected_lengths, forward, mtp_loss, token_counts
 from mtpjax.nn.model import MTPTransformer, build_model, moe_layers
 from mtpjax.nn.moe import load_metrics, next_bias
 from mtpjax.train.optim import decay_mask, global_norm, lr_schedule, make_tx, trainable, with_lr
-from mtpjax.parallel.sharding import batch_sharding, place_experts, replicated, state_shardings
+from mtpjax.parallel.sharding import batch_sharding, placement, replicated, state_shardings
 
 
 @struct.dataclass
@@ -155,8 +155,8 @@ class Programs:
 
 def make_programs(cfg: Config, mesh: Mesh) -> Programs:
     """Trace the state abstractly (nothing allocated), then jit init, train and eval steps with their shardings."""
-    abstract = nnx.eval_shape(lambda: build_model(cfg, seed=cfg.train.seed))
-    place_experts(abstract, mesh)  # a static attribute: it lives in the graphdef every program merges with
+    # Built for the mesh: the kernels its platform has, expert parallelism on an expert axis (nn/placement.py).
+    abstract = nnx.eval_shape(lambda: build_model(cfg, seed=cfg.train.seed, placement=placement(mesh)))
     graphdef, abs_params = nnx.split(abstract)
     what = trainable(cfg.train)
     tx = make_tx(cfg.optim, decay_mask(split_trainable(abs_params, what)[0]))
