@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from bench.common import interleave, load, log, median_ratio  # noqa: E402
 
@@ -42,6 +43,16 @@ def extract(commit: str, into: Path) -> str:
     return sha
 
 
+def body_ops(pkg: str, model, loop, prompts) -> int:
+    """Instructions in the compiled loop's body (the round): a count the machine's load cannot move."""
+    host, loop_mod = (importlib.import_module(f"{pkg}.decode.{m}") for m in ("host", "loop"))
+    graph, params = nnx.split(model)
+    hlo = loop_mod.execute.lower(loop, (graph, None), (params, None), host.request(loop, prompts)).compile().as_text()
+    body = re.search(r"while\(.*?body=%?([\w.-]+)", hlo).group(1)
+    text = hlo[hlo.index(f"%{body} ("):]
+    return text[: text.index("\n}\n")].count(" = ")
+
+
 def subject(pkg: str, config: str):
     """(model, make_loop, run) of package `pkg` for configs/<config>.yaml with random weights (seed 0)."""
     cfg = importlib.import_module(f"{pkg}.config").load_config(str(ROOT / "configs" / f"{config}.yaml"), [])
@@ -53,10 +64,11 @@ def subject(pkg: str, config: str):
 def measure(config: str, batch: int, gamma: int, max_new: int, rounds: int) -> dict:
     """Seconds per generation of both decoders for one request shape, and whether their tokens agree."""
     rng = np.random.default_rng(batch)
-    fns, outs = {}, {}
+    fns, outs, ops = {}, {}, {}
     for pkg in ("mtpjax", "mtpjax_base"):
         model, make_loop, run = subject(pkg, config)
-        prompts = rng.integers(0, model.cfg.vocab_size, (batch, 16)).tolist() if pkg == "mtpjax" else prompts
+        if pkg == "mtpjax":
+            prompts = rng.integers(0, model.cfg.vocab_size, (batch, 16)).tolist()
         loop = make_loop(model, prompts, max_new_tokens=max_new, num_draft=gamma, proposer="mtp")
 
         def go(model=model, loop=loop, run=run, prompts=prompts, pkg=pkg):
@@ -64,12 +76,13 @@ def measure(config: str, batch: int, gamma: int, max_new: int, rounds: int) -> d
             outs[pkg] = np.asarray(jax.block_until_ready(st.seq_BS))
 
         go()  # compile
-        fns[pkg] = go
+        fns[pkg], ops[pkg] = go, body_ops(pkg, model, loop, prompts)
     secs = interleave(fns, rounds)
     return {"config": config, "batch": batch, "gamma": gamma, "ours_s": float(np.median(secs["mtpjax"])),
             "base_s": float(np.median(secs["mtpjax_base"])),
             "ratio": median_ratio(secs["mtpjax"], secs["mtpjax_base"]),
-            "identical": bool((outs["mtpjax"] == outs["mtpjax_base"]).all()), "load": load()}
+            "identical": bool((outs["mtpjax"] == outs["mtpjax_base"]).all()), "ours_body_ops": ops["mtpjax"],
+            "base_body_ops": ops["mtpjax_base"], "load": load()}
 
 
 def main() -> None:
@@ -92,7 +105,8 @@ def main() -> None:
                     rows.append(measure(config, batch, gamma, args.max_new, args.rounds))
                     r = rows[-1]
                     log(f"{config} batch {batch} chain {gamma}: ours {r['ours_s'] * 1e3:.1f} ms, base "
-                        f"{r['base_s'] * 1e3:.1f} ms, ratio {r['ratio']:.3f}, identical {r['identical']}")
+                        f"{r['base_s'] * 1e3:.1f} ms, ratio {r['ratio']:.3f}, identical {r['identical']}, round body "
+                        f"{r['ours_body_ops']} vs {r['base_body_ops']} instructions")
     if args.json:
         Path(args.json).write_text(json.dumps({"baseline": sha, "rows": rows}, indent=1))
 

@@ -150,7 +150,7 @@ class Loop:
             a_B, toks_BY, path_BY = self.accept(m.logits(m.final_norm(h_BYD)), st, it)
         if not tree.is_chain():  # only the accepted path's entries survive, at the positions it is committed at
             trunk = keep_path(trunk, start_B, path_BY, m.cfg.scan_layers)
-            h_BYD = trees.along(h_BYD, path_BY)
+            h_BYD = trees.along(tree, h_BYD, path_BY)
         st = st.replace(trunk=trunk)
         with jax.named_scope("commit"):
             on_BG = ~st.done_B[:, None] & trees.accepted_nodes(tree, a_B, path_BY)
@@ -167,14 +167,14 @@ class Loop:
         if self.sampler.greedy:
             g_BY = jnp.argmax(logits_BYV, axis=-1).astype(jnp.int32)
             a_B, path_BY = trees.greedy_path(tree, st.drafts_BG, g_BY)
-            bonus_B = take_rows(trees.along(g_BY, path_BY), a_B)
+            bonus_B = take_rows(trees.along(tree, g_BY, path_BY), a_B)
         else:
             B, Y, V = logits_BYV.shape
             p_BYV = probs(self.sampler, logits_BYV.reshape(B * Y, V)).reshape(B, Y, V)
             u_BG = jax.vmap(lambda k: jax.random.uniform(k, (Y - 1,)))(row_keys(st.key, 1, it, B))
             a_B, path_BY, left_BV = trees.sampled_path(tree, st.drafts_BG, st.q_BGV, p_BYV, u_BG)
             bonus_B = draw(row_keys(st.key, 2, it, B), left_BV)
-        d_BY = trees.along(jnp.pad(st.drafts_BG, ((0, 0), (1, 0))), path_BY)  # the root's column: never committed
+        d_BY = trees.along(tree, jnp.pad(st.drafts_BG, ((0, 0), (1, 0))), path_BY)  # the root's column: not committed
         i = jnp.arange(tree.max_depth + 1)[None, :]
         toks_BY = jnp.where(i < a_B[:, None], jnp.roll(d_BY, -1, axis=1), bonus_B[:, None])
         return a_B, toks_BY, path_BY

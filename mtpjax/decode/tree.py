@@ -52,6 +52,8 @@ def greedy_path(tree: Tree, drafts_BG, g_BY):
     depth_G = jnp.asarray(tree.depth, jnp.int32)
     score_BG = jnp.where(jnp.stack(ok, 1), depth_G[None], 0)
     a_B = score_BG.max(1).astype(jnp.int32)
+    if tree.is_chain():  # one node per depth: the path is the rows in order
+        return a_B, jnp.broadcast_to(jnp.arange(tree.max_depth + 1, dtype=jnp.int32), (B, tree.max_depth + 1))
     best_B = jnp.argmax(score_BG, axis=1)
     table = np.zeros((tree.size, tree.max_depth + 1), np.int32)  # node -> its verification row at each depth
     for v in range(tree.size):
@@ -121,6 +123,8 @@ def sampled_path(tree: Tree, drafts_BG, q_BGV, p_BYV, u_BG):
     return a_B, jnp.stack(rows, 1), left_BV
 
 
-def along(x_BY, path_BY):
-    """x's rows along each batch row's path (x may have trailing axes)."""
+def along(tree: Tree, x_BY, path_BY):
+    """x's rows along each batch row's path (x may have trailing axes); a chain's path is its rows in order."""
+    if tree.is_chain():
+        return x_BY[:, : tree.max_depth + 1]
     return jax.vmap(lambda x, p: x[p])(x_BY, path_BY)
