@@ -77,10 +77,12 @@ def measure(config: str, batch: int, gamma: int, max_new: int, rounds: int) -> d
 
         go()  # compile
         fns[pkg], ops[pkg] = go, body_ops(pkg, model, loop, prompts)
-    secs = interleave(fns, rounds)
+    cpu: dict = {}
+    secs = interleave(fns, rounds, cpu=cpu)
     return {"config": config, "batch": batch, "gamma": gamma, "ours_s": float(np.median(secs["mtpjax"])),
             "base_s": float(np.median(secs["mtpjax_base"])),
             "ratio": median_ratio(secs["mtpjax"], secs["mtpjax_base"]),
+            "cpu_ratio": median_ratio(cpu["mtpjax"], cpu["mtpjax_base"]),
             "identical": bool((outs["mtpjax"] == outs["mtpjax_base"]).all()), "ours_body_ops": ops["mtpjax"],
             "base_body_ops": ops["mtpjax_base"], "load": load()}
 
@@ -105,7 +107,8 @@ def main() -> None:
                     rows.append(measure(config, batch, gamma, args.max_new, args.rounds))
                     r = rows[-1]
                     log(f"{config} batch {batch} chain {gamma}: ours {r['ours_s'] * 1e3:.1f} ms, base "
-                        f"{r['base_s'] * 1e3:.1f} ms, ratio {r['ratio']:.3f}, identical {r['identical']}, round body "
+                        f"{r['base_s'] * 1e3:.1f} ms, ratio {r['ratio']:.3f} (CPU time {r['cpu_ratio']:.3f}), "
+                        f"identical {r['identical']}, round body "
                         f"{r['ours_body_ops']} vs {r['base_body_ops']} instructions")
     if args.json:
         Path(args.json).write_text(json.dumps({"baseline": sha, "rows": rows}, indent=1))

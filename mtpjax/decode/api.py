@@ -18,18 +18,16 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
              tree: str | Tree | Hybrid | None = None, shape: DraftSpec | None = None) -> GenerateResult:
     """Generate up to max_new_tokens per prompt (lists of token ids of any lengths), speculatively if it drafts.
 
-    What to draft is `shape` (a Tree, a Hybrid or Auto: config.specs), or spelled as num_draft (γ drafts a chain,
-    "auto") or tree (`2x2x1`: children per node at each depth, a parent list `-1,-1,0,0`, `+ngramL` adding n-gram
-    lookup's L drafts as one more branch), read once by host.shape_of. proposer: "mtp" (the model's MTP modules, module
-    k drafting depth k), "mtp1" (module 1 drafting every depth), "ngram" (prompt lookup) or "model" (`draft`, an
-    independent model with the same vocabulary); trees are the MTP modules'. Auto measures every candidate (plain,
-    chains of γ, and for the MTP modules the small trees of autodraft.TREES) on these prompts and uses the fastest by
-    the cost model (mtpjax.decode.autodraft); stats["num_draft"] (and stats["tree"] when a tree won) says which,
-    stats["calibration"] why. With `calibrations`, a measurement saved there for this machine and request shape is
-    reused, and a new one is saved; `progress(text)` hears what a calibration measures. plain_first: a request shape
-    with no measurement yet decodes plain and is measured after (stats["calibration"]["source"] is "after"; the next
-    request of that shape uses it), so a first request never waits on a probe. `on_commit(tokens_BY, counts_B)`
-    receives every round's committed tokens on the host (streaming); it never causes a recompilation.
+    What to draft is `shape` (a Tree, a Hybrid or Auto: config.specs), or spelled as num_draft (γ, or "auto") or
+    tree (`2x2x1`, a parent list `-1,-1,0,0`, `+ngramL`: n-gram lookup's L drafts as one more branch), read once by
+    host.shape_of. proposer: "mtp" (module k drafts depth k), "mtp1" (module 1 drafts every depth), "ngram" (prompt
+    lookup) or "model" (`draft`, a model of the same vocabulary); trees are the MTP modules'. Auto measures plain,
+    chains and the small trees of autodraft.TREES on these prompts and uses the fastest by the cost model;
+    stats["num_draft"] (and stats["tree"] for a tree) says which, stats["calibration"] why. `calibrations`: saved
+    measurements to reuse and extend; `progress(text)` hears what is measured. plain_first: a request shape with no
+    measurement yet decodes plain and is measured after (stats["calibration"]["source"] "after"), so no request
+    waits on a probe. `on_commit(tokens_BY, counts_B)` receives each round's commits on the host (streaming)
+    without recompiling.
     """
     try:
         sampler = make_sampler(temperature, top_k, top_p)

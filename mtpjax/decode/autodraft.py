@@ -151,16 +151,7 @@ def calibrate(model, prompts, loops: dict, seed: int = 0, probe: int = 32, repea
     if progress is not None:
         progress(f"auto: compiling and timing {len(loops)} candidates ({', '.join(map(str, loops))}) on this "
                  f"request, {long_} tokens a run")
-    spent_rounds = [0]
-
-    def timed(loop, budget):
-        t = time.perf_counter()
-        st = host.run(model, prompts, loop, seed, budget=budget, draft=draft)  # no callback: the probe is silent
-        jax.block_until_ready(st.n_B)
-        r = int(np.asarray(st.rounds_B).max())
-        spent_rounds[0] += r
-        return time.perf_counter() - t, r, st
-
+    timed = _Probe(model, prompts, seed, draft)
     times: dict = {c: ([], []) for c in loops}
     rounds, last = {}, {}
     for loop in loops.values():  # compile and warm
@@ -181,8 +172,28 @@ def calibrate(model, prompts, loops: dict, seed: int = 0, probe: int = 32, repea
     choice = choose(alpha, {c: cost[c] for c in live}, expected)
     return Calibration(num_draft=nodes(choice), tree=choice if isinstance(choice, str) else None, round_cost=cost,
                        alpha_by_position=alpha, expected_tokens=expected, acceptance_by_depth_rank=by_tree,
-                       pruned=[c for c in loops if c not in live], rounds=spent_rounds[0],
+                       pruned=[c for c in loops if c not in live], rounds=timed.rounds,
                        seconds=time.perf_counter() - t0)
+
+
+@dataclass
+class _Probe:
+    """Runs a candidate's loop on the request, silently (no callback), counting the decode rounds it spent."""
+
+    model: object
+    prompts: list
+    seed: int
+    draft: object = None
+    rounds: int = 0
+
+    def __call__(self, loop, budget: int):
+        """(seconds, rounds of the slowest row, final state) of one run cut at `budget` new tokens."""
+        t = time.perf_counter()
+        st = host.run(self.model, self.prompts, loop, self.seed, budget=budget, draft=self.draft)
+        jax.block_until_ready(st.n_B)
+        r = int(np.asarray(st.rounds_B).max())
+        self.rounds += r
+        return time.perf_counter() - t, r, st
 
 
 def _costs(times: dict, rounds: dict) -> dict:

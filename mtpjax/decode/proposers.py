@@ -116,18 +116,11 @@ class MTPState:
 
 @dataclass(frozen=True)
 class MTPProposer(Proposer):
-    """The target's MTP modules drafting a static tree (a chain of γ is the tree `1x…x1`): level k drafts depth k.
-
-    A sequential module reads the parent's token and hidden state, so module m = min(k, modules in use) runs over a
-    window of committed rows (ending at the draft position n-2) plus a row per node it must extend; past the modules
-    in use the last one continues from its own output. Parallel heads read no token: every node of depth k extends
-    from module k's row at n-2 (a Cartesian tree). A chain's nodes sit in the window at their own positions (its
-    drafts are written into the sequence the window reads), so it needs no extra rows and a window of depth + 1; a
-    wider tree's nodes are extra rows written past every committed entry, seeing the committed rows and their
-    ancestors, and its window of depth + modules rows covers every entry a round can commit from any branch.
-    `modules=1` drafts every depth with module 1 (as vLLM and SGLang do); 0 uses all J. `ngram`: a hybrid, n-gram
-    lookup's chain of that many drafts as the root's last branch (a point mass: its q is one-hot).
-    """
+    """The target's MTP modules drafting a static tree (a chain of γ is the tree `1x…x1`): level k drafts depth k
+    with module min(k, modules in use) over a window of committed rows ending at the draft position n-2, a chain's
+    nodes in the window at their own positions, a wider tree's as extra rows seeing their ancestors (docs/decoding.md
+    §Draft trees). `modules=1`: module 1 drafts every depth (vLLM, SGLang); 0 uses all J. `ngram`: a hybrid, n-gram
+    lookup's chain of that many drafts as the root's last branch (a point mass: its q is one-hot)."""
 
     tree: Tree
     modules: int = 0
@@ -187,9 +180,8 @@ class MTPProposer(Proposer):
         return max(self.tree.max_depth, self.ngram) + self.used(depth)
 
     def start(self, models: Models, ctx: Context):
-        B, S = ctx.seq_BS.shape
-        h0_BSD = jnp.zeros((B, S, models.target.cfg.d_model), ctx.h_BTD.dtype)
-        state = MTPState(h0_BSD=h0_BSD, caches=module_caches(models.target.cfg, B, S))
+        (B, S), cfg = ctx.seq_BS.shape, models.target.cfg
+        state = MTPState(jnp.zeros((B, S, cfg.d_model), ctx.h_BTD.dtype), module_caches(cfg, B, S))
         return self._step(models, state, ctx, jnp.zeros((B,), jnp.int32), ctx.h_BTD.shape[1])
 
     def step(self, models: Models, state: MTPState, ctx: Context):
