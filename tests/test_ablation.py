@@ -376,8 +376,8 @@ def _sweep(out: Path, data: list[str], *, kill_after: list[str] | None = None) -
 
 def _without_timings(res: dict) -> dict:
     res = json.loads(json.dumps(res))
-    for k in ("step_times", "command", "plots"):
-        res.pop(k)
+    for k in ("step_times", "command", "plots", "sweep_load", "load_at_report"):  # the load is not a result
+        res.pop(k, None)
     for row in res["variants"].values():
         row.pop("step_seconds")
         row.pop("step_time_ratio")

@@ -89,7 +89,7 @@ def _mesh(args):
         raise DecodeError(f"{bad[0]!r}: decode.py overrides only the mesh (mesh.data=N, mesh.fsdp=N, mesh.expert=N, "
                           "mesh.tensor=N); the rest of the config is the run's")
     with SavedRun(args.run_dir) as run:
-        cfg = replace(run.config(run.step(args.step)), args.mesh_overrides)
+        cfg = replace(run.newest_config(args.step), args.mesh_overrides)
     mesh = make_mesh(cfg.mesh)
     check_mesh(cfg.model, mesh)
     return mesh if mesh.size > 1 else None

@@ -14,7 +14,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from tqdm import tqdm
 
 PAD_SEGMENT = -1  # data segment ids are >= 0 (0 = padding), so a padded position matches no real one
 
@@ -22,7 +21,12 @@ PAD_SEGMENT = -1  # data segment ids are >= 0 (0 = padding), so a padded positio
 def note(message: str) -> None:
     """One `attention: ...` line on stderr, once per process and message (process 0 only)."""
     if message not in _NOTED and jax.process_index() == 0:
-        tqdm.write(f"attention: {message}", file=sys.stderr)  # above a progress bar, never glued to it
+        try:  # tqdm.write: above a progress bar, never glued to it; a bare device image (bench/accelerator.py) lacks it
+            from tqdm import tqdm
+        except ImportError:
+            print(f"attention: {message}", file=sys.stderr)
+        else:
+            tqdm.write(f"attention: {message}", file=sys.stderr)
     _NOTED.add(message)
 
 

@@ -236,6 +236,19 @@ class SavedRun:
             raise CheckpointError(f"checkpoint {step} of {self.name} is unreadable ({first_line(e, typed=True)})"
                                   ) from None
 
+    def newest_config(self, step: int | None = None) -> Config:
+        """The config of `step`, or for None of the newest checkpoint whose config reads (load_model_step warns about
+        any it then skips)."""
+        if step is not None:
+            return self.config(self.step(step))
+        for s in self.steps[::-1]:
+            try:
+                return self.config(s)
+            except CheckpointError:
+                continue
+        raise CheckpointError(f"no checkpoint of run {self.name} is readable (tried {self.steps[::-1]}); "
+                              "train it again with --fresh")
+
     def tokenizer(self):
         """The tokenizer the run saved (tokenizer/)."""
         from mtpjax.data import DataError, tokenizer_from_dir
