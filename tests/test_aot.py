@@ -50,7 +50,7 @@ MLA_MOE = ["model.attention_kind=mla", "model.q_lora_rank=64", "model.kv_lora_ra
 DECODE = ("decode_plain", "decode_chain_1", "decode_tree_2")
 RUNS = {  # name: (target, overrides, patch, flags)
     "tpu": (TPU[0], TPU[1], "none", ("--decode-batch", "2")),
-    "gpu": (GPU[0], GPU[1], "none", ("--decode-batch", "2")),
+    "gpu": (GPU[0], GPU[1], "none", ("--decode-batch", "2", "--alpha", "0.6")),
     "tpu_moe": (TPU[0], MLA_MOE, "none", ("--no-decode",)),
     "tpu_moe_depth2": (TPU[0], MLA_MOE + ["model.mtp_depth=2"], "none", ("--no-decode",)),
     "gpu_depth2": (GPU[0], GPU[1] + ["model.mtp_depth=2"], "none", ("--no-decode",)),
@@ -300,3 +300,13 @@ def test_companion_decode_loops_on_one_chip(runs):
     for p in DECODE:
         assert partitions(runs["tpu_host_kernel"][3] / "hlo", p) == 1, p
         assert one[p]["memory"]["arguments"] > 2 * mesh[p]["memory"]["arguments"], p
+
+
+@pytest.mark.parametrize("name,alpha", [("gpu", 0.6), ("tpu", 0.8)])  # --alpha given / its default
+def test_decode_rounds_and_the_speedup_at_the_run_s_alpha(runs, name, alpha):
+    """A verification round reads more than a plain one; the predicted speedup is E(α) × t(plain round) / t(round)."""
+    programs = report_of(runs, name)
+    plain, chain = programs["decode_plain"]["round"], programs["decode_chain_1"]["round"]
+    assert plain["tokens_per_round"] == 1 and chain["tokens_per_round"] == pytest.approx(1 + alpha)
+    assert chain["hbm_bytes"] > plain["hbm_bytes"] > 0 and chain["flops"] > plain["flops"] > 0
+    assert chain["speedup_estimate"] == pytest.approx((1 + alpha) * plain["roofline_s"] / chain["roofline_s"])
