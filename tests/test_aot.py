@@ -310,3 +310,47 @@ def test_decode_rounds_and_the_speedup_at_the_run_s_alpha(runs, name, alpha):
     assert plain["tokens_per_round"] == 1 and chain["tokens_per_round"] == pytest.approx(1 + alpha)
     assert chain["hbm_bytes"] > plain["hbm_bytes"] > 0 and chain["flops"] > plain["flops"] > 0
     assert chain["speedup_estimate"] == pytest.approx((1 + alpha) * plain["roofline_s"] / chain["roofline_s"])
+
+
+SLICED_AND_UPDATED = """HloModule m
+
+%layer (p0: f32[18,64,32], p1: s32[]) -> bf16[1,64,32] {
+  %p0 = f32[18,64,32]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  %ds = f32[1,64,32]{2,1,0} dynamic-slice(%p0, %p1, %c, %c), dynamic_slice_sizes={1,64,32}
+  ROOT %cv = bf16[1,64,32]{2,1,0} convert(%ds)
+}
+
+%append (q0: bf16[8,256,16], q1: bf16[8,1,16], q2: s32[]) -> bf16[8,256,16] {
+  %q0 = bf16[8,256,16]{2,1,0} parameter(0)
+  %q1 = bf16[8,1,16]{2,1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %d = bf16[8,256,16]{2,1,0} dynamic-update-slice(%q0, %q1, %z, %q2, %z)
+}
+
+ENTRY %main (a: f32[18,64,32], i: s32[], cache: bf16[8,256,16], new: bf16[8,1,16]) -> (bf16[1,64,32], bf16[8,256,16]) {
+  %a = f32[18,64,32]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %cache = bf16[8,256,16]{2,1,0} parameter(2)
+  %new = bf16[8,1,16]{2,1,0} parameter(3)
+  %f = bf16[1,64,32]{2,1,0} fusion(%a, %i), kind=kLoop, calls=%layer
+  %u = bf16[8,256,16]{2,1,0} fusion(%cache, %new, %i), kind=kLoop, calls=%append
+  ROOT %t = (bf16[1,64,32]{2,1,0}, bf16[8,256,16]{2,1,0}) tuple(%f, %u)
+}
+"""
+
+
+def test_hbm_traffic_reads_a_layer_of_a_stack_and_writes_a_cache_s_new_rows():
+    """A scanned stack's layer sliced and cast (f32 read, bf16 written), a cache's row written in place."""
+    layer = 64 * 32 * 4 + 4 + 64 * 32 * 2
+    append = 8 * 16 * 2 + 4 + 8 * 16 * 2
+    assert hlo.Program(SLICED_AND_UPDATED).stats().hbm_bytes == layer + append
+
+
+def test_companion_hbm_traffic_of_whole_operands(monkeypatch):
+    """Counting every operand whole (the stack, the cache) reads what the program never touches."""
+    monkeypatch.setattr(hlo.Program, "traffic", lambda self, ins: hlo.written_bytes(ins) + sum(
+        hlo.nbytes(self.shapes.get(o, "")) for o in ins.operands))
+    assert hlo.Program(SLICED_AND_UPDATED).stats().hbm_bytes > 10 * (64 * 32 * 6 + 8 * 16 * 4 + 8)

@@ -216,6 +216,15 @@ def dot_flops(ins: Instr, shapes: dict) -> float:
     return 2.0 * out_elems * math.prod(lhs[d] for d in dims if d < len(lhs))
 
 
+def written_bytes(ins: Instr) -> float:
+    """Bytes an instruction writes: its result, less a GEMM custom call's workspace (the byte array that ends its
+    result tuple: scratch the library may use, not data the program moves)."""
+    out = arrays(ins.shape)
+    if ins.op == "custom-call" and len(out) > 1 and out[-1][0] in ("s8", "u8") and len(out[-1][1]) == 1:
+        out = out[:-1]
+    return sum(DTYPE_BYTES.get(d, 4) * math.prod(dims) for d, dims in out)
+
+
 _FLOATS = ("bf16", "f16", "f32", "f8e4m3fn", "f8e5m2")
 # A fused attention kernel's work in forward passes (2 products): its backward recomputes the scores and forms dP,
 # dV, dK (dkv kernel: 2x), or the scores, dP and dQ (dq kernel: 1.5x); one kernel for all three gradients: 2.5x.
@@ -309,7 +318,7 @@ class Program:
             s.collectives[base][0] += 1
             s.collectives[base][1] += max(inb, outb)
         if not fused and ins.op not in _FREE and ins.op not in ("while", "conditional", "call"):
-            s.hbm_bytes += nbytes(ins.shape) + sum(nbytes(self.shapes.get(o, "")) for o in ins.operands)
+            s.hbm_bytes += self.traffic(ins)
         called = _called(ins)
         if ins.op == "while":
             body = re.search(r"body=%([^\s,}]+)", ins.attrs)
@@ -322,6 +331,33 @@ class Program:
         else:
             for c in called:
                 s.add(self.stats(c, fused or ins.op == "fusion", trip_counts))
+
+    def traffic(self, ins: Instr) -> float:
+        """HBM bytes an unfused instruction moves: its operands read and its result written, except the parts it
+        never touches: an operand only sliced (a layer of a scanned stack) reads its slices, and an in-place update
+        (dynamic-update-slice: a cache's new rows) reads and writes its update, not the whole buffer."""
+        reads = [nbytes(self.shapes.get(o, "")) for o in ins.operands]
+        write = written_bytes(ins)
+        body, params = [ins], {0: ins.operands[0]} if ins.operands else {}
+        if ins.op == "fusion" and (called := re.search(r"calls=%([^\s,}]+)", ins.attrs)):
+            body = self.comps.get(called[1], [])
+            params = {int(i.args): i.name for i in body if i.op == "parameter" and i.args.strip().isdigit()}
+        users = collections.defaultdict(list)
+        for i in body:
+            for o in i.operands:
+                users[o].append(i)
+        for idx, name in params.items():
+            us = users.get(name, []) if ins.op == "fusion" else [ins]
+            if idx < len(reads) and us and all(u.op in ("dynamic-slice", "slice") and u.operands[0] == name
+                                               for u in us):
+                reads[idx] = sum(nbytes(u.shape) for u in us)
+        root = body[-1] if body else None
+        if root is not None and root.op == "dynamic-update-slice" and len(root.operands) > 1:
+            idx = next((i for i, n in params.items() if n == root.operands[0]), None)
+            if idx is not None and idx < len(reads):
+                update = nbytes(self.shapes.get(root.operands[1], ""))
+                reads[idx], write = 0.0, update
+        return write + sum(reads)
 
     def loops(self, comp: str | None = None) -> list[tuple[Instr, int | None]]:
         """The while loops a computation runs directly (with their trip counts)."""
