@@ -40,7 +40,8 @@ GPU = ("h100:2", ["mesh.fsdp=2", f"data.seq_len={T['gpu']}", "model.scan_layers=
 TOO_LARGE = ["model.n_layers=1", "model.n_heads=16", "model.n_kv_heads=8"]
 # DeepSeek-V3's program structure at toy widths on the TPU: MLA, an MoE block in the trunk and in each MTP module,
 # 4 routed experts over expert 2 (2 per device, k = 2) dispatched by all-to-all, the experts' FFN over tensor 2.
-# (2 devices of one expert each would be exact, but libtpu 0.0.42 fails a RET_CHECK on a ragged_dot of one group.)
+# (2 experts, one per device, would compute no excess, but libtpu 0.0.42 fails an internal RET_CHECK (mask_aggregator)
+# compiling that train step.)
 MOE = {"D": 128, "F": 256, "E": 4, "k": 2, "expert": 2, "tensor": 2, "T": 128}
 MLA_MOE = ["model.attention_kind=mla", "model.q_lora_rank=64", "model.kv_lora_rank=32", "model.qk_nope_head_dim=32",
            "model.qk_rope_head_dim=16", "model.v_head_dim=32", "model.n_kv_heads=4", "model.mlp_kind=moe",
