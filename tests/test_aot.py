@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 from pathlib import Path
 
 import jax
@@ -356,3 +357,17 @@ def test_companion_hbm_traffic_of_whole_operands(monkeypatch):
     monkeypatch.setattr(hlo.Program, "traffic", lambda self, ins: hlo.written_bytes(ins) + sum(
         hlo.nbytes(self.shapes.get(o, "")) for o in ins.operands))
     assert hlo.Program(SLICED_AND_UPDATED).stats().hbm_bytes > 10 * (64 * 32 * 6 + 8 * 16 * 4 + 8)
+
+
+def test_a_mesh_decoding_cannot_use_is_one_line_before_anything_compiles(monkeypatch, capsys, tmp_path):
+    from mtpjax.train import aot
+
+    monkeypatch.setattr(aot, "topology_devices", lambda target: [])
+    monkeypatch.setattr(aot, "make_mesh", lambda mesh, devices: SimpleNamespace(shape={"tensor": mesh.tensor,
+                                                                                        "expert": mesh.expert}))
+    monkeypatch.setattr(aot, "train_programs", lambda *a: pytest.fail("compiled before the mesh was checked"))
+    out = tmp_path / "r.json"
+    argv = ["--config", str(ROOT / "configs/tiny.yaml"), "--target", "h100:2", "mesh.expert=2", "--json", str(out)]
+    assert compile_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: mesh.expert=2 splits routed experts") and not out.exists()
