@@ -3,7 +3,8 @@
     python tests/aot_worker.py PATCH [compile arguments...]
 
 PATCH: none; host_kernel (attention chosen from the host's backend, as before the mesh chose it); no_shard_map (the
-fused kernels called on the global arrays, left to the compiler to partition).
+fused kernels called on the global arrays, left to the compiler to partition); one_chip_decode (the decode loops
+compiled on one device of the target, as before decoding on the mesh); several joined by `+`.
 """
 
 import sys
@@ -14,7 +15,15 @@ prepare_environment("cpu")
 
 
 def main(argv: list[str]) -> int:
-    patch, args = argv[0], argv[1:]
+    patches, args = argv[0].split("+"), argv[1:]
+    for patch in patches:
+        apply(patch)
+    from mtpjax.cli.compile import main as compile_main
+
+    return compile_main(args)
+
+
+def apply(patch: str) -> None:
     if patch == "host_kernel":
         import dataclasses
 
@@ -28,11 +37,17 @@ def main(argv: list[str]) -> int:
         from mtpjax.nn import kernels
 
         kernels.per_device = lambda kernel, mesh, batch_axes, head_axis, q, k, v, seg: kernel(q, k, v, seg)
+    elif patch == "one_chip_decode":
+        import numpy as np
+        from jax.sharding import Mesh
+
+        from mtpjax.train import aot
+
+        real_decode = aot.decode_programs
+        one = lambda mesh: Mesh(np.array(mesh.devices.flat[:1]).reshape((1,) * mesh.devices.ndim), mesh.axis_names)
+        aot.decode_programs = lambda cfg, mesh, *a: real_decode(cfg, one(mesh), *a)
     elif patch != "none":
         raise SystemExit(f"unknown patch {patch!r}")
-    from mtpjax.cli.compile import main as compile_main
-
-    return compile_main(args)
 
 
 if __name__ == "__main__":

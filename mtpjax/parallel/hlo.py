@@ -167,6 +167,41 @@ def _dims_of(shapes: dict, name: str) -> tuple:
     return a[0][1] if a else ()
 
 
+def _window(attrs: str, key: str, n: int, default: int) -> list:
+    """One `window={...}` field per spatial dimension (`size=4x1`, `pad=3_0x0_0`), or `default` where absent."""
+    m = re.search(r"window=\{[^}]*\b" + key + r"=([0-9_x-]+)", attrs)
+    if not m:
+        return [default] * n
+    return [tuple(int(v) for v in d.split("_")) if "_" in d else int(d) for d in m[1].split("x")]
+
+
+def _taps(n: int, out: int, size: int, stride: int, pad: tuple, lhs_dilate: int, rhs_dilate: int) -> int:
+    """Window positions, over all `out` output positions of one spatial dimension, that land on an input element
+    (not on padding, nor on a hole `lhs_dilate` puts between elements)."""
+    dilated = (n - 1) * lhs_dilate + 1
+    return sum(1 for o in range(out) for j in range(size)
+               if 0 <= (p := o * stride + j * rhs_dilate - pad[0]) < dilated and p % lhs_dilate == 0)
+
+
+def _convolution_flops(ins: Instr, lhs: tuple, out: tuple) -> float:
+    """2 per multiply-add that reads an input element: a TPU writes a batched matmul as a convolution whose window
+    slides over a dilated or padded batch dimension, where most window positions see zeros it does not multiply."""
+    labels = re.search(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)", ins.attrs)
+    if not labels or not lhs:
+        return 0.0
+    lhs_l, out_l = labels[1], labels[3]
+    spatial = sorted(c for c in lhs_l if c.isdigit())
+    k = len(spatial)
+    size, stride = _window(ins.attrs, "size", k, 1), _window(ins.attrs, "stride", k, 1)
+    pad = _window(ins.attrs, "pad", k, (0, 0))
+    lhs_dil, rhs_dil = _window(ins.attrs, "lhs_dilate", k, 1), _window(ins.attrs, "rhs_dilate", k, 1)
+    taps = math.prod(_taps(lhs[lhs_l.index(d)], out[out_l.index(d)], size[i], stride[i], pad[i], lhs_dil[i],
+                           rhs_dil[i]) for i, d in enumerate(spatial))
+    rest = math.prod(out) // max(1, math.prod(out[out_l.index(d)] for d in spatial))
+    groups = re.search(r"feature_group_count=(\d+)", ins.attrs)
+    return 2.0 * rest * taps * lhs[lhs_l.index("f")] / (int(groups[1]) if groups else 1)
+
+
 def dot_flops(ins: Instr, shapes: dict) -> float:
     """2·(result elements)·(contracted elements) of a dot, a convolution or a GEMM custom call."""
     out = arrays(ins.shape)
@@ -175,15 +210,19 @@ def dot_flops(ins: Instr, shapes: dict) -> float:
     out_elems = math.prod(out[0][1])
     lhs = _dims_of(shapes, ins.operands[0])
     if ins.op == "convolution":
-        labels = re.search(r"dim_labels=([^_]+)_", ins.attrs)
-        window = re.search(r"window=\{size=([0-9x]+)", ins.attrs)
-        groups = re.search(r"feature_group_count=(\d+)", ins.attrs)
-        feat = lhs[labels[1].index("f")] if labels and lhs else 1
-        win = math.prod(int(x) for x in window[1].split("x")) if window else 1
-        return 2.0 * out_elems * win * feat / (int(groups[1]) if groups else 1)
+        return _convolution_flops(ins, lhs, out[0][1])
     contract = re.search(r'lhs_contracting_dim(?:ension)?s["=:]*\{?\[?"?([0-9,"\s]*)', ins.attrs)
     dims = [int(x) for x in re.findall(r"\d+", contract[1])] if contract else []
     return 2.0 * out_elems * math.prod(lhs[d] for d in dims if d < len(lhs))
+
+
+def written_bytes(ins: Instr) -> float:
+    """Bytes an instruction writes: its result, less a GEMM custom call's workspace (the byte array that ends its
+    result tuple: scratch the library may use, not data the program moves)."""
+    out = arrays(ins.shape)
+    if ins.op == "custom-call" and len(out) > 1 and out[-1][0] in ("s8", "u8") and len(out[-1][1]) == 1:
+        out = out[:-1]
+    return sum(DTYPE_BYTES.get(d, 4) * math.prod(dims) for d, dims in out)
 
 
 _FLOATS = ("bf16", "f16", "f32", "f8e4m3fn", "f8e5m2")
@@ -209,6 +248,25 @@ def attention_call_flops(ins: Instr, shapes: dict) -> float:
     if "dkv" in what and "dq" in what:
         factor = 2.5
     return 4.0 * math.prod(q) * (k[1] if triton else k[-2]) * factor
+
+
+RAGGED_CALL = "ragged_dot (Mosaic)"
+
+
+def call_name(ins: Instr) -> str | None:
+    """A custom call's target, a TPU's Mosaic ragged_dot (the MoE's grouped matmul, not attention) named apart."""
+    target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+    if target and target[1] == "tpu_custom_call" and "ragged_dot_tiling" in ins.attrs:
+        return RAGGED_CALL
+    return target[1] if target else None
+
+
+def ragged_call_flops(ins: Instr, shapes: dict) -> float:
+    """A Mosaic ragged_dot's FLOPs: each row of its [M, K] input times its group's [K, N] (2·M·K·N)."""
+    floats = [d for d, dt in ((_dims_of(shapes, o), arrays(shapes.get(o, ""))) for o in ins.operands)
+              if dt and dt[0][0] in _FLOATS]
+    out = arrays(ins.shape)
+    return 2.0 * math.prod(floats[0]) * out[0][1][-1] if floats and out and out[0][1] else 0.0
 
 
 def attention_kind(target: str) -> str | None:
@@ -239,13 +297,15 @@ class Program:
 
     def _instr(self, ins: Instr, s: Stats, fused: bool, trip_counts: bool) -> None:
         s.ops[ins.op] += 1
-        target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+        target = call_name(ins)
         f = 0.0
-        if ins.op in ("dot", "convolution") or (target and ("gemm" in target[1] or "matmul" in target[1])):
+        if ins.op in ("dot", "convolution") or (target and ("gemm" in target or "matmul" in target)):
             f = dot_flops(ins, self.shapes)
         if target:
-            s.calls[target[1]] += 1
-            if attention_kind(target[1]):
+            s.calls[target] += 1
+            if target == RAGGED_CALL:
+                f = ragged_call_flops(ins, self.shapes)
+            elif attention_kind(target):
                 f = attention_call_flops(ins, self.shapes)
                 s.attention_flops += f
         s.flops += f
@@ -258,7 +318,7 @@ class Program:
             s.collectives[base][0] += 1
             s.collectives[base][1] += max(inb, outb)
         if not fused and ins.op not in _FREE and ins.op not in ("while", "conditional", "call"):
-            s.hbm_bytes += nbytes(ins.shape) + sum(nbytes(self.shapes.get(o, "")) for o in ins.operands)
+            s.hbm_bytes += self.traffic(ins)
         called = _called(ins)
         if ins.op == "while":
             body = re.search(r"body=%([^\s,}]+)", ins.attrs)
@@ -271,6 +331,33 @@ class Program:
         else:
             for c in called:
                 s.add(self.stats(c, fused or ins.op == "fusion", trip_counts))
+
+    def traffic(self, ins: Instr) -> float:
+        """HBM bytes an unfused instruction moves: its operands read and its result written, except the parts it
+        never touches: an operand only sliced (a layer of a scanned stack) reads its slices, and an in-place update
+        (dynamic-update-slice: a cache's new rows) reads and writes its update, not the whole buffer."""
+        reads = [nbytes(self.shapes.get(o, "")) for o in ins.operands]
+        write = written_bytes(ins)
+        body, params = [ins], {0: ins.operands[0]} if ins.operands else {}
+        if ins.op == "fusion" and (called := re.search(r"calls=%([^\s,}]+)", ins.attrs)):
+            body = self.comps.get(called[1], [])
+            params = {int(i.args): i.name for i in body if i.op == "parameter" and i.args.strip().isdigit()}
+        users = collections.defaultdict(list)
+        for i in body:
+            for o in i.operands:
+                users[o].append(i)
+        for idx, name in params.items():
+            us = users.get(name, []) if ins.op == "fusion" else [ins]
+            if idx < len(reads) and us and all(u.op in ("dynamic-slice", "slice") and u.operands[0] == name
+                                               for u in us):
+                reads[idx] = sum(nbytes(u.shape) for u in us)
+        root = body[-1] if body else None
+        if root is not None and root.op == "dynamic-update-slice" and len(root.operands) > 1:
+            idx = next((i for i, n in params.items() if n == root.operands[0]), None)
+            if idx is not None and idx < len(reads):
+                update = nbytes(self.shapes.get(root.operands[1], ""))
+                reads[idx], write = 0.0, update
+        return write + sum(reads)
 
     def loops(self, comp: str | None = None) -> list[tuple[Instr, int | None]]:
         """The while loops a computation runs directly (with their trip counts)."""

@@ -1,8 +1,8 @@
 """Ahead-of-time compilation for a target (`python -m mtpjax compile`): the run's programs compiled for TPU or GPU
 devices that are not here, and what each does per step, read from the compiled program.
 
-The train step (micro-batches, remat, expert axis as configured) and the eval step compile on the config's mesh over
-the target's devices; the speculative decode loop (plain, the MTP chain, a draft tree) on one device of the target.
+The train step (micro-batches, remat, expert axis as configured), the eval step and the speculative decode loop (plain,
+the MTP chain, a draft tree) compile on the config's mesh over the target's devices.
 Memory is the compiler's own analysis; FLOPs, HBM traffic and collectives come from the optimized HLO
 (mtpjax.parallel.hlo, loop trip counts multiplied out); the step time is a roofline estimate from the chip's published
 figures (mtpjax.parallel.targets.CHIPS), never a measurement.
@@ -17,20 +17,20 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtpjax.config import Config
 from mtpjax.decode.host import make_loop, request
 from mtpjax.decode.loop import execute
+from mtpjax.decode.mesh import check_mesh, specs
 from mtpjax.decode.tree import parse_tree
 from mtpjax.errors import MtpjaxError
 from mtpjax.eval.plan import plan_trees
 from mtpjax.nn.flops import flops_per_token, train_flops_per_token
 from mtpjax.nn.model import MTP_SCOPE, build_model
-from mtpjax.nn.placement import Placement, platform_of
 from mtpjax.nn.speed import expected_tokens, tree_expected_tokens
 from mtpjax.parallel import hlo
-from mtpjax.parallel.sharding import make_mesh
+from mtpjax.parallel.sharding import make_mesh, placement, state_shardings
 from mtpjax.parallel.targets import Target, topology_devices
 from mtpjax.train.step import make_programs
 
@@ -68,13 +68,20 @@ def refused_memory(message: str) -> dict | None:
     return {"total": sizes[0] if sizes else float("nan"), "available": sizes[-1] if len(sizes) > 1 else float("nan")}
 
 
-def kernels_in(stats: hlo.Stats, cfg: Config) -> dict:
-    """Which attention and MoE kernels a program contains."""
+def kernels_in(stats: hlo.Stats, cfg: Config, text: str = "") -> dict:
+    """Which attention and MoE kernels a program contains (`text`: its HLO, whose op names say where a ragged_dot
+    became plain dots)."""
     attention = sorted({hlo.attention_kind(t) for t in stats.calls if hlo.attention_kind(t)}) or ["xla (einsum)"]
     moe = None
     if cfg.model.mlp_kind == "moe":
-        grouped = "ragged_dot" if stats.ops.get("ragged-dot") or any("ragged" in t for t in stats.calls) else \
-            "expert blocks (gathered weights)"
+        if stats.calls.get(hlo.RAGGED_CALL):  # TPU: its weight gradient is a convolution over every local expert
+            grouped = "ragged_dot (Mosaic; weight gradients: every local expert over every received row)"
+        elif stats.ops.get("ragged-dot"):
+            grouped = "ragged_dot"
+        elif "ragged_dot_general" in text:  # GPU (jax 0.10.2): one dense dot per local expert over every row
+            grouped = "ragged_dot as dense dots (every local expert over every received row)"
+        else:
+            grouped = "expert blocks (gathered weights)"
         moe = grouped + (", all-to-all dispatch" if "all-to-all" in stats.collectives else "")
     return {"attention": attention, "moe": moe}
 
@@ -85,7 +92,7 @@ def analyse(name: str, compiled, seconds: float, cfg: Config) -> dict:
     prog = hlo.Program(text, MTP_SCOPE)
     stats = prog.stats()
     return {"program": name, "compile_seconds": round(seconds, 1), "memory": memory_of(compiled),
-            **hlo.summary(stats), "kernels": kernels_in(stats, cfg), "_program": prog, "_text": text}
+            **hlo.summary(stats), "kernels": kernels_in(stats, cfg, text), "_program": prog, "_text": text}
 
 
 def _compile(lowered_fn, name: str, capacity: float, table_so_far):
@@ -103,9 +110,8 @@ def _compile(lowered_fn, name: str, capacity: float, table_so_far):
                          table_so_far(name, used)) from None
 
 
-def train_programs(cfg: Config, target: Target, devices: list, report: dict, table) -> None:
+def train_programs(cfg: Config, target: Target, mesh, report: dict, table) -> None:
     """Compile the train and eval steps on the config's mesh over the target's devices into report['programs']."""
-    mesh = make_mesh(cfg.mesh, devices)
     programs = make_programs(cfg, mesh)
     B, T = cfg.train.batch_size, cfg.data.seq_len
     tok = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=programs.batch_sharding)
@@ -142,17 +148,20 @@ def decode_loops(cfg: Config, alpha: float) -> list[tuple[str, dict, float]]:
     return loops
 
 
-def decode_programs(cfg: Config, device, report: dict, alpha: float, batch: int, prompt: int, new: int) -> None:
-    """Compile each speculative decode loop for one device of the target; per round: FLOPs and HBM bytes."""
-    model = nnx.eval_shape(lambda: build_model(cfg, seed=0, placement=Placement(platform=platform_of(device))))
+def decode_programs(cfg: Config, mesh, report: dict, alpha: float, batch: int, prompt: int, new: int) -> None:
+    """Compile each speculative decode loop on the target's mesh, laid out as decoding on a mesh runs it
+    (decode.mesh: parameters in their training shardings, rows over the data axes); per round: FLOPs and HBM bytes."""
+    where = placement(mesh)
+    model = nnx.eval_shape(lambda: build_model(cfg, seed=0, placement=where))
     graph, params = nnx.split(model)
-    on = SingleDeviceSharding(device)
-    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), params)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params,
+                          state_shardings(params, mesh))
     prompts = [[1] * prompt] * batch
-    # Decoding on a mesh is not built yet: a loop that needs more than one chip is reported, not refused.
     for name, kw, tokens in decode_loops(cfg, alpha):
         loop = make_loop(model, prompts, max_new_tokens=new, **kw)
-        req = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), request(loop, prompts))
+        req = request(loop, prompts)
+        req = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+                           req, specs(where, req, batch), is_leaf=lambda x: isinstance(x, P))
         t0 = time.perf_counter()
         c = execute.lower(loop, (graph, None), (params, None), req).compile()
         entry = analyse(name, c, time.perf_counter() - t0, cfg)
@@ -211,9 +220,12 @@ def compile_report(cfg: Config, target: Target, *, alpha: float = 0.8, decode: b
     devices = topology_devices(target)
     report = {"target": target.name, "chip": dataclasses.asdict(target.chip), "devices": target.devices,
               "mesh": dataclasses.asdict(cfg.mesh), "alpha": alpha, "programs": []}
-    train_programs(cfg, target, devices, report, table)
+    mesh = make_mesh(cfg.mesh, devices)
     if decode:
-        decode_programs(cfg, devices[0], report, alpha, batch, min(prompt, cfg.data.seq_len), new)
+        check_mesh(cfg.model, mesh)
+    train_programs(cfg, target, mesh, report, table)
+    if decode:
+        decode_programs(cfg, mesh, report, alpha, batch, min(prompt, cfg.data.seq_len), new)
     estimates(report, cfg, target)
     return report
 
