@@ -151,6 +151,7 @@ def train_section(base, backends, peak: float, steps: int, budget: Budget) -> li
 def decode_section(cfg, batches, alpha, prompt_len: int, max_new: int, repeats: int, budget: Budget) -> dict:
     """Plain vs MTP(1) tokens/s per batch, v and c, and what the passed-in α makes of them."""
     from mtpjax.decode import MTPProposer
+    from mtpjax.decode.tree import chain_tree
     from mtpjax.nn.model import build_model
     from mtpjax.nn.speed import floor_ratio
 
@@ -159,7 +160,7 @@ def decode_section(cfg, batches, alpha, prompt_len: int, max_new: int, repeats: 
     weights = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(model))
     rng = np.random.default_rng(1)
     gamma, rows, last = 1, [], 0.0
-    r = floor_ratio(MTPProposer(gamma), cfg.model, prompt_len + max_new // 2)
+    r = floor_ratio(MTPProposer(chain_tree(gamma)), cfg.model, prompt_len + max_new // 2)
     E = expected_tokens(alpha, gamma)
     ceiling = speedup_ceiling(alpha, r, gamma)["by_gamma"][gamma]
     for b in batches:

@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench.common import interleave, load, log, median_ratio  # noqa: E402
+from mtpjax.decode.tree import chain_tree
 from mtpjax.eval.plan import tree_bytes  # noqa: E402
 
 
@@ -107,7 +108,7 @@ def _draft_loop(model, batch: int, num_draft: int, context: int, capacity: int, 
     from mtpjax.decode.sampling import make_sampler
 
     graph, params = nnx.split(model)
-    prop, sampler, D = MTPProposer(num_draft), make_sampler(), model.cfg.d_model
+    prop, sampler, D = MTPProposer(chain_tree(num_draft)), make_sampler(), model.cfg.d_model
     n_B = jnp.full((batch,), context, jnp.int32)
     seq_BS = jnp.ones((batch, capacity), jnp.int32)
 

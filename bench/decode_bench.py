@@ -27,10 +27,10 @@ from flax import nnx  # noqa: E402
 
 from bench import peer as peer_mod  # noqa: E402
 from bench.common import interleave, load, log, median_ratio  # noqa: E402
+from mtpjax.decode.tree import chain_tree  # noqa: E402
 from mtpjax.decode import DraftModelProposer, MTPProposer, make_loop, run, summarize  # noqa: E402
 from mtpjax.decode.proposers import NgramProposer  # noqa: E402
 from mtpjax.decode.tree import acceptance_by_depth_rank  # noqa: E402
-from mtpjax.decode.treedraft import TreeMTPProposer  # noqa: E402
 from mtpjax.eval.evaluate import decode_context  # noqa: E402
 from mtpjax.eval.plan import tree_bytes  # noqa: E402
 from mtpjax.nn.speed import (  # noqa: E402
@@ -187,7 +187,7 @@ def bench_batch(model, prompts, batch: int, max_new: int, rounds: int, peer=None
     if trees:
         out["verify"] = _verify(model, gens, batch, context, rounds, out["variants"], draft)
     if D:
-        out["ceiling"] = _ceiling(out["variants"], "mtp", D, lambda g: MTPProposer(g), model.cfg, context)
+        out["ceiling"] = _ceiling(out["variants"], "mtp", D, lambda g: MTPProposer(chain_tree(g)), model.cfg, context)
         _auto(model, groups, max_new, out["variants"])
     if draft is not None:
         out["draft_ceiling"] = _ceiling(out["variants"], "model", max(DRAFT_GAMMAS), lambda g: DraftModelProposer(g),
@@ -213,7 +213,7 @@ def _verify(model, gens: dict, batch: int, context: int, rounds: int, v: dict, d
         r, prop = v[k], lp.proposer
         rows = len(prop.parents()) + 1
         calls = (0 if isinstance(prop, NgramProposer)  # lookup: no model call
-                 else prop.tree.max_depth if isinstance(prop, TreeMTPProposer)  # a level's nodes in one call; the
+                 else prop.tree.max_depth if isinstance(prop, MTPProposer)  # a level's nodes in one call; the
                  else prop.num_draft)  # hybrid's n-gram branch adds none
         floor = floor_ratio(prop, model.cfg, context, draft.cfg if draft is not None and k.startswith("model")
                             else None) * prop.num_draft

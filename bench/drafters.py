@@ -143,11 +143,11 @@ def decode_speed(cfg, drafters: dict, prompts, gamma: int, batches, max_new: int
     """Free greedy decoding per batch size: tokens per round, speedup over plain decoding (interleaved rounds,
     median of per-round ratios, wall and CPU time), output identical to plain, and each drafter's ceiling."""
     from bench.decode_bench import _ours
-    from mtpjax.decode import DraftModelProposer, MTPProposer, NgramProposer
+    from mtpjax.decode.proposers import make_proposer
+    from mtpjax.decode.tree import chain_tree
     from mtpjax.eval.evaluate import decode_context
     from mtpjax.nn.speed import floor_ratio, speedup_ceiling
 
-    kinds = {"mtp": MTPProposer, "ngram": NgramProposer, "model": DraftModelProposer}
     out = {}
     for batch in batches:
         n = max(1, len(prompts) // batch) if batch == 1 else 1
@@ -167,8 +167,8 @@ def decode_speed(cfg, drafters: dict, prompts, gamma: int, batches, max_new: int
             if k != "plain":
                 m, proposer, draft = drafters[k]
                 alpha = (box["accepted"] / np.maximum(box["reached"], 1)).tolist()
-                ratio = lambda g, p=proposer, d=draft, c=context: floor_ratio(kinds[p](g), cfg.model, c,
-                                                                              None if d is None else d.cfg)
+                ratio = lambda g, p=proposer, d=draft, c=context: floor_ratio(
+                    make_proposer(p, chain_tree(g)), cfg.model, c, None if d is None else d.cfg)
                 r |= {"tokens_per_round": (box["generated"] - box["rows"]) / max(box["rounds"], 1),
                       "acceptance_by_position": alpha, "ceiling": speedup_ceiling(alpha, ratio, gamma)["max"]}
             rows[k] = r

@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 
 from bench.common import interleave, load, log, median_ratio  # noqa: E402
 from bench.decode_bench import _ours, load_subject  # noqa: E402
+from mtpjax.decode.tree import chain_tree
 from mtpjax.decode import MTPProposer  # noqa: E402
 
 
@@ -35,7 +36,7 @@ class OldWindow(MTPProposer):
 
     depth: int = 0
 
-    def window(self) -> int:
+    def window(self, depth: int) -> int:
         return self.num_draft + min(self.num_draft, self.depth)
 
 
@@ -43,10 +44,10 @@ def variants(depth: int, gammas) -> dict:
     """name -> the MTP proposer it decodes with."""
     out = {}
     for g in gammas:
-        out[f"mtp{g}_old_window"] = OldWindow(g, depth=depth)
-        out[f"mtp{g}"] = MTPProposer(g)
+        out[f"mtp{g}_old_window"] = OldWindow(chain_tree(g), depth=depth)
+        out[f"mtp{g}"] = MTPProposer(chain_tree(g))
         if g > 1:
-            out[f"mtp{g}_module1"] = MTPProposer(g, modules=1)
+            out[f"mtp{g}_module1"] = MTPProposer(chain_tree(g), modules=1)
     return out
 
 

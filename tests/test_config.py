@@ -207,7 +207,7 @@ def test_a_bad_decode_tree_exits_2_from_train_and_writes_nothing(tmp_path, capsy
 
 @pytest.mark.parametrize("tree", ["", "2x2x1", "3", "-1,-1,0,0", "2x2+ngram3", "1x1+ngram64"])
 def test_companion_a_good_decode_tree_loads(tree):
-    assert load_config(None, [f"decode.tree={tree}"]).decode.tree == tree
+    assert str(load_config(None, [f"decode.tree={tree}"]).decode.tree) == tree
 
 
 def test_boundaries_that_are_valid():

@@ -7,6 +7,7 @@ import jax
 import pytest
 from flax import nnx
 
+from mtpjax.decode.tree import chain_tree
 from mtpjax.decode.cache import AttentionCaches, cache_bytes, rows
 from mtpjax.decode.host import make_loop, request
 from mtpjax.decode.proposers import PROPOSERS, MTPProposer, Plain
@@ -17,7 +18,7 @@ from mtpjax.nn.model import build_model
 CONTRACT = [n for n, f in inspect.getmembers(Proposer, inspect.isfunction) if not n.startswith("_")]
 
 
-@pytest.mark.parametrize("make", [*PROPOSERS.values(), lambda g: Plain()])
+@pytest.mark.parametrize("make", [*(lambda g, k=k: k.of(chain_tree(g)) for k in PROPOSERS.values()), lambda g: Plain()])
 def test_every_proposer_implements_the_contract_and_drafts_chains(make):
     p = make(3)
     assert {"problem", "most_drafts", "start", "step", "parents", "draft_flops", "draft_reads"} <= set(CONTRACT)
@@ -44,7 +45,8 @@ def test_draft_costs_read_the_typed_record(model_cfg):
     f, d = TokenFlops.of(cfg, 12), flops_per_token(cfg, 12)
     assert (f.trunk, f.trunk_matmul, f.module, f.module_matmul, f.head, f.mtp_depth) == (
         d["trunk"], d["trunk_matmul"], d["mtp_module"], d["mtp_module_matmul"], d["head"], cfg.mtp_depth)
-    assert MTPProposer(2).draft_flops(f, None) == 2 * 3 * f.module + 2 * f.head  # two modules over 3 rows each
+    # two modules over 3 rows each
+    assert MTPProposer(chain_tree(2)).draft_flops(f, None) == 2 * 3 * f.module + 2 * f.head
 
 
 def _allocated_bytes(model, loop, prompts) -> int:

@@ -17,6 +17,7 @@ from mtpjax.decode import DecodeError, MTPProposer, autodraft, generate, host, m
 from mtpjax.decode.cache import layer, module_caches, stacked, trunk_cache
 from mtpjax.decode.loop import Loop, execute, run_loop
 from mtpjax.decode.sampling import make_sampler
+from mtpjax.decode.tree import chain_tree
 from mtpjax.eval.evaluate import argmax_by_depth, run_forced
 from mtpjax.nn.loss import mtp_loss
 from mtpjax.nn.model import build_model
@@ -188,12 +189,13 @@ class NarrowMTP(MTPProposer):
 
     rows: int = 1
 
-    def window(self) -> int:
+    def window(self, depth: int) -> int:
         return self.rows
 
 
-@pytest.mark.parametrize("proposer,expect_equal", [(MTPProposer(3), True), (NarrowMTP(3, rows=1), False),
-                                                   (NarrowMTP(3, rows=3), False), (MTPProposer(3, modules=1), True)])
+@pytest.mark.parametrize("proposer,expect_equal", [
+    (MTPProposer(chain_tree(3)), True), (NarrowMTP(chain_tree(3), rows=1), False),
+    (NarrowMTP(chain_tree(3), rows=3), False), (MTPProposer(chain_tree(3), modules=1), True)])
 def test_module_caches_equal_fresh_prefill(half_trained, proposer, expect_equal):
     """After rounds with rejections, committed entries equal a fresh prefill; a too-small window breaks it,
     even one row short of the γ+1 the decoder recomputes (a round that accepts every draft needs them all)."""
@@ -756,11 +758,12 @@ class StaleTrunkMTP(MTPProposer):
     that were never written)."""
 
     def step(self, models, state, ctx):
-        W = self.window()
+        W = self.window(models.target.cfg.mtp_depth)
         return self._draft(models.target, state, ctx, jnp.maximum(ctx.n_B - 1 - W, 0), W)
 
 
-@pytest.mark.parametrize("proposer,equal", [(MTPProposer(2), True), (StaleTrunkMTP(2), False)])
+@pytest.mark.parametrize("proposer,equal", [(MTPProposer(chain_tree(2)), True),
+                                            (StaleTrunkMTP(chain_tree(2)), False)])
 def test_forced_decoding_acceptance_equals_teacher_forced_agreement(half_trained, proposer, equal):
     """Walking a reference text, depth-1 acceptance counts equal agreement/mtp_1 from a full forward on it:
     the decoder's draft state is the training forward's. The companion walks the same text with a broken draft

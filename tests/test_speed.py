@@ -116,10 +116,10 @@ MODULE, HEAD, TRUNK, ATTN = 24064, 2048, 39936, 1536
 
 
 @pytest.mark.parametrize("proposer,rows", [
-    (MTPProposer(1), (1 * 2, 0)),  # window γ+1 = 2 rows of module 1
-    (MTPProposer(2), (2 * 3, 0)),  # modules 1 and 2, 3 rows each
-    (MTPProposer(3), (2 * 4, 1)),  # modules 1 and 2 over 4 rows, then module 2 reused for one row
-    (MTPProposer(3, modules=1), (1 * 4, 2)),  # module 1 over 4 rows, then reused twice
+    (MTPProposer(chain_tree(1)), (1 * 2, 0)),  # window γ+1 = 2 rows of module 1
+    (MTPProposer(chain_tree(2)), (2 * 3, 0)),  # modules 1 and 2, 3 rows each
+    (MTPProposer(chain_tree(3)), (2 * 4, 1)),  # modules 1 and 2 over 4 rows, then module 2 reused for one row
+    (MTPProposer(chain_tree(3), modules=1), (1 * 4, 2)),  # module 1 over 4 rows, then reused twice
 ])
 def test_mtp_work_ratio_counts_the_window_rows(model_cfg, proposer, rows):
     window_rows, reuse_rows = rows
@@ -146,7 +146,7 @@ def test_draft_model_work_ratio_counts_its_catch_up_and_steps(model_cfg):
 
 def test_a_deeper_trunk_makes_each_draft_relatively_cheaper(model_cfg):
     # a module is one block: r ~ 1/L
-    r = [work_ratio(MTPProposer(1), model_cfg(n_layers=n), 12) for n in (2, 4, 8)]
+    r = [work_ratio(MTPProposer(chain_tree(1)), model_cfg(n_layers=n), 12) for n in (2, 4, 8)]
     assert r[0] > r[1] > r[2] > 2 / 8
 
 

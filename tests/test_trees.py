@@ -12,11 +12,10 @@ from test_speculative import PROMPTS, TV_BOUND, _cache_copies_per_round, _cfg, _
 
 import mtpjax.decode.loop as loop_module
 import mtpjax.decode.tree as tree_module
-from mtpjax.decode import DecodeError, generate, make_loop, run, summarize
+from mtpjax.decode import DecodeError, MTPProposer, generate, make_loop, run, summarize
 from mtpjax.decode.cache import stacked
 from mtpjax.decode.sampling import make_sampler
-from mtpjax.decode.tree import Tree, TreeError, parse_tree, split_hybrid
-from mtpjax.decode.treedraft import TreeMTPProposer
+from mtpjax.decode.tree import Tree, TreeError, chain_tree, parse_tree, split_hybrid
 from mtpjax.nn.model import build_model
 from mtpjax.nn.speed import tree_expected_tokens
 
@@ -96,7 +95,7 @@ def test_a_chain_tree_drafts_as_the_chain_does(half_trained, hidden):
 
 
 @dataclasses.dataclass(frozen=True)
-class NarrowTree(TreeMTPProposer):
+class NarrowTree(MTPProposer):
     """Tree drafting that recomputes `rows` committed rows a round instead of depth + modules."""
 
     rows: int = 1
@@ -139,17 +138,17 @@ def test_tree_caches_equal_fresh_prefill(kw, monkeypatch):
     the modules', and so does the hybrid's window sized by its MTP tree alone (missing a deep n-gram accept)."""
     model = _half_trained(**kw)
     tree = parse_tree("2x2x1")
-    assert _caches_equal_fresh(model, _tree_run(model, TreeMTPProposer(tree)), 2) == (True, True)
-    narrow = NarrowTree(tree, rows=TreeMTPProposer(tree).window(2) - 1)
+    assert _caches_equal_fresh(model, _tree_run(model, MTPProposer(tree)), 2) == (True, True)
+    narrow = NarrowTree(tree, rows=MTPProposer(tree).window(2) - 1)
     assert _caches_equal_fresh(model, _tree_run(model, narrow), 2) == (True, False)
-    hybrid = TreeMTPProposer(parse_tree("2x1"), ngram=3)
+    hybrid = MTPProposer(parse_tree("2x1"), ngram=3)
     st = _tree_run(model, hybrid)
     assert int(np.asarray(st.accepted_nodes_BG)[:, -1].sum()) > 0  # the n-gram branch accepted at depth 3
     assert _caches_equal_fresh(model, st, 2) == (True, True)
     mtp_only = NarrowTree(hybrid.tree, ngram=3, rows=hybrid.tree.max_depth + hybrid.used(2))
     assert _caches_equal_fresh(model, _tree_run(model, mtp_only), 2) == (True, False)
     monkeypatch.setattr(loop_module, "keep_path", lambda cache, *a: cache)
-    assert not _caches_equal_fresh(model, _tree_run(model, TreeMTPProposer(tree), max_new=29), 2)[0]
+    assert not _caches_equal_fresh(model, _tree_run(model, MTPProposer(tree), max_new=29), 2)[0]
 
 
 def test_bad_tree_specs_are_one_line_errors():
@@ -278,6 +277,6 @@ def test_eval_speed_report_prices_a_tree(half_trained):
     assert d["tree_expected_tokens_per_round"] == pytest.approx(e)
     assert d["tree_predicted_speedup"] == pytest.approx(e / d["tree_round_cost"])
     assert d["tree_speedup"] == pytest.approx(d["tree_tokens_per_sec"] / d["plain_tokens_per_sec"])
-    r = floor_ratio(MTPProposer(2), half_trained.cfg, decode_context(prompts, 16))
+    r = floor_ratio(MTPProposer(chain_tree(2)), half_trained.cfg, decode_context(prompts, 16))
     assert d["tree_verify_cost_v"] > 0
     assert d["tree_speedup_ceiling"] == pytest.approx(e / (max(1.0, d["tree_verify_cost_v"]) + 2 * r))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -13,11 +14,12 @@ from pathlib import Path
 
 from mtpjax.cli.args import Parser, command
 from mtpjax.config import DecodeConfig, choices
+from mtpjax.config.specs import DecodeTree, parse_num_draft, parse_shape
 from mtpjax.decode import api, autodraft
 from mtpjax.decode.cache import cache_bytes, rows
 from mtpjax.decode.host import DecodeError
 from mtpjax.decode.mesh import describe
-from mtpjax.decode.tree import TreeError, parse_tree, split_hybrid
+from mtpjax.decode.tree import Auto, Hybrid, Tree, TreeError, nodes
 from mtpjax.eval import verdict
 from mtpjax.eval.log import agreement_at
 
@@ -36,9 +38,10 @@ def parser() -> Parser:
     src.add_argument("--tasks", help="lm-eval tasks, comma-separated (the shipped ones: mtpjax): the harness's table "
                                      "and what speculative generation did (--limit, --num-fewshot, --batch-size)")
     p.add_argument("--num-draft", type=_num_draft, default=None,
-                   help="drafts per round, or auto: measure 0..mtp_depth drafts and the trees 2x1 and 2x2 (a depth-1 "
-                        "model: 2) (n-gram 0..3, draft model 0..4) on the prompts and use the fastest (default: "
-                        "decode.num_draft)")
+                   help="drafts per round, or auto: measure plain, chains up to the proposer's most drafts (the MTP "
+                        "modules' depth, one more for mtp1; n-gram lookup's longest suffix; a draft model by its size "
+                        "against the target's) and the small trees of autodraft.TREES on the prompts, and use the "
+                        "fastest (default: decode.num_draft)")
     p.add_argument("--proposer", choices=choices(DecodeConfig, "proposer"), default=None,
                    help="mtp: the run's MTP modules (module k drafts token k); mtp1: module 1 drafts every token; "
                         "ngram: prompt lookup; model: the --draft-run-dir model (default: decode.proposer, or model "
@@ -95,19 +98,16 @@ def _mesh(args):
     return mesh if mesh.size > 1 else None
 
 
-def _num_draft(text: str):
-    if text == "auto":
-        return text
+def _num_draft(text: str) -> Tree | Auto:
     try:
-        return int(text)
+        return parse_num_draft(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be auto or an integer number of drafts, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"num_draft={text} must be auto or an integer number of drafts >= 0") from None
 
 
-def _tree(text: str):
+def _tree(text: str) -> Tree | Hybrid:
     try:
-        base, ngram = split_hybrid(text)
-        return parse_tree(base).name() + (f"+ngram{ngram}" if ngram else "")
+        return parse_shape(text)
     except TreeError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -168,82 +168,91 @@ def _tokenizer_identity(run_dir: Path, tok) -> tuple:
     return tok.kind, tok.vocab_size, tok.eos_id, files
 
 
-def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft_tag: str = "") -> int:
+def decode_config(args, cfg) -> DecodeConfig:
+    """The config's decode section with the flags given on the command line laid over it (a flag given wins)."""
     d = cfg.decode
-    num_draft = args.num_draft if args.num_draft is not None else (d.num_draft if d.num_draft >= 0 else "auto")
-    proposer = _proposer(args, cfg)
-    tree = args.tree or d.tree or None
-    if tree is not None:
-        if args.num_draft is not None:
-            raise DecodeError(f"--num-draft and a tree ({tree}) both say how much to draft; give one of them")
-        num_draft = 0
+    if args.num_draft is not None and (args.tree or d.tree.shape) is not None:
+        tree = (args.tree or d.tree.shape).name()
+        raise DecodeError(f"--num-draft and a tree ({tree}) both say how much to draft; give one of them")
+    flags = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
+             "top_p": args.top_p, "max_len": args.max_len, "proposer": _proposer(args, cfg),
+             "tree": None if args.tree is None else DecodeTree(args.tree),
+             "num_draft": None if args.num_draft is None else -1 if isinstance(args.num_draft, Auto)
+             else args.num_draft.size}
+    return dataclasses.replace(d, **{k: v for k, v in flags.items() if v is not None})
+
+
+class _Streamer:
+    """Prints row 0's text as it is committed (host side, once per round): the prompt once its continuation starts
+    (a refused request has printed nothing), then the new text; a measurement after it starts on its own line."""
+
+    def __init__(self, tok, prompt: str, stream: bool):
+        self.tok, self.prompt, self.stream, self.shown, self.printed, self.ended = tok, prompt, stream, [], "", False
+
+    def echo(self) -> None:
+        if self.stream and self.printed == "":
+            sys.stdout.write(self.prompt)
+            self.printed = self.prompt
+
+    def on_commit(self, toks, counts) -> None:
+        self.echo()
+        self.shown.extend(toks[0, : int(counts[0])].tolist())
+        text = self.prompt + self.tok.decode(self.shown)
+        if text.startswith(self.printed):
+            sys.stdout.write(text[len(self.printed):])
+            sys.stdout.flush()
+            self.printed = text
+
+    def progress(self, text: str) -> None:
+        if self.stream and self.printed and not self.ended:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            self.ended = True
+        _progress(text)
+
+    def finish(self) -> None:
+        """The prompt if nothing was committed after it, and the line's end unless a measurement ended it."""
+        self.echo()
+        if not self.ended:
+            sys.stdout.write("\n")
+
+
+def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft_tag: str = "") -> int:
+    d = decode_config(args, cfg)
     texts = _prompts(args)
     prompts = [tok.encode(t) for t in texts]
     if any(len(p) == 0 for p in prompts):
         raise DecodeError("empty prompt: give at least one character of text")
-    max_new = args.max_new_tokens or d.max_new_tokens
+    shape = d.draft
     # the most drafts a round may verify (auto: its largest chain or tree)
-    most = max(map(autodraft.nodes, autodraft.candidates(model, proposer))) if num_draft == "auto" else num_draft
-    if tree is None:
-        _check_size(cfg.model, prompts, max_new, most, args.max_len or d.max_len)
-    else:  # a tree's nodes are bounded by its spec (tree.MAX_NODES)
-        base, ngram = split_hybrid(tree)
-        _check_size(cfg.model, prompts, max_new, 0, args.max_len or d.max_len, parse_tree(base).size + ngram)
-    if args.temperature is not None and not math.isfinite(args.temperature):
-        raise DecodeError(f"--temperature {args.temperature} must be a finite number >= 0 (0 = greedy)")
-    stream = len(prompts) == 1  # one prompt streams as it decodes; several print when done
+    most = (max(map(autodraft.nodes, autodraft.candidates(model, d.proposer, draft))) if isinstance(shape, Auto)
+            else nodes(shape))
+    chain = isinstance(shape, Tree) and shape.is_chain()
+    _check_size(cfg.model, prompts, d.max_new_tokens, most, d.max_len, chain=chain)
+    if not math.isfinite(d.temperature):
+        raise DecodeError(f"--temperature {d.temperature} must be a finite number >= 0 (0 = greedy)")
+    out = _Streamer(tok, texts[0], stream=len(prompts) == 1)  # one prompt streams as it decodes; several print at end
     # Kept outside the run directory: decoding never changes a run (it may be shared or read-only).
     on = model.placement.mesh  # a calibration is kept per mesh shape: a round's cost depends on it
     saved = autodraft.SavedCalibrations(args.calibration_file or autodraft.default_calibration_file(),
                                         f"{run_dir.resolve()} step {step}{draft_tag}"
                                         + ("" if on is None else f" mesh {describe(on)}"), refresh=args.recalibrate)
-    shown: list[int] = []
-    printed = [""]
-
-    def echo():  # the prompt, once, when its continuation starts: a refused request has printed nothing
-        if stream and printed[0] == "":
-            sys.stdout.write(texts[0])
-            printed[0] = texts[0]
-
-    def on_commit(toks, counts):  # host side, once per round: print the new text of row 0
-        echo()
-        shown.extend(toks[0, : int(counts[0])].tolist())
-        text = texts[0] + tok.decode(shown)
-        if text.startswith(printed[0]):
-            sys.stdout.write(text[len(printed[0]):])
-            sys.stdout.flush()
-            printed[0] = text
-
-    ended = [False]
-
-    def progress(text):  # a measurement after the streamed output starts on its own line
-        if stream and printed[0] and not ended[0]:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-            ended[0] = True
-        _progress(text)
-
     guess = None  # auto's first choice for a new request shape: the cost model on training's agreement
-    if num_draft == "auto" and proposer in ("mtp", "mtp1") and cfg.model.mtp_depth:
-        guess = agreement_at(run_dir, step, cfg.model.mtp_depth if proposer == "mtp" else 1)
+    if isinstance(shape, Auto) and d.proposer in ("mtp", "mtp1") and cfg.model.mtp_depth:
+        guess = agreement_at(run_dir, step, cfg.model.mtp_depth if d.proposer == "mtp" else 1)
     t0 = time.perf_counter()
-    res = api.generate(model, prompts, max_new_tokens=max_new, num_draft=num_draft,
-                   proposer=proposer, temperature=d.temperature if args.temperature is None else args.temperature,
-                   top_k=args.top_k if args.top_k is not None else d.top_k,
-                   top_p=args.top_p if args.top_p is not None else d.top_p, seed=args.seed,
-                   eos_id=tok.eos_id, max_len=args.max_len or d.max_len, on_commit=on_commit if stream else None,
-                   calibrations=saved, draft=draft, progress=progress, plain_first=True, tree=tree,
-                   first_guess=guess)
+    res = api.generate(model, prompts, max_new_tokens=d.max_new_tokens, shape=shape, proposer=d.proposer,
+                       temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, seed=args.seed, eos_id=tok.eos_id,
+                       max_len=d.max_len, on_commit=out.on_commit if out.stream else None, calibrations=saved,
+                       draft=draft, progress=out.progress, plain_first=True, first_guess=guess)
     seconds = time.perf_counter() - t0
-    if stream:
-        echo()
-        if not ended[0]:
-            sys.stdout.write("\n")
+    if out.stream:
+        out.finish()
     else:
-        for text, out in zip(texts, res.tokens):
-            print(f"### {text!r}\n{text}{tok.decode(out)}")
+        for text, toks in zip(texts, res.tokens):
+            print(f"### {text!r}\n{text}{tok.decode(toks)}")
     if args.stats:
-        _print_stats(res.stats, proposer, seconds, saved.path)
+        _print_stats(res.stats, d.proposer, seconds, saved.path)
     return 0
 
 
@@ -311,13 +320,14 @@ def _memory_bytes() -> int:
         return 0
 
 
-def _check_size(mcfg, prompts, max_new: int, num_draft: int, max_len: int, nodes: int = 0) -> None:
-    """DecodeError for requests that could only hang compiling or run out of memory (`nodes`: a draft tree's)."""
-    if num_draft > MAX_DRAFT:
-        raise DecodeError(f"--num-draft {num_draft} is above {MAX_DRAFT}; use at most {MAX_DRAFT} drafts per round")
+def _check_size(mcfg, prompts, max_new: int, nodes: int, max_len: int, chain: bool = True) -> None:
+    """DecodeError for requests that could only hang compiling or run out of memory (`nodes`: the most drafts a round
+    verifies, a chain's by --num-draft; a tree's are bounded by its spec, tree.MAX_NODES)."""
+    if chain and nodes > MAX_DRAFT:
+        raise DecodeError(f"--num-draft {nodes} is above {MAX_DRAFT}; use at most {MAX_DRAFT} drafts per round")
     if max(map(len, prompts)) + max_new > max_len:
         return  # generate() names the cache capacity, the better advice
-    need = cache_bytes(mcfg, len(prompts), rows(max(map(len, prompts)), max_new, max(num_draft, nodes)).capacity)
+    need = cache_bytes(mcfg, len(prompts), rows(max(map(len, prompts)), max_new, nodes).capacity)
     have = _memory_bytes()
     if have and need > have // 2:
         raise DecodeError(f"--max-new-tokens {max_new} needs ~{need / 2**30:.1f} GiB of KV cache, more than half of "
@@ -343,13 +353,13 @@ def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
     val = validation_metrics(model_metrics(model, batches, step=step, loss_cfg=cfg.loss), batches, tok)
     # a synthetic source's task metric on its held-out instances (the training eval's eval/task/...)
     val |= task_metrics(model, task_batch(cfg.data, tok, cfg.data.task_instances, cfg.data.seq_len))
-    num_draft = args.num_draft if isinstance(args.num_draft, int) else max(1, cfg.model.mtp_depth)
+    num_draft = args.num_draft.size if isinstance(args.num_draft, Tree) else max(1, cfg.model.mtp_depth)
     prompts = heldout_prompts(prepared.val_tokens, args.eval_prompts, args.prompt_len, tok.eos_id)
     max_new = args.max_new_tokens or 128
-    tree = args.tree or cfg.decode.tree or None
+    tree = args.tree or cfg.decode.tree.shape
     _progress(f"eval: decoding {len(prompts)} held-out prompts x {max_new} tokens: plain, n-gram and "
               f"{'the draft model' if draft is not None else 'MTP'} at num_draft={num_draft}"
-              f"{f', the tree {tree}' if tree else ''} (compiling, then timing)")
+              f"{f', the tree {tree.name()}' if tree else ''} (compiling, then timing)")
     speed = speed_report(model, prompts, num_draft=num_draft, max_new=max_new, draft=draft, tree=tree)
     if cfg.model.mtp_depth:
         # The held-out text itself as the continuation: acceptance on the distribution training measured.
@@ -427,5 +437,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.tasks is not None:
         from mtpjax.cli.lm_eval import run_tasks
 
-        return run_tasks(args, cfg, model, tok, step, _proposer(args, cfg), draft)
+        d = decode_config(args, cfg)
+        return run_tasks(args, cfg, model, tok, step, d.proposer, d.draft, draft)
     return _generate(args, cfg, model, tok, Path(args.run_dir), step, draft, draft_tag)

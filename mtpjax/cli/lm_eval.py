@@ -105,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_tasks(args, cfg, model, tok, step: int, proposer: str, draft=None) -> int:
-    """decode.py --tasks: the harness's table, then what speculative generation did on the generation tasks."""
+def run_tasks(args, cfg, model, tok, step: int, proposer: str, shape, draft=None) -> int:
+    """decode.py --tasks: the harness's table, then what speculative generation did on the generation tasks
+    (drafting `shape`, the request's config.specs DraftSpec)."""
     import json
     from pathlib import Path
 
@@ -123,12 +124,8 @@ def run_tasks(args, cfg, model, tok, step: int, proposer: str, draft=None) -> in
         raise UsageError(f"--batch-size {args.batch_size} must be >= 1")
     manager = tasks.task_manager(names)
     tasks.load(names, manager)  # an unknown or unreadable task before anything runs
-    d = cfg.decode
-    num_draft = args.num_draft if args.num_draft is not None else (d.num_draft if d.num_draft >= 0 else "auto")
-    tree = args.tree or d.tree or None
-    lm = MtpjaxLM(model, tok, max_length=cfg.data.seq_len, batch_size=args.batch_size,
-                  num_draft=0 if tree else num_draft, proposer=proposer, tree=tree, seed=args.seed,
-                  draft_model=draft, measure=True)
+    lm = MtpjaxLM(model, tok, max_length=cfg.data.seq_len, batch_size=args.batch_size, shape=shape,
+                  proposer=proposer, seed=args.seed, draft_model=draft, measure=True)
     results = tasks.evaluate(lm, names, limit=args.limit, num_fewshot=args.num_fewshot, manager=manager)
     spec = {task: spec_summary(t) for task, t in lm.stats.items()}
     print(f"checkpoint {args.run_dir} step {step}")

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import yaml
 
-from mtpjax.config.specs import DepthLambdas, LambdaSchedule, Spec, TargetMix
+from mtpjax.config.specs import Auto, DecodeTree, DepthLambdas, DraftSpec, LambdaSchedule, Spec, TargetMix, chain
 
 
 @dataclass(frozen=True)
@@ -356,13 +356,24 @@ class DecodeConfig:
         "mtp": "the run's MTP modules (module k drafts token k)",
         "mtp1": "MTP module 1 drafts every token, fed its own output",
         "ngram": "prompt lookup", "model": "the `decode.py --draft-run-dir` model"})
-    tree: str = key("", "a static draft tree the MTP modules draft instead of a chain (`decode.py --tree`): children "
-                        "per node at each depth (`2x2x1`) or each node's parent (`-1,-1,0,0`); `+ngramL` adds n-gram "
-                        "lookup's L drafts as one more branch (`2x2+ngram3`); empty: a chain")
+    tree: DecodeTree = key(DecodeTree(), "a static draft tree the MTP modules draft instead of a chain (`decode.py "
+                           "--tree`): children per node at each depth (`2x2x1`) or each node's parent (`-1,-1,0,0`); "
+                           "`+ngramL` adds n-gram lookup's L drafts as one more branch (`2x2+ngram3`); empty: a chain")
     temperature: float = key(0.0, "sampling temperature; 0 = greedy", ge=0)
     top_k: int = key(0, "top-k filter (0 = off)", ge=0)
     top_p: float = key(1.0, "nucleus filter (1 = off)", gt=0, le=1)
     max_len: int = key(2048, "KV-cache capacity: prompt + generated tokens", gt=1)
+
+    def __post_init__(self):
+        if isinstance(self.tree, str):  # Python callers may pass the YAML string
+            object.__setattr__(self, "tree", DecodeTree.parse(self.tree))
+
+    @property
+    def draft(self) -> DraftSpec:
+        """What a request drafts: the tree, else auto (num_draft -1) or the chain of num_draft."""
+        if self.tree.shape is not None:
+            return self.tree.shape
+        return Auto() if self.num_draft < 0 else chain(self.num_draft)
 
 
 @dataclass(frozen=True)

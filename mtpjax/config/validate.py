@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from mtpjax.config.errors import fail
 from mtpjax.config.schema import Config, DataConfig
-from mtpjax.config.specs import Spec, TreeError, parse_profile, parse_tree_spec
+from mtpjax.config.specs import Spec, parse_profile
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 NO_PATHS = ("stdlib", "induction", "algorithmic")  # sources that read no files
@@ -70,11 +70,6 @@ def _check_rules(cfg: Config) -> None:
     _check_train(cfg)
     if m.mlp_kind == "moe":
         _check_moe(cfg)
-    if cfg.decode.tree:  # refused here, not at the first decode of a run that saved it
-        try:
-            parse_tree_spec(cfg.decode.tree)
-        except TreeError as e:
-            raise fail("decode.tree", cfg.decode.tree, f"{e} (empty: a chain)") from None
     gqa_ok = m.n_kv_heads % cfg.mesh.tensor == 0 or cfg.mesh.tensor % m.n_kv_heads == 0
     _check(m.attention_kind == "mla" or gqa_ok, "mesh.tensor", cfg.mesh.tensor,
            f"must divide model.n_kv_heads={m.n_kv_heads} (or be a multiple of it)")

@@ -1,14 +1,15 @@
-"""`generate`: the one call that checks a request, picks γ (if asked to), streams, and returns tokens and stats."""
+"""`generate`: the one call that checks a request, picks what to draft (if asked to), streams, and returns tokens
+and stats."""
 
 from __future__ import annotations
 
-import numpy as np
+import functools
 
 from mtpjax.decode import autodraft, firstguess
-from mtpjax.decode.host import DecodeError, GenerateResult, check_proposer, make_loop, run, summarize
+from mtpjax.decode.host import DecodeError, GenerateResult, check_proposer, make_loop, run, shape_of, summarize
 from mtpjax.decode.prompts import check_token_prompts
 from mtpjax.decode.sampling import make_sampler
-from mtpjax.decode.tree import Tree, acceptance_by_depth_rank
+from mtpjax.decode.tree import Auto, DraftSpec, Hybrid, Tree, acceptance_by_depth_rank, chain_tree
 from mtpjax.nn.model import MTPTransformer
 
 
@@ -17,61 +18,60 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: 
              eos_id: int | None = None, max_len: int | None = None, on_commit=None,
              calibrations: autodraft.SavedCalibrations | None = None,
              draft: MTPTransformer | None = None, progress=None, plain_first: bool = False,
-             tree: str | Tree | None = None, first_guess=None) -> GenerateResult:
-    """Generate up to max_new_tokens per prompt (lists of token ids of any lengths), speculatively if num_draft>0.
+             tree: str | Tree | Hybrid | None = None, shape: DraftSpec | None = None,
+             first_guess=None) -> GenerateResult:
+    """Generate up to max_new_tokens per prompt (lists of token ids of any lengths), speculatively if it drafts.
 
-    proposer: "mtp" (the model's MTP modules, module k drafting token k), "mtp1" (module 1 drafting every
-    token), "ngram" (prompt lookup) or "model" (`draft`, an independent model with the same vocabulary).
-    num_draft="auto" measures every candidate (plain, chains of γ, and for the MTP modules the small trees of
-    autodraft.TREES) on these prompts and uses the fastest by the cost model (mtpjax.decode.autodraft);
-    stats["num_draft"] (and stats["tree"] when a tree won) says which, stats["calibration"] why. With
-    `calibrations`, a measurement saved there for this machine and request shape is reused, and a new one is
-    saved; `progress(text)` hears what a calibration measures. plain_first:
-    a request shape with no measurement yet decodes first and is measured after (stats["calibration"]["source"]
-    is "after"; the next request of that shape uses it), so a first request never waits on a probe; it decodes
-    plain, or with first_guess (α by draft position, e.g. training's agreement) the chain the cost model predicts
-    fastest (mtpjax.decode.firstguess; stats["first_guess"] says which and why).
-    tree: a static draft tree instead of a chain (`2x2x1`: children per node at each depth, or a parent list
-    `-1,-1,0,0`), drafted by the MTP modules, `+ngramL` adding n-gram lookup's L drafts as one more branch
-    (hybrid); stats["tree"] names it.
-    `on_commit(tokens_BY, counts_B)` receives every round's
-    committed tokens on the host (streaming); it never causes a recompilation.
+    What to draft is `shape` (a Tree, a Hybrid or Auto: config.specs), or spelled as num_draft (γ, or "auto") or
+    tree (`2x2x1`, a parent list `-1,-1,0,0`, `+ngramL`: n-gram lookup's L drafts as one more branch), read once by
+    host.shape_of. proposer: "mtp" (module k drafts depth k), "mtp1" (module 1 drafts every depth), "ngram" (prompt
+    lookup) or "model" (`draft`, a model of the same vocabulary); trees are the MTP modules'. Auto measures plain,
+    chains and the small trees of autodraft.TREES on these prompts and uses the fastest by the cost model;
+    stats["num_draft"] (and stats["tree"] for a tree) says which, stats["calibration"] why. `calibrations`: saved
+    measurements to reuse and extend; `progress(text)` hears what is measured. plain_first: a request shape with no
+    measurement yet decodes first and is measured after (stats["calibration"]["source"] "after"): plain, or with
+    first_guess (α by draft position, e.g. training's agreement) the chain the cost model predicts fastest
+    (mtpjax.decode.firstguess; stats["first_guess"]). `on_commit(tokens_BY, counts_B)` hears each round's commits.
     """
     check_token_prompts(prompts)
     try:
         sampler = make_sampler(temperature, top_k, top_p)
     except ValueError as e:
         raise DecodeError(str(e)) from None
+    shape = shape_of(num_draft, tree) if shape is None else shape
 
-    def loop_for(g: int | str):  # a chain's γ, or (auto's candidates) a tree's shape
-        shape = g if isinstance(g, str) else tree
-        return make_loop(model, prompts, max_new_tokens=max_new_tokens, num_draft=0 if isinstance(g, str) else g,
-                         proposer=proposer, sampler=sampler, eos_id=eos_id, max_len=max_len, draft=draft,
-                         stream=on_commit is not None, tree=shape)
+    def loop_for(s: Tree | Hybrid):
+        return make_loop(model, prompts, max_new_tokens=max_new_tokens, proposer=proposer, sampler=sampler,
+                         eos_id=eos_id, max_len=max_len, draft=draft, stream=on_commit is not None, tree=s)
 
-    cal, after, first = None, False, None
-    if num_draft == "auto":
-        if tree is not None:
-            raise DecodeError(f"num_draft='auto' and tree={tree!r} both say how much to draft; give one of them")
-        check_proposer(model, proposer, 1, draft)
+    def by_candidate(c: int | str):  # auto's candidates as its calibration records spell them
+        return loop_for(autodraft.shape(c))
+
+    resolve = functools.partial(autodraft.resolve, model, prompts, by_candidate, proposer, seed, calibrations,
+                                draft=draft, progress=progress)
+    cal, after = None, False
+    if isinstance(shape, Auto):
+        check_proposer(model, proposer, chain_tree(1), draft)
         guess = None if first_guess is None else (
             lambda: firstguess.estimate(model, prompts, max_new_tokens, proposer, first_guess, draft))
-        num_draft, cal = autodraft.resolve(model, prompts, loop_for, proposer, seed, calibrations, draft=draft,
-                                            progress=progress, measure=not plain_first, guess=guess)
-        after, first = cal is None or cal.source == "estimate", cal
-    elif isinstance(num_draft, bool) or not isinstance(num_draft, (int, np.integer)):
-        raise DecodeError(f"num_draft={num_draft!r} must be an integer >= 0 or 'auto'")
-    loop = loop_for(num_draft if isinstance(num_draft, str) else int(num_draft))
+        choice, cal = resolve(measure=not plain_first, guess=guess)
+        shape, after = autodraft.shape(choice), cal is None or cal.source == "estimate"
+    loop = loop_for(shape)
     res = summarize(run(model, prompts, loop, seed, draft=draft, on_commit=on_commit))
+    if after:  # measured now that the output is out, for the next request of this shape
+        if cal is not None:
+            res.stats["first_guess"] = cal.as_dict()
+        _, cal = resolve()
+    return _described(res, loop, shape, cal, after)
+
+
+def _described(res: GenerateResult, loop, shape: Tree | Hybrid, cal, after: bool) -> GenerateResult:
+    """res with what was drafted (a tree's acceptance by depth and rank) and, when auto chose, why."""
+    res.shape = shape
     res.stats["num_draft"] = loop.num_draft
-    if tree is not None or isinstance(num_draft, str):
+    if isinstance(shape, Hybrid) or not shape.is_chain():
         by = acceptance_by_depth_rank(loop.tree, res.stats["accepted_by_node"], res.stats["reached"])
         res.stats.update(tree=loop.proposer.name(), acceptance_by_depth_rank=by)
-    if after and first is not None:
-        res.stats["first_guess"] = first.as_dict()
-    if after:  # measured now that the output is out, for the next request of this shape
-        _, cal = autodraft.resolve(model, prompts, loop_for, proposer, seed, calibrations, draft=draft,
-                                   progress=progress)
     if cal is not None:
         res.stats["calibration"] = {**cal.as_dict(), **({"source": "after"} if after else {})}
     return res

@@ -33,7 +33,7 @@ import numpy as np
 
 from mtpjax.decode import host
 from mtpjax.decode.proposers import PROPOSERS
-from mtpjax.decode.tree import acceptance_by_depth_rank, parse_tree
+from mtpjax.decode.tree import Tree, acceptance_by_depth_rank, chain_tree, parse_tree
 from mtpjax.nn.speed import choose_fastest, expected_tokens, tree_expected_tokens
 
 
@@ -107,19 +107,25 @@ def _order(c) -> tuple:
     return (isinstance(c, str), nodes(c), str(c))
 
 
+def shape(candidate: int | str) -> Tree:
+    """The tree a candidate drafts: a chain of γ, or the tree its shape names (candidates keep the spelling the
+    calibration file keys them by)."""
+    return chain_tree(candidate) if isinstance(candidate, int) else parse_tree(candidate)
+
+
 def nodes(candidate: int | str) -> int:
     """Drafts a round of this candidate verifies: a chain's γ, a tree's node count."""
-    return candidate if isinstance(candidate, int) else parse_tree(candidate).size
+    return shape(candidate).size
 
 
-def candidates(model, proposer: str) -> list[int | str]:
-    """What auto probes: 0 (plain), each γ up to what the proposer drafts usefully (MTP: its depth), then the
-    TREES as deep as those chains (at most 2) that this proposer and model can draft (the MTP modules only)."""
-    most = max(PROPOSERS[proposer](1).most_drafts(model), 0)
+def candidates(model, proposer: str, draft=None) -> list[int | str]:
+    """What auto probes: 0 (plain), each γ up to what the proposer drafts usefully (its most_drafts, asked of its
+    class), then the TREES as deep as those chains (at most 2) that this proposer and model can draft."""
+    most = max(PROPOSERS[proposer].most_drafts(model, draft), 0)
     out: list[int | str] = list(range(0, most + 1))
     for spec in TREES.get(min(most, max(TREES)), ()):
         try:
-            host.tree_proposer(model, proposer, 0, spec)
+            host.check_proposer(model, proposer, parse_tree(spec), None)
         except host.DecodeError:  # not an MTP proposer, or parallel heads fewer than the tree is deep
             continue
         out.append(spec)
@@ -146,16 +152,7 @@ def calibrate(model, prompts, loops: dict, seed: int = 0, probe: int = 32, repea
     if progress is not None:
         progress(f"auto: compiling and timing {len(loops)} candidates ({', '.join(map(str, loops))}) on this "
                  f"request, {long_} tokens a run")
-    spent_rounds = [0]
-
-    def timed(loop, budget):
-        t = time.perf_counter()
-        st = host.run(model, prompts, loop, seed, budget=budget, draft=draft)  # no callback: the probe is silent
-        jax.block_until_ready(st.n_B)
-        r = int(np.asarray(st.rounds_B).max())
-        spent_rounds[0] += r
-        return time.perf_counter() - t, r, st
-
+    timed = _Probe(model, prompts, seed, draft)
     times: dict = {c: ([], []) for c in loops}
     rounds, last = {}, {}
     for loop in loops.values():  # compile and warm
@@ -176,8 +173,28 @@ def calibrate(model, prompts, loops: dict, seed: int = 0, probe: int = 32, repea
     choice = choose(alpha, {c: cost[c] for c in live}, expected)
     return Calibration(num_draft=nodes(choice), tree=choice if isinstance(choice, str) else None, round_cost=cost,
                        alpha_by_position=alpha, expected_tokens=expected, acceptance_by_depth_rank=by_tree,
-                       pruned=[c for c in loops if c not in live], rounds=spent_rounds[0],
+                       pruned=[c for c in loops if c not in live], rounds=timed.rounds,
                        seconds=time.perf_counter() - t0)
+
+
+@dataclass
+class _Probe:
+    """Runs a candidate's loop on the request, silently (no callback), counting the decode rounds it spent."""
+
+    model: object
+    prompts: list
+    seed: int
+    draft: object = None
+    rounds: int = 0
+
+    def __call__(self, loop, budget: int):
+        """(seconds, rounds of the slowest row, final state) of one run cut at `budget` new tokens."""
+        t = time.perf_counter()
+        st = host.run(self.model, self.prompts, loop, self.seed, budget=budget, draft=self.draft)
+        jax.block_until_ready(st.n_B)
+        r = int(np.asarray(st.rounds_B).max())
+        self.rounds += r
+        return time.perf_counter() - t, r, st
 
 
 def _costs(times: dict, rounds: dict) -> dict:
@@ -305,13 +322,14 @@ class SavedCalibrations:
 
 def resolve(model, prompts, loop_for, proposer: str, seed: int, saved: SavedCalibrations | None = None,
             draft=None, progress=None, measure: bool = True, guess=None):
-    """(the choice: γ or a tree's shape, Calibration) for this request shape: measured once per model (or read
-    from `saved`), then remembered. The key names the candidates, so a measurement among others is never reused.
+    """(the chosen candidate, Calibration) for this request shape (`loop_for(candidate)` builds each candidate's loop;
+    `shape` turns the choice into its tree): measured once per model (or read from `saved`), then remembered. The key
+    names the candidates, so a measurement among others is never reused.
 
     measure=False: when nothing is known yet for this shape, `guess()` (a Calibration of source "estimate",
     mtpjax.decode.firstguess) decides, or plain decoding, (0, None), without a guess; neither is remembered.
     """
-    cands = candidates(model, proposer)
+    cands = candidates(model, proposer, draft)
     loops = {c: loop_for(c) for c in cands}
     key = request_key(prompts, loops[0], proposer, cands)
     known = memo(model, draft)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from mtpjax.decode import autodraft
-from mtpjax.decode.proposers import PROPOSERS
+from mtpjax.decode.proposers import make_proposer
+from mtpjax.decode.tree import chain_tree
 from mtpjax.nn.speed import expected_tokens, floor_ratio
 
 
@@ -27,8 +28,8 @@ def estimate(model, prompts, max_new: int, proposer: str, alpha_by_position, dra
     """The chain the cost model predicts fastest (0: plain) from `alpha_by_position` and each draft's floor r."""
     context = decode_context(prompts, max_new)
     dcfg = None if draft is None else draft.cfg
-    chains = [c for c in autodraft.candidates(model, proposer) if isinstance(c, int)]
-    cost = {g: 1.0 + (g * floor_ratio(PROPOSERS[proposer](g), model.cfg, context, dcfg) if g else 0.0)
+    chains = [c for c in autodraft.candidates(model, proposer, draft) if isinstance(c, int)]
+    cost = {g: 1.0 + (g * floor_ratio(make_proposer(proposer, chain_tree(g)), model.cfg, context, dcfg) if g else 0.0)
             for g in chains}
     alpha = [float(a) for a in alpha_by_position]
     return autodraft.Calibration(num_draft=int(autodraft.choose(alpha, cost)), round_cost=cost,

@@ -15,8 +15,8 @@ from mtpjax.decode.loop import DecodeState, Loop, Request, execute
 from mtpjax.decode.mesh import put
 from mtpjax.decode.proposers import PROPOSERS, make_proposer
 from mtpjax.decode.sampling import Sampler
-from mtpjax.decode.tree import Tree, TreeError, parse_tree, split_hybrid
-from mtpjax.decode.treedraft import TreeMTPProposer
+from mtpjax.config.specs import Auto, DraftSpec, parse_num_draft, parse_shape
+from mtpjax.decode.tree import PLAIN, Hybrid, Tree, TreeError, chain_tree as chain
 from mtpjax.errors import MtpjaxError
 from mtpjax.nn.model import MTPTransformer
 
@@ -31,33 +31,54 @@ class DecodeError(MtpjaxError, ValueError):
 class GenerateResult:
     tokens: list[list[int]]
     stats: dict = field(default_factory=dict)
+    shape: Tree | Hybrid | None = None  # what was drafted (auto: the shape it chose), as generate's `shape=` takes it
 
 
-def check_proposer(model: MTPTransformer, proposer: str, num_draft: int, draft: MTPTransformer | None) -> None:
-    """DecodeError if this proposer cannot draft num_draft tokens for this model (γ = 0 needs no proposer)."""
+def shape_of(num_draft: int | str = 0, tree: str | Tree | Hybrid | None = None) -> DraftSpec:
+    """The draft a caller spells as num_draft (γ, or "auto") or tree (`2x2`, `2x2+ngram3`, or a Tree/Hybrid): the
+    one reading of the Python spellings; DecodeError when both are given or either is malformed."""
+    if tree is not None:
+        if num_draft not in (0, None):
+            raise DecodeError(f"num_draft={num_draft!r} and tree={tree!r} both say how much to draft; give one of them")
+        try:
+            return parse_shape(tree) if isinstance(tree, str) else tree
+        except TreeError as e:
+            raise DecodeError(str(e)) from None
+    try:
+        return parse_num_draft(int(num_draft) if isinstance(num_draft, np.integer) else num_draft)
+    except ValueError:
+        raise DecodeError(f"num_draft={num_draft!r} must be an integer >= 0 or 'auto'") from None
+
+
+def check_proposer(model: MTPTransformer, proposer: str, shape: Tree | Hybrid, draft: MTPTransformer | None) -> None:
+    """DecodeError if this proposer cannot draft `shape` for this model (the empty tree needs no proposer)."""
     if proposer not in PROPOSERS:
         raise DecodeError(f"proposer={proposer!r} is unknown; use one of {', '.join(map(repr, PROPOSERS))}")
     if draft is not None and proposer != "model":
         raise DecodeError(f"a draft model drafts only with proposer='model', not {proposer!r}")
-    if num_draft > 0 or proposer == "model":
-        problem = PROPOSERS[proposer](max(num_draft, 1)).problem(model, draft)
+    kind = PROPOSERS[proposer]
+    if not kind.TREES and (isinstance(shape, Hybrid) or not shape.is_chain()):
+        raise DecodeError(f"a draft tree is drafted by the MTP modules (proposer mtp or mtp1), not {proposer!r}")
+    if shape != PLAIN or proposer == "model":
+        problem = kind.of(shape if shape != PLAIN else chain(1)).problem(model, draft)
         if problem:
             raise DecodeError(problem)
 
 
-def make_loop(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: int, proposer: str = "mtp",
+def make_loop(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft: int = 0, proposer: str = "mtp",
               sampler: Sampler = GREEDY, eos_id=None, max_len=None, draft: MTPTransformer | None = None,
-              stream: bool = False, tree: str | Tree | None = None) -> Loop:
-    """Validate a request and fix the static shapes of its compiled loop (`tree`: a draft tree instead of a chain of
-    num_draft, `2x2x1` or a parent list)."""
+              stream: bool = False, tree: str | Tree | Hybrid | None = None) -> Loop:
+    """Validate a request and fix the static shapes of its compiled loop: the drafts are a chain of num_draft or
+    `tree` (`2x2x1`, a parent list, `+ngramL`; a Tree or Hybrid), read once by shape_of."""
+    shape = shape_of(num_draft, tree)
+    if isinstance(shape, Auto):
+        raise DecodeError("a loop drafts a fixed shape; num_draft='auto' is generate's (it measures and picks one)")
     cfg = model.cfg
     if not prompts or any(len(p) == 0 for p in prompts):
         raise DecodeError("empty prompt: every prompt needs at least one token")
     if max_new_tokens < 1:
         raise DecodeError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if num_draft < 0:
-        raise DecodeError(f"num_draft={num_draft} must be >= 0 (0 = plain decoding)")
-    check_proposer(model, proposer, num_draft, draft)
+    check_proposer(model, proposer, shape, draft)
     bad = [t for p in prompts for t in p if not 0 <= int(t) < cfg.vocab_size]
     if bad:
         raise DecodeError(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
@@ -65,29 +86,10 @@ def make_loop(model: MTPTransformer, prompts, *, max_new_tokens: int, num_draft:
     if max_len is not None and longest + max_new_tokens > max_len:
         raise DecodeError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the cache "
                           f"capacity max_len={max_len}; shorten the prompt or raise decode.max_len")
-    prop = make_proposer(proposer, num_draft) if tree is None else tree_proposer(model, proposer, num_draft, tree)
+    prop = make_proposer(proposer, shape)
     size = rows(longest, max_new_tokens, len(prop.parents()))
     return Loop(proposer=prop, sampler=sampler, max_new=max_new_tokens, capacity=size.capacity,
                 prompt_pad=size.prompt_pad, eos_id=-1 if eos_id is None else int(eos_id), stream=stream)
-
-
-def tree_proposer(model: MTPTransformer, proposer: str, num_draft: int, tree: str | Tree) -> TreeMTPProposer:
-    """The MTP modules drafting `tree` (with `+ngramL`, and an n-gram chain as one more branch); DecodeError for a
-    bad spec or a request that cannot draft it."""
-    if proposer not in ("mtp", "mtp1"):
-        raise DecodeError(f"a draft tree is drafted by the MTP modules (proposer mtp or mtp1), not {proposer!r}")
-    if num_draft:
-        raise DecodeError(f"num_draft={num_draft} and a tree both say how much to draft; give one of them")
-    try:
-        base, ngram = split_hybrid(tree) if isinstance(tree, str) else (tree, 0)
-        prop = TreeMTPProposer(parse_tree(base) if isinstance(base, str) else base, 1 if proposer == "mtp1" else 0,
-                               ngram)
-    except TreeError as e:
-        raise DecodeError(str(e)) from None
-    problem = prop.problem(model, None)
-    if problem:
-        raise DecodeError(problem)
-    return prop
 
 
 def request(loop: Loop, prompts, seed: int = 0, budget: int | None = None) -> Request:

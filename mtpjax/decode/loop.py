@@ -1,10 +1,11 @@
 """The jitted decode loop: one `lax.while_loop` of verify → accept → commit → propose rounds, and its state.
 
-One round verifies [last committed token, drafts] with one cached trunk forward, accepts a prefix (greedy
-match or rejection sampling), commits it plus one target token, then asks the proposer for the next
-drafts. The proposer owns whatever state it needs (module caches, a draft model's cache); the invariant
-(docs/design.md §6) is that at every loop boundary each cache equals a fresh prefill of the committed sequence
-wherever its inputs are committed. Plain decoding is the same loop with γ = 0.
+A draft is a tree (a chain is the tree of width one). One round verifies [last committed token, the tree's nodes]
+with one cached trunk forward (each row seeing its ancestors), accepts the longest path (greedy match or recursive
+rejection sampling), commits what its commit policy makes of that path plus one target token, then asks the
+proposer for the next drafts. The proposer owns whatever state it needs (module caches, a draft model's cache); the
+invariant (docs/design.md §6) is that at every loop boundary each cache equals a fresh prefill of the committed
+sequence wherever its inputs are committed. Plain decoding is the same loop verifying the empty tree.
 
 `Loop` holds only static fields (gemma's sampler loop has the same shape): it is hashed by `jax.jit`, so
 everything that varies per call without changing shapes (prompts, budgets, the key, the streaming
@@ -14,6 +15,7 @@ callback's id) is a traced input in `Request`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,7 @@ from flax import nnx, struct
 
 from mtpjax.decode import stream
 from mtpjax.decode import tree as trees
-from mtpjax.decode.cache import keep_path, read_rows, take_rows, trunk_cache, write_rows
+from mtpjax.decode.cache import keep_path, take_rows, trunk_cache, write_rows
 from mtpjax.decode.mesh import lay_out
 from mtpjax.decode.protocol import Context, Models, Proposer
 from mtpjax.decode.sampling import Sampler, choose, draw, probs, row_keys
@@ -37,7 +39,7 @@ class Request:
     budget_B: jax.Array  # new tokens each row may commit (<= max_new; traced, so no recompile)
     key: jax.Array
     stream: jax.Array  # id of the host callback that receives each commit (stream.NONE: none)
-    ref_BS: jax.Array | None = None  # the reference a Forced loop commits, at absolute positions
+    policy: object = None  # the commit policy's own arrays (the loop carries them without looking inside)
 
 
 @struct.dataclass
@@ -59,24 +61,22 @@ class DecodeState:
     accepted_nodes_BG: jax.Array  # rounds in which node i of the draft tree was accepted (a chain: as accepted_BG)
     key: jax.Array
     stream: jax.Array
-    ref_BS: jax.Array | None = None  # the request's reference (Forced loops)
+    policy: object = None  # the request's arrays for the commit policy
+
+
+class CommitPolicy(Protocol):
+    """What a round commits given what it accepted: (tokens, count) from the accepted path's tokens, their count,
+    and the committed length, with the request's own arrays (Request.policy). Static: part of the loop's hash."""
+
+    def __call__(self, policy, toks_BY, c_B, n_B) -> tuple[jax.Array, jax.Array]: ...
 
 
 @dataclass(frozen=True)
 class Accepted:
     """What a round commits when decoding: the accepted drafts and one target token."""
 
-    def __call__(self, ref_BS, toks_BY, c_B, n_B):
+    def __call__(self, policy, toks_BY, c_B, n_B):
         return toks_BY, c_B
-
-
-@dataclass(frozen=True)
-class Forced:
-    """Teacher forcing: commit the request's reference one token a round; the drafts are still verified against
-    the target, so acceptance is measured along the reference through the decoder's own caches."""
-
-    def __call__(self, ref_BS, toks_BY, c_B, n_B):
-        return read_rows(ref_BS, n_B, toks_BY.shape[1]), jnp.minimum(c_B, 1)
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class Loop:
     prompt_pad: int
     eos_id: int  # -1: none
     stream: bool = False  # emit every commit to the host (to the callback the request's stream id names)
-    commits: Accepted | Forced = Accepted()  # what a round commits (tokens, count) given what it accepted
+    commits: CommitPolicy = Accepted()  # what a round commits (tokens, count) given what it accepted
 
     @property
     def num_draft(self) -> int:
@@ -124,7 +124,7 @@ class Loop:
         logits_BV = m.logits(m.final_norm(take_rows(h_BPD, req.plen_B - 1)))
         first_B, _ = choose(self.sampler, logits_BV, row_keys(req.key, 0, 0, B))
         ones_B = jnp.ones_like(req.plen_B)
-        first_B = self.commits(req.ref_BS, first_B[:, None], ones_B, req.plen_B)[0][:, 0]
+        first_B = self.commits(req.policy, first_B[:, None], ones_B, req.plen_B)[0][:, 0]
         seq_BS = write_rows(jnp.zeros((B, S), jnp.int32).at[:, :P].set(req.tokens_BP), first_B[:, None], req.plen_B)
         self.emit(req.stream, 0, first_B[:, None], ones_B)
         n_B = req.plen_B + 1
@@ -137,7 +137,7 @@ class Loop:
             drafts_BG=draft.tokens_BG, q_BGV=draft.q_BGV, proposer=pstate,
             done_B=(first_B == self.eos_id) | (req.budget_B <= 1), rounds_B=jnp.zeros((B,), jnp.int32),
             reached_BG=zeros_BG, accepted_BG=zeros_BG, accepted_nodes_BG=jnp.zeros((B, self.num_draft), jnp.int32),
-            key=req.key, stream=req.stream, ref_BS=req.ref_BS)
+            key=req.key, stream=req.stream, policy=req.policy)
 
     def round(self, models: Models, st: DecodeState, it) -> DecodeState:
         """One verify → accept → commit → propose round."""
@@ -153,7 +153,7 @@ class Loop:
             a_B, toks_BY, path_BY = self.accept(m.logits(m.final_norm(h_BYD)), st, it)
         if not tree.is_chain():  # only the accepted path's entries survive, at the positions it is committed at
             trunk = keep_path(trunk, start_B, path_BY, m.cfg.scan_layers)
-            h_BYD = trees.along(h_BYD, path_BY)
+            h_BYD = trees.along(tree, h_BYD, path_BY)
         st = st.replace(trunk=trunk)
         with jax.named_scope("commit"):
             on_BG = ~st.done_B[:, None] & trees.accepted_nodes(tree, a_B, path_BY)
@@ -164,44 +164,20 @@ class Loop:
         return st.replace(proposer=pstate, drafts_BG=draft.tokens_BG, q_BGV=draft.q_BGV)
 
     def accept(self, logits_BYV, st: DecodeState, it):
-        """(accepted depth a_B, the D+1 tokens to commit: accepted drafts then one target token, the verification
-        row at each depth of the accepted path)."""
-        if not self.tree.is_chain():
-            return self.accept_tree(logits_BYV, st, it)
-        B, Y, V = logits_BYV.shape
-        G, d_BG = Y - 1, st.drafts_BG
-        if self.sampler.greedy:
-            g_BY = jnp.argmax(logits_BYV, axis=-1).astype(jnp.int32)
-            a_B = jnp.cumprod(d_BG == g_BY[:, :G], axis=1).sum(axis=1).astype(jnp.int32)
-            bonus_B = take_rows(g_BY, a_B)
-        else:
-            q_BGV = st.q_BGV if G else jnp.zeros((B, 0, V), jnp.float32)
-            p_BYV = probs(self.sampler, logits_BYV.reshape(B * Y, V)).reshape(B, Y, V)
-            p_BG = jnp.take_along_axis(p_BYV[:, :G], d_BG[..., None], axis=-1)[..., 0]
-            q_BG = jnp.take_along_axis(q_BGV, d_BG[..., None], axis=-1)[..., 0]
-            u_BG = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(row_keys(st.key, 1, it, B))
-            a_B = jnp.cumprod(u_BG * q_BG < p_BG, axis=1).sum(axis=1).astype(jnp.int32)
-            p_BV = take_rows(p_BYV, a_B)
-            q_BV = take_rows(jnp.concatenate([q_BGV, jnp.zeros((B, 1, V))], 1), a_B)  # q = 0 past the drafts
-            bonus_B = draw(row_keys(st.key, 2, it, B), trees.residual(p_BV, q_BV))
-        i = jnp.arange(Y)[None, :]
-        toks_BY = jnp.where(i < a_B[:, None], jnp.pad(d_BG, ((0, 0), (0, 1))), bonus_B[:, None].astype(jnp.int32))
-        return a_B, toks_BY, jnp.broadcast_to(i, (B, Y))
-
-    def accept_tree(self, logits_BYV, st: DecodeState, it):
-        """accept's triple for a tree: its longest accepted path, then the target's token after it."""
+        """(accepted depth a_B, the D+1 tokens to commit: the accepted path's drafts then the target's token after
+        it, the verification row at each depth of that path)."""
         tree = self.tree
         if self.sampler.greedy:
             g_BY = jnp.argmax(logits_BYV, axis=-1).astype(jnp.int32)
             a_B, path_BY = trees.greedy_path(tree, st.drafts_BG, g_BY)
-            bonus_B = take_rows(trees.along(g_BY, path_BY), a_B)
+            bonus_B = take_rows(trees.along(tree, g_BY, path_BY), a_B)
         else:
             B, Y, V = logits_BYV.shape
             p_BYV = probs(self.sampler, logits_BYV.reshape(B * Y, V)).reshape(B, Y, V)
             u_BG = jax.vmap(lambda k: jax.random.uniform(k, (Y - 1,)))(row_keys(st.key, 1, it, B))
             a_B, path_BY, left_BV = trees.sampled_path(tree, st.drafts_BG, st.q_BGV, p_BYV, u_BG)
             bonus_B = draw(row_keys(st.key, 2, it, B), left_BV)
-        d_BY = trees.along(jnp.pad(st.drafts_BG, ((0, 0), (1, 0))), path_BY)  # the root's column: never committed
+        d_BY = trees.along(tree, jnp.pad(st.drafts_BG, ((0, 0), (1, 0))), path_BY)  # the root's column: not committed
         i = jnp.arange(tree.max_depth + 1)[None, :]
         toks_BY = jnp.where(i < a_B[:, None], jnp.roll(d_BY, -1, axis=1), bonus_B[:, None])
         return a_B, toks_BY, path_BY
@@ -211,7 +187,7 @@ class Loop:
         Y = toks_BY.shape[1]
         i = jnp.arange(Y)[None, :]
         c_B = jnp.minimum(a_B + 1, st.budget_B - (st.n_B - st.prompt_len_B))
-        toks_BY, c_B = self.commits(st.ref_BS, toks_BY, c_B, st.n_B)
+        toks_BY, c_B = self.commits(st.policy, toks_BY, c_B, st.n_B)
         if self.eos_id >= 0:
             eos_BY = (toks_BY == self.eos_id) & (i < c_B[:, None])
             hit_B = eos_BY.any(axis=1)

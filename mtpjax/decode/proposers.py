@@ -5,8 +5,8 @@ greedy (only the tokens matter there).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,8 @@ from flax import struct
 from mtpjax.decode.cache import module_caches, read_rows, set_layer, take_rows, trunk_cache, write_rows
 from mtpjax.decode.protocol import Context, Draft, Models, Proposer
 from mtpjax.decode.sampling import choose, row_keys
+from mtpjax.decode.tree import MAX_NODES as MAX_TREE_NODES
+from mtpjax.decode.tree import PLAIN, Hybrid, Tree, nodes, sees
 from mtpjax.nn.flops import TokenFlops
 from mtpjax.nn.model import MTPTransformer
 
@@ -32,7 +34,12 @@ class Plain(Proposer):
     def problem(self, target, draft) -> str | None:
         return None
 
-    def most_drafts(self, target) -> int:
+    @classmethod
+    def of(cls, shape: Tree | Hybrid) -> Plain:
+        return cls()
+
+    @staticmethod
+    def most_drafts(target, draft=None) -> int:
         return 0
 
     def start(self, models: Models, ctx: Context):
@@ -57,8 +64,14 @@ class NgramProposer(Proposer):
     def problem(self, target, draft) -> str | None:
         return None
 
-    def most_drafts(self, target) -> int:
-        return 3
+    @classmethod
+    def of(cls, shape: Tree | Hybrid) -> NgramProposer:
+        return cls(nodes(shape))
+
+    @staticmethod
+    def most_drafts(target, draft=None) -> int:
+        """As many drafts as the longest suffix it matches (max_n), a heuristic bound."""
+        return NgramProposer.max_n
 
     def start(self, models: Models, ctx: Context):
         return self.step(models, None, ctx)
@@ -103,90 +116,220 @@ class MTPState:
 
 @dataclass(frozen=True)
 class MTPProposer(Proposer):
-    """The target's own MTP modules: module k drafts token k of the round from depth k-1's state and draft k-1.
+    """The target's MTP modules drafting a static tree (a chain of γ is the tree `1x…x1`): level k drafts depth k
+    with module min(k, modules in use) over a window of committed rows ending at the draft position n-2, a chain's
+    nodes in the window at their own positions, a wider tree's as extra rows seeing their ancestors (docs/decoding.md
+    §Draft trees). `modules=1`: module 1 drafts every depth (vLLM, SGLang); 0 uses all J. `ngram`: a hybrid, n-gram
+    lookup's chain of that many drafts as the root's last branch (a point mass: its q is one-hot)."""
 
-    Past the modules in use the last one continues autoregressively from its own output. `modules=1` drafts
-    every token with module 1 (as vLLM and SGLang do); 0 uses all J modules.
-    """
-
-    num_draft: int
+    tree: Tree
     modules: int = 0
+    ngram: int = 0
+    TREES: ClassVar[bool] = True
+
+    @classmethod
+    def of(cls, shape: Tree | Hybrid) -> MTPProposer:
+        return cls(shape.tree, ngram=shape.ngram) if isinstance(shape, Hybrid) else cls(shape)
+
+    @property
+    def num_draft(self) -> int:
+        return self.tree.size + self.ngram
+
+    def parents(self) -> tuple[int, ...]:
+        G = self.tree.size
+        return self.tree.parents + tuple(-1 if i == 0 else G + i - 1 for i in range(self.ngram))
+
+    def name(self) -> str:
+        return Hybrid(self.tree, self.ngram).name() if self.ngram else self.tree.name()
+
+    def in_place(self) -> bool:
+        """Whether every node sits in the window at its own position (a chain), needing no rows of its own."""
+        return self.tree.is_chain() and not self.ngram
 
     def problem(self, target, draft) -> str | None:
         cfg = target.cfg
         if cfg.mtp_depth == 0:
             return "this model has no MTP modules (mtp_depth 0); use --proposer ngram or --num-draft 0"
-        if cfg.mtp_kind == "parallel" and self.num_draft > self.used(cfg.mtp_depth):
-            return (f"num_draft={self.num_draft} exceeds the {self.used(cfg.mtp_depth)} parallel MTP heads in use; "
-                    "lower --num-draft")
+        used, D = self.used(cfg.mtp_depth), self.tree.max_depth
+        if cfg.mtp_kind == "parallel" and D > used:
+            if self.in_place():
+                return f"num_draft={D} exceeds the {used} parallel MTP heads in use; lower --num-draft"
+            return (f"tree {self.name()} is {D} deep, beyond the {used} parallel MTP heads in use; "
+                    "use a shallower --tree")
         return None
 
-    def most_drafts(self, target) -> int:
-        J = target.cfg.mtp_depth
-        if target.cfg.mtp_kind == "parallel" or not self.modules:
-            return min(J, self.modules or J)
-        return max(J, 3)  # a reused module drafts any number of tokens
+    @staticmethod
+    def most_drafts(target, draft=None) -> int:
+        """Module k drafts token k: the model's depth."""
+        return target.cfg.mtp_depth
 
     def used(self, depth: int) -> int:
-        """Modules that draft from a recomputed window (the rest of the γ drafts reuse the last of them)."""
-        return min(self.num_draft, depth, self.modules or depth)
+        """Modules that draft from a recomputed window (deeper levels reuse the last of them)."""
+        return min(self.tree.max_depth, depth, self.modules or depth)
 
-    def window(self) -> int:
-        """Rows each module recomputes a round, ending at the draft position n-2.
+    def window(self, depth: int) -> int:
+        """Committed rows each module recomputes a round, ending at the draft position n-2.
 
-        A round commits up to γ+1 tokens, whose entries every module must now compute; entries built from a
-        rejected draft (module k at i reads x[i+k]) lie inside those γ+1 rows too. Fewer rows leave entries
-        a later query reads stale.
+        A round commits up to D+1 tokens (D: the deepest branch, the n-gram one included), whose entries every module
+        must now compute. A chain's entries built from its accepted drafts are already right, so D+1 rows cover it;
+        a tree's nodes were written elsewhere and module k's rows lag the committed length by k. Fewer rows leave
+        entries a later query reads stale.
         """
-        return self.num_draft + 1
+        if self.in_place():
+            return self.tree.max_depth + 1
+        return max(self.tree.max_depth, self.ngram) + self.used(depth)
 
     def start(self, models: Models, ctx: Context):
-        cfg = models.target.cfg
-        B, S = ctx.seq_BS.shape
-        h0_BSD = write_rows(jnp.zeros((B, S, cfg.d_model), ctx.h_BTD.dtype), models.target.trunk_state(ctx.h_BTD),
-                            ctx.h_start_B)
-        state = MTPState(h0_BSD=h0_BSD, caches=module_caches(cfg, B, S))
-        return self._draft(models.target, state, ctx, jnp.zeros((B,), jnp.int32), ctx.h_BTD.shape[1])
+        (B, S), cfg = ctx.seq_BS.shape, models.target.cfg
+        state = MTPState(jnp.zeros((B, S, cfg.d_model), ctx.h_BTD.dtype), module_caches(cfg, B, S))
+        return self._step(models, state, ctx, jnp.zeros((B,), jnp.int32), ctx.h_BTD.shape[1])
 
     def step(self, models: Models, state: MTPState, ctx: Context):
-        state = state.replace(h0_BSD=write_rows(state.h0_BSD, models.target.trunk_state(ctx.h_BTD), ctx.h_start_B))
-        W = self.window()
-        return self._draft(models.target, state, ctx, jnp.maximum(ctx.n_B - 1 - W, 0), W)
+        W = self.window(models.target.cfg.mtp_depth)
+        return self._step(models, state, ctx, jnp.maximum(ctx.n_B - 1 - W, 0), W)
 
-    def _draft(self, m: MTPTransformer, st: MTPState, ctx: Context, start_B, W: int):
-        """Module k over the window [start, start+W) (its last row at n-2 drafts token k); then the reuse steps."""
-        G, B, used = self.num_draft, ctx.n_B.shape[0], self.used(m.cfg.mtp_depth)
-        pos_BW = start_B[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :]
-        out_B = ctx.n_B - 2 - start_B  # the window row at the draft position
-        h0_BWD = read_rows(st.h0_BSD, start_B, W)
-        h_prev_BWD, seq_BS, caches = h0_BWD, ctx.seq_BS, st.caches
-        drafts, qs = [], []
-        for k in range(1, G + 1):
+    def _step(self, models: Models, state: MTPState, ctx: Context, s_B, W: int):
+        """Store the trunk's new states, then draft from the window [s, s+W)."""
+        h0_BSD = write_rows(state.h0_BSD, models.target.trunk_state(ctx.h_BTD), ctx.h_start_B)
+        return self._draft(models.target, state.replace(h0_BSD=h0_BSD), ctx, s_B, W)
+
+    def _draft(self, m: MTPTransformer, st: MTPState, ctx: Context, s_B, W: int):
+        """Level k drafts depth k: a module call, then each node of depth k-1 its children; then the n-gram branch."""
+        r = _Round(m, ctx, s_B, W, st, self.used(m.cfg.mtp_depth))
+        for k in range(1, self.tree.max_depth + 1):
             with jax.named_scope(f"draft{k}"):  # profiles attribute time per depth
-                if k <= used:
-                    toks_BW = read_rows(seq_BS, start_B + k, W)
-                    h_BWD, kv = m.mtp_forward(k, m.mtp_input(h_prev_BWD, h0_BWD), toks_BW, pos_BW, cache=caches[k - 1])
-                    caches, h_prev_BWD, h_BD = set_layer(caches, k - 1, kv), h_BWD, take_rows(h_BWD, out_B)
-                else:  # the last module in use continues from its own output
-                    pos_B = ctx.n_B - 2 + (k - used)
-                    h_BTD, kv = m.mtp_forward(used, h_BD[:, None], drafts[-1][:, None], pos_B[:, None],
-                                              cache=caches[used - 1])
-                    caches, h_BD = set_layer(caches, used - 1, kv), h_BTD[:, 0]
-                logits_BV = m.logits(m.head_norm(min(k, used), h_BD))
-                d_B, q_BV = choose(ctx.sampler, logits_BV, row_keys(ctx.key, 10 + k, ctx.it, B))
-                seq_BS = write_rows(seq_BS, d_B[:, None], ctx.n_B + k - 1)  # module k+1 reads draft k
-                drafts.append(d_B)
-                qs.append(q_BV)
-        return st.replace(caches=caches), _stack(drafts, qs)
+                if k > r.used and self.in_place():
+                    self._continue(r, k)
+                else:
+                    self._level(r, k, min(k, r.used))
+                for parent in self.tree.at_depth(k - 1, k - 1) if k > 1 else (-1,):
+                    self._children(r, k, parent)
+        tokens = [r.tokens[v] for v in range(self.tree.size)]
+        qs = [r.qs.get(v) for v in range(self.tree.size)]
+        if self.ngram:
+            look_BG = lookup(ctx.seq_BS, ctx.n_B, self.ngram, NgramProposer(self.ngram).max_n)
+            tokens += [look_BG[:, i] for i in range(self.ngram)]
+            if not ctx.sampler.greedy:
+                qs += [jax.nn.one_hot(look_BG[:, i], m.cfg.vocab_size, dtype=jnp.float32) for i in range(self.ngram)]
+        return st.replace(caches=r.caches), _stack(tokens, qs)
+
+    def extra_nodes(self, k: int, sequential: bool) -> tuple[int, ...]:
+        """The nodes level k runs rows for beside the window: a tree's depths 1..k-1 (none for a chain, whose nodes
+        are in the window, or for parallel heads, which read no token)."""
+        return () if self.in_place() or not sequential else self.tree.at_depth(1, k - 1)
+
+    def _level(self, r: _Round, k: int, mk: int) -> None:
+        """Module mk over the window and the level's extra rows (each seeing the committed rows and its ancestors)."""
+        m, W, tree = r.m, r.W, self.tree
+        nodes = self.extra_nodes(k, r.sequential)
+        toks_BW = read_rows(r.seq_BS, r.s_B + mk, W)
+        h_in = m.mtp_input(r.wins[mk - 1], r.wins[0])
+        if not nodes:
+            h_BTD, kv = m.mtp_forward(mk, h_in, toks_BW, r.pos_BW, cache=r.caches[mk - 1])
+        else:
+            # a node's input: its parent's row one level up (past the modules, the shallow ones recomputed as before)
+            ins = [r.out(k - 1 if k <= r.used or tree.depth[v] >= r.used else r.used - 1, tree.parents[v])
+                   for v in nodes]
+            depth_O = jnp.asarray([tree.depth[v] for v in nodes], jnp.int32)
+            pos_BO = (r.n_B - 1 - mk)[:, None] + depth_O[None, :]
+            toks_BO = jnp.stack([r.tokens[v] for v in nodes], 1)
+            sees_BTT = r.tree_mask(mk, sees(tree, nodes))
+            h_BTD, kv = m.mtp_forward(mk, jnp.concatenate([h_in, jnp.stack(ins, 1)], 1),
+                                      jnp.concatenate([toks_BW, toks_BO], 1),
+                                      jnp.concatenate([r.pos_BW, pos_BO], 1), sees_BTT, cache=r.caches[mk - 1])
+        r.caches = set_layer(r.caches, mk - 1, kv)
+        r.wins[k] = h_BTD[:, :W]
+        r.rows.update({(k, v): h_BTD[:, W + j] for j, v in enumerate(nodes)})
+        r.h_BD = take_rows(r.wins[k], r.n_B - 2 - r.s_B)  # the row at the draft position
+
+    def _continue(self, r: _Round, k: int) -> None:
+        """A chain past the modules in use: the last module one row further, from its own output and the last draft
+        (its cache holds the window and the rows before, all of the chain)."""
+        m, used = r.m, r.used
+        pos_B = r.n_B - 2 + (k - used)
+        h_BTD, kv = m.mtp_forward(used, r.h_BD[:, None], r.tokens[k - 2][:, None], pos_B[:, None],
+                                  cache=r.caches[used - 1])
+        r.caches = set_layer(r.caches, used - 1, kv)
+        r.h_BD = h_BTD[:, 0]
+
+    def _children(self, r: _Round, k: int, parent: int) -> None:
+        """Draft the children of `parent` (depth k-1): the top-b distinct tokens when greedy, else b i.i.d. draws
+        from q; a chain's draft is written into the sequence, where the window's next module reads it."""
+        kids = self.tree.children(parent)
+        if not kids:
+            return
+        ctx, B = r.ctx, r.n_B.shape[0]
+        h_BD = r.h_BD if parent < 0 or self.in_place() or not r.sequential else r.rows[k, parent]
+        logits_BV = r.m.logits(r.m.head_norm(min(k, r.used), h_BD))
+        if len(kids) == 1 or not ctx.sampler.greedy:
+            for v in kids:
+                r.tokens[v], r.qs[v] = choose(ctx.sampler, logits_BV, row_keys(ctx.key, 11 + v, ctx.it, B))
+        else:
+            top_BO = jax.lax.top_k(logits_BV, len(kids))[1].astype(jnp.int32)
+            for j, v in enumerate(kids):
+                r.tokens[v] = top_BO[:, j]
+        if self.in_place():
+            r.seq_BS = write_rows(r.seq_BS, r.tokens[kids[0]][:, None], r.n_B + k - 1)
 
     def draft_flops(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
-        """Each module in use runs its block over the window; reuse steps one row; the head once per draft."""
-        G, used = self.num_draft, self.used(f_target.mtp_depth)
-        return (used * self.window() + (G - used)) * f_target.module + G * f_target.head
+        """Each level runs its module over the window and its extra rows (a chain past the modules: one row); the
+        head once per expanded node."""
+        J, tree = f_target.mtp_depth, self.tree
+        W, used = self.window(J), self.used(J)
+        rows = sum(1 if k > used and self.in_place() else W + len(self.extra_nodes(k, True))
+                   for k in range(1, tree.max_depth + 1))
+        return rows * f_target.module + self._expanded() * f_target.head
 
     def draft_reads(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
-        """Every module call reads its module once (whatever its rows), the head once per draft."""
-        return self.num_draft * (f_target.module_matmul + f_target.head)
+        """Each level reads its module once (whatever its rows); the head once per expanded node."""
+        return self.tree.max_depth * f_target.module_matmul + self._expanded() * f_target.head
+
+    def _expanded(self) -> int:
+        """Nodes whose children are drafted: the root and every node above the deepest level."""
+        return 1 + len(self.tree.at_depth(1, self.tree.max_depth - 1)) if self.tree.size else 0
+
+
+@dataclass(frozen=True)
+class ModuleOneProposer(MTPProposer):
+    """MTP module 1 drafting every depth, fed its own output (`--proposer mtp1`)."""
+
+    modules: int = 1
+
+    @staticmethod
+    def most_drafts(target, draft=None) -> int:
+        """One head in use when heads are parallel; else a draft past the modules' depth (module 1 continues)."""
+        return 1 if target.cfg.mtp_kind == "parallel" else target.cfg.mtp_depth + 1
+
+
+class _Round:
+    """One round's drafting as it is traced: the window, each level's outputs, the drafts so far, the caches."""
+
+    def __init__(self, m: MTPTransformer, ctx: Context, s_B, W: int, st: MTPState, used: int):
+        self.m, self.ctx, self.s_B, self.W, self.used, self.n_B = m, ctx, s_B, W, used, ctx.n_B
+        self.sequential, self.seq_BS, self.caches = m.cfg.mtp_kind == "sequential", ctx.seq_BS, st.caches
+        self.pos_BW = s_B[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :]
+        self.wins = {0: read_rows(st.h0_BSD, s_B, W)}  # level k's output over the window
+        self.rows: dict = {}  # (level, node) -> that level's output at the node's extra row
+        self.h_BD = None  # the row the last level drafts from
+        self.tokens: dict = {}
+        self.qs: dict = {}
+
+    def out(self, level: int, node: int):
+        """The level's output at the node's row (-1: the root's, where that level's module reads x[n-1])."""
+        if node >= 0:
+            return self.rows[level, node]
+        return take_rows(self.wins[level], self.n_B - 1 - min(level, self.used) - self.s_B)
+
+    def tree_mask(self, mk: int, sees_OO) -> jax.Array:
+        """[B, W+O, W+O]: window rows causal; node rows see the window rows with committed inputs (position <=
+        n-1-mk) and their own ancestors."""
+        B, W, nodes = self.n_B.shape[0], self.W, sees_OO.shape[0]
+        causal_WW = jnp.arange(W)[None, :] <= jnp.arange(W)[:, None]
+        top_BWT = jnp.concatenate([jnp.broadcast_to(causal_WW, (B, W, W)), jnp.zeros((B, W, nodes), bool)], 2)
+        committed_BW = self.pos_BW <= (self.n_B - 1 - mk)[:, None]
+        bottom_BOT = jnp.concatenate([jnp.broadcast_to(committed_BW[:, None], (B, nodes, W)),
+                                      jnp.broadcast_to(jnp.asarray(sees_OO), (B, nodes, nodes))], 2)
+        return jnp.concatenate([top_BWT, bottom_BOT], 1)
 
 
 @dataclass(frozen=True)
@@ -209,8 +352,17 @@ class DraftModelProposer(Proposer):
                     "draft with a model trained on the same tokenizer")
         return None
 
-    def most_drafts(self, target) -> int:
-        return 4
+    @classmethod
+    def of(cls, shape: Tree | Hybrid) -> DraftModelProposer:
+        return cls(nodes(shape))
+
+    @staticmethod
+    def most_drafts(target, draft=None) -> int:
+        """A draft model k times narrower x shallower than the target drafts up to k tokens a round (at least 1)."""
+        if draft is None:
+            return 1
+        t, d = target.cfg, draft.cfg
+        return max(1, min(MAX_TREE_NODES, (t.d_model * t.n_layers) // (d.d_model * d.n_layers)))
 
     def start(self, models: Models, ctx: Context):
         dm, (B, S), T = models.draft, ctx.seq_BS.shape, ctx.h_BTD.shape[1]  # the prefill's rows: the prompts
@@ -250,10 +402,9 @@ class DraftModelProposer(Proposer):
         return self.num_draft * (f_draft.trunk_matmul + f_draft.head)
 
 
-PROPOSERS = {"mtp": MTPProposer, "mtp1": functools.partial(MTPProposer, modules=1), "ngram": NgramProposer,
-             "model": DraftModelProposer}
+PROPOSERS = {"mtp": MTPProposer, "mtp1": ModuleOneProposer, "ngram": NgramProposer, "model": DraftModelProposer}
 
 
-def make_proposer(name: str, num_draft: int):
-    """The proposer a request names; γ = 0 is plain decoding whatever the name."""
-    return Plain() if num_draft == 0 else PROPOSERS[name](num_draft)
+def make_proposer(name: str, shape: Tree | Hybrid) -> Proposer:
+    """The proposer a request names drafting `shape`; the empty tree is plain decoding whatever the name."""
+    return Plain() if shape == PLAIN else PROPOSERS[name].of(shape)

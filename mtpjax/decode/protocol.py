@@ -2,17 +2,19 @@
 
 A proposer holds only static fields (it is part of the compiled loop's hash); its arrays live in the state
 it returns, which the loop carries without looking inside. A draft is a tree of G nodes given by `parents()`
-(node i continues node parents()[i], -1 being the last committed token): acceptance is counted by a node's
-depth (its ancestors) and rank (its place among its siblings). Today's proposers draft chains, where node i
-continues node i-1 (`chain`), and the loop verifies chains.
+(node i continues node parents()[i], -1 being the last committed token), and the loop verifies trees: one
+verification and one acceptance rule, acceptance counted by a node's depth (its ancestors) and rank (its place among
+its siblings). A chain (node i continues node i-1, `chain`) is the tree of width one; the n-gram and draft-model
+proposers draft chains, the MTP modules any static tree.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import ClassVar, NamedTuple, Protocol
 
 import jax
 
+from mtpjax.config.specs import Hybrid, Tree
 from mtpjax.decode.sampling import Sampler
 from mtpjax.nn.model import MTPTransformer
 from mtpjax.nn.speed import DraftCost
@@ -53,11 +55,18 @@ class Proposer(DraftCost, Protocol):
     """Drafts `num_draft` tokens a round and owns the decode state it needs (module caches, a draft model's cache);
     its draft work per round (draft_flops, draft_reads) is counted in TokenFlops records (DraftCost)."""
 
+    TREES: ClassVar[bool] = False  # drafts any static tree (else chains only)
+
+    @classmethod
+    def of(cls, shape: Tree | Hybrid) -> Proposer:
+        """The proposer drafting `shape` (a chain unless TREES)."""
+
     def problem(self, target: MTPTransformer, draft: MTPTransformer | None) -> str | None:
         """What makes a request impossible, said before compiling (None: nothing)."""
 
-    def most_drafts(self, target: MTPTransformer) -> int:
-        """The largest γ `num_draft="auto"` probes."""
+    @staticmethod
+    def most_drafts(target: MTPTransformer, draft: MTPTransformer | None = None) -> int:
+        """The largest γ `num_draft="auto"` probes, from the models (a question of the class, not of an instance)."""
 
     def start(self, models: Models, ctx: Context) -> tuple[object, Draft]:
         """(state, drafts) once, after the prefill committed the first token."""

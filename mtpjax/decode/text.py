@@ -45,15 +45,16 @@ class Generator:
         ids = [self.tokenizer.encode(t) for t in texts]
         if any(len(p) == 0 for p in ids):
             raise PromptError("empty prompt: give at least one character of text")
-        res = generate(self.model, ids, **{**self.defaults(), **kw})
+        res = generate(self.model, ids, **{**self.defaults(drafts="num_draft" not in kw and "tree" not in kw), **kw})
         return TextResult([self.tokenizer.decode(t) for t in res.tokens], res.tokens, res.stats)
 
-    def defaults(self) -> dict:
-        """generate's keyword arguments from the decode section (num_draft -1: "auto")."""
+    def defaults(self, drafts: bool = True) -> dict:
+        """generate's keyword arguments from the decode section; `drafts`: with its draft shape (decode.draft), left
+        out where a call spells its own (num_draft= or tree=)."""
         d = self.decode
-        return {"max_new_tokens": d.max_new_tokens, "num_draft": "auto" if d.num_draft < 0 else d.num_draft,
-                "proposer": d.proposer, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
-                "max_len": d.max_len, "eos_id": self.tokenizer.eos_id, "tree": d.tree or None}
+        return {"max_new_tokens": d.max_new_tokens, "proposer": d.proposer, "temperature": d.temperature,
+                "top_k": d.top_k, "top_p": d.top_p, "max_len": d.max_len, "eos_id": self.tokenizer.eos_id,
+                **({"shape": d.draft} if drafts else {})}
 
     @staticmethod
     def _texts(prompts) -> list[str]:

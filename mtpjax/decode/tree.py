@@ -7,101 +7,35 @@ the verification rows the root is row 0 and node i row i+1; a row sees the commi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The spec's one parser lives in config (which validates decode.tree with it); re-exported for decode's callers.
+# The shape and its parser live in config (decode.tree is parsed when the config loads); re-exported for decode.
 from mtpjax.config.specs import MAX_TREE_NODES as MAX_NODES  # noqa: F401
+from mtpjax.config.specs import PLAIN as PLAIN
+from mtpjax.config.specs import Auto as Auto
+from mtpjax.config.specs import DraftSpec as DraftSpec
+from mtpjax.config.specs import Hybrid as Hybrid
+from mtpjax.config.specs import Tree as Tree
+from mtpjax.config.specs import nodes as nodes
 from mtpjax.config.specs import TreeError as TreeError
+from mtpjax.config.specs import chain as chain_tree  # noqa: F401
+from mtpjax.config.specs import parse_tree as parse_tree
 from mtpjax.config.specs import split_hybrid as split_hybrid
-from mtpjax.config.specs import tree_parents
 from mtpjax.decode.cache import take_rows
 
 
-@dataclass(frozen=True)
-class Tree:
-    """A draft tree by its parents (node i continues node parents[i]; -1: the root)."""
-
-    parents: tuple[int, ...]
-
-    @property
-    def size(self) -> int:
-        return len(self.parents)
-
-    @cached_property
-    def depth(self) -> tuple[int, ...]:
-        """Each node's depth (1: a child of the root)."""
-        d: list[int] = []
-        for p in self.parents:
-            d.append(1 if p < 0 else d[p] + 1)
-        return tuple(d)
-
-    @property
-    def max_depth(self) -> int:
-        return max(self.depth, default=0)
-
-    def children(self, node: int) -> tuple[int, ...]:
-        """The nodes continuing `node` (-1: the root), in rank order."""
-        return tuple(i for i, p in enumerate(self.parents) if p == node)
-
-    @cached_property
-    def rank(self) -> tuple[int, ...]:
-        """Each node's place among its siblings (0: drafted first, the likeliest when greedy)."""
-        return tuple(self.children(p).index(i) for i, p in enumerate(self.parents))
-
-    def at_depth(self, lo: int, hi: int) -> tuple[int, ...]:
-        """The nodes of depths lo..hi, in node order."""
-        return tuple(i for i, d in enumerate(self.depth) if lo <= d <= hi)
-
-    def is_chain(self) -> bool:
-        return self.parents == tuple(range(-1, self.size - 1))
-
-    def name(self) -> str:
-        """`2x2x1` when each depth branches evenly, else the parent list."""
-        b = self.branching()
-        return "x".join(map(str, b)) if b else ",".join(map(str, self.parents))
-
-    def branching(self) -> tuple[int, ...] | None:
-        """The branching factor per depth when every node of a depth has as many children, else None."""
-        out = []
-        for d in range(self.max_depth):
-            counts = {len(self.children(p)) for p in ((-1,) if d == 0 else self.at_depth(d, d))}
-            if len(counts) != 1:
-                return None
-            out.append(counts.pop())
-        return tuple(out)
-
-    def sees(self, nodes: tuple[int, ...]) -> np.ndarray:
-        """[T, T] bool: row r (node nodes[r]) sees row c when nodes[c] is nodes[r] or one of its ancestors."""
-        anc = [self.ancestors(v) for v in nodes]
-        return np.array([[c in anc[r] for c in nodes] for r in range(len(nodes))], bool)
-
-    def ancestors(self, node: int) -> set[int]:
-        """The node and its ancestors (the root, -1, included)."""
-        out = {node}
-        while node >= 0:
-            node = self.parents[node]
-            out.add(node)
-        return out
-
-
-def chain_tree(num_draft: int) -> Tree:
-    return Tree(tuple(range(-1, num_draft - 1)))
-
-
-def parse_tree(spec: str) -> Tree:
-    """`2x2x1` (children per node at each depth, top-b distinct when greedy) or a parent list `-1,-1,0,0,1`."""
-    return Tree(tree_parents(spec))
+def sees(tree: Tree, nodes: tuple[int, ...]) -> np.ndarray:
+    """[T, T] bool: row r (node nodes[r]) sees row c when nodes[c] is nodes[r] or one of its ancestors."""
+    anc = [tree.ancestors(v) for v in nodes]
+    return np.array([[c in anc[r] for c in nodes] for r in range(len(nodes))], bool).reshape(len(nodes), len(nodes))
 
 
 def verify_rows(tree: Tree):
     """(depth of each verification row, [Y,Y] mask of what each row sees): the root then the nodes."""
     nodes = (-1,) + tuple(range(tree.size))
-    return np.array((0,) + tree.depth, np.int32), tree.sees(nodes)
+    return np.array((0,) + tree.depth, np.int32), sees(tree, nodes)
 
 
 def greedy_path(tree: Tree, drafts_BG, g_BY):
@@ -118,6 +52,8 @@ def greedy_path(tree: Tree, drafts_BG, g_BY):
     depth_G = jnp.asarray(tree.depth, jnp.int32)
     score_BG = jnp.where(jnp.stack(ok, 1), depth_G[None], 0)
     a_B = score_BG.max(1).astype(jnp.int32)
+    if tree.is_chain():  # one node per depth: the path is the rows in order
+        return a_B, jnp.broadcast_to(jnp.arange(tree.max_depth + 1, dtype=jnp.int32), (B, tree.max_depth + 1))
     best_B = jnp.argmax(score_BG, axis=1)
     table = np.zeros((tree.size, tree.max_depth + 1), np.int32)  # node -> its verification row at each depth
     for v in range(tree.size):
@@ -187,6 +123,8 @@ def sampled_path(tree: Tree, drafts_BG, q_BGV, p_BYV, u_BG):
     return a_B, jnp.stack(rows, 1), left_BV
 
 
-def along(x_BY, path_BY):
-    """x's rows along each batch row's path (x may have trailing axes)."""
+def along(tree: Tree, x_BY, path_BY):
+    """x's rows along each batch row's path (x may have trailing axes); a chain's path is its rows in order."""
+    if tree.is_chain():
+        return x_BY[:, : tree.max_depth + 1]
     return jax.vmap(lambda x, p: x[p])(x_BY, path_BY)

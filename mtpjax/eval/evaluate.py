@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +20,10 @@ from flax import nnx
 
 from mtpjax.decode.firstguess import decode_context  # noqa: F401 (also this module's name for it)
 from mtpjax.decode.host import execute_request, make_loop, request, run, summarize
-from mtpjax.decode.loop import DecodeState, Forced, Loop
+from mtpjax.decode.cache import read_rows
+from mtpjax.decode.loop import DecodeState, Loop
 from mtpjax.decode.proposers import DraftModelProposer, MTPProposer
-from mtpjax.decode.tree import acceptance_by_depth_rank
+from mtpjax.decode.tree import Hybrid, Tree, acceptance_by_depth_rank, chain_tree
 from mtpjax.nn.speed import (ceiling, expected_tokens, floor_ratio, predicted_speedup, tree_ceiling,
                              tree_expected_tokens, weight_ratio, work_ratio)
 
@@ -40,7 +42,7 @@ def heldout_prompts(val_tokens, n: int, length: int, eos_id: int) -> list[list[i
 
 
 def timed_decode(model, prompts, *, num_draft: int, proposer: str, max_new: int, batch: int = 1,
-                 repeats: int = 1, draft=None, tree: str | None = None) -> dict:
+                 repeats: int = 1, draft=None, tree: str | Tree | Hybrid | None = None) -> dict:
     """Greedy-decode prompts in groups of `batch` after a compile warmup; seconds, tokens, rounds, acceptance
     (`tree`: a draft tree instead of num_draft; acceptance by depth, and by node)."""
     groups = [prompts[i: i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
@@ -95,6 +97,16 @@ def argmax_by_depth(model, toks_BT):
     return jnp.argmax(model.logits(model(toks_BT).hidden), axis=-1)
 
 
+@dataclass(frozen=True)
+class Forced:
+    """Teacher forcing as the loop's commit policy: commit the request's reference (its policy arrays, at absolute
+    positions) one token a round; the drafts are still verified against the target, so acceptance is measured along
+    the reference through the decoder's own caches."""
+
+    def __call__(self, ref_BS, toks_BY, c_B, n_B):
+        return read_rows(ref_BS, n_B, toks_BY.shape[1]), jnp.minimum(c_B, 1)
+
+
 def run_forced(model, prompts, loop: Loop, reference, draft=None) -> DecodeState:
     """`loop` teacher-forced: row i commits reference[i] (at least loop.max_new tokens) after its prompt."""
     if len(reference) != len(prompts):
@@ -105,7 +117,7 @@ def run_forced(model, prompts, loop: Loop, reference, draft=None) -> DecodeState
             raise ValueError(f"reference {i} has {len(r)} tokens, fewer than the {loop.max_new} to decode")
         ref_BS[i, len(p): len(p) + loop.max_new] = r[: loop.max_new]
     forced = dataclasses.replace(loop, commits=Forced())
-    return execute_request(forced, model, request(forced, prompts).replace(ref_BS=jnp.asarray(ref_BS)), draft=draft)
+    return execute_request(forced, model, request(forced, prompts).replace(policy=jnp.asarray(ref_BS)), draft=draft)
 
 
 def forced_acceptance(model, sequences, prompt_len: int, num_draft: int, proposer: str = "mtp",
@@ -121,7 +133,7 @@ def forced_acceptance(model, sequences, prompt_len: int, num_draft: int, propose
 
 
 def speed_report(model, prompts, *, num_draft: int, max_new: int, batch: int = 1, repeats: int = 1,
-                 draft=None, tree: str | None = None) -> dict:
+                 draft=None, tree: str | Tree | Hybrid | None = None) -> dict:
     """Plain vs n-gram vs MTP (vs a draft model, vs a draft `tree`) greedy decoding: throughput, acceptance, costs,
     predictions."""
     kw = dict(max_new=max_new, batch=batch, repeats=repeats)
@@ -136,7 +148,7 @@ def speed_report(model, prompts, *, num_draft: int, max_new: int, batch: int = 1
     rep["verify_cost_v"] = v
     exact = ngram["outputs"] == plain["outputs"]
     context = decode_context(prompts, max_new)
-    proposers = [("", "mtp", MTPProposer(num_draft), None)] if model.cfg.mtp_depth else []
+    proposers = [("", "mtp", MTPProposer(chain_tree(num_draft)), None)] if model.cfg.mtp_depth else []
     if draft is not None:
         proposers.append(("model_", "model", DraftModelProposer(num_draft), draft))
     for prefix, name, proposer, dm in proposers:
@@ -175,7 +187,7 @@ def _per_round(r: dict) -> float:
     return (r["tokens"] - r["runs"]) / max(r["rounds"], 1)
 
 
-def _tree_report(rep: dict, model, prompts, spec: str, plain: dict, context: int, kw: dict) -> bool:
+def _tree_report(rep: dict, model, prompts, spec: str | Tree | Hybrid, plain: dict, context: int, kw: dict) -> bool:
     """The `tree_*` keys: the tree's speed, acceptance by depth (a list by rank per depth), expected tokens from it,
     and its ceiling over v of its rows, measured as the n-gram round verifying as many (drafting is a lookup);
     whether its outputs are plain's."""
@@ -187,8 +199,9 @@ def _tree_report(rep: dict, model, prompts, spec: str, plain: dict, context: int
     by = acceptance_by_depth_rank(shape, r["accepted_by_node"], r["reached"])
     e = tree_expected_tokens(shape, by)
     # r of the ceiling: one module call per depth at a chain draft's floor (a level drafts all its nodes at once)
-    floor = floor_ratio(MTPProposer(shape.max_depth), model.cfg, context)
-    rep.update({"tree": spec, "tree_nodes": shape.size, "tree_tokens_per_sec": r["tokens_per_sec"],
+    floor = floor_ratio(MTPProposer(chain_tree(shape.max_depth)), model.cfg, context)
+    name = spec if isinstance(spec, str) else spec.name()
+    rep.update({"tree": name, "tree_nodes": shape.size, "tree_tokens_per_sec": r["tokens_per_sec"],
                 "tree_speedup": r["tokens_per_sec"] / plain["tokens_per_sec"], "tree_tokens_per_round": _per_round(r),
                 **{f"tree_acceptance_depth{d + 1}": a for d, a in enumerate(by)},
                 "tree_expected_tokens_per_round": e, "tree_round_cost": cost, "tree_verify_cost_v": v,

@@ -25,6 +25,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from mtpjax.decode import api
 from mtpjax.decode.cache import rows as rows_of
+from mtpjax.decode.host import shape_of
+from mtpjax.decode.tree import PLAIN, Auto, DraftSpec
 from mtpjax.errors import MtpjaxError
 from mtpjax.nn.model import MTPTransformer
 
@@ -79,22 +81,24 @@ def pack(pairs, max_length: int, rows: int):
 class MtpjaxLM(TemplateLM):
     """lm-eval's LM interface over an MTPTransformer and its tokenizer (one device).
 
-    num_draft: drafts per round for generate_until (0 plain, "auto" measured), proposer: mtp, mtp1 or ngram;
-    tree: a static draft tree instead (decode.py --tree's syntax); draft_model: proposer "model"'s drafter.
+    What generate_until drafts is `shape` (config.specs: a Tree, a Hybrid or Auto, measured), or spelled as
+    num_draft (0 plain, "auto") or tree (decode.py --tree's syntax), read once as generate reads them; proposer: mtp,
+    mtp1, ngram or model (draft_model drafting).
     batch_size: rows per compiled batch. measure: time generation without compiles and, where it drafts, the
     same batches decoded plain (stats' plain_seconds).
     """
 
     def __init__(self, model: MTPTransformer, tokenizer, *, max_length: int, batch_size: int = 16,
                  num_draft: int | str = 0, proposer: str = "mtp", tree: str | None = None, seed: int = 0,
-                 max_gen_toks: int = 256, draft_model: MTPTransformer | None = None, measure: bool = False):
+                 max_gen_toks: int = 256, draft_model: MTPTransformer | None = None, measure: bool = False,
+                 shape: DraftSpec | None = None):
         super().__init__()
         self.model, self.tok = model, tokenizer
         self._max_length, self.batch_size, self.max_gen_toks = int(max_length), int(batch_size), int(max_gen_toks)
-        self.num_draft, self.proposer, self.tree, self.seed = num_draft, proposer, tree, seed
+        self.shape, self.proposer, self.seed = shape_of(num_draft, tree) if shape is None else shape, proposer, seed
         self._score = make_scorer(model)
         self.stats: dict[str, dict] = {}  # per task: what generation did (generate_until)
-        self.chosen: dict | None = None  # what num_draft="auto" chose on its first batch
+        self.chosen: DraftSpec | None = None  # what Auto chose on its first batch
         self.draft_model, self.measure, self._compiled = draft_model, measure, set()
 
     @property
@@ -160,35 +164,25 @@ class MtpjaxLM(TemplateLM):
                     temperature=float(kw.get("temperature", 1.0)) if sample else 0.0,
                     top_k=kw.get("top_k") if sample else None, top_p=kw.get("top_p") if sample else None,
                     draft=self.draft_model)
-        res, seconds = self._timed(rows, args, self._draft())
+        res, seconds = self._timed(rows, args, self.chosen or self.shape)
         t = self._record(task, res.stats, seconds, len(rows))
-        if self.measure and (res.stats["num_draft"] or "tree" in res.stats):  # the same batch decoded plain
-            t["plain_seconds"] += self._timed(rows, args, {"num_draft": 0})[1]
+        if self.measure and res.shape != PLAIN:  # the same batch decoded plain
+            t["plain_seconds"] += self._timed(rows, args, PLAIN)[1]
         return res.tokens[: len(prompts)]
 
-    def _timed(self, rows, args: dict, draft: dict):
+    def _timed(self, rows, args: dict, shape: DraftSpec):
         """(api.generate's result, its seconds); with `measure`, after an untimed run of each new compiled shape.
-        A first "auto" request is its calibration: the choice is kept and used from then on."""
-        if draft.get("num_draft") == "auto":
-            res = api.generate(self.model, rows, **args, **draft)
-            self.chosen = {"tree": res.stats["tree"]} if "tree" in res.stats else {"num_draft": res.stats["num_draft"]}
-            draft = self.chosen
+        A first Auto request is its calibration: the choice is kept and used from then on."""
+        if isinstance(shape, Auto):
+            self.chosen = shape = api.generate(self.model, rows, **args, shape=shape).shape
         key = (rows_of(max(map(len, rows)), args["max_new_tokens"], 0).prompt_pad, args["max_new_tokens"],
-               len(rows), tuple(sorted(draft.items())))
+               len(rows), shape)
         if self.measure and key not in self._compiled:
-            api.generate(self.model, rows, **args, **draft)
+            api.generate(self.model, rows, **args, shape=shape)
         self._compiled.add(key)
         t0 = time.perf_counter()
-        res = api.generate(self.model, rows, **args, **draft)
+        res = api.generate(self.model, rows, **args, shape=shape)
         return res, time.perf_counter() - t0
-
-    def _draft(self) -> dict:
-        """api.generate's arguments saying how much to draft."""
-        if self.tree:
-            return {"tree": self.tree}
-        if self.num_draft == "auto" and self.chosen is not None:
-            return self.chosen
-        return {"num_draft": self.num_draft}
 
     def _record(self, task: str, s: dict, seconds: float, rows: int) -> dict:
         """Sum one batch's decode statistics into stats[task] (padding rows included); that entry."""

@@ -12,11 +12,10 @@ import optax
 from flax import nnx
 
 from mtpjax.config import Config, ModelConfig
-from mtpjax.config.specs import split_hybrid
 from mtpjax.decode.cache import AttentionCaches
 from mtpjax.decode.autodraft import TREES
 from mtpjax.decode.proposers import MTPProposer
-from mtpjax.decode.tree import parse_tree
+from mtpjax.decode.tree import Hybrid, Tree, chain_tree, parse_tree
 from mtpjax.nn.flops import flops_per_token
 from mtpjax.nn.model import build_model, param_counts
 from mtpjax.nn.speed import (ceiling, expected_tokens, floor_ratio, tree_ceiling, tree_expected_tokens,
@@ -51,7 +50,7 @@ def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None,
     def ratios(g: int) -> dict:
         if draft_cost is not None:
             return {"work_ratio": draft_cost, "weight_ratio": draft_cost, "floor_ratio": draft_cost}
-        args = (MTPProposer(g), cfg.model, cfg.data.seq_len)
+        args = (MTPProposer(chain_tree(g)), cfg.model, cfg.data.seq_len)
         return {"work_ratio": work_ratio(*args), "weight_ratio": weight_ratio(*args), "floor_ratio": floor_ratio(*args)}
 
     spec = []
@@ -61,12 +60,11 @@ def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None,
                      "speedup": ceiling([alpha], g, r["floor_ratio"], v)})
     second = (1.0 - alpha) / 2 if alpha_rank2 is None else alpha_rank2
     trees = []
-    for shape in plan_trees(cfg) if spec and J else ():
-        t = parse_tree(shape)
+    for t in plan_trees(cfg) if spec and J else ():
         ranks = [alpha] + [second / 2 ** i for i in range(max(t.rank) if t.rank else 0)]
         a, v = [ranks] * t.max_depth, verify_cost_of(verify_cost, t.size + 1)
-        trees.append({"tree": shape, "nodes": t.size, "tokens_per_round": tree_expected_tokens(t, a), "verify_cost": v,
-                      "speedup": tree_ceiling(t, a, spec[0]["floor_ratio"], v)})
+        trees.append({"tree": t.name(), "nodes": t.size, "tokens_per_round": tree_expected_tokens(t, a),
+                      "verify_cost": v, "speedup": tree_ceiling(t, a, spec[0]["floor_ratio"], v)})
     return {"params": counts, "param_bytes": tree_bytes(params), "optimizer_bytes": tree_bytes(opt_state),
             "param_dtype": cfg.model.param_dtype, "flops": fl,
             "cache_bytes_per_token": AttentionCaches().attention_bytes_per_row(cfg.model), "alpha": alpha,
@@ -74,11 +72,12 @@ def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None,
             "trees": trees}
 
 
-def plan_trees(cfg: Config) -> list[str]:
+def plan_trees(cfg: Config) -> list[Tree]:
     """The tree shapes the plan tabulates: those `--num-draft auto` probes at this depth, and `decode.tree`'s."""
-    shapes = list(TREES.get(min(cfg.model.mtp_depth, max(TREES)), ()))
-    base = split_hybrid(cfg.decode.tree)[0].strip() if cfg.decode.tree else ""  # an n-gram branch drafts for free
-    return shapes + ([base] if base and base not in shapes else [])
+    shapes = [parse_tree(s) for s in TREES.get(min(cfg.model.mtp_depth, max(TREES)), ())]
+    given = cfg.decode.tree.shape
+    base = given.tree if isinstance(given, Hybrid) else given  # an n-gram branch drafts for free
+    return shapes + ([base] if base is not None and base not in shapes else [])
 
 
 def _h(n: float) -> str:

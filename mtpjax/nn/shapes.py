@@ -19,7 +19,7 @@ ALPHABET = {
     "L": "trunk layers",
     "M": "prediction depths: the main head and the MTP depths (J + 1)",
     "N": "query heads",
-    "O": "draft-tree nodes (reserved)",
+    "O": "draft-tree nodes (the rows a drafting level adds for them)",
     "P": "padded prompt length",
     "Q": "loss chunks (T / C)",
     "R": "query heads per key/value head (N / K)",

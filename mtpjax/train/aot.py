@@ -23,7 +23,6 @@ from mtpjax.config import Config
 from mtpjax.decode.host import make_loop, request
 from mtpjax.decode.loop import execute
 from mtpjax.decode.mesh import check_mesh, specs
-from mtpjax.decode.tree import parse_tree
 from mtpjax.errors import MtpjaxError
 from mtpjax.eval.plan import plan_trees
 from mtpjax.nn.flops import flops_per_token, train_flops_per_token
@@ -141,9 +140,9 @@ def decode_loops(cfg: Config, alpha: float) -> list[tuple[str, dict, float]]:
         loops.append((f"decode_chain_{J}", {"num_draft": J}, expected_tokens([alpha], J)))
         trees = plan_trees(cfg)
         if trees:
-            t = parse_tree(trees[0])
+            t = trees[0]
             ranks = [alpha] + [(1 - alpha) / 2 / 2**i for i in range(max(t.rank) if t.rank else 0)]
-            loops.append((f"decode_tree_{trees[0]}", {"num_draft": 0, "tree": trees[0]},
+            loops.append((f"decode_tree_{t.name()}", {"num_draft": 0, "tree": t},
                           tree_expected_tokens(t, [ranks] * t.max_depth)))
     return loops
 
