@@ -86,7 +86,7 @@ def main_worker(inp: dict) -> dict:
     cfg = tiny_cfg(tmp, *OVERRIDES, "mesh.tensor=2", corpus=corpus)
     train(cfg)
     run = tmp / "run"
-    out = {"train_eval": [e for e in read_evals(run) if e["step"] == STEP][0]}
+    out = {"run": str(run), "train_eval": [e for e in read_evals(run) if e["step"] == STEP][0]}
     report = tmp / "eval.json"
     out["eval"] = decode_cli(["--run-dir", str(run), "--eval", "--eval-prompts", "1", "--prompt-len", "8",
                               "--max-new-tokens", "8", "--json", str(report)])

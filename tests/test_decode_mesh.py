@@ -127,6 +127,52 @@ def test_bad_meshes_are_one_line_exit_2(cli, name, says):
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], bad["stderr"]
 
 
+def _decode_here(argv: list[str], capsys) -> tuple[int, str]:
+    """decode.py in this (one-device) process: exit status and stderr."""
+    from mtpjax.cli.decode import main
+
+    rc = main(argv)
+    return rc, capsys.readouterr().err
+
+
+def test_a_run_trained_on_two_devices_evaluates_on_one_after_one_line(cli, tmp_path, capsys):
+    """The run's own mesh (tensor=2) does not fit this process's one device: decode.py decodes there, says so in one
+    line naming the override, and its eval equals the training eval on 2 devices."""
+    report = tmp_path / "eval.json"
+    rc, err = _decode_here(["--run-dir", cli["run"], "--eval", "--eval-prompts", "1", "--prompt-len", "8",
+                            "--max-new-tokens", "8", "--json", str(report)], capsys)
+    assert rc == 0, err
+    (line,) = [ln for ln in err.splitlines() if "the run's mesh" in ln]
+    assert line == ("decode.py: the run's mesh data=1 fsdp=1 expert=1 tensor=2 needs 2 devices and 1 is here; "
+                    "decoding on one device (pass mesh.tensor=1 to decode on one device)")
+    assert "decoding on mesh" not in err
+    rep, rec = json.loads(report.read_text()), {k: v for k, v in cli["train_eval"].items() if k != "step"}
+    assert rep["mesh"] == "one device"
+    for k, v in rec.items():
+        assert rep["validation"][k] == pytest.approx(v, rel=1e-6, abs=1e-7), k
+
+
+def test_companion_the_same_mesh_given_as_an_override_is_still_refused(cli, capsys):
+    rc, err = _decode_here(["--run-dir", cli["run"], "--prompt", "ab", "--max-new-tokens", "2", "mesh.tensor=2"],
+                           capsys)
+    assert rc == 2
+    (line,) = err.strip().splitlines()
+    assert line.startswith("error: ") and "but 1 device(s) are available" in line
+
+
+def test_the_one_device_note_names_the_overrides_for_the_devices_here():
+    from mtpjax.config import MeshConfig, ModelConfig
+    from mtpjax.decode.mesh import fallback_note
+
+    heads4, heads5 = ModelConfig(n_heads=4, n_kv_heads=1), ModelConfig(n_heads=5, n_kv_heads=1)
+    assert fallback_note(heads4, MeshConfig(), 2, "") is None  # a one-device run decodes on one device anyway
+    assert fallback_note(heads4, MeshConfig(data=2, tensor=2), 2, "").endswith(
+        "needs 4 devices and 2 are here; decoding on one device (pass mesh.data=1 to decode over all 2)")
+    assert fallback_note(heads5, MeshConfig(tensor=2), 4, "").endswith(
+        "(pass mesh.data=4 mesh.tensor=1 to decode over all 4)")  # 5 heads do not split 4 ways: rows do
+    assert "does not suit this model (5 heads)" in fallback_note(heads5, MeshConfig(tensor=2), 2, "5 heads")
+
+
 def test_generation_on_the_mesh_keys_its_calibrations_by_the_mesh(cli):
     assert cli["generate"]["rc"] == 0, cli["generate"]["stderr"]
     assert "decoding on mesh data=1 fsdp=1 expert=1 tensor=2" in cli["generate"]["stderr"]

@@ -81,10 +81,13 @@ def parser() -> Parser:
 
 def _mesh(args):
     """The mesh to decode on (None: one device): the checkpoint's config's mesh with the command's mesh.* overrides;
-    MeshError (exit 2) for one the devices or the model cannot take."""
+    MeshError (exit 2) for overrides the devices or the model cannot take. The run's own mesh where it cannot be
+    used (trained on more devices than are here) decodes on one device, said in one line."""
+    import jax
+
     from mtpjax.config import replace
-    from mtpjax.decode.mesh import check_mesh
-    from mtpjax.parallel.sharding import make_mesh
+    from mtpjax.decode.mesh import check_mesh, fallback_note
+    from mtpjax.parallel.sharding import MeshError, make_mesh
     from mtpjax.train.checkpoint import SavedRun
 
     bad = [o for o in args.mesh_overrides if not o.startswith("mesh.")]
@@ -93,8 +96,15 @@ def _mesh(args):
                           "mesh.tensor=N); the rest of the config is the run's")
     with SavedRun(args.run_dir) as run:
         cfg = replace(run.newest_config(args.step), args.mesh_overrides)
-    mesh = make_mesh(cfg.mesh)
-    check_mesh(cfg.model, mesh)
+    try:
+        mesh = make_mesh(cfg.mesh)
+        check_mesh(cfg.model, mesh)
+    except MeshError as e:
+        if args.mesh_overrides:
+            raise
+        if note := fallback_note(cfg.model, cfg.mesh, jax.device_count(), str(e)):
+            _progress(note)
+        return None
     return mesh if mesh.size > 1 else None
 
 

@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mtpjax.config import ModelConfig
+from mtpjax.config import MeshConfig, ModelConfig
 from mtpjax.nn.layers import KV
 from mtpjax.nn.mla import MLACache
 from mtpjax.nn.model import MTPTransformer, placed
 from mtpjax.nn.placement import Placement
-from mtpjax.parallel.sharding import MeshError, placement, state_shardings
+from mtpjax.parallel.sharding import AXES, MeshError, placement, state_shardings
 
 log = logging.getLogger("mtpjax.decode")
 
@@ -37,6 +38,24 @@ def check_mesh(cfg: ModelConfig, mesh: Mesh) -> None:
     if t > 1 and cfg.n_heads % t:
         raise MeshError(f"mesh.tensor={t} does not divide the model's {cfg.n_heads} attention heads; use a "
                         f"divisor of {cfg.n_heads}")
+
+
+def fallback_note(cfg: ModelConfig, mesh: MeshConfig, devices: int, why: str) -> str | None:
+    """The line decode.py logs when a run's own mesh cannot decode here and it decodes on one device instead, naming
+    the overrides that choose a mesh (None: the run's mesh is one device, where it decodes anyway)."""
+    shape = {a: getattr(mesh, a) for a in AXES}
+    need = math.prod(shape.values())
+    if need == 1:
+        return None
+    want = dict.fromkeys(AXES, 1)
+    if devices > 1:  # all the devices: heads split over tensor where they divide, else rows over data
+        want["tensor" if cfg.n_heads % devices == 0 else "data"] = devices
+    fix = " ".join(f"mesh.{a}={n}" for a, n in want.items() if n != shape[a])
+    axes = " ".join(f"{a}={n}" for a, n in shape.items())
+    why = (f"needs {need} devices and {devices} {'is' if devices == 1 else 'are'} here" if need != devices
+           else f"does not suit this model ({why})")
+    return (f"decode.py: the run's mesh {axes} {why}; decoding on one device (pass {fix} to decode "
+            f"{'on one device' if devices == 1 else f'over all {devices}'})")
 
 
 def on_mesh(model: MTPTransformer, mesh: Mesh) -> MTPTransformer:
