@@ -7,6 +7,7 @@ plugin prints a line on every process's start on a machine without CUDA, which o
 Every compile this file needs starts when its first test does, two processes at a time (the CI machine's cores).
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -55,6 +56,7 @@ RUNS = {  # name: (target, overrides, patch, flags)
     "gpu": (GPU[0], GPU[1], "none", ("--decode-batch", "2", "--alpha", "0.6")),
     "tpu_moe": (TPU[0], MLA_MOE, "none", ("--no-decode",)),
     "tpu_moe_depth2": (TPU[0], MLA_MOE + ["model.mtp_depth=2"], "none", ("--no-decode",)),
+    "gpu_moe": ("h100:4", MLA_MOE, "none", ("--no-decode",)),
     "gpu_depth2": (GPU[0], GPU[1] + ["model.mtp_depth=2"], "none", ("--no-decode",)),
     "tpu_too_large": (TPU[0], TPU[1] + TOO_LARGE + ["model.vocab_size=2097152", "model.d_model=2048"], "none",
                       ("--no-decode",)),
@@ -222,16 +224,18 @@ def test_companion_kernel_without_shard_map(runs):
     assert kernel_rows(runs["gpu_no_shard_map"][3] / "hlo", "train_step") == {2}
 
 
-def dispatch_extra(depth: int) -> float:
+def dispatch_extra(depth: int, platform: str) -> float:
     """FLOPs per device that MLA_MOE's train step computes beyond the plan's count (which counts what a token needs):
     each device's N tokens send their k slots into buffers sized for the worst case (every token on min(k, E_l) of
-    each shard's E_l experts: R = expert·min(k, E_l)·N rows received), whose padding rows ride with the last expert;
-    the Mosaic ragged_dot multiplies every received row in the forward and the input gradient (2 × 3 matmuls), and
-    the weight gradients run every local expert over every received row (3 × E_l). One MoE block in the trunk, one
-    per MTP module."""
+    each shard's E_l experts: R = expert·min(k, E_l)·N rows received), whose padding rows ride with the last expert.
+    TPU: the Mosaic ragged_dot multiplies every received row once in the forward and the input gradient (2 × 3
+    matmuls), and the weight gradients run every local expert over every received row (3 × E_l). GPU: XLA lowers
+    every ragged_dot to dense dots, all 9 matmuls of every local expert over every received row. One MoE block in
+    the trunk, one per MTP module."""
     E_l, N = MOE["E"] // MOE["expert"], SMALL_BATCH * MOE["T"] // MOE["expert"]
     R, DF = MOE["expert"] * min(MOE["k"], E_l) * N, MOE["D"] * MOE["F"] // MOE["tensor"]
-    executed, needed = 2 * (6 + 3 * E_l) * R * DF, 2 * 9 * MOE["k"] * N * DF
+    matmuls = 6 + 3 * E_l if platform == "tpu" else 9 * E_l
+    executed, needed = 2 * matmuls * R * DF, 2 * 9 * MOE["k"] * N * DF
     return (1 + depth) * (executed - needed)
 
 
@@ -239,7 +243,8 @@ def moe_flops(runs: dict, name: str) -> tuple[float, float, hlo.Program]:
     """(the train step's counted FLOPs, the plan's plus dispatch_extra, its parsed HLO)."""
     train = report_of(runs, name)["train_step"]
     prog = hlo.Program((runs[name][3] / "hlo" / "train_step.hlo.txt").read_text())
-    return train["flops"], train["analytic_flops"] + dispatch_extra(2 if name.endswith("depth2") else 1), prog
+    extra = dispatch_extra(2 if name.endswith("depth2") else 1, name.split("_")[0])
+    return train["flops"], train["analytic_flops"] + extra, prog
 
 
 @pytest.mark.parametrize("name", ["tpu_moe", "tpu_moe_depth2"])
@@ -248,6 +253,35 @@ def test_mla_moe_flops_match_the_plan_with_the_dispatch_at_two_depths(runs, name
     assert abs(counted / expected - 1) < 0.15, counted / expected
     assert prog.stats().calls[hlo.RAGGED_CALL] > 0  # the grouped matmuls are Mosaic kernels, not attention
     assert report_of(runs, name)["train_step"]["kernels"]["moe"].startswith("ragged_dot (Mosaic")
+
+
+def test_mla_moe_compiles_for_gpus_and_its_flops_match_the_plan_with_the_dense_dots(runs):
+    """The MoE's dispatch sorts its slots; on GPUs that compiles with XLA's sort (CUB's asks a live GPU), and XLA's
+    dense-dot ragged_dot runs every local expert over every received row: the plan plus that excess."""
+    counted, expected, _ = moe_flops(runs, "gpu_moe")
+    assert abs(counted / expected - 1) < 0.15, counted / expected
+    assert report_of(runs, "gpu_moe")["train_step"]["kernels"]["moe"].startswith("ragged_dot as dense dots")
+
+
+def test_companion_a_gpu_sort_compiled_with_cub_asks_for_a_gpu():
+    """The compile option that the MoE's GPU compile stands on: without it, XLA's CUB radix sort (a sort of 10^5
+    keys) fails to compile here for want of a GPU."""
+    code = ("from mtpjax.parallel.targets import prepare_environment, parse_target, topology_devices\n"
+            "prepare_environment('cpu')\n"
+            "import jax, jax.numpy as jnp\n"
+            "from mtpjax.train.aot import compiler_options\n"
+            "mesh = jax.sharding.Mesh(topology_devices(parse_target('h100:1')), ('x',))\n"
+            "arg = jax.ShapeDtypeStruct((100_000,), jnp.int32, sharding=jax.NamedSharding(mesh, jax.P()))\n"
+            "lowered = jax.jit(lambda g: jnp.argsort(g, stable=True)).lower(arg)\n"
+            "lowered.compile(compiler_options('gpu'))\n"
+            "print('ours compiled')\n"
+            "try:\n"
+            "    lowered.compile({})\n"
+            "except Exception as e:\n"
+            "    print('cub:', str(e).splitlines()[0])\n")
+    p = _python(code, JAX_PLATFORMS="cpu")
+    assert p.returncode == 0 and p.stdout.splitlines()[0] == "ours compiled", p.stderr[-2000:]
+    assert "CUDA Runtime error" in p.stdout.splitlines()[1], p.stdout
 
 
 @pytest.mark.parametrize("name", ["tpu_moe", "tpu_moe_depth2"])
@@ -371,3 +405,59 @@ def test_a_mesh_decoding_cannot_use_is_one_line_before_anything_compiles(monkeyp
     assert compile_main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: mesh.expert=2 splits routed experts") and not out.exists()
+
+
+def test_a_batch_the_run_would_refuse_is_one_line_before_anything_compiles(monkeypatch, capsys, tmp_path):
+    """train.py refuses a batch that does not split over the batch shards and micro-batches; so does compile (its
+    MoE would otherwise run unsharded)."""
+    from mtpjax.train import aot
+
+    monkeypatch.setattr(aot, "topology_devices", lambda target: [])
+    monkeypatch.setattr(aot, "make_mesh", lambda mesh, devices: SimpleNamespace(shape=dataclasses.asdict(mesh)))
+    monkeypatch.setattr(aot, "train_programs", lambda *a: pytest.fail("compiled a batch the run would refuse"))
+    out = tmp_path / "r.json"
+    argv = ["--config", str(ROOT / "configs/tiny.yaml"), "--target", "h100:2", "mesh.fsdp=2", "train.batch_size=6",
+            "train.micro_batches=2", "--json", str(out)]
+    assert compile_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: train.batch_size=6 is not divisible") and not out.exists()
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    """`code` in a fresh process with the compilers (libtpu, the CUDA plugin) on its path, as the extras put them."""
+    env = {**{k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TPU_SKIP_MDS_QUERY")},
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(SITE)]), **env}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+PLUGIN_LINES = ("cudart_stub", "absl::InitializeLog", "libtpu", "TPU_WORKER_HOSTNAMES", "Jax plugin configuration")
+
+
+def test_a_cpu_machine_with_the_compilers_installed_is_quiet(runs):
+    """train.py, decode.py and `python -m mtpjax` prepare the environment before JAX loads: with libtpu and the CUDA
+    plugin installed on a machine without either device, JAX starts on the CPU and nothing of the plugins is printed;
+    nor does a compile for GPUs print any."""
+    p = _python("from mtpjax.parallel.targets import prepare_environment; prepare_environment()\n"
+                "import jax, jax.numpy as jnp; print(jax.default_backend(), float(jnp.ones(2).sum()))")
+    assert p.returncode == 0 and p.stdout.split() == ["cpu", "2.0"] and p.stderr == "", p.stderr[-2000:]
+    _, _, err, _ = runs["gpu"]
+    assert not [line for line in err.splitlines() if any(k in line for k in PLUGIN_LINES)], err[-2000:]
+
+
+def test_companion_without_the_prepared_environment_the_plugins_speak():
+    """The same start without prepare_environment: the plugins' lines (what the test above would catch)."""
+    p = _python("import jax, jax.numpy as jnp; print(jax.default_backend(), float(jnp.ones(2).sum()))")
+    assert p.returncode == 0 and "cudart_stub" in p.stderr, p.stderr[-2000:]
+
+
+def test_the_plugin_filter_drops_only_the_plugin_s_lines(capfd):
+    """What passes through the filter on file descriptor 2: every line but the CUDA plugin's "no driver" lines."""
+    from mtpjax.parallel.targets import plugin_noise_dropped
+
+    capfd.readouterr()
+    with plugin_noise_dropped():
+        os.write(2, b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
+                    b"I0000 00:00:1.0 1 cudart_stub.cc:31] Could not find cuda drivers on your machine, GPU will not "
+                    b"be used.\nour line\n")
+        print("python's line", file=sys.stderr)
+    assert sorted(capfd.readouterr().err.splitlines()) == ["our line", "python's line"]  # capfd: its own order

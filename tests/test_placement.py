@@ -50,6 +50,22 @@ def test_expert_parallelism_is_told_at_construction():
     assert all(ep is None for ep in eps(1) + eps(2, axis=None))
 
 
+def test_a_batch_that_does_not_split_runs_the_experts_unsharded_and_says_so(capsys, monkeypatch):
+    """Rows that do not divide over the batch shards take the unsharded path with one `moe:` line (once); rows that
+    divide take the expert-parallel path and say nothing."""
+    from mtpjax.nn import kernels
+    from mtpjax.nn.moe import ExpertParallel
+
+    monkeypatch.setattr(kernels, "_NOTED", set())
+    ep = ExpertParallel(mesh=AbstractMesh((1, 2, 2, 1), AXES), batch_axes=BATCH_AXES)
+    assert ep.applies(8) and capsys.readouterr().err == ""
+    assert not ep.applies(2) and not ep.applies(2)
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["moe: a batch of 2 rows does not split over the 4 batch shards (data*fsdp*expert); the routed "
+                   "experts run unsharded, their weights gathered to every device (a batch that is a multiple of 4 "
+                   "keeps them on their shards)"]
+
+
 def test_placed_keeps_the_state_and_changes_the_graph():
     """placed() rebuilds the static graph for another placement around the very same arrays."""
     model = build_model(ModelConfig(**SMALL), seed=0)

@@ -18,16 +18,17 @@ import jax.numpy as jnp
 PAD_SEGMENT = -1  # data segment ids are >= 0 (0 = padding), so a padded position matches no real one
 
 
-def note(message: str) -> None:
-    """One `attention: ...` line on stderr, once per process and message (process 0 only)."""
-    if message not in _NOTED and jax.process_index() == 0:
+def note(message: str, topic: str = "attention") -> None:
+    """One `topic: ...` line on stderr (a kernel's choice), once per process and message (process 0 only)."""
+    line = f"{topic}: {message}"
+    if line not in _NOTED and jax.process_index() == 0:
         try:  # tqdm.write: above a progress bar, never glued to it; a bare device image (bench/accelerator.py) lacks it
             from tqdm import tqdm
         except ImportError:
-            print(f"attention: {message}", file=sys.stderr)
+            print(line, file=sys.stderr)
         else:
-            tqdm.write(f"attention: {message}", file=sys.stderr)
-    _NOTED.add(message)
+            tqdm.write(line, file=sys.stderr)
+    _NOTED.add(line)
 
 
 _NOTED: set[str] = set()

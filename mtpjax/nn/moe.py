@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from mtpjax.config import ModelConfig
+from mtpjax.nn import kernels
 from mtpjax.nn.layers import MLP, dtype_of, param
 from mtpjax.nn.placement import Placement
 
@@ -97,9 +98,17 @@ class ExpertParallel:
     tensor_axis: str | None = "tensor"
 
     def applies(self, batch: int) -> bool:
-        """Whether a batch of this many rows splits evenly over the batch axes (else the MoE runs unsharded)."""
-        return self.mesh.shape[self.expert_axis] > 1 and batch % math.prod(self.mesh.shape[a]
-                                                                          for a in self.batch_axes) == 0
+        """Whether a batch of this many rows splits evenly over the batch axes (else the MoE runs unsharded, said
+        once: every device then computes every expert on the whole batch, their weights gathered)."""
+        if self.mesh.shape[self.expert_axis] == 1:
+            return False
+        shards = math.prod(self.mesh.shape[a] for a in self.batch_axes)
+        if batch % shards:
+            kernels.note(f"a batch of {batch} rows does not split over the {shards} batch shards "
+                         f"({'*'.join(self.batch_axes)}); the routed experts run unsharded, their weights gathered "
+                         f"to every device (a batch that is a multiple of {shards} keeps them on their shards)", "moe")
+            return False
+        return True
 
 
 def dispatch_positions(slot_e, experts_per_shard: int, shards: int):

@@ -7,10 +7,14 @@ devices lowers and compiles with the target's own compiler. Nothing runs on them
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib.util
 import math
 import os
 import re
+import sys
+import threading
 from pathlib import Path
 
 from mtpjax.errors import MtpjaxError
@@ -18,11 +22,46 @@ from mtpjax.errors import MtpjaxError
 SPECS = Path(__file__).resolve().parent / "gpu_specs"  # XLA's GPU target descriptions (Apache-2.0, LICENSE there)
 
 
+# What the CUDA plugin logs (absl, from C++, straight to file descriptor 2) on a machine without NVIDIA's driver:
+# expected when compiling for GPUs elsewhere, so not shown.
+PLUGIN_NOISE = re.compile(r"cudart_stub\.cc:\d+\] Could not find cuda drivers|^WARNING: All log messages before "
+                          r"absl::InitializeLog\(\) is called are written to STDERR")
+
+
+@contextlib.contextmanager
+def plugin_noise_dropped():
+    """File descriptor 2 (what C++ plugins write to) passed through without the PLUGIN_NOISE lines."""
+    sys.stderr.flush()
+    read, write = os.pipe()
+    saved, out_fd = os.dup(2), os.dup(2)
+    os.dup2(write, 2)
+    os.close(write)
+
+    def forward():
+        with os.fdopen(read, "rb") as lines, os.fdopen(out_fd, "wb", buffering=0) as out:
+            for line in lines:
+                if not PLUGIN_NOISE.search(line.decode(errors="replace")):
+                    out.write(line)
+
+    thread = threading.Thread(target=forward, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last writer closes: forward() reads to its end and stops
+        os.close(saved)
+        thread.join()
+
+
 def prepare_environment(platforms: str | None = None) -> None:
-    """Before JAX loads: off a TPU VM, libtpu (the `tpu` extra) asks no cloud metadata server, and `platforms`
-    (JAX_PLATFORMS, unless the user set it) keeps JAX from starting backends the command does not use."""
+    """Before JAX loads: on a machine with no accelerator, only the CPU backend starts (`platforms`, JAX_PLATFORMS,
+    unless the user set it), libtpu (the `tpu` extra) asks no cloud metadata server, and the CUDA plugin (the `cuda`
+    extra) is loaded without its "no driver here" lines: a CPU machine that compiles for TPUs and GPUs is quiet."""
     on_tpu_vm = any(Path("/dev").glob("accel*")) or Path("/dev/vfio").exists()
-    if not on_tpu_vm:
+    on_gpu = any(Path(d).exists() for d in ("/dev/nvidiactl", "/dev/kfd"))
+    if not (on_tpu_vm or on_gpu):
+        platforms = platforms or "cpu"
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
         if platforms == "cpu":  # what the metadata server would say; a topology's own name overrides the type
             os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
@@ -30,6 +69,12 @@ def prepare_environment(platforms: str | None = None) -> None:
             os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no TPU to guard: compiles run side by side
     if platforms:
         os.environ.setdefault("JAX_PLATFORMS", platforms)
+    if not on_gpu and importlib.util.find_spec("jax_cuda12_plugin") is not None:
+        with plugin_noise_dropped():  # JAX loads the plugin as it starts, and the plugin logs that no driver is here
+            import jax  # noqa: F401
+            from jax._src import xla_bridge
+
+            xla_bridge._discover_and_register_pjrt_plugins()  # what the first backend would do; starts none
 
 
 class TargetError(MtpjaxError, ValueError):

@@ -31,6 +31,7 @@ from mtpjax.nn.speed import expected_tokens, tree_expected_tokens
 from mtpjax.parallel import hlo
 from mtpjax.parallel.sharding import make_mesh, placement, state_shardings
 from mtpjax.parallel.targets import Target, topology_devices
+from mtpjax.train.setup import check_parallelism
 from mtpjax.train.step import make_programs
 
 GiB = 2**30
@@ -94,11 +95,17 @@ def analyse(name: str, compiled, seconds: float, cfg: Config) -> dict:
             **hlo.summary(stats), "kernels": kernels_in(stats, cfg, text), "_program": prog, "_text": text}
 
 
-def _compile(lowered_fn, name: str, capacity: float, table_so_far):
+def compiler_options(platform: str) -> dict:
+    """What the target's compiler is told beyond its defaults. GPU: XLA's own sort, not CUB's radix sort, which sizes
+    its scratch by asking a live GPU (none is here; the MoE's dispatch sorts I·k slots)."""
+    return {"xla_gpu_enable_cub_radix_sort": False} if platform == "gpu" else {}
+
+
+def _compile(lowered_fn, name: str, capacity: float, table_so_far, platform: str):
     """(compiled, seconds); DoesNotFit when the compiler refuses for memory (TPU)."""
     t0 = time.perf_counter()
     try:
-        return lowered_fn().compile(), time.perf_counter() - t0
+        return lowered_fn().compile(compiler_options(platform)), time.perf_counter() - t0
     except Exception as e:  # XlaRuntimeError: a refusal for memory is the user's to fix, anything else a bug
         used = refused_memory(str(e))
         if used is None:
@@ -116,7 +123,7 @@ def train_programs(cfg: Config, target: Target, mesh, report: dict, table) -> No
     tok = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=programs.batch_sharding)
     for name, fn in (("train_step", programs.train_step), ("eval_step", programs.eval_step)):
         c, s = _compile(lambda fn=fn: fn.lower(programs.target, tok, tok), name, target.chip.hbm_bytes,
-                        lambda n, used: table(report, extra=(n, used)))
+                        lambda n, used: table(report, extra=(n, used)), target.platform)
         report["programs"].append(analyse(name, c, s, cfg))
         check_fits(report, target, table)
 
@@ -162,7 +169,8 @@ def decode_programs(cfg: Config, mesh, report: dict, alpha: float, batch: int, p
         req = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
                            req, specs(where, req, batch), is_leaf=lambda x: isinstance(x, P))
         t0 = time.perf_counter()
-        c = execute.lower(loop, (graph, None), (params, None), req).compile()
+        options = compiler_options(report["chip"]["platform"])
+        c = execute.lower(loop, (graph, None), (params, None), req).compile(options)
         entry = analyse(name, c, time.perf_counter() - t0, cfg)
         prog = entry["_program"]
         # The rounds: the loop whose trip count the data decides (layer scans and the like have known ones)
@@ -222,6 +230,7 @@ def compile_report(cfg: Config, target: Target, *, alpha: float = 0.8, decode: b
     mesh = make_mesh(cfg.mesh, devices)
     if decode:
         check_mesh(cfg.model, mesh)
+    check_parallelism(cfg, mesh)  # a batch the run would refuse is refused here too
     train_programs(cfg, target, mesh, report, table)
     if decode:
         decode_programs(cfg, mesh, report, alpha, batch, min(prompt, cfg.data.seq_len), new)

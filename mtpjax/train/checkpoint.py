@@ -236,18 +236,23 @@ class SavedRun:
             raise CheckpointError(f"checkpoint {step} of {self.name} is unreadable ({first_line(e, typed=True)})"
                                   ) from None
 
+    def newest(self, read, step: int | None = None, skipped=lambda message: None):
+        """read(`step`), or for None read() of the newest checkpoint it reads, each unreadable one passed to
+        `skipped` first; CheckpointError when none reads."""
+        if step is not None:
+            return read(self.step(step))
+        for s in self.steps[::-1]:
+            try:
+                return read(s)
+            except CheckpointError as e:
+                skipped(f"{e}; falling back to the previous checkpoint")
+        raise CheckpointError(f"no checkpoint of run {self.name} is readable (tried {self.steps[::-1]}); "
+                              "train it again with --fresh")
+
     def newest_config(self, step: int | None = None) -> Config:
         """The config of `step`, or for None of the newest checkpoint whose config reads (load_model_step warns about
         any it then skips)."""
-        if step is not None:
-            return self.config(self.step(step))
-        for s in self.steps[::-1]:
-            try:
-                return self.config(s)
-            except CheckpointError:
-                continue
-        raise CheckpointError(f"no checkpoint of run {self.name} is readable (tried {self.steps[::-1]}); "
-                              "train it again with --fresh")
+        return self.newest(self.config, step)
 
     def tokenizer(self):
         """The tokenizer the run saved (tokenizer/)."""
@@ -335,18 +340,8 @@ def load_model(run_dir: str | Path, step: int | None = None, mesh: Mesh | None =
 def load_model_step(run_dir: str | Path, step: int | None = None, mesh: Mesh | None = None):
     """(cfg, model, tokenizer, step); step is the checkpoint actually restored (older if the latest is unreadable)."""
     with SavedRun(run_dir) as run:
-        tried = [run.step(step)] if step is not None else run.steps[::-1]
         tok = run.tokenizer()
-        # The latest by default; an unreadable one is reported and the next older one is tried.
-        for s in tried:
-            try:
-                return (*run.model(s, mesh), tok, s)
-            except CheckpointError as e:
-                if step is not None:
-                    raise
-                warn(f"{e}; falling back to the previous checkpoint")
-        raise CheckpointError(f"no checkpoint of run {run.name} is readable (tried {tried}); "
-                              "train it again with --fresh")
+        return run.newest(lambda s: (*run.model(s, mesh), tok, s), step, warn)  # the latest by default
 
 
 def _int_keys(tree):
