@@ -187,3 +187,22 @@ def test_step_ab_variants_train_the_same_step():
     for name in ("no_ynn", "fused_gate_up"):
         for k in ("loss/main", "grad_norm"):
             np.testing.assert_allclose(float(seen[name][k]), float(seen["default"][k]), rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.slow
+def test_decode_mesh_bench_smoke_forces_the_acceptance_it_is_given(tmp_path):
+    """bench/decode_mesh.py end to end on a small model with two MTP modules: its forced loop (AtRate) accepts the
+    first draft always and the second never, whatever the random weights say, so the acceptance it measures is exactly
+    (1, 0) on one device and on tensor=2; plain decoding on tensor=2 reproduces one device's tokens."""
+    out = tmp_path / "dm.json"
+    r = subprocess.run([sys.executable, "-m", "bench.decode_mesh", "--config", "configs/tiny.yaml", "--batches", "1,2",
+                        "--max-new", "6", "--prompt-len", "4", "--rounds", "1", "--alpha", "1.0,0.0", "--json",
+                        str(out), "model.mtp_depth=2"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())["results"]
+    assert [b["batch"] for b in res] == [1, 2] and "| batch |" in r.stdout
+    for b in res:
+        assert b["measured_alpha"]["mtp2_tensor2"] == [1.0, 0.0] and b["measured_alpha"]["mtp1_tensor2"] == [1.0]
+        assert b["plain_identical"] and b["forced_identical"]
+        assert set(b["vs_plain_same_mesh"]["tensor2"]) == {"plain_tensor2", "mtp1_tensor2", "mtp2_tensor2"}
+        assert b["auto"]["tensor2"]["choice"] in (0, 1, 2) and b["tensor2_vs_one"] > 0

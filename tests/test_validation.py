@@ -2,19 +2,25 @@
 
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import SMALL
 from train_helpers import one_line_error, tiny_cfg
 
 from mtpjax.cli.decode import main
 from mtpjax.eval.log import read_evals
-from mtpjax.eval.validation import COUNTS, mean_metrics, model_metrics
+from mtpjax.config import LossConfig, ModelConfig
+from mtpjax.eval.validation import COUNTS, batch_metrics, mean_metrics, model_metrics
 from mtpjax.nn.loss import add_expected_lengths
+from mtpjax.nn.model import build_model
+from mtpjax.parallel.sharding import micro_batches_of
 from mtpjax.train.loop import train
 
 STEP = 4  # the step evaluated in training and checkpointed
 OVERRIDES = [f"train.steps={STEP}", f"train.eval_every={STEP}", "train.eval_batches=3", f"checkpoint.every={STEP}",
-             "checkpoint.async_save=false", "train.num_samples=0"]
+             "checkpoint.async_save=false", "train.num_samples=0", "train.micro_batches=2"]  # eval in 2 parts too
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +61,7 @@ def test_companion_per_batch_averaged_lengths_differ(evaluated):
     _, model, _ = load_model(run, STEP)
     batches = first_batches(prepare(cfg.data), 3, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
                             seed=cfg.train.seed)
-    per = model_metrics(model, batches, step=STEP, loss_cfg=cfg.loss)
+    per = model_metrics(model, batches, step=STEP, loss_cfg=cfg.loss, micro_batches=cfg.train.micro_batches)
     assert mean_metrics(per)["expected_accept_length"] == pytest.approx(rec["expected_accept_length"], rel=1e-6)
     rates = [{k: float(v) for k, v in m.items() if k != COUNTS} for m in per]
     lengths = [float(add_expected_lengths(r, 2)["expected_accept_length"]) for r in rates]
@@ -89,3 +95,43 @@ def test_unrolled_applications_are_weighted_by_their_own_targets():
     m = mean_metrics(per)
     assert m["loss/unroll_1"] == pytest.approx((1 * 2.0 + 3 * 6.0) / 4)
     assert m["expected_accept_length"] == pytest.approx(1.5)  # one depth: 1 + agreement/mtp_1
+
+
+def _padded_batch(rows: int = 8, T: int = 16):
+    """Tokens and segment ids whose rows hold different numbers of real tokens (some none), so micro-batches of
+    rows a, a+A, ... count different valid targets."""
+    rng = np.random.default_rng(0)
+    tok = rng.integers(1, SMALL["vocab_size"], (rows, T)).astype(np.int32)
+    real = [T, T, 3, 0, T, 9, T, 5][:rows]
+    seg = np.array([[1 if t < n else 0 for t in range(T)] for n in real], np.int32)
+    return jnp.asarray(tok), jnp.asarray(seg)
+
+
+def _metrics_in_parts(parts: int) -> dict:
+    model = build_model(ModelConfig(**SMALL), seed=0)
+    tok, seg = _padded_batch()
+    fn = jax.jit(lambda t, s: batch_metrics(model, t, s, step=0, loss_cfg=LossConfig(), micro_batches=parts))
+    return jax.device_get(fn(tok, seg))
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+def test_an_eval_in_micro_batches_equals_the_whole_batch_s(parts):
+    """The eval step in the train step's micro-batches (its memory) reports the whole batch's metrics: each part's
+    mean weighted by its own valid targets per depth, the counts summed."""
+    whole, split = _metrics_in_parts(1), _metrics_in_parts(parts)
+    assert set(split) == set(whole)
+    np.testing.assert_array_equal(split[COUNTS], whole[COUNTS])
+    for k in whole:
+        assert split[k] == pytest.approx(whole[k], rel=1e-6, abs=1e-7), k
+
+
+def test_companion_micro_batches_averaged_alike_differ():
+    """The parts' plain mean (each part weighing the same, whatever its valid targets) is another number, so the
+    equality above holds only because the parts are token-weighted."""
+    model = build_model(ModelConfig(**SMALL), seed=0)
+    tok, seg = _padded_batch()
+    parts = [jax.device_get(batch_metrics(model, micro_batches_of(tok, 2)[a], micro_batches_of(seg, 2)[a], step=0,
+                                          loss_cfg=LossConfig())) for a in range(2)]
+    whole = _metrics_in_parts(1)
+    assert parts[0][COUNTS][0] != parts[1][COUNTS][0]
+    assert abs((parts[0]["loss/main"] + parts[1]["loss/main"]) / 2 - whole["loss/main"]) > 1e-3

@@ -360,7 +360,8 @@ def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
                             seed=cfg.train.seed)  # the training eval's batches
     _progress(f"eval: validation metrics on {len(batches)} batches")
     # the training eval's metrics (eval.jsonl at this step, on its first validation batches): one function
-    val = validation_metrics(model_metrics(model, batches, step=step, loss_cfg=cfg.loss), batches, tok)
+    val = validation_metrics(model_metrics(model, batches, step=step, loss_cfg=cfg.loss,
+                                           micro_batches=cfg.train.micro_batches), batches, tok)
     # a synthetic source's task metric on its held-out instances (the training eval's eval/task/...)
     val |= task_metrics(model, task_batch(cfg.data, tok, cfg.data.task_instances, cfg.data.seq_len))
     num_draft = args.num_draft.size if isinstance(args.num_draft, Tree) else max(1, cfg.model.mtp_depth)

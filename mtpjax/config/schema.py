@@ -281,7 +281,7 @@ class TrainConfig:
     steps: int = key(1000, "total optimizer steps", gt=0)
     batch_size: int = key(16, "global batch (sequences per step)", gt=0)
     micro_batches: int = key(1, "gradient accumulation: the batch is split into this many parts (must divide "
-                             "`batch_size`; exactly equivalent)", gt=0)
+                             "`batch_size`; exactly equivalent); the eval step computes in the same parts", gt=0)
     seed: int = key(0, "parameter init and data order")
     run_dir: str = key("runs/default", "checkpoints, TensorBoard logs, config and tokenizer of the run")
     log_every: int = key(10, "steps between logged training scalars", gt=0)

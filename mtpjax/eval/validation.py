@@ -21,19 +21,30 @@ from mtpjax.decode.mesh import batch_axes
 from mtpjax.eval.bpb import eval_bits_per_byte
 from mtpjax.nn.loss import add_expected_lengths, forward, mtp_loss, token_counts
 from mtpjax.nn.model import MTPTransformer
-from mtpjax.parallel.sharding import replicated, state_shardings
+from mtpjax.parallel.sharding import micro_batches_of, replicated, state_shardings
 
 KEPT = ("loss/", "accuracy/", "agreement/", "accept_prob/")  # what a validation reports of mtp_loss's metrics
 COUNTS = "counts_M"  # a batch's valid targets per depth, beside its metrics
 
 
-def batch_metrics(model: MTPTransformer, tokens_BT, seg_BT, *, step, loss_cfg: LossConfig) -> dict:
-    """One batch's validation metrics and its valid targets per depth (jittable; the training eval step)."""
-    depth = model.cfg.mtp_depth
-    met = mtp_loss(model, forward(model, tokens_BT, seg_BT, loss_cfg), tokens_BT, seg_BT, step=step, cfg=loss_cfg,
-                   with_accept_prob=True)[1]
-    counts = token_counts(tokens_BT, seg_BT, depth, loss_cfg)  # main, mtp_1..mtp_J, then unroll_1..
-    return {k: v for k, v in met.items() if k.startswith(KEPT)} | {COUNTS: counts}
+def batch_metrics(model: MTPTransformer, tokens_BT, seg_BT, *, step, loss_cfg: LossConfig, micro_batches: int = 1,
+                  batch_sharding=None) -> dict:
+    """One batch's validation metrics and its valid targets per depth (jittable; the training eval step), computed
+    `micro_batches` parts at a time (the train step's split, and its memory): each part is normalized by the whole
+    batch's counts, as the train step's are, so the parts sum to the whole batch's metrics."""
+    B, counts = tokens_BT.shape[0], token_counts(tokens_BT, seg_BT, model.cfg.mtp_depth, loss_cfg)
+
+    def part(xs):
+        if batch_sharding is not None:
+            xs = tuple(jax.lax.with_sharding_constraint(x, batch_sharding) for x in xs)
+        met = mtp_loss(model, forward(model, *xs, loss_cfg), *xs, step=step, cfg=loss_cfg, counts=counts, rows=B,
+                       with_accept_prob=True)[1]
+        return {k: v for k, v in met.items() if k.startswith(KEPT)}
+
+    if micro_batches == 1:
+        return part((tokens_BT, seg_BT)) | {COUNTS: counts}
+    per = jax.lax.map(part, (micro_batches_of(tokens_BT, micro_batches), micro_batches_of(seg_BT, micro_batches)))
+    return {k: v.sum(0) for k, v in per.items()} | {COUNTS: counts}
 
 
 def _column(key: str, depth: int) -> int:
@@ -69,22 +80,27 @@ def validation_metrics(per_batch: list[dict], batches: list[dict], tokenizer=Non
     return out | eval_bits_per_byte(batches, [float(m["loss/main"]) for m in per_batch], tokenizer)
 
 
-def model_metrics(model: MTPTransformer, batches: list[dict], *, step: int, loss_cfg: LossConfig) -> list[dict]:
+def model_metrics(model: MTPTransformer, batches: list[dict], *, step: int, loss_cfg: LossConfig,
+                  micro_batches: int = 1) -> list[dict]:
     """batch_metrics of a loaded model on each batch, on the mesh the model is placed on with the training eval step's
-    shardings (parameters by the logical rules, rows over the data axes, metrics replicated); one device off a mesh."""
+    shardings (parameters by the logical rules, rows over the data axes, metrics replicated) and micro-batches; one
+    device off a mesh."""
     graphdef, params = nnx.split(model)
-    metrics = functools.partial(_merged_metrics, graphdef=graphdef, loss_cfg=loss_cfg)
     where, step_ = model.placement, jnp.asarray(step, jnp.int32)
     if where.mesh is None:
-        one = jax.jit(metrics)
+        one = jax.jit(functools.partial(_merged_metrics, graphdef=graphdef, loss_cfg=loss_cfg,
+                                        micro_batches=micro_batches))
     else:
         mesh = where.mesh
         rows = NamedSharding(mesh, P(batch_axes(where, len(batches[0]["tokens"])), None))
+        part = NamedSharding(mesh, P(batch_axes(where, len(batches[0]["tokens"]) // micro_batches), None))
+        metrics = functools.partial(_merged_metrics, graphdef=graphdef, loss_cfg=loss_cfg, micro_batches=micro_batches,
+                                    batch_sharding=part)
         one = jax.jit(metrics, in_shardings=(state_shardings(params, mesh), rows, rows, replicated(mesh)),
                       out_shardings=replicated(mesh))
     return jax.device_get([one(params, jnp.asarray(b["tokens"], jnp.int32), jnp.asarray(b["segment_ids"], jnp.int32),
                                step_) for b in batches])
 
 
-def _merged_metrics(params, tokens_BT, seg_BT, step, *, graphdef, loss_cfg: LossConfig) -> dict:
-    return batch_metrics(nnx.merge(graphdef, params), tokens_BT, seg_BT, step=step, loss_cfg=loss_cfg)
+def _merged_metrics(params, tokens_BT, seg_BT, step, *, graphdef, loss_cfg: LossConfig, **parts) -> dict:
+    return batch_metrics(nnx.merge(graphdef, params), tokens_BT, seg_BT, step=step, loss_cfg=loss_cfg, **parts)

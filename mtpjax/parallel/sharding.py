@@ -96,6 +96,12 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 
 
+def micro_batches_of(x_B, parts: int):
+    """[parts, B/parts, ...]: micro-batch a holds rows a, a+parts, ... so every device keeps its own rows (no
+    resharding)."""
+    return x_B.reshape(x_B.shape[0] // parts, parts, *x_B.shape[1:]).swapaxes(0, 1)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     """Fully replicated sharding (scalars, RNG keys)."""
     return NamedSharding(mesh, P())

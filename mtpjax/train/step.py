@@ -23,7 +23,7 @@ from mtpjax.nn.loss import add_expected_lengths, forward, mtp_loss, token_counts
 from mtpjax.nn.model import MTPTransformer, build_model, moe_layers
 from mtpjax.nn.moe import load_metrics, next_bias
 from mtpjax.train.optim import decay_mask, global_norm, lr_schedule, make_tx, trainable, with_lr
-from mtpjax.parallel.sharding import batch_sharding, placement, replicated, state_shardings
+from mtpjax.parallel.sharding import batch_sharding, micro_batches_of, placement, replicated, state_shardings
 
 
 @struct.dataclass
@@ -70,8 +70,7 @@ def backward(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, gr
     """Gradient, metrics and expert loads of one batch, summed over its micro-batches."""
     depth = nnx.merge(graphdef, train, frozen).cfg.mtp_depth
     counts = token_counts(tokens_BT, seg_BT, depth, loss_cfg)
-    B, T = tokens_BT.shape
-    A = micro_batches
+    B, A = tokens_BT.shape[0], micro_batches
 
     def loss_fn(train, tok_BT, seg_BT):
         model = nnx.merge(graphdef, train, frozen)
@@ -85,9 +84,8 @@ def backward(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, gr
         (_, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(train, *xs)
         return jax.tree.map(jnp.add, acc, g), aux
 
-    # Micro-batch a holds rows a, a+A, ...: every device keeps its own rows, no resharding.
-    split = lambda x_BT: x_BT.reshape(B // A, A, T).swapaxes(0, 1)
-    grads, (mets, loads) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, train), (split(tokens_BT), split(seg_BT)))
+    grads, (mets, loads) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, train),
+                                        (micro_batches_of(tokens_BT, A), micro_batches_of(seg_BT, A)))
     return Backward(grads, _sum_micro_metrics(mets, depth), {k: v.sum(0) for k, v in loads.items()})
 
 
@@ -145,9 +143,12 @@ def train_step(state: TrainState, tokens_BT, seg_BT, *, graphdef, tx: optax.Grad
     return new, {**metrics, "lr": lr_now, "grad_norm": gnorm, "skipped": (~ok).astype(jnp.int32)}
 
 
-def eval_step(state: TrainState, tokens_BT, seg_BT, *, graphdef, loss_cfg: LossConfig) -> dict:
-    """Validation metrics of one batch at the state's step, without gradients (mtpjax.eval.validation)."""
-    return batch_metrics(nnx.merge(graphdef, state.params), tokens_BT, seg_BT, step=state.step, loss_cfg=loss_cfg)
+def eval_step(state: TrainState, tokens_BT, seg_BT, *, graphdef, loss_cfg: LossConfig, micro_batches: int = 1,
+              batch_sharding=None) -> dict:
+    """Validation metrics of one batch at the state's step, without gradients, in the train step's micro-batches
+    (mtpjax.eval.validation)."""
+    return batch_metrics(nnx.merge(graphdef, state.params), tokens_BT, seg_BT, step=state.step, loss_cfg=loss_cfg,
+                         micro_batches=micro_batches, batch_sharding=batch_sharding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +183,8 @@ def make_programs(cfg: Config, mesh: Mesh) -> Programs:
     step = functools.partial(train_step, graphdef=graphdef, tx=tx, lr=lr_schedule(cfg.optim, cfg.train.steps),
                              loss_cfg=cfg.loss, micro_batches=cfg.train.micro_batches, batch_sharding=bsh, what=what,
                              bias_update_speed=cfg.train.bias_update_speed, frozen_trunk=cfg.train.freeze == "trunk")
-    evaluate = functools.partial(eval_step, graphdef=graphdef, loss_cfg=cfg.loss)
+    evaluate = functools.partial(eval_step, graphdef=graphdef, loss_cfg=cfg.loss,
+                                 micro_batches=cfg.train.micro_batches, batch_sharding=bsh)
     return Programs(
         graphdef=graphdef, tx=tx, shardings=shardings, target=target, batch_sharding=bsh,
         init=jax.jit(init, out_shardings=shardings),
