@@ -58,7 +58,7 @@ class AtRate(Loop):
     def accept(self, logits_BYV, st, it):
         B, Y, _ = logits_BYV.shape
         u_BG = jax.vmap(lambda k: jax.random.uniform(k, (Y - 1,)))(row_keys(st.key, FORCED, it, B))
-        a_B = jnp.cumprod(u_BG < jnp.asarray(self.alpha[: Y - 1]), axis=1).sum(axis=1).astype(jnp.int32)
+        a_B = jnp.cumprod(u_BG < jnp.asarray(self.alpha[: Y - 1])[None, :], axis=1).sum(axis=1).astype(jnp.int32)
         bonus_B = take_rows(jnp.argmax(logits_BYV, axis=-1).astype(jnp.int32), a_B)
         i = jnp.arange(Y)[None, :]
         toks_BY = jnp.where(i < a_B[:, None], jnp.pad(st.drafts_BG, ((0, 0), (0, 1))), bonus_B[:, None])
