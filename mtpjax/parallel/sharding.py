@@ -96,10 +96,11 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 
 
-def micro_batches_of(x_B, parts: int):
-    """[parts, B/parts, ...]: micro-batch a holds rows a, a+parts, ... so every device keeps its own rows (no
+def micro_batches_of(x_BT, parts: int):
+    """[parts, B/parts, T]: micro-batch a holds rows a, a+parts, ... so every device keeps its own rows (no
     resharding)."""
-    return x_B.reshape(x_B.shape[0] // parts, parts, *x_B.shape[1:]).swapaxes(0, 1)
+    B, T = x_BT.shape
+    return x_BT.reshape(B // parts, parts, T).swapaxes(0, 1)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
