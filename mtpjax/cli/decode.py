@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import re
@@ -12,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from mtpjax.cli.args import Parser, command
+from mtpjax.cli.args import Parser, command, progress
+from mtpjax.cli.decode_eval import evaluate
 from mtpjax.config import DecodeConfig, choices
 from mtpjax.config.specs import DecodeTree, parse_num_draft, parse_shape
 from mtpjax.decode import api, autodraft
@@ -103,7 +103,7 @@ def _mesh(args):
         if args.mesh_overrides:
             raise
         if note := fallback_note(cfg.model, cfg.mesh, jax.device_count(), str(e)):
-            _progress(note)
+            progress(note)
         return None
     return mesh if mesh.size > 1 else None
 
@@ -218,7 +218,7 @@ class _Streamer:
             sys.stdout.write("\n")
             sys.stdout.flush()
             self.ended = True
-        _progress(text)
+        progress(text)
 
     def finish(self) -> None:
         """The prompt if nothing was committed after it, and the line's end unless a measurement ended it."""
@@ -264,11 +264,6 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
     if args.stats:
         _print_stats(res.stats, d.proposer, seconds, saved.path)
     return 0
-
-
-def _progress(text: str) -> None:
-    """A progress line on stderr (stdout carries only the generated text)."""
-    print(text, file=sys.stderr, flush=True)
 
 
 def label(proposer: str, num_draft: int) -> str:
@@ -344,85 +339,6 @@ def _check_size(mcfg, prompts, max_new: int, nodes: int, max_len: int, chain: bo
                           f"the {have / 2**30:.1f} GiB memory; lower --max-new-tokens")
 
 
-def _eval(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
-    from mtpjax.data import first_batches, prepare
-    from mtpjax.data.synthetic import task_batch
-    from mtpjax.eval.evaluate import agreement_on, forced_acceptance, heldout_prompts, speed_report
-    from mtpjax.eval.task_metrics import task_metrics
-    from mtpjax.eval.validation import model_metrics, validation_metrics
-
-    n = args.eval_batches if args.eval_batches is not None else (cfg.train.eval_batches or 8)
-    if n < 1:
-        raise DecodeError(f"--eval-batches {n} must be >= 1")
-    _progress("eval: preparing the validation split")
-    prepared = prepare(cfg.data)
-    batches = first_batches(prepared, n, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
-                            seed=cfg.train.seed)  # the training eval's batches
-    _progress(f"eval: validation metrics on {len(batches)} batches")
-    # the training eval's metrics (eval.jsonl at this step, on its first validation batches): one function
-    val = validation_metrics(model_metrics(model, batches, step=step, loss_cfg=cfg.loss,
-                                           micro_batches=cfg.train.micro_batches), batches, tok)
-    # a synthetic source's task metric on its held-out instances (the training eval's eval/task/...)
-    val |= task_metrics(model, task_batch(cfg.data, tok, cfg.data.task_instances, cfg.data.seq_len))
-    num_draft = args.num_draft.size if isinstance(args.num_draft, Tree) else max(1, cfg.model.mtp_depth)
-    prompts = heldout_prompts(prepared.val_tokens, args.eval_prompts, args.prompt_len, tok.eos_id)
-    max_new = args.max_new_tokens or 128
-    tree = args.tree or cfg.decode.tree.shape
-    _progress(f"eval: decoding {len(prompts)} held-out prompts x {max_new} tokens: plain, n-gram and "
-              f"{'the draft model' if draft is not None else 'MTP'} at num_draft={num_draft}"
-              f"{f', the tree {tree.name()}' if tree else ''} (compiling, then timing)")
-    speed = speed_report(model, prompts, num_draft=num_draft, max_new=max_new, draft=draft, tree=tree)
-    if cfg.model.mtp_depth:
-        # The held-out text itself as the continuation: acceptance on the distribution training measured.
-        texts = heldout_prompts(prepared.val_tokens, max(32, args.eval_prompts), args.prompt_len + max_new, tok.eos_id)
-        _progress(f"eval: teacher-forced acceptance on {len(texts)} held-out texts")
-        speed["forced_acceptance_by_position"] = forced_acceptance(model, texts, args.prompt_len, num_draft)
-        speed["agreement_on_heldout"] = agreement_on(model, [t[:args.prompt_len] for t in texts],
-                                                     [t[args.prompt_len:] for t in texts], cfg.model.mtp_depth)
-    report = {"run_dir": str(run_dir), "step": step, "mesh": describe(model.placement.mesh), "validation": val,
-              "decode": speed}
-    _print_report(report)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    _to_tensorboard(run_dir, step, report)
-    return 0
-
-
-def _print_report(r: dict) -> None:
-    print(f"checkpoint {r['run_dir']} step {r['step']} on {r['mesh']}")
-    print(f"{'metric':<34}{'value':>12}")
-    for k, v in sorted(r["validation"].items()):
-        print(f"  val {k:<30}{v:>12.4f}")
-    for k, v in r["decode"].items():
-        if isinstance(v, list):
-            v = "[" + ", ".join(f"{x:.3f}" for x in v) + "]"
-            print(f"  {k:<32}{v:>12}")
-        elif isinstance(v, float):
-            print(f"  {k:<32}{v:>12.3f}")
-        else:
-            print(f"  {k:<32}{v!s:>12}")
-    for line in (verdict.eval_line(r["decode"]), verdict.eval_line(r["decode"], "model_", "the draft model")):
-        if line:
-            print(line)
-
-
-def _to_tensorboard(run_dir: Path, step: int, r: dict) -> None:
-    """The report as one text table in the run's TensorBoard log (Text tab): one evaluation is no curve, and dozens
-    of one-point charts would bury the training scalars."""
-    from tensorboardX import SummaryWriter
-
-    rows = [f"| val {k} | {v:.4f} |" for k, v in sorted(r["validation"].items())]
-    rows += [f"| {k} | {_cell(v)} |" for k, v in r["decode"].items()]
-    with SummaryWriter(str(run_dir / "tensorboard")) as w:
-        w.add_text("decode_eval", "\n".join(["| metric | value |", "|---|---|", *rows]), step)
-
-
-def _cell(v) -> str:
-    if isinstance(v, list):
-        return "[" + ", ".join(_cell(x) for x in v) + "]"
-    return f"{v:.4f}" if isinstance(v, float) else str(v)
-
-
 @command
 def main(argv: list[str] | None = None) -> int:
     """Entry point of decode.py; returns the exit status (2 for bad input, one line on stderr)."""
@@ -442,9 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     _proposer(args, cfg)  # flag conflicts before loading a draft
     draft, draft_tag = _load_draft(args, tok, Path(args.run_dir), mesh)
     if mesh is not None:
-        _progress(f"decoding on mesh {describe(mesh)}")
+        progress(f"decoding on mesh {describe(mesh)}")
     if args.eval:
-        return _eval(args, cfg, model, tok, Path(args.run_dir), step, draft)
+        return evaluate(args, cfg, model, tok, Path(args.run_dir), step, draft)
     if args.tasks is not None:
         from mtpjax.cli.lm_eval import run_tasks
 
