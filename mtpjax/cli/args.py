@@ -70,8 +70,3 @@ def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | No
             return 0 if e.code is None else e.code
 
     return run
-
-
-def progress(text: str) -> None:
-    """A progress line on stderr (stdout carries only a command's output: the generated text, the report)."""
-    print(text, file=sys.stderr, flush=True)

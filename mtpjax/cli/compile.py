@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mtpjax.cli.args import Parser, command
 from mtpjax.config import load_config
-from mtpjax.parallel.targets import parse_target, plugin_noise_dropped
+from mtpjax.parallel.targets import parse_target
 from mtpjax.train.aot import DoesNotFit, compile_report, format_report, memory_table, report_json
 
 
@@ -33,12 +33,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--alpha {args.alpha} must be in [0, 1]")
     if args.decode_batch < 1:
         ap.error(f"--decode-batch {args.decode_batch} must be >= 1")
-    with plugin_noise_dropped():  # from before JAX starts the target's plugin
-        return _compile(args)
-
-
-def _compile(args) -> int:
-    """Compile, print the report, write the JSON and HLO asked for."""
     target = parse_target(args.target)
     cfg = load_config(args.config, args.overrides)
     try:

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from mtpjax.cli.args import Parser, command, progress
+from mtpjax.cli.args import Parser, command
 from mtpjax.cli.decode_eval import evaluate
 from mtpjax.config import DecodeConfig, choices
 from mtpjax.config.specs import DecodeTree, parse_num_draft, parse_shape
@@ -21,6 +21,7 @@ from mtpjax.decode.host import DecodeError
 from mtpjax.decode.mesh import describe
 from mtpjax.decode.tree import Auto, Hybrid, Tree, TreeError, nodes
 from mtpjax.eval import verdict
+from mtpjax.parallel import console
 from mtpjax.eval.log import agreement_at
 
 MAX_DRAFT = 16  # more drafts per round than this is never accepted in practice; the round loop is unrolled
@@ -103,7 +104,7 @@ def _mesh(args):
         if args.mesh_overrides:
             raise
         if note := fallback_note(cfg.model, cfg.mesh, jax.device_count(), str(e)):
-            progress(note)
+            console.say(note)
         return None
     return mesh if mesh.size > 1 else None
 
@@ -218,7 +219,7 @@ class _Streamer:
             sys.stdout.write("\n")
             sys.stdout.flush()
             self.ended = True
-        progress(text)
+        console.say(text)
 
     def finish(self) -> None:
         """The prompt if nothing was committed after it, and the line's end unless a measurement ended it."""
@@ -358,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     _proposer(args, cfg)  # flag conflicts before loading a draft
     draft, draft_tag = _load_draft(args, tok, Path(args.run_dir), mesh)
     if mesh is not None:
-        progress(f"decoding on mesh {describe(mesh)}")
+        console.say(f"decoding on mesh {describe(mesh)}")
     if args.eval:
         return evaluate(args, cfg, model, tok, Path(args.run_dir), step, draft)
     if args.tasks is not None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mtpjax.cli.args import progress
 from mtpjax.decode.host import DecodeError
 from mtpjax.decode.mesh import describe
 from mtpjax.decode.tree import Tree
 from mtpjax.eval import verdict
+from mtpjax.parallel import console
 
 
 def evaluate(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int:
@@ -24,11 +24,11 @@ def evaluate(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int
     n = args.eval_batches if args.eval_batches is not None else (cfg.train.eval_batches or 8)
     if n < 1:
         raise DecodeError(f"--eval-batches {n} must be >= 1")
-    progress("eval: preparing the validation split")
+    console.say("eval: preparing the validation split")
     prepared = prepare(cfg.data)
     batches = first_batches(prepared, n, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
                             seed=cfg.train.seed)  # the training eval's batches
-    progress(f"eval: validation metrics on {len(batches)} batches")
+    console.say(f"eval: validation metrics on {len(batches)} batches")
     # the training eval's metrics (eval.jsonl at this step, on its first validation batches): one function
     val = validation_metrics(model_metrics(model, batches, step=step, loss_cfg=cfg.loss,
                                            micro_batches=cfg.train.micro_batches), batches, tok)
@@ -38,14 +38,14 @@ def evaluate(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int
     prompts = heldout_prompts(prepared.val_tokens, args.eval_prompts, args.prompt_len, tok.eos_id)
     max_new = args.max_new_tokens or 128
     tree = args.tree or cfg.decode.tree.shape
-    progress(f"eval: decoding {len(prompts)} held-out prompts x {max_new} tokens: plain, n-gram and "
-              f"{'the draft model' if draft is not None else 'MTP'} at num_draft={num_draft}"
-              f"{f', the tree {tree.name()}' if tree else ''} (compiling, then timing)")
+    console.say(f"eval: decoding {len(prompts)} held-out prompts x {max_new} tokens: plain, n-gram and "
+                f"{'the draft model' if draft is not None else 'MTP'} at num_draft={num_draft}"
+                f"{f', the tree {tree.name()}' if tree else ''} (compiling, then timing)")
     speed = speed_report(model, prompts, num_draft=num_draft, max_new=max_new, draft=draft, tree=tree)
     if cfg.model.mtp_depth:
         # The held-out text itself as the continuation: acceptance on the distribution training measured.
         texts = heldout_prompts(prepared.val_tokens, max(32, args.eval_prompts), args.prompt_len + max_new, tok.eos_id)
-        progress(f"eval: teacher-forced acceptance on {len(texts)} held-out texts")
+        console.say(f"eval: teacher-forced acceptance on {len(texts)} held-out texts")
         speed["forced_acceptance_by_position"] = forced_acceptance(model, texts, args.prompt_len, num_draft)
         speed["agreement_on_heldout"] = agreement_on(model, [t[:args.prompt_len] for t in texts],
                                                      [t[args.prompt_len:] for t in texts], cfg.model.mtp_depth)
