@@ -65,6 +65,8 @@ RUNS = {  # name: (target, overrides, patch, flags)
     "tpu_bad_mesh": (TPU[0], TPU[1] + ["mesh.fsdp=3"], "none", ("--no-decode",)),
     "tpu_host_kernel": (TPU[0], TPU[1], "host_kernel+one_chip_decode", ("--decode-batch", "2")),
     "tpu_no_shard_map": (TPU[0], TPU[1], "no_shard_map", ("--no-decode",)),
+    "tpu_fills": (TPU[0], [f"data.seq_len={T['tpu']}"], "none", ()),  # no mesh given: compile fills the slice
+    "gpu_search": ("h100:4", [f"data.seq_len={T['gpu']}"], "none", ("--search", "3")),
     "gpu_no_shard_map": (GPU[0], GPU[1], "no_shard_map", ("--no-decode",)),
 }
 
@@ -461,3 +463,33 @@ def test_the_plugin_filter_drops_only_the_plugin_s_lines(capfd):
                     b"be used.\nour line\n")
         print("python's line", file=sys.stderr)
     assert sorted(capfd.readouterr().err.splitlines()) == ["our line", "python's line"]  # capfd: its own order
+
+
+def test_with_no_mesh_given_compile_fills_the_target_and_says_which(runs):
+    """tiny (one device) on a 4-chip slice: a mesh over all 4 (its batch of 4 in 2 micro-batches splits over 2 batch
+    shards, so heads take the other 2), said on stderr; the report ends in the booking's bottom line; what the decode
+    layer logs (a decode row does not split over the mesh) is a note of the report, not a logging record."""
+    code, out, err, d = runs["tpu_fills"]
+    assert code == 0, err[-3000:]
+    report = json.loads((d / "report.json").read_text())
+    assert report["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 1}
+    assert "compiling on fsdp 2 x tensor 2 (mesh.data=1 mesh.fsdp=2 mesh.expert=1 mesh.tensor=2;" in err, err
+    last = out.strip().splitlines()[-1]
+    assert re.fullmatch(r"bottom line \(train step ESTIMATE on v5e-4\): [\d.]+ ms per step, [\d.]+[KMGT]? tokens/s, "
+                        r"[\d.]+ (s|min|h|days) for train.steps=\d+, MFU [\d.]+% \(\w+-bound\)", last), last
+    assert any(n.startswith("decode: a batch of 1 rows does not split") for n in report["notes"]), report["notes"]
+    assert "note: decode: a batch of 1 rows" in out
+    assert "WARNING" not in out + err
+
+
+def test_search_ranks_the_meshes_that_fit_by_the_estimate(runs):
+    """`--search 3`: three meshes over 4 H100s compiled (train step only) and ranked fastest first; the best one's
+    overrides are the last line."""
+    code, out, err, d = runs["gpu_search"]
+    assert code == 0, err[-3000:]
+    rows = json.loads((d / "report.json").read_text())["search"]
+    assert [r["mesh"] for r in rows] and len({r["mesh"] for r in rows}) == 3, rows
+    assert all(r["fits"] for r in rows)
+    assert [r["estimate_s"] for r in rows] == sorted(r["estimate_s"] for r in rows)
+    assert out.strip().splitlines()[-1] == "best: " + " ".join(rows[0]["overrides"])
+    assert out.startswith("mesh search on h100:4")

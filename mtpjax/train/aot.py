@@ -116,12 +116,13 @@ def _compile(lowered_fn, name: str, capacity: float, table_so_far, platform: str
                          table_so_far(name, used)) from None
 
 
-def train_programs(cfg: Config, target: Target, mesh, report: dict, table) -> None:
-    """Compile the train and eval steps on the config's mesh over the target's devices into report['programs']."""
+def train_programs(cfg: Config, target: Target, mesh, report: dict, table, eval_step: bool = True) -> None:
+    """Compile the train (and eval) steps on the config's mesh over the target's devices into report['programs']."""
     programs = make_programs(cfg, mesh)
     B, T = cfg.train.batch_size, cfg.data.seq_len
     tok = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=programs.batch_sharding)
-    for name, fn in (("train_step", programs.train_step), ("eval_step", programs.eval_step)):
+    steps = (("train_step", programs.train_step),) + ((("eval_step", programs.eval_step),) if eval_step else ())
+    for name, fn in steps:
         c, s = _compile(lambda fn=fn: fn.lower(programs.target, tok, tok), name, target.chip.hbm_bytes,
                         lambda n, used: table(report, extra=(n, used)), target.platform)
         report["programs"].append(analyse(name, c, s, cfg))
@@ -222,16 +223,17 @@ def estimates(report: dict, cfg: Config, target: Target) -> None:
 
 
 def compile_report(cfg: Config, target: Target, *, alpha: float = 0.8, decode: bool = True, batch: int = 1,
-                   prompt: int = 128, new: int = 128, table=None) -> dict:
+                   prompt: int = 128, new: int = 128, table=None, eval_step: bool = True) -> dict:
     """Every program compiled for `target` and its numbers (JSON-ready but for each entry's `_program`)."""
     devices = topology_devices(target)
     report = {"target": target.name, "chip": dataclasses.asdict(target.chip), "devices": target.devices,
-              "mesh": dataclasses.asdict(cfg.mesh), "alpha": alpha, "programs": []}
+              "mesh": dataclasses.asdict(cfg.mesh), "alpha": alpha, "programs": [], "notes": [],
+              "tokens_per_step": cfg.train.batch_size * cfg.data.seq_len, "steps": cfg.train.steps}
     mesh = make_mesh(cfg.mesh, devices)
     if decode:
         check_mesh(cfg.model, mesh)
     check_parallelism(cfg, mesh)  # a batch the run would refuse is refused here too
-    train_programs(cfg, target, mesh, report, table)
+    train_programs(cfg, target, mesh, report, table, eval_step)
     if decode:
         decode_programs(cfg, mesh, report, alpha, batch, min(prompt, cfg.data.seq_len), new)
     estimates(report, cfg, target)
@@ -302,9 +304,28 @@ def format_report(report: dict) -> str:
              f"TB/s, link {c['link_bw'] / 1e9:.0f} GB/s; mesh {report['mesh']}; decode alpha {report['alpha']}"]
     for p in report["programs"]:
         lines += _program_lines(p)
+    lines += [f"note: {n}" for n in report.get("notes", ())]
     lines.append("estimates are rooflines from published peaks (no overlap loss, no kernel efficiency): an upper bound "
                  "on speed, not a measurement")
-    return "\n".join(lines)
+    return "\n".join(lines + bottom_line(report))
+
+
+def _duration(seconds: float) -> str:
+    for unit, s, most in (("s", 1, 120), ("min", 60, 120), ("h", 3600, 48)):
+        if seconds < most * s:
+            return f"{seconds / s:.3g} {unit}"
+    return f"{seconds / 86400:.3g} days"
+
+
+def bottom_line(report: dict) -> list[str]:
+    """The train step's estimate as a booking reads it: step time, tokens/s, hours for the config's steps, MFU."""
+    p = next((p for p in report["programs"] if p["program"] == "train_step" and "roofline" in p), None)
+    if p is None:
+        return []
+    step = p["roofline"]["estimate_s"]
+    return [f"bottom line (train step ESTIMATE on {report['target']}): {step * 1e3:.1f} ms per step, "
+            f"{_h(report['tokens_per_step'] / step)} tokens/s, {_duration(report['steps'] * step)} for "
+            f"train.steps={report['steps']}, MFU {p['mfu_estimate']:.1%} ({p['roofline']['bound']}-bound)"]
 
 
 def report_json(report: dict) -> dict:

@@ -1,0 +1,73 @@
+"""The meshes `python -m mtpjax compile` chooses: one that fills a target, and the candidates `--search` ranks."""
+
+import pytest
+
+from mtpjax.cli.compile import on_target
+from mtpjax.config import MeshConfig, load_config
+from mtpjax.parallel.sharding import MeshError
+from mtpjax.parallel.targets import parse_target
+from mtpjax.train import meshes
+
+
+def _cfg(name: str, *overrides: str):
+    return load_config(f"configs/{name}.yaml", list(overrides))
+
+
+def test_a_dense_config_fills_the_target_fully_sharded():
+    assert meshes.fills(_cfg("small"), 8) == MeshConfig(fsdp=8)
+    assert meshes.fills(_cfg("large"), 16) == MeshConfig(fsdp=8, tensor=2)  # its own tensor 2 kept
+
+
+def test_a_mesh_the_batch_does_not_split_over_takes_more_ways_elsewhere():
+    """gpu_moe's 64 rows in 16 micro-batches split over at most 4 batch shards: of 8 devices, the others split
+    heads or experts; every device is used and the run could take it."""
+    cfg = _cfg("gpu_moe")
+    mesh = meshes.fills(cfg, 8)
+    assert meshes.size(mesh) == 8 and meshes.usable(cfg, mesh, 16)
+    assert mesh.data * mesh.fsdp * mesh.expert == 4
+
+
+def test_companion_fsdp_alone_would_not_split_the_batch():
+    assert not meshes.usable(_cfg("gpu_moe"), MeshConfig(fsdp=8), 16)
+
+
+def test_candidates_fill_the_devices_and_put_the_cheap_axes_first():
+    cfg = _cfg("small")
+    found = meshes.candidates(cfg, 8, limit=None)
+    assert found[0] == (MeshConfig(fsdp=8), 1) and (MeshConfig(fsdp=4, tensor=2), 1) in found[:3]
+    assert all(meshes.size(m) == 8 and meshes.usable(cfg, m, a) for m, a in found)
+    assert len(meshes.candidates(cfg, 8, limit=3)) == 3
+
+
+def test_an_moe_searches_expert_parallel_meshes_first():
+    mesh, a = meshes.candidates(_cfg("gpu_moe"), 8, limit=1)[0]
+    assert (mesh.expert, a) == (8, 8)  # 8 micro-batches: the 16 of one H200 would not split over 8 batch shards
+
+
+def test_the_config_s_own_mesh_is_kept_when_it_has_the_target_s_devices():
+    cfg = _cfg("large")
+    assert on_target(cfg, [], parse_target("h100:8")) is cfg
+
+
+def test_with_no_mesh_given_the_target_is_filled_and_said(capsys):
+    cfg = on_target(_cfg("small"), [], parse_target("v5p-8"))
+    assert cfg.mesh == MeshConfig(fsdp=4)
+    err = capsys.readouterr().err
+    assert err.startswith("compile: the config's mesh (one device) does not fill v5p-8's 4 devices; compiling on "
+                          "fsdp 4 (mesh.data=1 mesh.fsdp=4 mesh.expert=1 mesh.tensor=1;"), err
+
+
+def test_a_mesh_the_user_gave_that_does_not_fill_the_target_is_one_line():
+    with pytest.raises(MeshError, match=r"^mesh fsdp 2 spans 2 device\(s\) but target v5p-8 has 4; give mesh\.\* "
+                       r"overrides whose product is 4"):
+        on_target(_cfg("small", "mesh.fsdp=2"), ["mesh.fsdp=2"], parse_target("v5p-8"))
+
+
+def test_the_ranking_puts_what_does_not_fit_last_and_names_the_best():
+    rows = [{"mesh": "fsdp 8", "micro_batches": 1, "overrides": ["mesh.fsdp=8"], "fits": True, "memory": 2**31,
+             "estimate_s": 0.02, "bound": "hbm", "mfu": 0.4, "tokens_per_s": 3.2e6, "collective_fraction": 0.05},
+            {"mesh": "tensor 8", "micro_batches": 1, "overrides": ["mesh.tensor=8"], "fits": False,
+             "why": "train_step does not fit on H100 by 1.00 GiB per device"}]
+    text = meshes.ranking(rows, "h100:8").splitlines()
+    assert text[2].split()[:3] == ["1", "fsdp", "8"] and text[3].split()[0] == "-" and "does not fit" in text[3]
+    assert text[-1] == "best: mesh.fsdp=8"
