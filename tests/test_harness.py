@@ -2,9 +2,9 @@
 tasks, the commands around it (`python -m mtpjax lm_eval`, `decode.py --tasks`, train.eval_tasks) and their bad input.
 
 One run (a 40-step BPE model, float32, the task eval on at its last step) is trained and exported once. The `hf`
-backend gets the export's tokenizer.json as a plain fast tokenizer: transformers 5 loads a directory whose
-config.json says qwen2 with Qwen2Tokenizer, which replaces the pre-tokenizer and splits "\\n    " differently
-from the BPE the run was trained with (docs/evaluation.md).
+backend loads the export as a user would, tokenizer included (no tokenizer passed): the export's auto_map keeps
+transformers 5 from replacing the run's tokenizer with Qwen2Tokenizer (convert/hf_tokenizer.py); a companion
+loads the export's earlier tokenizer files and sees the loglikelihoods move.
 """
 
 from __future__ import annotations
@@ -61,10 +61,13 @@ def run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_lm(run):
-    from transformers import PreTrainedTokenizerFast
+    return hf_backend(run[1])
 
-    return harness().HFLM(pretrained=str(run[1]), tokenizer=PreTrainedTokenizerFast.from_pretrained(str(run[1])),
-                backend="causal", dtype="float32", batch_size=8, max_length=SEQ, device="cpu")
+
+def hf_backend(directory) -> object:
+    """The `hf` backend on an exported directory, its tokenizer loaded from it by AutoTokenizer."""
+    return harness().HFLM(pretrained=str(directory), backend="causal", dtype="float32", batch_size=8, max_length=SEQ,
+                          device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +124,22 @@ def test_companion_a_boundary_one_token_off_changes_the_scores(ours, reference, 
     with pytest.raises(AssertionError):
         assert np.abs(loglikelihoods(res, "mtpjax_nextline") -
                       loglikelihoods(reference, "mtpjax_nextline")).max() <= TOL
+
+
+def test_companion_the_export_s_earlier_tokenizer_files_move_the_hf_loglikelihoods(run, reference, tmp_path):
+    """Companion: without the auto_map (the export before issue 50) transformers 5 loads Qwen2Tokenizer, which
+    splits the run's text otherwise, and the `hf` backend's loglikelihoods leave the 1e-3 the issue asks for."""
+    import shutil
+
+    from mtpjax.convert.hf_tokenizer import CONFIG_FILE, MODULE_FILE
+
+    old = shutil.copytree(run[1], tmp_path / "old")
+    cfg = json.loads((old / CONFIG_FILE).read_text())
+    del cfg["auto_map"]
+    (old / CONFIG_FILE).write_text(json.dumps(cfg))
+    (old / MODULE_FILE).unlink()
+    res = evaluate(hf_backend(old), ["mtpjax_nextline"])
+    assert np.abs(loglikelihoods(res, "mtpjax_nextline") - loglikelihoods(reference, "mtpjax_nextline")).max() > 1e-3
 
 
 def _requests(n: int = 12, **gen) -> list:
