@@ -178,12 +178,41 @@ def test_python_m_mtpjax_lm_eval_runs_lm_eval_s_command_line(run, capsys):
     assert "mtpjax_nextline" in capsys.readouterr().out
 
 
+def _user_task(directory, name: str):
+    """A task of the user's own in `directory`: the shipped nextline under another name, its data file absolute."""
+    import yaml
+
+    spec = yaml.safe_load((tasks.HERE / "nextline.yaml").read_text())
+    spec.update(task=name, tag="mine", dataset_kwargs={"data_files": {"test": str(tasks.HERE / "nextline.jsonl")}})
+    directory.mkdir()
+    (directory / f"{name}.yaml").write_text(yaml.safe_dump(spec))
+    return directory
+
+
+def test_lm_eval_runs_tasks_from_the_user_s_include_paths_beside_the_shipped_ones(run, tmp_path, capsys):
+    a, b = _user_task(tmp_path / "a", "my_next_a"), _user_task(tmp_path / "b", "my_next_b")
+    argv = ["--model", "mtpjax", "--model_args", f"run_dir={run[0]}", "--tasks", "my_next_a,my_next_b,mtpjax_nextline",
+            "--include_path", str(a), f"--include_path={b}", "--limit", "2", "--batch_size", "8"]
+    assert harness().lm_eval_main(argv) == 0
+    out = capsys.readouterr().out
+    assert all(f"|{name}" in out.replace(" ", "") for name in ("my_next_a", "my_next_b", "mtpjax_nextline")), out
+
+
+def test_decode_tasks_says_why_generation_ran_plain(run, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert harness().decode_main(["--run-dir", str(run[0]), "--tasks", "mtpjax_funcret", "--limit", "2",
+                                  "--num-draft", "0", "--batch-size", "8", "--json", str(out)]) == 0
+    assert "mtpjax_funcret ran plain: num_draft=0 was asked" in capsys.readouterr().out
+    assert json.loads(out.read_text())["speculative"]["mtpjax_funcret"]["why_plain"].startswith("num_draft=0")
+
+
 def test_decode_tasks_prints_the_scores_and_the_speculative_table(run, tmp_path, capsys):
     out = tmp_path / "r.json"
     assert harness().decode_main(["--run-dir", str(run[0]), "--tasks", "mtpjax", "--limit", "4", "--num-draft", "1",
                         "--batch-size", "8", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "| mtpjax_funcret | 1 |" in text and "acc_norm" in text
+    assert "ran plain" not in text  # it drafted: no reason for plain is printed
     report = json.loads(out.read_text())
     assert set(report["results"]) == set(tasks.SHIPPED)
     spec = report["speculative"]["mtpjax_funcret"]
@@ -216,6 +245,10 @@ def test_decode_tasks_bad_input_is_one_line_exit_2(run, capsys, argv, words):
     (["--model", "mtpjax", "--model_args", "step=1", "--tasks", "mtpjax"], "needs model_args run_dir"),
     (["--model", "mtpjax", "--model_args", "run_dir=RUN,colour=red", "--tasks", "mtpjax"], "colour unknown"),
     (["--model", "mtpjax", "--model_args", "run_dir=RUN", "--tasks", "no_such_task"], "unknown task"),
+    (["--model", "mtpjax", "--model_args", "run_dir=RUN", "--tasks", "mtpjax", "--include_path", "/no/such/dir"],
+     "--include_path /no/such/dir is not a directory"),
+    (["--model", "mtpjax", "--model_args", "run_dir=RUN", "--tasks", "mtpjax", "--include_path"],
+     "--include_path needs a directory"),
 ])
 def test_lm_eval_bad_input_is_one_line_exit_2(run, capsys, argv, words):
     capsys.readouterr()
