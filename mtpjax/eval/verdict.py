@@ -2,7 +2,7 @@
 
 The cause is read off the run's own measurements: v, verifying a round's γ+1 tokens over one plain step (1 where a
 step waits on reading the weights, about γ+1 where it is compute-bound, as a small model in a CPU's cache is); c,
-a draft's cost over a plain step; and the ceiling E/(v + γr). The docs section it points to explains the regimes.
+a draft's cost over a plain step; and the ceiling E/(1 + γr). The docs section it points to explains the regimes.
 """
 
 from __future__ import annotations
