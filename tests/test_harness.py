@@ -2,9 +2,9 @@
 tasks, the commands around it (`python -m mtpjax lm_eval`, `decode.py --tasks`, train.eval_tasks) and their bad input.
 
 One run (a 40-step BPE model, float32, the task eval on at its last step) is trained and exported once. The `hf`
-backend gets the export's tokenizer.json as a plain fast tokenizer: transformers 5 loads a directory whose
-config.json says qwen2 with Qwen2Tokenizer, which replaces the pre-tokenizer and splits "\\n    " differently
-from the BPE the run was trained with (docs/evaluation.md).
+backend loads the export as a user would, tokenizer included (no tokenizer passed): the export's auto_map keeps
+transformers 5 from replacing the run's tokenizer with Qwen2Tokenizer (convert/hf_tokenizer.py); a companion
+loads the export's earlier tokenizer files and sees the loglikelihoods move.
 """
 
 from __future__ import annotations
@@ -61,10 +61,13 @@ def run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_lm(run):
-    from transformers import PreTrainedTokenizerFast
+    return hf_backend(run[1])
 
-    return harness().HFLM(pretrained=str(run[1]), tokenizer=PreTrainedTokenizerFast.from_pretrained(str(run[1])),
-                backend="causal", dtype="float32", batch_size=8, max_length=SEQ, device="cpu")
+
+def hf_backend(directory) -> object:
+    """The `hf` backend on an exported directory, its tokenizer loaded from it by AutoTokenizer."""
+    return harness().HFLM(pretrained=str(directory), backend="causal", dtype="float32", batch_size=8, max_length=SEQ,
+                          device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +126,22 @@ def test_companion_a_boundary_one_token_off_changes_the_scores(ours, reference, 
                       loglikelihoods(reference, "mtpjax_nextline")).max() <= TOL
 
 
+def test_companion_the_export_s_earlier_tokenizer_files_move_the_hf_loglikelihoods(run, reference, tmp_path):
+    """Companion: without the auto_map (the export before issue 50) transformers 5 loads Qwen2Tokenizer, which
+    splits the run's text otherwise, and the `hf` backend's loglikelihoods leave the 1e-3 the issue asks for."""
+    import shutil
+
+    from mtpjax.convert.hf_tokenizer import CONFIG_FILE, MODULE_FILE
+
+    old = shutil.copytree(run[1], tmp_path / "old")
+    cfg = json.loads((old / CONFIG_FILE).read_text())
+    del cfg["auto_map"]
+    (old / CONFIG_FILE).write_text(json.dumps(cfg))
+    (old / MODULE_FILE).unlink()
+    res = evaluate(hf_backend(old), ["mtpjax_nextline"])
+    assert np.abs(loglikelihoods(res, "mtpjax_nextline") - loglikelihoods(reference, "mtpjax_nextline")).max() > 1e-3
+
+
 def _requests(n: int = 12, **gen) -> list:
     docs = [json.loads(line) for line in (tasks.HERE / "funcret.jsonl").read_text().splitlines()[:n]]
     kw = {"until": ["\n\n"], "max_gen_toks": 24, "do_sample": False, **gen}
@@ -159,12 +178,41 @@ def test_python_m_mtpjax_lm_eval_runs_lm_eval_s_command_line(run, capsys):
     assert "mtpjax_nextline" in capsys.readouterr().out
 
 
+def _user_task(directory, name: str):
+    """A task of the user's own in `directory`: the shipped nextline under another name, its data file absolute."""
+    import yaml
+
+    spec = yaml.safe_load((tasks.HERE / "nextline.yaml").read_text())
+    spec.update(task=name, tag="mine", dataset_kwargs={"data_files": {"test": str(tasks.HERE / "nextline.jsonl")}})
+    directory.mkdir()
+    (directory / f"{name}.yaml").write_text(yaml.safe_dump(spec))
+    return directory
+
+
+def test_lm_eval_runs_tasks_from_the_user_s_include_paths_beside_the_shipped_ones(run, tmp_path, capsys):
+    a, b = _user_task(tmp_path / "a", "my_next_a"), _user_task(tmp_path / "b", "my_next_b")
+    argv = ["--model", "mtpjax", "--model_args", f"run_dir={run[0]}", "--tasks", "my_next_a,my_next_b,mtpjax_nextline",
+            "--include_path", str(a), f"--include_path={b}", "--limit", "2", "--batch_size", "8"]
+    assert harness().lm_eval_main(argv) == 0
+    out = capsys.readouterr().out
+    assert all(f"|{name}" in out.replace(" ", "") for name in ("my_next_a", "my_next_b", "mtpjax_nextline")), out
+
+
+def test_decode_tasks_says_why_generation_ran_plain(run, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert harness().decode_main(["--run-dir", str(run[0]), "--tasks", "mtpjax_funcret", "--limit", "2",
+                                  "--num-draft", "0", "--batch-size", "8", "--json", str(out)]) == 0
+    assert "mtpjax_funcret ran plain: num_draft=0 was asked" in capsys.readouterr().out
+    assert json.loads(out.read_text())["speculative"]["mtpjax_funcret"]["why_plain"].startswith("num_draft=0")
+
+
 def test_decode_tasks_prints_the_scores_and_the_speculative_table(run, tmp_path, capsys):
     out = tmp_path / "r.json"
     assert harness().decode_main(["--run-dir", str(run[0]), "--tasks", "mtpjax", "--limit", "4", "--num-draft", "1",
                         "--batch-size", "8", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "| mtpjax_funcret | 1 |" in text and "acc_norm" in text
+    assert "ran plain" not in text  # it drafted: no reason for plain is printed
     report = json.loads(out.read_text())
     assert set(report["results"]) == set(tasks.SHIPPED)
     spec = report["speculative"]["mtpjax_funcret"]
@@ -197,6 +245,10 @@ def test_decode_tasks_bad_input_is_one_line_exit_2(run, capsys, argv, words):
     (["--model", "mtpjax", "--model_args", "step=1", "--tasks", "mtpjax"], "needs model_args run_dir"),
     (["--model", "mtpjax", "--model_args", "run_dir=RUN,colour=red", "--tasks", "mtpjax"], "colour unknown"),
     (["--model", "mtpjax", "--model_args", "run_dir=RUN", "--tasks", "no_such_task"], "unknown task"),
+    (["--model", "mtpjax", "--model_args", "run_dir=RUN", "--tasks", "mtpjax", "--include_path", "/no/such/dir"],
+     "--include_path /no/such/dir is not a directory"),
+    (["--model", "mtpjax", "--model_args", "run_dir=RUN", "--tasks", "mtpjax", "--include_path"],
+     "--include_path needs a directory"),
 ])
 def test_lm_eval_bad_input_is_one_line_exit_2(run, capsys, argv, words):
     capsys.readouterr()

@@ -89,6 +89,31 @@ def test_speedup_ceiling_is_the_best_round_at_floor_costs():
     assert speedup_ceiling([1.0], 0.0, 3)["max"] == 4.0
 
 
+def test_the_ceiling_bounds_every_round_costing_at_least_its_floors():
+    """decode.py --eval's speedup_ceiling, E/(1 + γr), is never below the speedup of a round whose verification
+    costs v >= 1 plain steps and whose drafts cost c >= r each, for any α (trees alike, one call per depth)."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        g, r = rng.randint(1, 6), rng.uniform(0.01, 1.5)
+        alpha = [rng.random() for _ in range(g)]
+        v, c = 1 + rng.expovariate(1.0), r * (1 + rng.expovariate(2.0))
+        assert predicted_speedup(alpha, g, v + g * c) <= ceiling(alpha, g, r)
+    tree, by = parse_tree("2x2"), [[0.5, 0.3], [0.4, 0.2]]
+    assert tree_expected_tokens(tree, by) / (1.3 + 2 * 0.2) <= tree_ceiling(tree, by, r=0.2)
+
+
+def test_companion_a_ceiling_over_the_n_gram_round_s_v_is_no_bound():
+    """Companion (issue 50's run: ceiling 0.81 beside a measured 1.11): dividing by the v the n-gram round measured
+    (its lookup and bookkeeping included) instead of 1 falls below the MTP round it claims to bound."""
+    alpha, r = [0.8], 0.3
+    mtp_round = 1.3 + 1 * 0.32  # its verification 1.3 plain steps, its draft 0.32
+    measured = predicted_speedup(alpha, 1, mtp_round)
+    assert round(ceiling(alpha, 1, r, verify_cost=1.92), 2) == 0.81 and round(measured, 2) == 1.11
+    assert ceiling(alpha, 1, r, verify_cost=1.92) < measured <= ceiling(alpha, 1, r)
+
+
 def test_constant_alpha_is_the_closed_form():
     for a in (0.0, 0.3, 0.8):
         for g in range(5):

@@ -3,6 +3,9 @@ registered and the shipped tasks on its task path.
 
     python -m mtpjax lm_eval --model mtpjax --model_args run_dir=runs/tiny,num_draft=auto --tasks mtpjax
 
+--include_path DIR (repeated, or several joined with os.pathsep) adds the user's task directories beside the
+shipped ones.
+
 model_args: run_dir (required), step, max_length (default data.seq_len), num_draft (an integer or auto),
 proposer (mtp, mtp1, ngram), tree, seed, max_gen_toks; --batch_size is the rows of one compiled batch.
 Importing this module registers the backend, so `lm_eval.simple_evaluate(model="mtpjax", model_args=...)`
@@ -12,7 +15,9 @@ works after `import mtpjax.cli.lm_eval`; `load_lm(run_dir)` returns an instance 
 from __future__ import annotations
 
 import functools
+import os
 import sys
+from pathlib import Path
 
 from lm_eval.api.registry import register_model
 
@@ -72,8 +77,9 @@ def _harness_cli():
     return cli
 
 
-def check_run_args(args) -> None:
-    """Before lm-eval starts: the mtpjax backend's run directory and the tasks, each problem one line."""
+def check_run_args(args, dirs: list[str]) -> None:
+    """Before lm-eval starts: the mtpjax backend's run directory and the tasks (the shipped ones, lm-eval's and
+    those in the user's directories `dirs`), each problem one line."""
     if args.model == "mtpjax":
         from mtpjax.train.checkpoint import SavedRun
 
@@ -81,12 +87,31 @@ def check_run_args(args) -> None:
     if not args.tasks:
         raise UsageError("give --tasks NAMES (the shipped tasks: mtpjax)")
     names = list(args.tasks)
-    manager = None if args.include_path else tasks.task_manager(names)
-    if manager is None:
+    if dirs:
         from lm_eval.tasks import TaskManager
 
-        manager = TaskManager(include_path=[str(tasks.task_dir()), *args.include_path.split(":")])
+        manager = TaskManager(include_path=[str(tasks.task_dir()), *dirs])
+    else:
+        manager = tasks.task_manager(names)
     tasks.load(names, manager)
+
+
+def include_paths(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(argv without its --include_path options, the user's task directories): the option may repeat and each
+    may join several with os.pathsep; lm-eval takes a single directory, so main hands it the list itself."""
+    rest, dirs, it = [], [], iter(argv)
+    for a in it:
+        if a == "--include_path" or a.startswith("--include_path="):
+            value = a.partition("=")[2] if "=" in a else next(it, None)
+            if not value:
+                raise UsageError("--include_path needs a directory of task YAMLs")
+            dirs += [d for d in value.split(os.pathsep) if d]
+        else:
+            rest.append(a)
+    for d in dirs:
+        if not Path(d).expanduser().is_dir():
+            raise UsageError(f"--include_path {d} is not a directory; give a directory of task YAMLs")
+    return rest, [str(Path(d).expanduser().absolute()) for d in dirs]
 
 
 @command
@@ -97,10 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     cli = _harness_cli()
     if argv and argv[0] not in cli._subparsers.choices and argv[0] not in ("-h", "--help"):
         argv = ["run", *argv]
+    argv, dirs = include_paths(argv) if argv[:1] == ["run"] else (argv, [])
     args = cli._parser.parse_args(argv)
     if getattr(args, "command", None) == "run":
-        check_run_args(args)
-        args.include_path = ":".join([str(tasks.task_dir()), *([args.include_path] if args.include_path else [])])
+        check_run_args(args, dirs)
+        args.include_path = [str(tasks.task_dir()), *dirs]  # the shipped tasks beside the user's
     cli.execute(args)
     return 0
 
@@ -140,7 +166,7 @@ def run_tasks(args, cfg, model, tok, step: int, proposer: str, shape, draft=None
 
 def spec_table(spec: dict) -> str:
     """The speculative-generation table: per generation task, the draft, tokens/s, tokens per round, acceptance
-    by depth and the measured speedup over plain decoding of the same batches."""
+    by depth and the measured speedup over plain decoding of the same batches; under it, why a task ran plain."""
     rows = ["| task | draft | tokens/s | tokens/round | acceptance by depth | speedup vs plain |",
             "|---|---|---:|---:|---|---:|"]
     for task, s in spec.items():
@@ -148,4 +174,5 @@ def spec_table(spec: dict) -> str:
         speed = f"{s['speedup_vs_plain']:.2f}x" if "speedup_vs_plain" in s else "(plain)"
         rows.append(f"| {task} | {s['draft']} | {s['tokens_per_sec']:.1f} | {s['tokens_per_round']:.2f} | {acc} "
                     f"| {speed} |")
+    rows += [f"{task} ran plain: {s['why_plain']}" for task, s in spec.items() if "why_plain" in s]
     return "\n".join(rows)

@@ -4,6 +4,12 @@ The byte tokenizer becomes a `tokenizers` BPE with no merges over the byte-level
 one token whose id is its value; id 0 is `<|eos|>` instead of the NUL byte, which no token spells, so a NUL
 in the text is dropped, as mtpjax drops it. A literal `<|eos|>` in a document stays text on both sides
 (`split_special_tokens`). Our own `tokenizer_meta.json` is written too, so import restores the same class.
+
+transformers 5 ignores `tokenizer_config.json`'s class for model types it lists as shipping a wrong one (qwen2
+among them) and rebuilds the model type's class (Qwen2Tokenizer: Qwen2's pre-tokenizer + NFC) from the vocab and
+merges alone, which splits otherwise than our tokenizer.json. An `auto_map` entry is the one thing that skips
+that override; without trust_remote_code it then loads the tokenizer.json as written, and with it the tiny
+module written beside it, a subclass that adds nothing (transformers 4 loads it as before either way).
 """
 
 from __future__ import annotations
@@ -21,7 +27,18 @@ from mtpjax.data.tokenizer import (
 )
 
 CONFIG_FILE = "tokenizer_config.json"
+MODULE_FILE = "tokenization_mtpjax.py"
+MODULE_TEXT = '''"""The exported run's tokenizer: tokenizer.json as written (tokenizer_config.json's auto_map)."""
 
+try:
+    from transformers import TokenizersBackend as _Base  # transformers 5
+except ImportError:
+    from transformers import PreTrainedTokenizerFast as _Base  # transformers 4
+
+
+class MtpjaxTokenizer(_Base):
+    """tokenizer.json's pipeline unchanged: no __init__, so transformers does not rebuild it from vocab/merges."""
+'''
 
 
 def _byte_chars() -> list[str]:
@@ -51,7 +68,8 @@ def byte_tokenizer_json():
 
 
 def export_tokenizer(tok: Tokenizer, directory: Path, max_len: int) -> str:
-    """Write tokenizer.json, tokenizer_config.json (and tokenizer_meta.json) into `directory`; the EOS token's text."""
+    """Write tokenizer.json, tokenizer_config.json, tokenization_mtpjax.py (and tokenizer_meta.json) into
+    `directory`; the EOS token's text."""
     if isinstance(tok, ByteTokenizer):
         inner = byte_tokenizer_json()
         inner.save(str(directory / HF_FILE))
@@ -64,6 +82,8 @@ def export_tokenizer(tok: Tokenizer, directory: Path, max_len: int) -> str:
     eos = inner.id_to_token(tok.eos_id)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos, "bos_token": None,
               "unk_token": None, "model_max_length": max_len, "split_special_tokens": True,
-              "clean_up_tokenization_spaces": False}
+              "clean_up_tokenization_spaces": False,
+              "auto_map": {"AutoTokenizer": [None, f"{MODULE_FILE.removesuffix('.py')}.MtpjaxTokenizer"]}}
+    (directory / MODULE_FILE).write_text(MODULE_TEXT)
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return eos

@@ -28,6 +28,7 @@ from mtpjax.decode.cache import rows as rows_of
 from mtpjax.decode.host import shape_of
 from mtpjax.decode.tree import PLAIN, Auto, DraftSpec
 from mtpjax.errors import MtpjaxError
+from mtpjax.eval import verdict
 from mtpjax.nn.model import MTPTransformer
 
 MIN_BUCKET = 16  # the shortest padded length
@@ -99,6 +100,8 @@ class MtpjaxLM(TemplateLM):
         self._score = make_scorer(model)
         self.stats: dict[str, dict] = {}  # per task: what generation did (generate_until)
         self.chosen: DraftSpec | None = None  # what Auto chose on its first batch
+        # why generation runs plain, where it does (stats' why_plain)
+        self.why_plain = "num_draft=0 was asked (decode.num_draft, --num-draft or model_args num_draft)"
         self.draft_model, self.measure, self._compiled = draft_model, measure, set()
 
     @property
@@ -174,7 +177,10 @@ class MtpjaxLM(TemplateLM):
         """(api.generate's result, its seconds); with `measure`, after an untimed run of each new compiled shape.
         A first Auto request is its calibration: the choice is kept and used from then on."""
         if isinstance(shape, Auto):
-            self.chosen = shape = api.generate(self.model, rows, **args, shape=shape).shape
+            first = api.generate(self.model, rows, **args, shape=shape)
+            self.chosen = shape = first.shape
+            self.why_plain = "auto measured the drafts: " + (verdict.plain_reason(
+                first.stats["calibration"], self.proposer) or "no draft count or tree beat plain decoding")
         key = (rows_of(max(map(len, rows)), args["max_new_tokens"], 0).prompt_pad, args["max_new_tokens"],
                len(rows), shape)
         if self.measure and key not in self._compiled:
@@ -189,6 +195,8 @@ class MtpjaxLM(TemplateLM):
         t = self.stats.setdefault(task, {"rows": 0, "seconds": 0.0, "plain_seconds": 0.0, "rounds": 0,
                                          "generated": 0, "accepted": [], "reached": []})
         t["draft"] = s.get("tree", s["num_draft"])
+        if not s["num_draft"]:
+            t["why_plain"] = self.why_plain
         t["rows"] += rows
         t["seconds"] += seconds
         t["rounds"] += s["rounds"]
@@ -199,11 +207,14 @@ class MtpjaxLM(TemplateLM):
 
 
 def spec_summary(t: dict) -> dict:
-    """A task's generation statistics as reported: tokens per round, acceptance by depth, speedup vs plain."""
+    """A task's generation statistics as reported: tokens per round, acceptance by depth, speedup vs plain (or why
+    it ran plain)."""
     out = {"draft": t["draft"], "tokens_per_sec": t["generated"] / t["seconds"] if t["seconds"] else 0.0,
            # each row's first token comes from the prefill, not from a round
            "tokens_per_round": (t["generated"] - t["rows"]) / t["rounds"] if t["rounds"] else 0.0,
            "acceptance_by_depth": [a / r if r else 0.0 for a, r in zip(t["accepted"], t["reached"])]}
     if t["plain_seconds"]:
         out["speedup_vs_plain"] = t["plain_seconds"] / t["seconds"]
+    if "why_plain" in t:
+        out["why_plain"] = t["why_plain"]
     return out

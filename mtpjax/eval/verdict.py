@@ -2,7 +2,7 @@
 
 The cause is read off the run's own measurements: v, verifying a round's γ+1 tokens over one plain step (1 where a
 step waits on reading the weights, about γ+1 where it is compute-bound, as a small model in a CPU's cache is); c,
-a draft's cost over a plain step; and the ceiling E/(v + γr). The docs section it points to explains the regimes.
+a draft's cost over a plain step; and the ceiling E/(1 + γr). The docs section it points to explains the regimes.
 """
 
 from __future__ import annotations
@@ -24,12 +24,18 @@ def eval_line(d: dict, prefix: str = "", what: str = "MTP") -> str | None:
 
 def stats_line(cal: dict, label: str) -> str | None:
     """For decode.py --stats after auto measured: the line when plain won, from the best chain's cost and E."""
+    why = plain_reason(cal, label)
+    return None if why is None else f"[why plain] {why}"
+
+
+def plain_reason(cal: dict, label: str) -> str | None:
+    """Why auto's measurement `cal` chose plain (the best chain's cost against its tokens); None if it drafted."""
     chains = {g: c for g, c in cal["round_cost"].items() if isinstance(g, int) and g > 0}
     if cal["num_draft"] != 0 or not chains:
         return None
     g = max(chains, key=lambda k: cal["expected_tokens"][k] / chains[k])
     e, cost = cal["expected_tokens"][g], chains[g]
-    return (f"[why plain] a round of {label} num_draft={g} costs {cost:.2f} plain steps for {e:.2f} tokens "
+    return (f"a round of {label} num_draft={g} costs {cost:.2f} plain steps for {e:.2f} tokens "
             f"({e / cost:.2f}x): {_regime(cost, g)} ({DOCS})")
 
 
