@@ -13,6 +13,7 @@ import shutil
 import weakref
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -213,3 +214,70 @@ def test_companion_an_eager_import_holds_every_tensor(tmp_path, checkpoints, mon
     monkeypatch.setattr(importer.Lazy, "__init__", eager)
     assert cli("import", "--hf", checkpoints[0], "--out", tmp_path / "a") == 0
     assert seen["peak"] == seen["made"] - 6 == 42
+
+
+# ----------------------------------------------------------------------------- export --quantize fp8
+
+
+@pytest.fixture(scope="module")
+def exported_fp8(tmp_path_factory, checkpoints):
+    """The run exported with --quantize fp8 (its MTP layer included)."""
+    return export(checkpoints[2], tmp_path_factory.mktemp("out") / "hf", "--quantize", "fp8")
+
+
+@pytest.mark.slow
+def test_fp8_export_is_deepseeks_quantization(tmp_path, checkpoints, exported_fp8):
+    """--quantize fp8 writes what DeepSeek's block quantization makes of the bf16 export, tensor for tensor (names,
+    dtypes, bytes: the linears float8 with their scales, the rest as they were) and its quantization_config."""
+    run = checkpoints[2]
+    ours = load_file(str(exported_fp8 / "model.safetensors"))
+    (tmp_path / "ds").mkdir()
+    theirs = load_file(str(deepseek_fp8(export(run, tmp_path / "hf"), tmp_path / "ds")[0] / "model.safetensors"))
+    assert sorted(ours) == sorted(theirs)
+    for name, t in theirs.items():
+        assert ours[name].dtype == t.dtype and torch.equal(ours[name].view(torch.uint8), t.view(torch.uint8)), name
+    assert json.loads((exported_fp8 / "config.json").read_text())["quantization_config"] == QUANT
+
+
+@pytest.mark.slow
+def test_fp8_export_import_roundtrip(tmp_path, checkpoints, exported_fp8):
+    """Imported back (MTP module included): the unquantized leaves bitwise, the linears within float8's rounding
+    (3 mantissa bits: 1/16 of the block's largest magnitude) and no longer equal."""
+    run = checkpoints[2]
+    assert cli("import", "--hf", exported_fp8, "--out", tmp_path / "back") == 0
+    cfg, back, _ = load_model(tmp_path / "back")
+    assert cfg.model.mtp_depth == 1
+    a, b = state_of(load_model(run)[1]), state_of(back)
+    quantized = {"q_a", "q_b", "kv_a", "kv_b", "wo", "gate", "up", "down", "w_gate", "w_up", "w_down"}
+    seen = set()
+    for (path, x), (_, y) in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)):
+        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+        x, y = np.asarray(x), np.asarray(y)
+        if quantized & set(map(str, keys)) and "router" not in keys:
+            seen.add(keys[0])
+            assert np.abs(x - y).max() <= np.abs(x).max() / 16 and not np.array_equal(x, y), keys
+        else:
+            assert x.tobytes() == y.tobytes(), keys
+    assert seen == {"blocks", "mtp"}
+
+
+@pytest.mark.slow
+def test_transformers_loads_the_fp8_export_on_cpu(tmp_path):
+    """transformers' fine-grained fp8 integration (on CPU: its dequantizing fallback) computes the logits of the
+    fp8 export imported back. Toy widths under 128 (every weight one block): its fallback infers the block from the
+    scale grid, which partial edge blocks get wrong (docs/export-import.md)."""
+    from test_convert import TOL, batch, our_logits
+    from test_convert_deepseek import transformers_logits
+
+    out = export(make_ds_run(tmp_path, "run"), tmp_path / "hf", "--quantize", "fp8")
+    assert cli("import", "--hf", out, "--out", tmp_path / "back") == 0
+    toks = batch()
+    theirs, name = transformers_logits(out, toks)
+    assert name == "DeepseekV3ForCausalLM"
+    assert np.abs(our_logits(load_model(tmp_path / "back")[1], toks)[0] - theirs).max() <= TOL
+
+
+def test_export_fp8_needs_deepseek_layout(tmp_path, capsys):
+    out = tmp_path / "hf"
+    err = _bad(capsys, out, "export", "--run-dir", tmp_path, "--out", out, "--format", "qwen2", "--quantize", "fp8")
+    assert "pass --format deepseek_v3 --quantize fp8" in err
