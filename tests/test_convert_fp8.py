@@ -262,10 +262,10 @@ def test_fp8_export_import_roundtrip(tmp_path, checkpoints, exported_fp8):
 
 
 @pytest.mark.slow
-def test_transformers_loads_the_fp8_export_on_cpu(tmp_path):
+def test_transformers_loads_the_fp8_export_on_cpu(tmp_path, exported_fp8):
     """transformers' fine-grained fp8 integration (on CPU: its dequantizing fallback) computes the logits of the
-    fp8 export imported back. Toy widths under 128 (every weight one block): its fallback infers the block from the
-    scale grid, which partial edge blocks get wrong (docs/export-import.md)."""
+    fp8 export imported back at toy widths under 128 (every weight one block). Its fallback infers the block from
+    the scale grid, which partial edge blocks get wrong: the wide export's logits differ (docs/export-import.md)."""
     from test_convert import TOL, batch, our_logits
     from test_convert_deepseek import transformers_logits
 
@@ -275,6 +275,10 @@ def test_transformers_loads_the_fp8_export_on_cpu(tmp_path):
     theirs, name = transformers_logits(out, toks)
     assert name == "DeepseekV3ForCausalLM"
     assert np.abs(our_logits(load_model(tmp_path / "back")[1], toks)[0] - theirs).max() <= TOL
+    assert cli("import", "--hf", exported_fp8, "--out", tmp_path / "wide") == 0
+    gap = np.abs(our_logits(load_model(tmp_path / "wide")[1], toks)[0] - transformers_logits(exported_fp8, toks)[0])
+    print(f"widths 160 / 200: transformers' CPU fallback differs by {gap.max():.4g}")
+    assert gap.max() > 1
 
 
 def test_export_fp8_needs_deepseek_layout(tmp_path, capsys):
