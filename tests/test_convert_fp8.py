@@ -285,3 +285,27 @@ def test_export_fp8_needs_deepseek_layout(tmp_path, capsys):
     out = tmp_path / "hf"
     err = _bad(capsys, out, "export", "--run-dir", tmp_path, "--out", out, "--format", "qwen2", "--quantize", "fp8")
     assert "pass --format deepseek_v3 --quantize fp8" in err
+
+
+def test_fp8_quantizes_deepseeks_linears_only_and_rounds_within_float8():
+    """The names DeepSeek stores in float8 (the MTP layer's linears too) and the ones it leaves alone (eh_proj,
+    embeddings, heads, norms, router); a block's values come back within float8's rounding of its own scale."""
+    for layer in (0, 2):  # a trunk layer and, with 2 layers, the MTP one
+        p = f"model.layers.{layer}."
+        for n in ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.q_proj", "self_attn.kv_a_proj_with_mqa",
+                  "self_attn.kv_b_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.experts.7.down_proj",
+                  "mlp.shared_experts.up_proj"):
+            assert fp8.quantized(p + n + ".weight"), n
+        for n in ("eh_proj.weight", "enorm.weight", "embed_tokens.weight", "shared_head.head.weight",
+                  "shared_head.norm.weight", "mlp.gate.weight", "mlp.gate.e_score_correction_bias",
+                  "input_layernorm.weight", "self_attn.kv_a_layernorm.weight"):
+            assert not fp8.quantized(p + n), n
+    assert not fp8.quantized("lm_head.weight") and not fp8.quantized("model.embed_tokens.weight")
+    w = np.random.default_rng(0).standard_normal((200, 160)).astype(np.float32)
+    w[128:, 128:] *= 1e-3  # the partial corner block: its own, much smaller scale
+    q, s = fp8.quantize(w, fp8.BLOCK)
+    assert q.dtype == fp8.DTYPE and s.shape == (2, 2) and s[1, 1] == np.abs(w[128:, 128:]).max() / 448
+    back = fp8.dequantize(q, s, fp8.BLOCK)
+    for i, j in np.ndindex(2, 2):
+        blk = np.s_[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+        assert np.abs(back[blk] - w[blk]).max() <= np.abs(w[blk]).max() / 16
