@@ -309,3 +309,51 @@ def test_fp8_quantizes_deepseeks_linears_only_and_rounds_within_float8():
     for i, j in np.ndindex(2, 2):
         blk = np.s_[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
         assert np.abs(back[blk] - w[blk]).max() <= np.abs(w[blk]).max() / 16
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(run, its fp8 export, held-out token sequences) of a trained tiny DeepSeek-shaped run (MLA + MoE + one MTP
+    module reading the normed state), 60 steps on byte text."""
+    import sysconfig
+
+    from test_convert_deepseek import DS
+    from train_helpers import tiny_cfg
+
+    from mtpjax.train.loop import train
+
+    tmp = tmp_path_factory.mktemp("trained")
+    keep = [o for o in DS if not o.startswith(("model.vocab_size", "data.seq_len", "model.init_std"))]
+    cfg = tiny_cfg(tmp, *keep, "train.steps=60", "checkpoint.every=60", "train.eval_every=60")
+    train(cfg)
+    run = Path(cfg.train.run_dir)
+    tok = load_model(run)[2]
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "heapq.py").read_text()  # not in the training corpus
+    seqs = [tok.encode(text[i * 400:(i + 1) * 400])[:96] for i in range(8)]
+    return run, export(run, tmp / "hf", "--quantize", "fp8"), seqs
+
+
+def _acceptance(run: Path, seqs) -> float:
+    from mtpjax.eval.evaluate import forced_acceptance
+
+    return forced_acceptance(load_model(run)[1], seqs, 32, 1)[0]
+
+
+@pytest.mark.slow
+def test_fp8_export_keeps_mtp_acceptance_of_a_trained_run(tmp_path, trained):
+    """The fp8 export, imported back, accepts the MTP module's drafts (teacher-forced, held-out text) within 2
+    points of the run itself."""
+    run, out, seqs = trained
+    assert cli("import", "--hf", out, "--out", tmp_path / "back") == 0
+    a, b = _acceptance(run, seqs), _acceptance(tmp_path / "back", seqs)
+    print(f"teacher-forced acceptance: run {a:.4f}, fp8 export {b:.4f}")
+    assert a > 0.2 and abs(a - b) <= 0.02
+
+
+@pytest.mark.slow
+def test_companion_fp8_read_without_its_scales_loses_the_acceptance(tmp_path, trained, monkeypatch):
+    """The float8 values read without their block scales (scale 1): the acceptance is no longer within 2 points."""
+    run, out, seqs = trained
+    monkeypatch.setattr(fp8, "dequantize", lambda w, s, block: np.asarray(w, np.float32))
+    assert cli("import", "--hf", out, "--out", tmp_path / "back") == 0
+    assert abs(_acceptance(run, seqs) - _acceptance(tmp_path / "back", seqs)) > 0.02
