@@ -303,9 +303,10 @@ def _fp8(d: Path) -> None:
     (lambda d: _edit(d, moe_layer_freq=2), "moe_layer_freq=2"),
     (lambda d: _edit(d, moe_intermediate_size=8), "does not match its config.json"),
     (lambda d: _edit(d, kv_lora_rank=8), "does not match its config.json"),
-    (lambda d: _edit(d, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}),
-     "dequantize it to bfloat16"),
-    (_fp8, "F8_E4M3 (float8: quantized); dequantize"),
+    # issue 50: DeepSeek-V3's fp8 block-scaled checkpoints import now (tests/test_convert_fp8.py), so an fp8
+    # quantization_config is accepted; other quantizations, and float8 tensors without block scales, are refused
+    (lambda d: _edit(d, quantization_config={"quant_method": "gptq", "bits": 4}), "dequantize it to bfloat16"),
+    (_fp8, "float8 but config.json has no quantization_config"),
 ])
 def test_import_bad_deepseek_input(tmp_path, capsys, edit, needle):
     d, _ = _hf_deepseek(tmp_path)

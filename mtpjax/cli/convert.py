@@ -24,6 +24,9 @@ def parser() -> Parser:
     e.add_argument("--format", default="qwen2", choices=("qwen2", "llama", "deepseek_v3"),
                    help="qwen2: Qwen2 trunk (+ MiMo MTP modules); llama: a plain LlamaForCausalLM trunk; "
                         "deepseek_v3: DeepseekV3ForCausalLM (MLA, dense or MoE) with its MTP layers")
+    e.add_argument("--quantize", default=None, choices=("fp8",),
+                   help="fp8: DeepSeek-V3's float8 e4m3 linears with 128x128 block scales (weight_scale_inv), the "
+                        "embeddings, heads, norms, router and eh_proj as they are (--format deepseek_v3)")
     e.add_argument("--shard-mb", type=float, default=2000.0,
                    help="largest safetensors file in MB before the weights are split into shards (default 2000)")
     i = sub.add_parser("import", help="turn a local Llama / Qwen2 / DeepSeek-V3 safetensors checkpoint into a run "
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.shard_mb > 0:
                 raise ConvertError(f"--shard-mb {args.shard_mb} must be > 0")
             summary = export_run(args.run_dir, args.out, step=args.step, mtp_modules=args.mtp_modules,
-                                 fmt=args.format, max_shard_bytes=args.shard_mb * 1e6)
+                                 fmt=args.format, max_shard_bytes=args.shard_mb * 1e6, quantize=args.quantize)
         else:
             summary = import_hf(args.hf, args.out, args.overrides)
     except OSError as e:  # disk full, permissions: the temporary directory is already removed

@@ -16,7 +16,7 @@ from flax import nnx
 
 from mtpjax.train.checkpoint import SavedRun
 from mtpjax.config import Config
-from mtpjax.convert import layout
+from mtpjax.convert import fp8, layout
 from mtpjax.convert.errors import ConvertError
 from mtpjax.convert.hf_config import export_config
 from mtpjax.convert.hf_tokenizer import export_tokenizer
@@ -110,7 +110,7 @@ def _check(cfg: Config, fmt: str, mtp_modules: int | None, tokenizer) -> int:
     return mtp_modules
 
 
-def _specs(ck: RunCheckpoint, cfg: Config, fmt: str, mtp_modules: int) -> list[Spec]:
+def _specs(ck: RunCheckpoint, cfg: Config, fmt: str, mtp_modules: int, quantize: str | None = None) -> list[Spec]:
     shapes = param_shapes(cfg)
     dtype = np.dtype(jax.numpy.dtype(cfg.model.param_dtype))
 
@@ -129,8 +129,24 @@ def _specs(ck: RunCheckpoint, cfg: Config, fmt: str, mtp_modules: int) -> list[S
     def leaf_dtype(t: layout.Tensor):  # a MoE routing bias stays float32 whatever the parameters' dtype
         return dtype if t.path is None else np.dtype(layout.leaf(shapes, t.path).dtype)
 
-    return [Spec(t.hf, t.shape, leaf_dtype(t), producer(t))
-            for t in layout.tensors(cfg.model, shape_tree(shapes), fmt, mtp_modules)]
+    specs = [Spec(t.hf, t.shape, leaf_dtype(t), producer(t))
+             for t in layout.tensors(cfg.model, shape_tree(shapes), fmt, mtp_modules)]
+    if quantize:
+        return [q for s in specs for q in (_fp8_pair(s, fp8.BLOCK) if fp8.quantized(s.name) else [s])]
+    return specs
+
+
+def _fp8_pair(spec: Spec, block: tuple[int, int]) -> list[Spec]:
+    """A weight as float8 and its block scales beside it (quantized once: the scales wait for their turn)."""
+    held = {}
+
+    def weight():
+        q, held["scale"] = fp8.quantize(spec.produce(), block)
+        return q
+
+    return [Spec(spec.name, spec.shape, fp8.DTYPE, weight),
+            Spec(spec.name + fp8.SCALE, fp8.scale_shape(spec.shape, block), np.dtype(np.float32),
+                 lambda: held.pop("scale"))]
 
 
 def fresh_dir(out: Path) -> Path:
@@ -158,22 +174,27 @@ def commit(tmp: Path, out: Path) -> None:
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None, mtp_modules: int | None = None,
-               fmt: str = "qwen2", max_shard_bytes: float = DEFAULT_SHARD_BYTES) -> dict:
-    """Write the run's checkpoint as a Hugging Face directory at `out`; a summary. ConvertError on bad input,
-    CheckpointError for a missing or unreadable run."""
+               fmt: str = "qwen2", max_shard_bytes: float = DEFAULT_SHARD_BYTES, quantize: str | None = None) -> dict:
+    """Write the run's checkpoint as a Hugging Face directory at `out` (quantize="fp8": DeepSeek-V3's float8
+    block-scaled linears); a summary. ConvertError on bad input, CheckpointError for a missing or unreadable run."""
     out = Path(out)
+    if quantize not in (None, "fp8") or (quantize and fmt != "deepseek_v3"):
+        raise ConvertError(f"--quantize {quantize} with --format {fmt}: fp8 is written in DeepSeek-V3's layout only; "
+                           "pass --format deepseek_v3 --quantize fp8, or leave --quantize out")
     ck = RunCheckpoint(run_dir, step)
     try:
         cfg = ck.cfg
         mtp_modules = _check(cfg, fmt, mtp_modules, ck.tokenizer)
-        specs = _specs(ck, cfg, fmt, mtp_modules)
+        specs = _specs(ck, cfg, fmt, mtp_modules, quantize)
         tmp = fresh_dir(out)
         try:
             files = write_checkpoint(tmp, specs, max_shard_bytes)
             max_len = max(cfg.data.seq_len, cfg.decode.max_len)
             eos = ck.tokenizer.eos_id
-            (tmp / "config.json").write_text(json.dumps(
-                export_config(cfg.model, fmt, mtp_modules, eos, max_len), indent=2) + "\n")
+            hf = export_config(cfg.model, fmt, mtp_modules, eos, max_len)
+            if quantize:
+                hf["quantization_config"] = fp8.config(fp8.BLOCK)
+            (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
             gen = {"bos_token_id": None, "eos_token_id": eos, "pad_token_id": eos, "do_sample": False}
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
             export_tokenizer(ck.tokenizer, tmp, max_len)
@@ -183,5 +204,6 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
             raise
     finally:
         ck.close()
-    return {"out": str(out), "step": ck.step, "format": fmt, "mtp_modules": mtp_modules, "files": files,
+    return {"out": str(out), "step": ck.step, "format": fmt, "quantize": quantize, "mtp_modules": mtp_modules,
+            "files": files,
             "bytes": sum(s.nbytes for s in specs), "tensors": len(specs)}

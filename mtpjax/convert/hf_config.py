@@ -5,7 +5,7 @@ Import refuses, with one line naming it, what our model cannot compute: another 
 per-head q/k norms, Mixtral's softmax routing, ...), sliding-window attention, biases beyond q/k/v, another
 activation, a RoPE scaling other than Llama 3's (and YaRN for DeepSeek-V3), partial rotary embeddings,
 DeepSeek routing other than V3's (sigmoid scores, noaux_tc, normalized top-k, every layer past the dense ones
-MoE), FP8-quantized weights.
+MoE), quantization other than DeepSeek-V3's fp8 block scales (mtpjax.convert.fp8).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from mtpjax.config import ModelConfig
+from mtpjax.convert import fp8
 from mtpjax.convert.errors import ConvertError
 
 _DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32", "float64": "float32"}
@@ -118,11 +119,7 @@ def architecture(hf: dict) -> str:
 
 def _refuse(hf: dict, fmt: str) -> None:
     """ConvertError for the first feature of a Llama / Qwen2 / DeepSeek-V3 config our model cannot compute."""
-    if hf.get("quantization_config"):
-        q = hf["quantization_config"]
-        raise ConvertError(f"the checkpoint is quantized ({q.get('quant_method', '?')} {q.get('fmt', '')}, block "
-                           f"{q.get('weight_block_size', '?')}); dequantize it to bfloat16 first (DeepSeek's "
-                           "fp8_cast_bf16.py) and import that")
+    fp8.block_of(hf)  # DeepSeek-V3's fp8 block scales are read; any other quantization is refused
     if fmt == "deepseek_v3":
         return _refuse_deepseek(hf)
     if any(k in hf for k in ("num_experts", "num_local_experts", "moe_intermediate_size")):

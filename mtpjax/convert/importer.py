@@ -5,7 +5,8 @@ Layout written (the items `checkpoint.Checkpointer` writes, without optimizer or
 safetensors into orbax one at a time: a lazy leaf type whose handler writes leaves sequentially, so memory
 holds a few tensors, not the model (orbax's own numpy path copies every array before writing any).
 MTP modules present in the checkpoint (our own MiMo export, DeepSeek-V3's layers past the trunk) are read back;
-the others start as `model.mtp_init` says.
+the others start as `model.mtp_init` says. DeepSeek-V3's fp8 weights are dequantized by their block scales
+(mtpjax.convert.fp8) each as it is written, into the run's dtype.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from mtpjax.config import ConfigError, load_config
-from mtpjax.convert import layout
+from mtpjax.convert import fp8, layout
 from mtpjax.convert.errors import ConvertError
 from mtpjax.convert.export import commit, fresh_dir, param_shapes, shape_tree
 from mtpjax.convert.hf_config import model_overrides, read_config
@@ -81,7 +82,7 @@ def save_model_checkpoint(run_dir: Path, params: dict, meta: dict) -> None:
         mngr.close()
 
 
-def _loaded_modules(reader: Reader, fmt: str, n_layers: int) -> int:
+def _loaded_modules(reader: fp8.BlockScaled, fmt: str, n_layers: int) -> int:
     """How many MTP layers the checkpoint holds (model.mtp_layers.0 .. n-1, DeepSeek's model.layers.L .. L+n-1)."""
     found = {k for name in reader.entries if (k := layout.mtp_index(fmt, n_layers, name)) is not None}
     n = 0
@@ -90,11 +91,11 @@ def _loaded_modules(reader: Reader, fmt: str, n_layers: int) -> int:
     return n
 
 
-def _is_zero(reader: Reader, names: list[str]) -> bool:
+def _is_zero(reader: fp8.BlockScaled, names: list[str]) -> bool:
     return all(not np.any(reader.array(n)) for n in names)
 
 
-def _has_qkv_bias(reader: Reader) -> bool:
+def _has_qkv_bias(reader: fp8.BlockScaled) -> bool:
     """Whether the checkpoint has nonzero q/k/v biases (all-zero ones compute nothing); nonzero o_proj ones are
     refused."""
     o = [n for n in reader.entries if _O_BIAS.search(n)]
@@ -103,7 +104,7 @@ def _has_qkv_bias(reader: Reader) -> bool:
     return not _is_zero(reader, [n for n in reader.entries if _QKV_BIAS.search(n)])
 
 
-def _leaf(reader: Reader, t: layout.Tensor, dtype: np.dtype) -> Lazy:
+def _leaf(reader: fp8.BlockScaled, t: layout.Tensor, dtype: np.dtype) -> Lazy:
     e = reader.entries[t.hf]
     if e.shape != t.shape:
         raise ConvertError(f"tensor {t.hf} has shape {list(e.shape)} but the config implies {list(t.shape)}; "
@@ -121,7 +122,7 @@ def _set(tree: dict, path: tuple, value) -> None:
     tree[path[-1]] = value
 
 
-def _check_shared(reader: Reader, t: layout.Tensor, first: layout.Tensor) -> None:
+def _check_shared(reader: fp8.BlockScaled, t: layout.Tensor, first: layout.Tensor) -> None:
     """A second copy of a leaf (DeepSeek's per-module embedding and head) must equal the first: we keep one."""
     a, b = reader.array(t.hf), reader.array(first.hf)
     if a.shape != b.shape or not np.array_equal(a, b):
@@ -129,7 +130,7 @@ def _check_shared(reader: Reader, t: layout.Tensor, first: layout.Tensor) -> Non
                            "and head, so it cannot represent this checkpoint")
 
 
-def _params(cfg, reader: Reader, fmt: str, loaded: int, has_bias: bool, interleave: bool = True) -> dict:
+def _params(cfg, reader: fp8.BlockScaled, fmt: str, loaded: int, has_bias: bool, interleave: bool = True) -> dict:
     """The model's pure-dict tree with Lazy leaves: HF tensors, then fresh MTP modules for the ones not loaded."""
     m = cfg.model
     if has_bias and not m.qkv_bias:
@@ -216,7 +217,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides=()) -> dict:
         raise ConvertError(f"--hf '{hf_dir}' is not a directory; pass a local Hugging Face model directory")
     hf = read_config(hf_dir)
     fmt, model_ovr = model_overrides(hf)
-    reader = Reader(hf_dir)
+    raw = Reader(hf_dir)
+    reader = fp8.BlockScaled(raw, fp8.block_of(hf))
     try:
         tok = tokenizer_from_dir(hf_dir)
     except DataError as e:
@@ -249,5 +251,5 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides=()) -> dict:
         raise
     return {"out": str(out), "format": fmt, "mtp_depth": cfg.model.mtp_depth, "mtp_modules_loaded": loaded,
             "notes": notes,
-            "tensors": len(reader.entries), "bytes": sum(int(np.prod(e.shape, dtype=np.int64)) * e.dtype.itemsize
-                                                         for e in reader.entries.values())}
+            "tensors": len(raw.entries), "float8": sum(e.dtype == fp8.DTYPE for e in raw.entries.values()),
+            "bytes": sum(int(np.prod(e.shape, dtype=np.int64)) * e.dtype.itemsize for e in raw.entries.values())}

@@ -28,10 +28,10 @@ from mtpjax.convert.errors import ConvertError
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+           "F8_E4M3": ml_dtypes.float8_e4m3fn}  # DeepSeek-V3's fp8 weights (mtpjax.convert.fp8)
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
-FLOATS = frozenset(np.dtype(_DTYPES[k]) for k in ("F64", "F32", "F16", "BF16"))
-
+FLOATS = frozenset(np.dtype(_DTYPES[k]) for k in ("F64", "F32", "F16", "BF16"))  # float8 only with block scales
 
 
 class Spec(NamedTuple):
@@ -131,7 +131,7 @@ def _read_header(path: Path) -> dict[str, Entry]:
             continue
         dt = _DTYPES.get(info.get("dtype"))
         if dt is None:
-            why = " (float8: quantized); dequantize the checkpoint to bfloat16 first" if str(
+            why = " (float8 other than e4m3); dequantize the checkpoint to bfloat16 first" if str(
                 info.get("dtype")).startswith("F8") else ""
             raise ConvertError(f"tensor {name} in '{path}' has unsupported dtype {info.get('dtype')}{why}")
         begin, end = info["data_offsets"]
