@@ -9,7 +9,7 @@ import jax
 import pytest
 import numpy as np
 from flax import nnx
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from mtpjax.config import (
     RUNTIME_KEYS,
@@ -18,7 +18,9 @@ from mtpjax.config import (
     DecodeConfig,
     LambdaSchedule,
     LossConfig,
+    MeshConfig,
     MixtureSource,
+    ModelConfig,
     TargetMix,
     choices,
     field_doc,
@@ -101,6 +103,30 @@ def test_replace_applies_and_validates():
 def test_from_dict_rejects_unknown():
     with pytest.raises(ConfigError, match="unknown config key 'model.dmodel'; did you mean 'model.d_model'"):
         from_dict({"model": {"dmodel": 3}})
+
+
+@pytest.mark.parametrize("build, expected", [
+    (lambda: ModelConfig(d_model=0), "config key 'model.d_model' = 0 is invalid: must be > 0"),
+    (lambda: ModelConfig(dmodel=3), "unknown config key 'model.dmodel'; did you mean 'model.d_model'?"),
+    (lambda: MeshConfig(1, 0), "config key 'mesh.fsdp' = 0 is invalid: must be > 0"),
+    (lambda: Config(model={"d_model": 30}), "config key 'model.n_heads' = 4 is invalid: must divide model.d_model=30"),
+    (lambda: from_dict({"data": {"mixture": None}}), "config key 'data.mixture' = None is invalid: expected a list"),
+    (lambda: from_dict({1: 2}), "unknown config key '1'; known keys: model, loss"),
+    (lambda: from_dict([1]), "config key '<root>' = [1] is invalid: expected a mapping of keys to values"),
+])
+def test_a_section_built_in_python_is_validated_with_the_same_one_line_errors(build, expected):
+    """pydantic's ValidationError never reaches a caller: building a section is loading it, errors included."""
+    with pytest.raises(ConfigError) as e:
+        build()
+    assert str(e.value).startswith(expected) and "\n" not in str(e.value)
+
+
+def test_sections_are_frozen_and_take_values_in_field_order():
+    mesh = MeshConfig(1, 2, 4)  # positional, as the dataclasses took them
+    assert (mesh.data, mesh.fsdp, mesh.tensor, mesh.expert) == (1, 2, 4, 1)
+    with pytest.raises(ValidationError, match="frozen"):
+        mesh.data = 2
+    assert hash(mesh) == hash(MeshConfig(fsdp=2, tensor=4)) and mesh == MeshConfig(fsdp=2, tensor=4)
 
 
 @pytest.mark.parametrize("override, expected", [
@@ -381,7 +407,7 @@ def test_the_checks_come_from_the_field_types_and_metadata():
     """Companion: the same bad value passes where the field is a plain str / has no bounds."""
 
     class Typed(Section):
-        mode: choice(Literal["a", "b"]) = "a"
+        mode: choice("a", "b") = "a"
         size: Int = Field(1, description="a size", gt=0)
 
     class Plain(Section):

@@ -43,23 +43,7 @@ class Section(BaseModel, metaclass=_Validated):
         raise fail(None, raw, "expected a mapping of keys to values")
 
 
-RopeScaling = Literal["none", "llama3", "yarn"]
-AttentionKind = Literal["gqa", "mla"]
-MtpKind = Literal["sequential", "parallel"]
-MtpInit = Literal["random", "last_block"]
-MtpHidden = Literal["raw", "normed"]
-Remat = Literal["none", "full", "dots"]
-Dtype = Literal["float32", "bfloat16", "float16"]
-ParamDtype = Literal["float32", "bfloat16"]
-Attention = Literal["auto", "xla", "cudnn", "pallas", "splash"]
-Source = Literal["stdlib", "text", "array", "parquet", "arrow", "induction", "algorithmic"]
-LrSchedule = Literal["cosine", "linear", "constant"]
-NanPolicy = Literal["stop", "skip"]
-Freeze = Literal["none", "trunk"]
-OwnText = Literal["off", "greedy", "sample"]
 Proposer = Literal["mtp", "mtp1", "ngram", "model"]
-MlpKind = Literal["dense", "moe"]
-UnrollModule = Literal["first", "last"]
 
 
 class ModelConfig(Section):
@@ -71,9 +55,9 @@ class ModelConfig(Section):
     head_dim: Int = Field(0, description="per-head width (even: RoPE rotates pairs); 0 = `d_model / n_heads`", ge=0)
     d_ff: Int = Field(0, description="SwiGLU width; 0 = 8/3 · `d_model` rounded up to a multiple of 64", ge=0)
     rope_theta: Float = Field(10000.0, description="RoPE base", gt=0)
-    rope_scaling: choice(RopeScaling) = Field("none", description="RoPE frequency scaling", json_schema_extra={
-        "choices": {"none": "plain RoPE", "llama3": "Llama 3.1's long-context rule, with the four `rope_*` keys below",
-        "yarn": "YaRN as DeepSeek-V3 defines it (`attention_kind: mla`): `rope_scaling_factor`, "
+    rope_scaling: choice("none", "llama3", "yarn") = Field("none", description="RoPE frequency scaling",
+        json_schema_extra={"choices": {"none": "plain RoPE", "llama3": "Llama 3.1's long-context rule, with the four "
+        "`rope_*` keys below", "yarn": "YaRN as DeepSeek-V3 defines it (`attention_kind: mla`): `rope_scaling_factor`, "
         "`rope_original_max_len`, `rope_beta_*`, `rope_mscale*`"}})
     rope_scaling_factor: Float = Field(8.0, description="llama3: how much long wavelengths are slowed", ge=1)
     rope_low_freq_factor: Float = Field(1.0, description="llama3: wavelengths above `rope_original_max_len / low` are "
@@ -90,7 +74,7 @@ class ModelConfig(Section):
         "`rope_mscale_all_dim`), mscale(s, m) = 0.1·m·ln s + 1", ge=0)
     rope_mscale_all_dim: Float = Field(1.0, description="yarn: the softmax scale is multiplied by mscale(factor, "
         "this)² (0: not, and the cos/sin scale is mscale(factor, 1))", ge=0)
-    attention_kind: choice(AttentionKind) = Field("gqa", description="what attention computes (trunk and MTP modules)",
+    attention_kind: choice("gqa", "mla") = Field("gqa", description="what attention computes (trunk and MTP modules)",
         json_schema_extra={"choices": {"gqa": "grouped-query attention (`n_kv_heads`, `head_dim`)",
         "mla": "DeepSeek-V3's multi-head latent attention (`q_lora_rank`, `kv_lora_rank`, `qk_*_head_dim`, "
         "`v_head_dim`); decoding caches the latent and the RoPE key"}})
@@ -105,26 +89,27 @@ class ModelConfig(Section):
     qkv_bias: Bool = Field(False, description="biases on the q/k/v projections (Qwen2), zero-initialised")
     tie_embeddings: Bool = Field(True, description="output head = embedding transposed")
     mtp_depth: Int = Field(1, description="D, the number of MTP modules (0 = plain LM)", ge=0)
-    mtp_kind: choice(MtpKind) = Field("sequential", description="how the MTP modules are wired", json_schema_extra={
-        "choices": {"sequential": "the DeepSeek-V3 chain", "parallel": "independent heads on the trunk, as in Gloeckle "
-        "et al."}})
-    mtp_hidden: choice(MtpHidden) = Field("raw", description="the trunk state MTP module 1 reads (every module, when "
-        "parallel)", json_schema_extra={"choices": {"raw": "the residual stream before the trunk's final norm",
+    mtp_kind: choice("sequential", "parallel") = Field("sequential", description="how the MTP modules are wired",
+        json_schema_extra={"choices": {"sequential": "the DeepSeek-V3 chain", "parallel": "independent heads on the "
+        "trunk, as in Gloeckle et al."}})
+    mtp_hidden: choice("raw", "normed") = Field("raw", description="the trunk state MTP module 1 reads (every module, "
+        "when parallel)", json_schema_extra={"choices": {"raw": "the residual stream before the trunk's final norm",
         "normed": "after the trunk's final norm, as DeepSeek-V3's reference code, its engines and Megatron feed it "
         "(needed by `convert export --format deepseek_v3`)"}})
-    mtp_init: choice(MtpInit) = Field("random", description="MTP modules' initialization (on import, from the imported "
-        "trunk)", json_schema_extra={"choices": {"random": "fresh weights", "last_block": "each module's block starts "
-        "as a copy of the last trunk block; its norms and `eh_proj` fresh"}})
+    mtp_init: choice("random", "last_block") = Field("random", description="MTP modules' initialization (on import, "
+        "from the imported trunk)", json_schema_extra={"choices": {"random": "fresh weights", "last_block": "each "
+        "module's block starts as a copy of the last trunk block; its norms and `eh_proj` fresh"}})
     scan_layers: Bool = Field(False, description="`lax.scan` over a stacked trunk (faster compiles for deep models)")
-    remat: choice(Remat) = Field("none", description="activation rematerialization per block", json_schema_extra={
-        "choices": {"none": "keep activations", "full": "recompute the block", "dots": "save only matmul outputs"}})
-    dtype: choice(Dtype) = Field("float32", description="activation / compute dtype")
-    param_dtype: choice(ParamDtype) = Field("float32", description="parameter dtype")
+    remat: choice("none", "full", "dots") = Field("none", description="activation rematerialization per block",
+        json_schema_extra={"choices": {"none": "keep activations", "full": "recompute the block", "dots": "save only "
+        "matmul outputs"}})
+    dtype: choice("float32", "bfloat16", "float16") = Field("float32", description="activation / compute dtype")
+    param_dtype: choice("float32", "bfloat16") = Field("float32", description="parameter dtype")
     init_std: Float = Field(0.02, description="init standard deviation (output projections scaled by 1/√(2L))", gt=0)
-    mlp_kind: choice(MlpKind) = Field("dense", description="the blocks' feed-forward (MTP modules' blocks follow the "
-        "trunk's)", json_schema_extra={"choices": {"dense": "one SwiGLU of width `d_ff`", "moe": "DeepSeek-V3's "
-        "mixture of experts: sigmoid-routed SwiGLU experts of width `moe_d_ff`, group-limited top-k, shared experts, "
-        "the first `first_k_dense_replace` trunk blocks dense"}})
+    mlp_kind: choice("dense", "moe") = Field("dense", description="the blocks' feed-forward (MTP modules' blocks "
+        "follow the trunk's)", json_schema_extra={"choices": {"dense": "one SwiGLU of width `d_ff`",
+        "moe": "DeepSeek-V3's mixture of experts: sigmoid-routed SwiGLU experts of width `moe_d_ff`, group-limited "
+        "top-k, shared experts, the first `first_k_dense_replace` trunk blocks dense"}})
     n_routed_experts: Int = Field(8, description="moe: routed experts (E)", gt=0)
     num_experts_per_tok: Int = Field(2, description="moe: experts chosen per token (top-k; ≤ `n_routed_experts`)", gt=0)
     n_shared_experts: Int = Field(1, description="moe: shared experts every token passes through (one SwiGLU of "
@@ -137,10 +122,10 @@ class ModelConfig(Section):
         "by this", gt=0)
     first_k_dense_replace: Int = Field(0, description="moe: the first k trunk blocks keep the dense MLP (< `n_layers`)",
         ge=0)
-    attention: choice(Attention) = Field("auto", description="how attention is computed, not what", json_schema_extra={
-        **RUNTIME, "choices": {"auto": "splash on TPU, Pallas on GPU with bf16/fp16, else XLA (for the mesh's devices)",
-        "xla": "the reference", "cudnn": "cuDNN's fused kernel (GPU)", "pallas": "a Pallas kernel (GPU)",
-        "splash": "splash attention (TPU)"}})
+    attention: choice("auto", "xla", "cudnn", "pallas", "splash") = Field("auto", description="how attention is "
+        "computed, not what", json_schema_extra={**RUNTIME, "choices": {"auto": "splash on TPU, Pallas on GPU with "
+        "bf16/fp16, else XLA (for the mesh's devices)", "xla": "the reference", "cudnn": "cuDNN's fused kernel (GPU)",
+        "pallas": "a Pallas kernel (GPU)", "splash": "splash attention (TPU)"}})
 
     @property
     def resolved_head_dim(self) -> int:
@@ -180,7 +165,7 @@ class LossConfig(Section):
         "cross-entropy (scaled by its square)", gt=0)
     mtp_unroll: Int = Field(0, description="U: the module `mtp_unroll_module` names is also applied U more times, each "
         "on its own previous output and the next true token, each application scored as one more depth", ge=0)
-    mtp_unroll_module: choice(UnrollModule) = Field("first", description="which module `mtp_unroll` reuses",
+    mtp_unroll_module: choice("first", "last") = Field("first", description="which module `mtp_unroll` reuses",
         json_schema_extra={"choices": {"first": "module 1 (the chain `decode.proposer=mtp1` and the engines run)",
         "last": "module D (the chain `decode.proposer=mtp` runs beyond D)"}})
     mtp_lambda_depths: parsed(DepthLambdas) = Field(DepthLambdas.parse(""), description="λ per scored application "
@@ -192,19 +177,22 @@ class LossConfig(Section):
         "balance loss (summed over MoE layers, averaged over rows); 0 = bias balancing alone", ge=0)
 
 
+Source = choice("stdlib", "text", "array", "parquet", "arrow", "induction", "algorithmic")
+
+
 class MixtureSource(Section):
     """One source of a weighted data mixture (data.mixture); the rest of DataConfig is shared."""
 
     name: Str = Field("", description="the source's TensorBoard tag part (`eval/<name>/loss/main`): letters, digits, "
         "`_` `.` `-`, unique")
-    source: choice(Source) = Field("text", description="the source's kind (as `data.source`)")
+    source: Source = Field("text", description="the source's kind (as `data.source`)")
     paths: Strs = Field((), description="its files or directories")
     weight: Float = Field(1.0, description="share of training windows (weights are normalized)", gt=0)
     text_field: Str = Field("text", description="the text column (Parquet/Arrow) or JSON-lines field")
 
 
 class DataConfig(Section):
-    source: choice(Source) = Field("stdlib", description="where documents come from", json_schema_extra={"choices": {
+    source: Source = Field("stdlib", description="where documents come from", json_schema_extra={"choices": {
         "stdlib": "the embedded corpus", "text": "`.txt`/`.md` files, `.jsonl` lines", "array": "`.npy` / `.bin` token "
         "ids", "parquet": "`.parquet` files", "arrow": "Arrow IPC / Feather v2: `.arrow`, `.feather`, `.ipc`",
         "induction": "generated stories whose invented names repeat (scored: the repeats' letters after the first)",
@@ -241,7 +229,7 @@ class OptimConfig(Section):
     lr: Float = Field(3e-3, description="peak learning rate", gt=0)
     min_lr_ratio: Float = Field(0.1, description="final learning rate as a fraction of the peak", ge=0, le=1)
     warmup_steps: Int = Field(50, description="linear warmup steps", ge=0)
-    schedule: choice(LrSchedule) = Field("cosine", description="decay after warmup")
+    schedule: choice("cosine", "linear", "constant") = Field("cosine", description="decay after warmup")
     weight_decay: Float = Field(0.1, description="AdamW decoupled weight decay (not applied to 1-D parameters)", ge=0)
     b1: Float = Field(0.9, description="Adam β1", ge=0, lt=1)
     b2: Float = Field(0.95, description="Adam β2", ge=0, lt=1)
@@ -264,8 +252,8 @@ class TrainConfig(Section):
         "TensorBoard as `tasks/<task>/<metric>` (the shipped ones: `mtpjax`; needs the `eval` extra); empty: none")
     eval_tasks_every: Int = Field(1000, description="steps between task evals (`eval_tasks`), and the last step", gt=0)
     eval_tasks_limit: Float = Field(0.0, description="documents per task in a task eval (0: all)", ge=0)
-    nan_policy: choice(NanPolicy) = Field("stop", description="on a non-finite loss or gradient", json_schema_extra={
-        "choices": {"stop": "stop the run", "skip": "skip the update"}})
+    nan_policy: choice("stop", "skip") = Field("stop", description="on a non-finite loss or gradient",
+        json_schema_extra={"choices": {"stop": "stop the run", "skip": "skip the update"}})
     max_skipped_steps: Int = Field(10, description="`skip` policy: stop after this many skipped updates", ge=0)
     peak_flops: Float = Field(0.0, description="per-device peak FLOP/s for MFU; 0 = the best float32 matmul rate of "
         "XLA, numpy or torch, measured at start", ge=0)
@@ -277,16 +265,16 @@ class TrainConfig(Section):
     init_from: Str = Field("", description="a run directory (or `convert import --out`) whose trunk, embedding and "
         "head start this new run (step 0); read only while `train.run_dir` has no checkpoint; the `model.*` keys of "
         "the trunk must match it")
-    freeze: choice(Freeze) = Field("none", description="what does not train", json_schema_extra={"choices": {
+    freeze: choice("none", "trunk") = Field("none", description="what does not train", json_schema_extra={"choices": {
         "none": "everything trains", "trunk": "only the MTP modules train and have optimizer state (needs "
         "`train.init_from` and `model.mtp_depth` ≥ 1)"}})
     bias_update_speed: Float = Field(0.001, description="`model.mlp_kind=moe`: each step moves every expert's routing "
         "bias by ± this toward the mean load of the global batch (0: no balancing)", ge=0)
     keep_mtp: Bool = Field(False, description="with `train.init_from`: keep its MTP modules (same kind, at least as "
         "many) instead of fresh ones (`model.mtp_init`)")
-    own_text: choice(OwnText) = Field("off", description="post-training (`train.init_from`) on the trunk's own text: "
-        "the training sequences are the init_from trunk's continuations of corpus prompts, generated once by the "
-        "decoder in batches and cached in the run directory (`own_text/`)", json_schema_extra={"choices": {
+    own_text: choice("off", "greedy", "sample") = Field("off", description="post-training (`train.init_from`) on the "
+        "trunk's own text: the training sequences are the init_from trunk's continuations of corpus prompts, generated "
+        "once by the decoder in batches and cached in the run directory (`own_text/`)", json_schema_extra={"choices": {
         "off": "train on the corpus", "greedy": "greedy continuations", "sample": "continuations sampled at "
         "temperature 1 (seeded by `train.seed`)"}})
     own_text_sequences: Int = Field(256, description="`own_text`: generated sequences of `data.seq_len` tokens (at "
@@ -330,9 +318,10 @@ class DecodeConfig(Section):
     max_new_tokens: Int = Field(128, description="default generation length of `decode.py`", gt=0)
     num_draft: Int = Field(-1, description="drafts per round; -1 = auto (timed per request among 0..`mtp_depth`), 0 = "
         "plain", ge=-1)
-    proposer: choice(Proposer) = Field("mtp", description="what drafts (`decode.py --proposer`)", json_schema_extra={
-        "choices": {"mtp": "the run's MTP modules (module k drafts token k)", "mtp1": "MTP module 1 drafts every "
-        "token, fed its own output", "ngram": "prompt lookup", "model": "the `decode.py --draft-run-dir` model"}})
+    proposer: choice(*typing.get_args(Proposer)) = Field("mtp", description="what drafts (`decode.py --proposer`)",
+        json_schema_extra={"choices": {"mtp": "the run's MTP modules (module k drafts token k)", "mtp1": "MTP module 1 "
+        "drafts every token, fed its own output", "ngram": "prompt lookup", "model": "the `decode.py --draft-run-dir` "
+        "model"}})
     tree: DraftTree = Field(None, description="a static draft tree the MTP modules draft instead of a chain "
         "(`decode.py --tree`): children per node at each depth (`2x2x1`) or each node's parent (`-1,-1,0,0`); "
         "`+ngramL` adds n-gram lookup's L drafts as one more branch (`2x2+ngram3`); empty: a chain",

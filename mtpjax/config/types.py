@@ -15,66 +15,56 @@ from pydantic import BeforeValidator, PlainSerializer, PlainValidator
 from mtpjax.config.errors import fail
 
 
-def _int(v: Any) -> int:
-    if isinstance(v, int) and not isinstance(v, bool):
-        return v
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    raise fail(None, v, "expected an integer")
+def _plain(v: Any, *types: type) -> bool:
+    return isinstance(v, types) and not isinstance(v, bool)
 
 
-def _float(v: Any) -> float:
-    x = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-    if isinstance(v, str):
-        with contextlib.suppress(ValueError):
-            x = float(v)  # YAML reads 3e-4 (no dot) as a string
-    if x is None or not math.isfinite(x):  # .inf would pass every "> 0" check
-        raise fail(None, v, "expected a number (not inf or nan)")
-    return x
+def _number(v: Any) -> float:
+    """A finite float from a number or a numeric string (YAML reads 3e-4, without a dot, as a string)."""
+    with contextlib.suppress(ValueError):
+        if _plain(v, int, float, str) and math.isfinite(x := float(v)):  # .inf would pass every "> 0" check
+            return x
+    raise fail(None, v, "expected a number (not inf or nan)")
 
 
-def _bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    raise fail(None, v, "expected true or false")
-
-
-def _str(v: Any) -> str:
-    if isinstance(v, (str, int, float)) and not isinstance(v, bool):
-        return str(v)
-    raise fail(None, v, "expected a string")
-
-
-def _list(v: Any, one: type = str) -> Any:
-    """A list as given (a lone `one`, e.g. one path, is a list of it)."""
-    if isinstance(v, one):
-        return [v]
-    if isinstance(v, (list, tuple)):
-        return v
+def _list(v: Any, one: type | tuple = str) -> Any:
+    """A list as given (a lone `one`, e.g. one path, is a list of it; `()`: none is)."""
+    if isinstance(v, (list, tuple, one)):
+        return [v] if isinstance(v, one) else v
     raise fail(None, v, "expected a list")
 
 
-Int = Annotated[int, BeforeValidator(_int)]
-Float = Annotated[float, BeforeValidator(_float)]
-Bool = Annotated[bool, BeforeValidator(_bool)]
-Str = Annotated[str, BeforeValidator(_str)]
+def _as(tp: type, ok: typing.Callable[[Any], bool], allowed: str) -> BeforeValidator:
+    """A YAML value taken as `tp` only where `ok` (then converted): no silent cast from another type."""
+    def check(v: Any) -> Any:
+        if ok(v):
+            return tp(v)
+        raise fail(None, v, allowed)
+    return BeforeValidator(check)
+
+
+_STR = _as(str, lambda v: _plain(v, str, int, float), "expected a string")
+Str = Annotated[str, _STR]
+Int = Annotated[int, _as(int, lambda v: _plain(v, int) or _plain(v, float) and v.is_integer(), "expected an integer")]
+Bool = Annotated[bool, _as(bool, lambda v: isinstance(v, bool), "expected true or false")]
+Float = Annotated[float, BeforeValidator(_number)]
 Strs = Annotated[tuple[Str, ...], BeforeValidator(_list)]
 
 
 def listed(item: type) -> Any:
     """A tuple of sections (`data.mixture`): a list of mappings."""
-    return Annotated[tuple[item, ...], BeforeValidator(lambda v: _list(v, type(None)))]
+    return Annotated[tuple[item, ...], BeforeValidator(lambda v: _list(v, ()))]
 
 
-def choice(tp: Any) -> Any:
-    """A Literal field: a string, then one of its choices (the error lists them)."""
-    return Annotated[tp, BeforeValidator(_str)]
+def choice(*names: str) -> Any:
+    """A field taking one of `names` (a Literal): a string, then one of them (the error lists them)."""
+    return Annotated[Literal[names], _STR]
 
 
 def parsed(tp: Any, read: typing.Callable | None = None, write: typing.Callable = str) -> Any:
     """A value written as one string: `read` (default tp.parse) at load, `write` back; a typed value passes."""
     def validate(v: Any) -> Any:
-        return v if isinstance(v, typing.get_args(tp) or tp) else (read or tp.parse)(_str(v))
+        return v if isinstance(v, typing.get_args(tp) or tp) else (read or tp.parse)(_STR.func(v))
     return Annotated[tp, PlainValidator(validate), PlainSerializer(write)]
 
 
@@ -100,26 +90,23 @@ class LambdaSchedule:
     def parse(cls, text: str, key: str | None = None) -> LambdaSchedule:
         """`kind:body` (a bare number is constant); ConfigError unless one of FORMS with finite numbers."""
         bad = fail(key or cls.KEY, text, f"expected one of {cls.FORMS} (finite numbers, steps > 0)")
-        spec = text.replace(" ", "")
-        kind, _, body = spec.partition(":")
-        kind, body = (kind, body) if body else ("constant", spec)
+        kind, sep, body = text.replace(" ", "").partition(":")
+        kind, body = (kind, body) if sep else ("constant", kind)
         if kind not in _LAMBDA_RE or not (m := _LAMBDA_RE[kind].match(body)):
             raise bad
         try:
-            if kind == "constant":
-                out = cls(kind, (float(body),))
-            elif kind == "piecewise":
+            if kind == "piecewise":
                 *pieces, last = (p.split("@") for p in body.split(","))
-                out = cls(kind, (*(float(p[0]) for p in pieces), float(last[0])), tuple(int(p[1]) for p in pieces))
+                values, steps = (*(float(p[0]) for p in pieces), float(last[0])), tuple(int(p[1]) for p in pieces)
             else:
-                out = cls(kind, (float(m["a"]), float(m["b"])), (int(m["n"]),))
+                values, steps = ((float(body),), ()) if kind == "constant" else ((float(m["a"]), float(m["b"])),
+                                                                                 (int(m["n"]),))
         except ValueError:
             raise bad from None
-        increasing = all(s1 < s2 for s1, s2 in zip(out.steps, out.steps[1:]))
-        ramps = kind not in ("linear", "cosine") or out.steps[0] > 0
-        if not (increasing and ramps and all(map(math.isfinite, out.values))):  # inf would not load again
-            raise bad
-        return out
+        ramp_ok = kind not in ("linear", "cosine") or steps[0] > 0
+        if steps != tuple(sorted(set(steps))) or not ramp_ok or not all(map(math.isfinite, values)):
+            raise bad  # steps out of order, an empty ramp, or inf (which would not load again)
+        return cls(kind, values, steps)
 
     def __str__(self) -> str:
         v = self.values
