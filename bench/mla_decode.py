@@ -17,7 +17,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
