@@ -121,6 +121,15 @@ def test_a_section_built_in_python_is_validated_with_the_same_one_line_errors(bu
     assert str(e.value).startswith(expected) and "\n" not in str(e.value)
 
 
+def test_of_several_errors_the_first_wrong_key_as_written_is_reported_then_choices_and_bounds():
+    """The order the dataclass loader reported in: wrong types and unknown keys as the input writes them, then values
+    outside their choices or bounds in schema order (pydantic collects them all; one is reported)."""
+    assert error_of(["train.eval_every=abc", "optim.lr=x"]).startswith("config key 'train.eval_every'")
+    assert error_of(["optim.lr=x", "train.eval_every=abc"]).startswith("config key 'optim.lr'")
+    assert error_of(["model.d_model=0", "train.stepz=1"]).startswith("unknown config key 'train.stepz'")
+    assert error_of(["train.steps=0", "model.d_model=0"]).startswith("config key 'model.d_model' = 0")
+
+
 def test_sections_are_frozen_and_take_values_in_field_order():
     mesh = MeshConfig(1, 2, 4)  # positional, as the dataclasses took them
     assert (mesh.data, mesh.fsdp, mesh.tensor, mesh.expert) == (1, 2, 4, 1)

@@ -47,9 +47,25 @@ def _section(tp: Any) -> type[BaseModel] | None:
     return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
 
 
-def one_line(e: ValidationError, root: type[BaseModel], prefix: str = "") -> ConfigError:
-    """The first of pydantic's errors (wrong or unknown keys before choices and bounds) as the one-line ConfigError."""
-    err = min(e.errors(), key=lambda x: x["type"] not in ("value_error", "extra_forbidden"))
+def _place(raw: Any, loc: tuple) -> list[int]:
+    """Where `loc` is written in the input `raw` (the place of each key or item), for reporting in reading order."""
+    out = []
+    for part in loc:
+        keys = [str(k) for k in raw] if isinstance(raw, dict) else range(len(raw)) if isinstance(raw, list) else ()
+        if part not in keys:
+            break
+        out.append(list(keys).index(part))
+        raw = list(raw.values())[out[-1]] if isinstance(raw, dict) else raw[part]
+    return out
+
+
+def one_line(e: ValidationError, root: type[BaseModel], prefix: str = "", raw: Any = None) -> ConfigError:
+    """The first of pydantic's errors as the one-line ConfigError: a wrong or unknown key first, in the order `raw`
+    writes them, then a value outside its choices or bounds, in schema order."""
+    def rank(x: dict) -> tuple:
+        wrong = x["type"] in ("value_error", "extra_forbidden")
+        return (0, _place(raw, x["loc"])) if wrong else (1, [])
+    err = min(e.errors(), key=rank)
     loc, cls, f = err["loc"], root, None
     for part in (p for p in loc[:-1] if isinstance(p, str)):
         cls = _section(cls.model_fields[part].annotation)

@@ -75,7 +75,7 @@ def from_dict(raw: Any) -> Config:
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
-        raise one_line(e, Config) from None
+        raise one_line(e, Config, raw=raw) from None
 
 
 def replace(cfg: Config, overrides: typing.Iterable[str]) -> Config:

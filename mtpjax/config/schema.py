@@ -23,7 +23,7 @@ class _Validated(type(BaseModel)):
         try:
             return super().__call__(**kwargs)
         except ValidationError as e:
-            raise one_line(e, cls, _PREFIX.get(cls, "")) from None
+            raise one_line(e, cls, _PREFIX.get(cls, ""), kwargs) from None
 
 
 class Section(BaseModel, metaclass=_Validated):
