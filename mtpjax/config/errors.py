@@ -31,7 +31,7 @@ def bounds(f: FieldInfo) -> str:
     b = {k: getattr(m, k) for m in f.metadata for k in ("gt", "ge", "lt", "le") if getattr(m, k, None) is not None}
     lo, hi = b.get("gt", b.get("ge")), b.get("lt", b.get("le"))
     if lo is not None and hi is not None:
-        return f"in {'([' [lo == b.get('ge')]}{_num(lo)}, {_num(hi)}{')]'[hi == b.get('le')]}"
+        return f"in {'[' if 'ge' in b else '('}{_num(lo)}, {_num(hi)}{']' if 'le' in b else ')'}"
     if lo is not None:
         return f"{'>' if 'gt' in b else '>='} {_num(lo)}"
     return f"{'<' if 'lt' in b else '<='} {_num(hi)}" if hi is not None else ""

@@ -65,10 +65,9 @@ def markdown() -> str:
              "impossible values are refused with one line naming the key, the value and what is allowed. "
              "Runtime-only keys say how to compute, not what: a run resumes, and a checkpoint decodes, with another "
              "value."]
-    rows = walk()
-    for section in dict.fromkeys(k.split(".")[0] for k, _, _ in rows):
-        lines += ["", f"## {section}", "", *_table([r for r in rows if r[0].startswith(f"{section}.")],
-                                                      Config().to_dict()[section])]
+    defaults = Config().to_dict()
+    for section, f in Config.model_fields.items():
+        lines += ["", f"## {section}", "", *_table(walk(f.annotation, f"{section}."), defaults[section])]
     lines += ["", "### data.mixture entries", "",
               "Each entry of `data.mixture` is a mapping with these keys, e.g. "
               "`{name: web, source: parquet, paths: [data/web], weight: 0.8}`.", "",
