@@ -17,8 +17,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dataclasses import replace  # noqa: E402
-
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -61,7 +59,7 @@ def main(argv=None) -> int:
     prompt = list(range(1, 65))
     loops = {}
     if args.relaid:  # another init_std: another graph, so its own compiled loop; the same weights copied in below
-        cfgs["mla relaid"] = replace(cfgs["mla"], init_std=cfgs["mla"].init_std * (1 + 1e-6))
+        cfgs["mla relaid"] = cfgs["mla"].model_copy(update={"init_std": cfgs["mla"].init_std * (1 + 1e-6)})
     for name, cfg in cfgs.items():
         model = build_model(cfg, seed=0)
         if name == "mla relaid":

@@ -7,7 +7,6 @@ plugin prints a line on every process's start on a machine without CUDA, which o
 Every compile this file needs starts when its first test does, two processes at a time (the CI machine's cores).
 """
 
-import dataclasses
 import json
 import os
 import re
@@ -415,7 +414,7 @@ def test_a_batch_the_run_would_refuse_is_one_line_before_anything_compiles(monke
     from mtpjax.train import aot
 
     monkeypatch.setattr(aot, "topology_devices", lambda target: [])
-    monkeypatch.setattr(aot, "make_mesh", lambda mesh, devices: SimpleNamespace(shape=dataclasses.asdict(mesh)))
+    monkeypatch.setattr(aot, "make_mesh", lambda mesh, devices: SimpleNamespace(shape=mesh.model_dump()))
     monkeypatch.setattr(aot, "train_programs", lambda *a: pytest.fail("compiled a batch the run would refuse"))
     out = tmp_path / "r.json"
     argv = ["--config", str(ROOT / "configs/tiny.yaml"), "--target", "h100:2", "mesh.fsdp=2", "train.batch_size=6",

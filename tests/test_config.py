@@ -1,9 +1,7 @@
 """Config schema: loading, dotted overrides with types, and every ConfigError naming its key."""
 
-import dataclasses
 import json
 import typing
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -11,6 +9,7 @@ import jax
 import pytest
 import numpy as np
 from flax import nnx
+from pydantic import Field, ValidationError
 
 from mtpjax.config import (
     RUNTIME_KEYS,
@@ -19,7 +18,9 @@ from mtpjax.config import (
     DecodeConfig,
     LambdaSchedule,
     LossConfig,
+    MeshConfig,
     MixtureSource,
+    ModelConfig,
     TargetMix,
     choices,
     field_doc,
@@ -28,9 +29,10 @@ from mtpjax.config import (
     load_config,
     replace,
 )
+from mtpjax.config.errors import bounds
 from mtpjax.config.reference import COMMAND, markdown
-from mtpjax.config.schema import key, walk
-from mtpjax.config.validate import check_fields
+from mtpjax.config.schema import Section, walk
+from mtpjax.config.types import Int, choice
 from mtpjax.nn.loss import lambda_schedule
 from mtpjax.nn.model import build_model, param_counts
 
@@ -101,6 +103,39 @@ def test_replace_applies_and_validates():
 def test_from_dict_rejects_unknown():
     with pytest.raises(ConfigError, match="unknown config key 'model.dmodel'; did you mean 'model.d_model'"):
         from_dict({"model": {"dmodel": 3}})
+
+
+@pytest.mark.parametrize("build, expected", [
+    (lambda: ModelConfig(d_model=0), "config key 'model.d_model' = 0 is invalid: must be > 0"),
+    (lambda: ModelConfig(dmodel=3), "unknown config key 'model.dmodel'; did you mean 'model.d_model'?"),
+    (lambda: MeshConfig(1, 0), "config key 'mesh.fsdp' = 0 is invalid: must be > 0"),
+    (lambda: Config(model={"d_model": 30}), "config key 'model.n_heads' = 4 is invalid: must divide model.d_model=30"),
+    (lambda: from_dict({"data": {"mixture": None}}), "config key 'data.mixture' = None is invalid: expected a list"),
+    (lambda: from_dict({1: 2}), "unknown config key '1'; known keys: model, loss"),
+    (lambda: from_dict([1]), "config key '<root>' = [1] is invalid: expected a mapping of keys to values"),
+])
+def test_a_section_built_in_python_is_validated_with_the_same_one_line_errors(build, expected):
+    """pydantic's ValidationError never reaches a caller: building a section is loading it, errors included."""
+    with pytest.raises(ConfigError) as e:
+        build()
+    assert str(e.value).startswith(expected) and "\n" not in str(e.value)
+
+
+def test_of_several_errors_the_first_wrong_key_as_written_is_reported_then_choices_and_bounds():
+    """The order the dataclass loader reported in: wrong types and unknown keys as the input writes them, then values
+    outside their choices or bounds in schema order (pydantic collects them all; one is reported)."""
+    assert error_of(["train.eval_every=abc", "optim.lr=x"]).startswith("config key 'train.eval_every'")
+    assert error_of(["optim.lr=x", "train.eval_every=abc"]).startswith("config key 'optim.lr'")
+    assert error_of(["model.d_model=0", "train.stepz=1"]).startswith("unknown config key 'train.stepz'")
+    assert error_of(["train.steps=0", "model.d_model=0"]).startswith("config key 'model.d_model' = 0")
+
+
+def test_sections_are_frozen_and_take_values_in_field_order():
+    mesh = MeshConfig(1, 2, 4)  # positional, as the dataclasses took them
+    assert (mesh.data, mesh.fsdp, mesh.tensor, mesh.expert) == (1, 2, 4, 1)
+    with pytest.raises(ValidationError, match="frozen"):
+        mesh.data = 2
+    assert hash(mesh) == hash(MeshConfig(fsdp=2, tensor=4)) and mesh == MeshConfig(fsdp=2, tensor=4)
 
 
 @pytest.mark.parametrize("override, expected", [
@@ -207,7 +242,9 @@ def test_a_bad_decode_tree_exits_2_from_train_and_writes_nothing(tmp_path, capsy
 
 @pytest.mark.parametrize("tree", ["", "2x2x1", "3", "-1,-1,0,0", "2x2+ngram3", "1x1+ngram64"])
 def test_companion_a_good_decode_tree_loads(tree):
-    assert str(load_config(None, [f"decode.tree={tree}"]).decode.tree) == tree
+    """The tree is the parsed shape itself (None: a chain), written back as its spec."""
+    cfg = load_config(None, [f"decode.tree={tree}"])
+    assert cfg.to_dict()["decode"]["tree"] == tree and (cfg.decode.tree is None) == (tree == "")
 
 
 def test_boundaries_that_are_valid():
@@ -335,7 +372,7 @@ def test_loss_config_built_in_python_parses_its_strings():
 
 
 LITERALS = [(k, typing.get_args(tp)) for k, _, tp in walk() if typing.get_origin(tp) is Literal]
-BOUNDED = [(k, f.metadata["bounds"], tp) for k, f, tp in walk() if "bounds" in f.metadata]
+BOUNDED = [(k, f, tp) for k, f, tp in walk() if bounds(f)]
 
 
 def test_the_schema_has_choice_and_bounded_fields():
@@ -346,9 +383,9 @@ def test_the_schema_has_choice_and_bounded_fields():
 def test_every_choice_field_refuses_a_value_outside_its_literal(key, options):
     expected = f"config key '{key}' = 'bogus' is invalid: expected one of {', '.join(options)}"
     assert error_of([f"{key}=bogus"]) == expected
-    for option in options:  # and each of its choices is a value the validator accepts on its own
+    for option in options:  # and each of its choices is a value the section accepts on its own
         section, name = key.split(".")
-        check_fields(dataclasses.replace(getattr(Config(), section), **{name: option}), f"{section}.")
+        assert getattr(type(getattr(Config(), section))(**{name: option}), name) == option
 
 
 def test_a_mixture_source_refuses_a_value_outside_its_literal():
@@ -357,41 +394,41 @@ def test_a_mixture_source_refuses_a_value_outside_its_literal():
                    "expected one of stdlib, text, array, parquet, arrow, induction, algorithmic")
 
 
-def _outside(bounds, tp) -> list:
-    """Values just outside each finite side of `bounds` (of the field's type)."""
+def _outside(f, tp) -> list:
+    """Values just outside each finite side of field `f`'s bounds (Field's gt/ge/lt/le), of the field's type."""
     step = 1 if tp is int else 0.5
+    b = {k: getattr(m, k) for m in f.metadata for k in ("gt", "ge", "lt", "le") if getattr(m, k, None) is not None}
     out = []
-    if bounds.lo is not None:
-        out.append(tp(bounds.lo if bounds.lo_open else bounds.lo - step))
-    if bounds.hi is not None:
-        out.append(tp(bounds.hi if bounds.hi_open else bounds.hi + step))
+    if "gt" in b or "ge" in b:
+        out.append(tp(b["gt"]) if "gt" in b else tp(b["ge"] - step))
+    if "lt" in b or "le" in b:
+        out.append(tp(b["lt"]) if "lt" in b else tp(b["le"] + step))
     return out
 
 
-@pytest.mark.parametrize("key, bounds, tp", BOUNDED, ids=[k for k, _, _ in BOUNDED])
-def test_every_bounded_field_refuses_a_value_outside_its_bounds(key, bounds, tp):
-    for value in _outside(bounds, tp):
-        assert error_of([f"{key}={value}"]) == f"config key '{key}' = {value!r} is invalid: must be {bounds}"
+@pytest.mark.parametrize("key, f, tp", BOUNDED, ids=[k for k, _, _ in BOUNDED])
+def test_every_bounded_field_refuses_a_value_outside_its_bounds(key, f, tp):
+    for value in _outside(f, tp):
+        assert error_of([f"{key}={value}"]) == f"config key '{key}' = {value!r} is invalid: must be {bounds(f)}"
 
 
 def test_the_checks_come_from_the_field_types_and_metadata():
     """Companion: the same bad value passes where the field is a plain str / has no bounds."""
 
-    @dataclass(frozen=True)
-    class Typed:
-        mode: Literal["a", "b"] = "a"
-        size: int = key(1, "a size", gt=0)
+    class Typed(Section):
+        mode: choice("a", "b") = "a"
+        size: Int = Field(1, description="a size", gt=0)
 
-    @dataclass(frozen=True)
-    class Plain:
+    class Plain(Section):
         mode: str = "a"
         size: int = 1
 
-    with pytest.raises(ConfigError, match="config key 'mode' = 'c' is invalid: expected one of a, b"):
-        check_fields(Typed(mode="c"))
-    with pytest.raises(ConfigError, match="config key 'size' = 0 is invalid: must be > 0"):
-        check_fields(Typed(size=0))
-    check_fields(Plain(mode="c", size=0))
+    with pytest.raises(ConfigError, match="^config key 'mode' = 'c' is invalid: expected one of a, b$"):
+        Typed(mode="c")
+    with pytest.raises(ConfigError, match="^config key 'size' = 0 is invalid: must be > 0$"):
+        Typed(size=0)
+    assert bounds(Typed.model_fields["size"]) == "> 0" and bounds(Plain.model_fields["size"]) == ""
+    Plain(mode="c", size=0)
 
 
 def test_runtime_keys_are_marked_on_their_fields():
@@ -404,7 +441,7 @@ def test_runtime_keys_are_marked_on_their_fields():
 def test_every_decode_cli_choice_with_a_config_twin_is_the_configs():
     from mtpjax.cli.decode import parser
 
-    twins = {f.name for f in dataclasses.fields(DecodeConfig)}
+    twins = set(DecodeConfig.model_fields)
     checked = [a.dest for a in parser()._actions if a.choices is not None and a.dest in twins]
     assert checked == ["proposer"]  # not vacuous: the one flag with choices today
     for dest in checked:
@@ -435,9 +472,9 @@ def test_the_configs_proposer_is_what_decode_py_drafts_with():
 
 def test_every_key_has_a_doc_and_its_choice_docs_match_its_literal():
     for k, f, tp in walk() + walk(MixtureSource):
-        assert f.metadata["doc"].strip(), k
-        if "choices" in f.metadata:
-            assert tuple(f.metadata["choices"]) == typing.get_args(tp), k
+        assert f.description.strip(), k
+        if "choices" in (f.json_schema_extra or {}):
+            assert tuple(f.json_schema_extra["choices"]) == typing.get_args(tp), k
 
 
 def test_the_configuration_page_is_generated_from_the_fields():
@@ -445,4 +482,4 @@ def test_the_configuration_page_is_generated_from_the_fields():
     assert page == markdown(), f"docs/configuration.md is stale; regenerate it: {COMMAND}"
     assert COMMAND in page.split("\n## ")[0]  # the header names how
     for k, f, _ in walk():  # companion: every key is a row of the page, with its doc
-        assert f"| `{k}` |" in page and f.metadata["doc"].replace("|", "\\|") in page, k
+        assert f"| `{k}` |" in page and f.description.replace("|", "\\|") in page, k

@@ -1,6 +1,5 @@
 """Data package: packing, determinism, shards, iterator state, splits, sources, tokenizers, cache, CLI, errors."""
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -623,7 +622,7 @@ def test_final_dir_without_meta_is_rebuilt(tmp_path, corpus_builds):
     cache_path(cfg).mkdir(parents=True)
     (cache_path(cfg) / "train.npy").write_bytes(b"junk")
     rebuilt = prepare(cfg)
-    fresh = prepare(dataclasses.replace(cfg, cache_dir=str(tmp_path / "fresh")))
+    fresh = prepare(cfg.model_copy(update={"cache_dir": str(tmp_path / "fresh")}))
     assert len(corpus_builds) == 2 and rebuilt.dir == cache_path(cfg)  # built again, not trusted
     np.testing.assert_array_equal(rebuilt.train_tokens, fresh.train_tokens)
     np.testing.assert_array_equal(rebuilt.val_tokens, fresh.val_tokens)

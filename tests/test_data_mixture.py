@@ -1,6 +1,5 @@
 """Weighted mixtures, the global stream read by rows, multi-process preparation, inspect, and runtime data keys."""
 
-import dataclasses
 import json
 import threading
 import uuid
@@ -150,8 +149,8 @@ def test_each_source_is_prepared_and_cached_on_its_own(tmp_path, corpus_builds):
     assert len(corpus_builds) == 2  # one build per source
     assert isinstance(mix, PreparedMixture) and mix.names == ["web", "code"] and mix.weights == [0.8, 0.2]
     assert mix.part("web").dir != mix.part("code").dir
-    reweighed = dataclasses.replace(cfg.data, mixture=(MixtureSource("web", "text", (str(tmp_path / "web"),), 1.0),
-                                                       MixtureSource("code", "text", (str(tmp_path / "code"),), 3.0)))
+    reweighed = cfg.data.model_copy(update={"mixture": (MixtureSource("web", "text", (str(tmp_path / "web"),), 1.0),
+                                                        MixtureSource("code", "text", (str(tmp_path / "code"),), 3.0))})
     again = prepare(reweighed)  # new weights: the same cache entries, no re-tokenizing
     assert len(corpus_builds) == 2
     assert [p.dir for p in again.parts] == [p.dir for p in mix.parts] and again.weights == [0.25, 0.75]
@@ -248,7 +247,7 @@ def _on_two_processes(cfg, monkeypatch, shared=True):
 
     def run(i):
         client = FakeCoordinator.View(store)  # each process has its own client of one store
-        mine = cfg if shared or i == 0 else dataclasses.replace(cfg, cache_dir=cfg.cache_dir + "-host1")
+        mine = cfg if shared or i == 0 else cfg.model_copy(update={"cache_dir": cfg.cache_dir + "-host1"})
         try:
             out[i] = prepare_on_hosts(mine, progress=False, index=i, count=2, client=client, namespace=ns)
         except DataError as e:
@@ -296,7 +295,7 @@ def test_different_files_on_two_hosts_are_an_error(tmp_path, monkeypatch):
     def per_host(data_cfg, progress=False):  # process 1's copy of the file differs
         if threading.current_thread().name == "p1":
             (tmp_path / "b.txt").write_text("host one " * 100)
-            data_cfg = dataclasses.replace(data_cfg, paths=(str(tmp_path / "b.txt"),))
+            data_cfg = data_cfg.model_copy(update={"paths": (str(tmp_path / "b.txt"),)})
         return real(data_cfg, progress=progress)
 
     monkeypatch.setattr(corpus, "prepare", per_host)

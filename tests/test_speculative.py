@@ -257,7 +257,7 @@ def _cached_vs_full(model, toks):
 def _as_normed(model):
     """The same parameters with module 1 reading the trunk's final-normed state (model.mtp_hidden=normed)."""
     m = nnx.clone(model)
-    m.cfg = dataclasses.replace(m.cfg, mtp_hidden="normed")
+    m.cfg = m.cfg.model_copy(update={"mtp_hidden": "normed"})
     return m
 
 

@@ -21,8 +21,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from mtpjax.config import Config, ConfigError, ModelConfig, choices, replace
-from mtpjax.config.specs import TargetMix
+from mtpjax.config import Config, ConfigError, ModelConfig, TargetMix, choices, replace
 from mtpjax.nn.flops import train_flops_per_token
 
 KINDS = choices(ModelConfig, "mtp_kind")

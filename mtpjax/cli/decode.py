@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import re
@@ -14,7 +13,7 @@ from pathlib import Path
 from mtpjax.cli.args import Parser, command
 from mtpjax.cli.decode_eval import evaluate
 from mtpjax.config import DecodeConfig, choices
-from mtpjax.config.specs import DecodeTree, parse_num_draft, parse_shape
+from mtpjax.config.specs import parse_num_draft, parse_shape
 from mtpjax.decode import api, autodraft
 from mtpjax.decode.cache import cache_bytes, rows
 from mtpjax.decode.host import DecodeError
@@ -182,15 +181,15 @@ def _tokenizer_identity(run_dir: Path, tok) -> tuple:
 def decode_config(args, cfg) -> DecodeConfig:
     """The config's decode section with the flags given on the command line laid over it (a flag given wins)."""
     d = cfg.decode
-    if args.num_draft is not None and (args.tree or d.tree.shape) is not None:
-        tree = (args.tree or d.tree.shape).name()
+    if args.num_draft is not None and (args.tree or d.tree) is not None:
+        tree = (args.tree or d.tree).name()
         raise DecodeError(f"--num-draft and a tree ({tree}) both say how much to draft; give one of them")
     flags = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
              "top_p": args.top_p, "max_len": args.max_len, "proposer": _proposer(args, cfg),
-             "tree": None if args.tree is None else DecodeTree(args.tree),
+             "tree": args.tree,
              "num_draft": None if args.num_draft is None else -1 if isinstance(args.num_draft, Auto)
              else args.num_draft.size}
-    return dataclasses.replace(d, **{k: v for k, v in flags.items() if v is not None})
+    return d.model_copy(update={k: v for k, v in flags.items() if v is not None})
 
 
 class _Streamer:

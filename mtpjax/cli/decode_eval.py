@@ -37,7 +37,7 @@ def evaluate(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int
     num_draft = args.num_draft.size if isinstance(args.num_draft, Tree) else max(1, cfg.model.mtp_depth)
     prompts = heldout_prompts(prepared.val_tokens, args.eval_prompts, args.prompt_len, tok.eos_id)
     max_new = args.max_new_tokens or 128
-    tree = args.tree or cfg.decode.tree.shape
+    tree = args.tree or cfg.decode.tree
     console.say(f"eval: decoding {len(prompts)} held-out prompts x {max_new} tokens: plain, n-gram and "
                 f"{'the draft model' if draft is not None else 'MTP'} at num_draft={num_draft}"
                 f"{f', the tree {tree.name()}' if tree else ''} (compiling, then timing)")

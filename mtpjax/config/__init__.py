@@ -1,34 +1,21 @@
-"""One config schema: frozen dataclasses loaded from YAML plus dotted overrides, validated early.
+"""One config schema: frozen pydantic models loaded from YAML plus dotted overrides, validated early.
 
-    errors     ConfigError, the one-line message form
-    specs      values written as one string and parsed once (the λ schedule, the MTP target mix, the profile window,
-               the draft tree's shape)
-    schema     the sections: Literal choices, bounds and each key's doc as field metadata
-    validate   the one generic validator plus the rules that tie fields together
-    load       YAML, dotted overrides, coercion to the field types
-    reference  the configuration page, generated from the metadata
+    errors     ConfigError, the one-line message form, pydantic's errors read into it
+    types      the value types: YAML scalars as written, and the values parsed from one string (the λ schedule, the
+               MTP target mix, the per-depth λ, the profile window)
+    specs      the draft tree's type and parser
+    schema     the sections: each key's type, bounds, doc and choices as its `Field`
+    validate   the rules that tie fields together
+    load       YAML and dotted overrides
+    reference  the configuration page, generated from the fields
 """
 
 from mtpjax.config.errors import ConfigError
 from mtpjax.config.load import from_dict, load_config, replace
 from mtpjax.config.schema import (
-    RUNTIME_KEYS,
-    CheckpointConfig,
-    Config,
-    DataConfig,
-    DecodeConfig,
-    LossConfig,
-    MeshConfig,
-    MixtureSource,
-    ModelConfig,
-    OptimConfig,
-    Proposer,
-    TrainConfig,
-    choices,
-    field_doc,
-    identity,
-)
-from mtpjax.config.specs import MTP_TARGETS, DepthLambdas, LambdaSchedule, TargetMix, parse_profile
+    RUNTIME_KEYS, CheckpointConfig, Config, DataConfig, DecodeConfig, LossConfig, MeshConfig, MixtureSource,
+    ModelConfig, OptimConfig, Proposer, TrainConfig, choices, field_doc, identity)
+from mtpjax.config.types import MTP_TARGETS, DepthLambdas, LambdaSchedule, TargetMix, parse_profile
 from mtpjax.config.validate import validate
 
 __all__ = [

@@ -2,58 +2,55 @@
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 from typing import Any, Literal
 
-from mtpjax.config.schema import MixtureSource, plain, walk
-from mtpjax.config.specs import Spec
+from mtpjax.config.errors import bounds
+from mtpjax.config.schema import Config, MixtureSource, walk
 
 COMMAND = "python -m mtpjax.config.reference > docs/configuration.md"
 _TYPES = {int: "integer", float: "number", bool: "true / false", str: "string"}
 
 
-def _type(tp: Any, f: dataclasses.Field) -> str:
+def _type(tp: Any, f: Any) -> str:
     """A field's type as the page shows it: the kind of value, its bounds, whether it is runtime-only."""
-    return _kind(tp, f) + (" (runtime-only)" if f.metadata["runtime"] else "")
-
-
-def _kind(tp: Any, f: dataclasses.Field) -> str:
-    """The kind of value and its bounds."""
+    extra = f.json_schema_extra or {}
     if typing.get_origin(tp) is Literal:
-        return "choice"
-    if typing.get_origin(tp) is tuple:
-        item = typing.get_args(tp)[0]
-        return "list of sources (below)" if item is MixtureSource else f"list of {_TYPES[item]}s"
-    name = "string" if isinstance(tp, type) and issubclass(tp, Spec) else _TYPES[tp]
-    bounds = f.metadata.get("bounds")
-    return f"{name} {bounds}" if bounds is not None else name
+        kind = "choice"
+    elif typing.get_origin(tp) is tuple:
+        kind = "list of sources (below)" if typing.get_args(tp)[0] is MixtureSource else "list of strings"
+    else:
+        kind = "string" if _forms(tp, f) else " ".join(filter(None, (_TYPES[tp], bounds(f))))
+    return kind + (" (runtime-only)" if extra.get("runtime") else "")
 
 
-def _meaning(tp: Any, f: dataclasses.Field) -> str:
+def _forms(tp: Any, f: Any) -> str:
+    """The accepted spellings of a value written as one string ('' for other values)."""
+    return getattr(tp, "FORMS", None) or (f.json_schema_extra or {}).get("forms", "")
+
+
+def _meaning(tp: Any, f: Any) -> str:
     """The field's doc, then what each choice means (or the accepted forms)."""
-    text = f.metadata["doc"]
+    text, docs = f.description, (f.json_schema_extra or {}).get("choices", {})
     if typing.get_origin(tp) is Literal:
-        docs = f.metadata.get("choices", {})
         names = typing.get_args(tp)
         text += (" — " + "; ".join(f"`{c}`: {docs[c]}" for c in names) if docs
                  else ": " + ", ".join(f"`{c}`" for c in names))
-    if isinstance(tp, type) and issubclass(tp, Spec):
-        text += "; forms: " + ", ".join(f"`{form.strip()}`" for form in tp.FORMS.split("|"))
+    if forms := _forms(tp, f):
+        text += "; forms: " + ", ".join(f"`{form.strip()}`" for form in forms.split("|"))
     return text
 
 
-def _default(value: Any) -> str:
-    data = plain(value)
+def _default(data: Any) -> str:
     if isinstance(data, bool):
         return f"`{str(data).lower()}`"
     return '`""`' if data == "" else f"`{data}`"
 
 
-def _table(rows: list[tuple[str, dataclasses.Field, Any]]) -> list[str]:
+def _table(rows: list[tuple[str, Any, Any]], defaults: dict) -> list[str]:
     out = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for k, f, tp in rows:
-        cells = (f"`{k}`", _type(tp, f), _default(f.default), _meaning(tp, f))
+        cells = (f"`{k}`", _type(tp, f), _default(defaults[k.rpartition(".")[2]]), _meaning(tp, f))
         out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return out
 
@@ -68,13 +65,13 @@ def markdown() -> str:
              "impossible values are refused with one line naming the key, the value and what is allowed. "
              "Runtime-only keys say how to compute, not what: a run resumes, and a checkpoint decodes, with another "
              "value."]
-    rows = walk()
-    for section in dict.fromkeys(k.split(".")[0] for k, _, _ in rows):
-        lines += ["", f"## {section}", "", *_table([r for r in rows if r[0].startswith(f"{section}.")])]
+    defaults = Config().to_dict()
+    for section, f in Config.model_fields.items():
+        lines += ["", f"## {section}", "", *_table(walk(f.annotation, f"{section}."), defaults[section])]
     lines += ["", "### data.mixture entries", "",
               "Each entry of `data.mixture` is a mapping with these keys, e.g. "
               "`{name: web, source: parquet, paths: [data/web], weight: 0.8}`.", "",
-              *_table(walk(MixtureSource))]
+              *_table(walk(MixtureSource), MixtureSource().model_dump(mode="json"))]
     return "\n".join(lines) + "\n"
 
 

@@ -1,42 +1,15 @@
-"""One validator: every field against its own choices and bounds, then the few rules that tie fields together."""
+"""The rules that tie fields together (each field's own type, choices and bounds are the schema's)."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
-import typing
-from typing import Any, Literal
+from typing import Any
 
 from mtpjax.config.errors import fail
-from mtpjax.config.schema import Config, DataConfig
-from mtpjax.config.specs import Spec, parse_profile
+from mtpjax.config.types import parse_profile
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 NO_PATHS = ("stdlib", "induction", "algorithmic")  # sources that read no files
-
-
-def validate(cfg: Config) -> None:
-    """Raise ConfigError for the first impossible value."""
-    check_fields(cfg)
-    _check_rules(cfg)
-
-
-def check_fields(section: Any, prefix: str = "") -> None:
-    """ConfigError for the first field outside its Literal's choices or its bounds (nested sections and lists too)."""
-    hints = typing.get_type_hints(type(section))
-    for f in dataclasses.fields(section):
-        key, value, tp = f"{prefix}{f.name}", getattr(section, f.name), hints[f.name]
-        if isinstance(tp, type) and issubclass(tp, Spec):
-            continue  # checked when parsed
-        if dataclasses.is_dataclass(tp):
-            check_fields(value, f"{key}.")
-        elif typing.get_origin(tp) is tuple and dataclasses.is_dataclass(typing.get_args(tp)[0]):
-            for i, item in enumerate(value):
-                check_fields(item, f"{key}[{i}].")
-        elif typing.get_origin(tp) is Literal:
-            _check(value in typing.get_args(tp), key, value, f"expected one of {', '.join(typing.get_args(tp))}")
-        elif (bounds := f.metadata.get("bounds")) is not None:
-            _check(value in bounds, key, value, f"must be {bounds}")
 
 
 def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
@@ -44,8 +17,8 @@ def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
         raise fail(key, value, allowed)
 
 
-def _check_rules(cfg: Config) -> None:
-    """The checks no single field's type or bounds can say (every field is already within its own)."""
+def validate(cfg) -> None:
+    """ConfigError for the first impossible combination (the schema has checked each field's type and bounds)."""
     m, d = cfg.model, cfg.data
     _check(m.d_model % m.n_heads == 0 or m.head_dim > 0, "model.n_heads", m.n_heads,
            f"must divide model.d_model={m.d_model} (or set model.head_dim)")
@@ -75,7 +48,7 @@ def _check_rules(cfg: Config) -> None:
            f"must divide model.n_kv_heads={m.n_kv_heads} (or be a multiple of it)")
 
 
-def _check_train(cfg: Config) -> None:
+def _check_train(cfg) -> None:
     """The train section against itself, the model (what trains) and the data (own text's lengths)."""
     m, d, t = cfg.model, cfg.data, cfg.train
     _check(t.batch_size % t.micro_batches == 0, "train.micro_batches", t.micro_batches,
@@ -112,7 +85,7 @@ def _check_mla(m) -> None:
            "must be even (RoPE rotates pairs)")
 
 
-def _check_objective(cfg: Config) -> None:
+def _check_objective(cfg) -> None:
     """Unrolling needs a module and room for its deepest target; a per-depth λ covers every application in time."""
     lo, J, steps = cfg.loss, cfg.model.mtp_depth, cfg.train.steps
     _check(lo.mtp_unroll == 0 or J > 0, "loss.mtp_unroll", lo.mtp_unroll,
@@ -130,7 +103,7 @@ def _check_objective(cfg: Config) -> None:
                f"switches at step {at}, not before train.steps={steps}; use a smaller step or more train.steps")
 
 
-def _check_moe(cfg: Config) -> None:
+def _check_moe(cfg) -> None:
     m, E = cfg.model, cfg.model.n_routed_experts
     _check(m.num_experts_per_tok <= E, "model.num_experts_per_tok", m.num_experts_per_tok,
            f"must be <= model.n_routed_experts={E}")
@@ -148,7 +121,7 @@ def _check_moe(cfg: Config) -> None:
     _check(E % cfg.mesh.expert == 0, "mesh.expert", cfg.mesh.expert, f"must divide model.n_routed_experts={E}")
 
 
-def _check_mixture(d: DataConfig) -> None:
+def _check_mixture(d) -> None:
     _check(not d.paths, "data.paths", list(d.paths),
            "must be empty when data.mixture is set (each source has its paths)")
     _check(d.tokenizer != "bpe", "data.tokenizer", d.tokenizer, "a mixture needs one fixed tokenizer for every "

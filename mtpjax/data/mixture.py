@@ -7,7 +7,6 @@ weight (pipeline.py); validation reports the mixture and every source (`eval/<na
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -54,7 +53,8 @@ class PreparedMixture:
 
 def source_config(data_cfg, m):
     """The single-source DataConfig of one mixture entry (everything else shared)."""
-    return dataclasses.replace(data_cfg, source=m.source, paths=tuple(m.paths), text_field=m.text_field, mixture=())
+    return data_cfg.model_copy(update={"source": m.source, "paths": tuple(m.paths), "text_field": m.text_field,
+                                      "mixture": ()})
 
 
 def prepare_mixture(data_cfg, prepare, *, progress: bool = False) -> PreparedMixture:

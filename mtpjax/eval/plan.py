@@ -75,7 +75,7 @@ def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None,
 def plan_trees(cfg: Config) -> list[Tree]:
     """The tree shapes the plan tabulates: those `--num-draft auto` probes at this depth, and `decode.tree`'s."""
     shapes = [parse_tree(s) for s in TREES.get(min(cfg.model.mtp_depth, max(TREES)), ())]
-    given = cfg.decode.tree.shape
+    given = cfg.decode.tree
     base = given.tree if isinstance(given, Hybrid) else given  # an n-gram branch drafts for free
     return shapes + ([base] if base is not None and base not in shapes else [])
 

@@ -227,7 +227,7 @@ def compile_report(cfg: Config, target: Target, *, alpha: float = 0.8, decode: b
     """Every program compiled for `target` and its numbers (JSON-ready but for each entry's `_program`)."""
     devices = topology_devices(target)
     report = {"target": target.name, "chip": dataclasses.asdict(target.chip), "devices": target.devices,
-              "mesh": dataclasses.asdict(cfg.mesh), "alpha": alpha, "programs": [], "notes": [],
+              "mesh": cfg.mesh.model_dump(), "alpha": alpha, "programs": [], "notes": [],
               "tokens_per_step": cfg.train.batch_size * cfg.data.seq_len, "steps": cfg.train.steps}
     mesh = make_mesh(cfg.mesh, devices)
     if decode:
