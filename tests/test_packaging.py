@@ -53,11 +53,11 @@ def newer_than(version: tuple[int, int], source: str) -> list[str]:
     return found
 
 
-def package_newer_than(version: tuple[int, int]) -> dict[str, list[str]]:
+def package_newer_than(version: tuple[int, int], package: Path = ROOT / "mtpjax") -> dict[str, list[str]]:
     out = {}
-    for path in sorted((ROOT / "mtpjax").rglob("*.py")):
+    for path in sorted(package.rglob("*.py")):
         if found := newer_than(version, path.read_text()):
-            out[str(path.relative_to(ROOT))] = found
+            out[str(path.relative_to(package.parent))] = found
     return out
 
 
@@ -65,13 +65,16 @@ def test_the_package_imports_nothing_the_python_floor_lacks():
     assert package_newer_than(floor()) == {}
 
 
-def test_companion_a_name_past_the_floor_is_found():
+def test_companion_a_name_past_the_floor_is_found(tmp_path):
     """Companion: typing.Self (3.11) under a 3.10 floor, as config/specs.py imported it when pyproject said 3.10;
-    3.12's itertools.batched under this floor."""
+    3.12's itertools.batched under this floor; and the package walk finds such an import in a file of the package
+    (the pydantic config no longer imports Self: the walk is checked on a package written for it)."""
     assert newer_than((3, 10), "from typing import ClassVar, Self\n") == ["typing.Self (Python 3.11)"]
     assert newer_than(floor(), "import itertools\nfrom itertools import batched\n") == [
         "itertools.batched (Python 3.12)"]
-    assert "mtpjax/config/specs.py" in package_newer_than((3, 10))
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / "sub" / "specs.py").write_text("import abc\nfrom typing import Self\n")
+    assert package_newer_than((3, 10), tmp_path / "pkg") == {"pkg/sub/specs.py": ["typing.Self (Python 3.11)"]}
 
 
 def _name(text: str) -> str:
