@@ -1,0 +1,81 @@
+"""The grouped matmul's kernels (issue 47) against jax.lax.ragged_dot, in Pallas interpret mode: the forward and both
+gradients, on groups that include empty experts and sizes off the tile; companions: a kernel that skips the last
+group does not match."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtpjax.nn import gmm
+
+# 8 groups over 150 of 160 rows: empty groups first, in the middle and last-but-one, sizes off every tile (Triton's
+# row tile is 64, Mosaic's 256 here), the 10 rows past the total give zeros; K = 24 and N = 40: no tile divides them.
+SIZES = [0, 37, 20, 0, 1, 65, 0, 27]
+M, K, N = 160, 24, 40
+KERNELS = [gmm.Kernel("triton", interpret=True), gmm.Kernel("megablox", interpret=True)]
+
+
+@pytest.fixture(scope="module")
+def operands():
+    rng = np.random.default_rng(0)
+    lhs = jnp.asarray(rng.normal(size=(M, K)), jnp.float32)
+    rhs = jnp.asarray(rng.normal(size=(len(SIZES), K, N)), jnp.float32)
+    probe = jnp.asarray(rng.normal(size=(M, N)), jnp.float32)  # a loss whose gradient differs row by row
+    return lhs, rhs, jnp.asarray(SIZES, jnp.int32), probe
+
+
+def _value_and_grads(product, lhs, rhs, probe):
+    f = lambda a, b: (product(a, b) * probe).sum()
+    return product(lhs, rhs), *jax.grad(f, argnums=(0, 1))(lhs, rhs)
+
+
+def _reference(operands):
+    lhs, rhs, sizes, probe = operands
+    return _value_and_grads(lambda a, b: jax.lax.ragged_dot(a, b, sizes), lhs, rhs, probe)
+
+
+@pytest.mark.slow  # 10-20 s each in interpret mode on 2 cores: the issue adds nothing net to the default tier
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
+def test_kernel_equals_ragged_dot_forward_and_both_gradients(operands, kernel):
+    lhs, rhs, sizes, probe = operands
+    got = _value_and_grads(lambda a, b: gmm.grouped_matmul(a, b, sizes, kernel), lhs, rhs, probe)
+    for name, g, want in zip(("out", "d_lhs", "d_rhs"), got, _reference(operands)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want), atol=2e-5, rtol=2e-5, err_msg=name)
+    assert not np.asarray(got[2])[[0, 3, 6]].any()  # empty experts: a zero weight gradient
+
+
+def test_companion_triton_kernel_that_skips_the_last_group_fails(operands, monkeypatch):
+    """Work items of the last group pointed at the sentinel (no rows): its rows are never written."""
+    lhs, rhs, sizes, _ = operands
+    real = gmm.work_items
+
+    def skip_last(sizes_E, M, tm):
+        g, t, start, end = real(sizes_E, M, tm)
+        last = sizes_E.shape[0] - 1
+        return jnp.where(g == last, last + 1, g), t, start, end
+
+    monkeypatch.setattr(gmm, "work_items", skip_last)
+    out = gmm.grouped_matmul(lhs, rhs, sizes, KERNELS[0])
+    assert not np.allclose(np.asarray(out), np.asarray(_reference(operands)[0]), atol=1e-3)
+
+
+def test_companion_megablox_kernel_that_skips_the_last_group_fails(operands):
+    """megablox told of one group fewer (its expert-sharded form: rhs holds the first G-1) leaves the last out."""
+    lhs, rhs, sizes, _ = operands
+    mb = gmm.importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+    out = mb.gmm(lhs, rhs[:-1], sizes, jnp.float32, (32, K, N), interpret=True)
+    want = np.asarray(_reference(operands)[0])
+    assert not np.allclose(np.asarray(out)[:150], want[:150], atol=1e-3)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
+def test_tiles_from_the_shapes(kernel):
+    """Triton's tiles are powers of two of at least 16 dividing K and N where one does; Mosaic's rows a multiple of
+    128 (or every row), K and N whole up to 1024."""
+    if kernel.name == "triton":
+        assert gmm.tiles(kernel, 4096, 7168, 2048) == (64, 64, 128)
+        assert gmm.tiles(kernel, 40, 24, 40) == (64, 16, 16)
+    else:
+        assert gmm.tiles(kernel, 4096, 7168, 2048) == (512, 1024, 1024)
+        assert gmm.tiles(kernel, 40, 24, 40) == (128, 24, 40)
