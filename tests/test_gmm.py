@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from mtpjax.nn import gmm
 
@@ -79,3 +80,51 @@ def test_tiles_from_the_shapes(kernel):
     else:
         assert gmm.tiles(kernel, 4096, 7168, 2048) == (512, 1024, 1024)
         assert gmm.tiles(kernel, 40, 24, 40) == (128, 24, 40)
+
+
+# ----------------------------------------------------------------------------- the MoE layer on the kernel path
+
+@pytest.fixture(scope="module")
+def moe_layer():
+    """A tiny MoE layer (8 experts, top-3 of 2 groups of 4, a shared expert, a bias that changes choices) and 64
+    tokens."""
+    from mtpjax.config import load_config
+    from mtpjax.nn.moe import MoE
+    from mtpjax.nn.placement import host_placement
+
+    overrides = ["model.mlp_kind=moe", "model.n_routed_experts=8", "model.num_experts_per_tok=3", "model.n_group=4",
+                 "model.topk_group=2", "model.moe_d_ff=16", "model.n_shared_experts=1", "model.d_model=16",
+                 "model.init_std=0.5", "model.routed_scaling_factor=2.0"]
+    moe = MoE(load_config(None, overrides).model, nnx.Rngs(params=1), host_placement())
+    moe.bias[...] = jnp.asarray(np.random.default_rng(2).normal(0, 0.3, 8), jnp.float32)
+    rng = np.random.default_rng(3)
+    return moe, jnp.asarray(rng.normal(size=(2, 32, 16)), jnp.float32), jnp.asarray(rng.normal(size=(2, 32, 16)),
+                                                                                       jnp.float32)
+
+
+def _loss_and_grads(moe, grouping, x, probe):
+    moe.grouping = grouping
+
+    def loss(m):
+        y, aux = m(x)
+        return (y * probe).sum() + aux["balance"]
+
+    value, grads = nnx.value_and_grad(loss)(moe)
+    return value, nnx.to_pure_dict(grads)
+
+
+@pytest.mark.slow  # 10-35 s each in interpret mode on 2 cores
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
+def test_moe_layer_on_the_kernel_equals_today_s_layer(moe_layer, kernel):
+    """Loss and every parameter's gradient through the kernel path (forced: this host's layer takes expert blocks)
+    equal the expert blocks'; the router's gradient runs through the routed outputs' weights."""
+    moe, x, probe = moe_layer
+    want_loss, want = _loss_and_grads(moe, "blocks", x, probe)
+    got_loss, got = _loss_and_grads(moe, kernel, x, probe)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    for path, g in jax.tree_util.tree_leaves_with_path(got):
+        w = want
+        for key in path:
+            w = w[key.key]
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=2e-5, err_msg=str(path))
+    assert np.abs(np.asarray(got["w_down"])).max() > 1e-3  # the routed experts' gradients are not trivially zero
