@@ -128,3 +128,45 @@ def test_moe_layer_on_the_kernel_equals_today_s_layer(moe_layer, kernel):
             w = w[key.key]
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=2e-5, err_msg=str(path))
     assert np.abs(np.asarray(got["w_down"])).max() > 1e-3  # the routed experts' gradients are not trivially zero
+
+
+# ----------------------------------------------------------------------------- the compile report's count
+
+def _call(target: str, attrs: str) -> str:
+    """A module whose one instruction is a grouped matmul's custom call: [256, 64] rows times [4, 64, 128] groups."""
+    return ("HloModule m\n\nENTRY %main (g: s32[7], a: bf16[256,64], b: bf16[4,64,128]) -> bf16[256,128] {\n"
+            "  %g = s32[7]{0} parameter(0)\n  %a = bf16[256,64]{1,0} parameter(1)\n"
+            "  %b = bf16[4,64,128]{2,1,0} parameter(2)\n"
+            f'  ROOT %pallas_call.2 = bf16[256,128]{{1,0}} custom-call(%g, %a, %b), custom_call_target="{target}", '
+            f"{attrs}\n}}\n")
+
+
+TRITON = ("__gpu$xla.gpu.triton", 'backend_config={grid_x = 11 : i32, name = "mtpjax_gmm", num_stages = 3 : i32}')
+MEGABLOX = ("tpu_custom_call", 'metadata={op_name="jit(f)/transpose(jvp(jit(gmm)))/pallas_call"}, backend_config={}')
+
+
+@pytest.mark.parametrize("call, kind", [(TRITON, "gmm (Pallas Triton)"), (MEGABLOX, "gmm (Mosaic megablox)")])
+def test_the_counter_reads_a_grouped_kernel_from_its_shapes(call, kind):
+    """2·rows·K·N, as grouped FLOPs, under the kernel's name; companion: the same call named otherwise is read as an
+    attention kernel (the target alone does not tell), its grouped FLOPs zero."""
+    from mtpjax.parallel import hlo
+
+    stats = hlo.Program(_call(*call)).stats()
+    assert stats.calls[kind] == 1 and stats.flops == stats.grouped_flops == 2 * 256 * 64 * 128
+    other = hlo.Program(_call(call[0], call[1].replace("gmm", "mha"))).stats()
+    assert other.grouped_flops == 0 and kind not in other.calls
+
+
+def test_the_report_line_puts_routed_flops_beside_the_need():
+    """The compile report's MoE line: the grouped kernels' FLOPs, what the tokens need, their ratio; a grouping the
+    HLO cannot tell apart says so."""
+    from mtpjax.nn.flops import routed_flops_per_token
+    from mtpjax.train.aot import routed_line
+
+    m = type("M", (), dict(mlp_kind="moe", num_experts_per_tok=8, d_model=7168, moe_d_ff=2048, n_layers=61,
+                           first_k_dense_replace=3))
+    assert routed_flops_per_token(m) == {"trunk": 58 * 8 * 3 * 2 * 7168 * 2048, "module": 8 * 3 * 2 * 7168 * 2048}
+    line = routed_line({"flops": 3.0e12, "need": 2.0e12}, "gmm (Pallas Triton), all-to-all dispatch")
+    assert line == "  routed expert matmuls 3T FLOPs (grouped kernels), the tokens need 2T (1.50x)"
+    line = routed_line({"flops": 0.0, "need": 2.0e12}, "ragged_dot as dense dots (every ...), all-to-all dispatch")
+    assert line.endswith("the tokens need 2T (not told apart from the other dots: ragged_dot as dense dots)")
