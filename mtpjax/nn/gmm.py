@@ -79,8 +79,8 @@ def work_items(sizes_E, m: int, tm: int):
     return g, t, bounds(start), bounds(end)
 
 
-def _gmm_kernel(g_ref, t_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, tm, tk, tn, transpose):
-    """out tile (item w, column tile j) = the item's group's rows of lhs times that group's matrix (rows masked)."""
+def _gmm_kernel(g_ref, t_ref, start_ref, end_ref, x_ref, w_ref, out_ref, *, tm, tk, tn, transpose):
+    """out tile (item w, column tile j) = the item's group's rows of x times that group's matrix (rows masked)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -88,19 +88,20 @@ def _gmm_kernel(g_ref, t_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, 
     g, t = g_ref[w], t_ref[w]
     rows = t * tm + jnp.arange(tm)
     live = ((rows >= start_ref[g]) & (rows < end_ref[g]))[:, None]
-    gr = jnp.minimum(g, rhs_ref.shape[0] - 1)
-    k = lhs_ref.shape[1]
+    k = x_ref.shape[1]
 
     def body(i, acc):
-        a = plgpu.load(lhs_ref.at[pl.ds(t * tm, tm), pl.ds(i * tk, tk)], mask=live, other=0.0)
+        a = plgpu.load(x_ref.at[pl.ds(t * tm, tm), pl.ds(i * tk, tk)], mask=live, other=0.0)
         if transpose:
-            b = plgpu.load(rhs_ref.at[gr, pl.ds(j * tn, tn), pl.ds(i * tk, tk)]).T
+            b = plgpu.load(w_ref.at[g, pl.ds(j * tn, tn), pl.ds(i * tk, tk)]).T
         else:
-            b = plgpu.load(rhs_ref.at[gr, pl.ds(i * tk, tk), pl.ds(j * tn, tn)])
+            b = plgpu.load(w_ref.at[g, pl.ds(i * tk, tk), pl.ds(j * tn, tn)])
         return acc + plgpu.dot(a, b.astype(a.dtype))
 
-    acc = jax.lax.fori_loop(0, k // tk, body, jnp.zeros((tm, tn), jnp.float32))  # the sentinel's loads: masked
-    plgpu.store(out_ref.at[pl.ds(t * tm, tm), pl.ds(j * tn, tn)], acc.astype(out_ref.dtype), mask=live)
+    @pl.when(g < w_ref.shape[0])  # the sentinel's items (past the last real one) read and write nothing
+    def _():
+        acc = jax.lax.fori_loop(0, k // tk, body, jnp.zeros((tm, tn), jnp.float32))
+        plgpu.store(out_ref.at[pl.ds(t * tm, tm), pl.ds(j * tn, tn)], acc.astype(out_ref.dtype), mask=live)
 
 
 def _tgmm_kernel(start_ref, end_ref, lhs_ref, dout_ref, out_ref, *, tm, tk, tn):
