@@ -170,3 +170,14 @@ def test_the_report_line_puts_routed_flops_beside_the_need():
     assert line == "  routed expert matmuls 3T FLOPs (grouped kernels), the tokens need 2T (1.50x)"
     line = routed_line({"flops": 0.0, "need": 2.0e12}, "ragged_dot as dense dots (every ...), all-to-all dispatch")
     assert line.endswith("the tokens need 2T (not told apart from the other dots: ragged_dot as dense dots)")
+
+
+def test_the_kernel_runs_where_the_program_is_per_device():
+    """The platform's kernel on one device (and inside the expert-parallel shard_map); XLA's ragged_dot where XLA
+    partitions the MoE over several devices (a Pallas call cannot be partitioned); the CPU's blocks anywhere."""
+    from mtpjax.nn.moe import grouping_for, partitioned
+
+    assert grouping_for("gpu") == gmm.Kernel("triton") and grouping_for("tpu") == gmm.Kernel("megablox")
+    assert partitioned(grouping_for("tpu"), 1) == gmm.Kernel("megablox")
+    assert partitioned(grouping_for("gpu"), 8) == "ragged"
+    assert partitioned(grouping_for("cpu"), 8) == "blocks"
