@@ -46,6 +46,10 @@ def apply(patch: str) -> None:
         real_decode = aot.decode_programs
         one = lambda mesh: Mesh(np.array(mesh.devices.flat[:1]).reshape((1,) * mesh.devices.ndim), mesh.axis_names)
         aot.decode_programs = lambda cfg, mesh, *a: real_decode(cfg, one(mesh), *a)
+    elif patch == "xla_ragged_dot":  # the MoE's grouped matmuls as XLA's ragged_dot, as before issue 47's kernels
+        from mtpjax.nn import moe
+
+        moe.grouping_for = lambda platform: "ragged" if platform in ("gpu", "tpu") else "blocks"
     elif patch != "none":
         raise SystemExit(f"unknown patch {patch!r}")
 

@@ -55,6 +55,7 @@ RUNS = {  # name: (target, overrides, patch, flags)
     "gpu": (GPU[0], GPU[1], "none", ("--decode-batch", "2", "--alpha", "0.6")),
     "tpu_moe": (TPU[0], MLA_MOE, "none", ("--no-decode",)),
     "tpu_moe_depth2": (TPU[0], MLA_MOE + ["model.mtp_depth=2"], "none", ("--no-decode",)),
+    "tpu_moe_ragged": (TPU[0], MLA_MOE, "xla_ragged_dot", ("--no-decode",)),
     "gpu_moe": ("h100:4", MLA_MOE, "none", ("--no-decode",)),
     "gpu_depth2": (GPU[0], GPU[1] + ["model.mtp_depth=2"], "none", ("--no-decode",)),
     "tpu_too_large": (TPU[0], TPU[1] + TOO_LARGE + ["model.vocab_size=2097152", "model.d_model=2048"], "none",
@@ -225,17 +226,18 @@ def test_companion_kernel_without_shard_map(runs):
     assert kernel_rows(runs["gpu_no_shard_map"][3] / "hlo", "train_step") == {2}
 
 
-def dispatch_extra(depth: int, platform: str) -> float:
+def dispatch_extra(depth: int, platform: str, kernel: bool = True) -> float:
     """FLOPs per device that MLA_MOE's train step computes beyond the plan's count (which counts what a token needs):
     each device's N tokens send their k slots into buffers sized for the worst case (every token on min(k, E_l) of
     each shard's E_l experts: R = expert·min(k, E_l)·N rows received), whose padding rows ride with the last expert.
-    TPU: the Mosaic ragged_dot multiplies every received row once in the forward and the input gradient (2 × 3
-    matmuls), and the weight gradients run every local expert over every received row (3 × E_l). GPU: XLA lowers
-    every ragged_dot to dense dots, all 9 matmuls of every local expert over every received row. One MoE block in
-    the trunk, one per MTP module."""
+    The gmm kernels (issue 47) run each of the 9 matmuls (3 forward, 3 input and 3 weight gradients) over every
+    received row once. XLA's ragged_dot (`kernel=False`): on a TPU the Mosaic ragged_dot multiplies every received
+    row once in the forward and the input gradient (2 × 3 matmuls), and the weight gradients run every local expert
+    over every received row (3 × E_l); on a GPU all 9 matmuls are dense, every local expert over every received row.
+    One MoE block in the trunk, one per MTP module."""
     E_l, N = MOE["E"] // MOE["expert"], SMALL_BATCH * MOE["T"] // MOE["expert"]
     R, DF = MOE["expert"] * min(MOE["k"], E_l) * N, MOE["D"] * MOE["F"] // MOE["tensor"]
-    matmuls = 6 + 3 * E_l if platform == "tpu" else 9 * E_l
+    matmuls = 9 if kernel else 6 + 3 * E_l if platform == "tpu" else 9 * E_l
     executed, needed = 2 * matmuls * R * DF, 2 * 9 * MOE["k"] * N * DF
     return (1 + depth) * (executed - needed)
 
@@ -244,24 +246,32 @@ def moe_flops(runs: dict, name: str) -> tuple[float, float, hlo.Program]:
     """(the train step's counted FLOPs, the plan's plus dispatch_extra, its parsed HLO)."""
     train = report_of(runs, name)["train_step"]
     prog = hlo.Program((runs[name][3] / "hlo" / "train_step.hlo.txt").read_text())
-    extra = dispatch_extra(2 if name.endswith("depth2") else 1, name.split("_")[0])
+    extra = dispatch_extra(2 if name.endswith("depth2") else 1, name.split("_")[0], not name.endswith("ragged"))
     return train["flops"], train["analytic_flops"] + extra, prog
 
 
-@pytest.mark.parametrize("name", ["tpu_moe", "tpu_moe_depth2"])
-def test_mla_moe_flops_match_the_plan_with_the_dispatch_at_two_depths(runs, name):
+@pytest.mark.parametrize("name, kernel", [("tpu_moe", hlo.GMM_CALLS["megablox"]),
+                                          ("tpu_moe_depth2", hlo.GMM_CALLS["megablox"]),
+                                          ("tpu_moe_ragged", hlo.RAGGED_CALL)])
+def test_mla_moe_flops_match_the_plan_with_the_dispatch_at_two_depths(runs, name, kernel):
+    """Issue 47's megablox kernels, and XLA's ragged_dot (Mosaic; its weight gradients convolutions) before them."""
     counted, expected, prog = moe_flops(runs, name)
     assert abs(counted / expected - 1) < 0.15, counted / expected
-    assert prog.stats().calls[hlo.RAGGED_CALL] > 0  # the grouped matmuls are Mosaic kernels, not attention
-    assert report_of(runs, name)["train_step"]["kernels"]["moe"].startswith("ragged_dot (Mosaic")
+    assert prog.stats().calls[kernel] > 0  # the grouped matmuls are Mosaic kernels, not attention
+    assert report_of(runs, name)["train_step"]["kernels"]["moe"].startswith(kernel)
 
 
-def test_mla_moe_compiles_for_gpus_and_its_flops_match_the_plan_with_the_dense_dots(runs):
-    """The MoE's dispatch sorts its slots; on GPUs that compiles with XLA's sort (CUB's asks a live GPU), and XLA's
-    dense-dot ragged_dot runs every local expert over every received row: the plan plus that excess."""
+def test_mla_moe_compiles_for_gpus_and_its_flops_match_the_plan_with_the_dispatch(runs):
+    """The MoE's dispatch sorts its slots; on GPUs that compiles with XLA's sort (CUB's asks a live GPU), and the
+    Triton gmm kernels run each matmul over every received row once: the plan plus the dispatch's excess, which the
+    report's routed line shows."""
     counted, expected, _ = moe_flops(runs, "gpu_moe")
     assert abs(counted / expected - 1) < 0.15, counted / expected
-    assert report_of(runs, "gpu_moe")["train_step"]["kernels"]["moe"].startswith("ragged_dot as dense dots")
+    train = report_of(runs, "gpu_moe")["train_step"]
+    assert train["kernels"]["moe"].startswith(hlo.GMM_CALLS["triton"])
+    E_l, N = MOE["E"] // MOE["expert"], SMALL_BATCH * MOE["T"] // MOE["expert"]
+    received = MOE["expert"] * min(MOE["k"], E_l) * N
+    assert train["routed"]["flops"] / train["routed"]["need"] == pytest.approx(received / (MOE["k"] * N))
 
 
 def test_companion_a_gpu_sort_compiled_with_cub_asks_for_a_gpu():
@@ -285,19 +295,21 @@ def test_companion_a_gpu_sort_compiled_with_cub_asks_for_a_gpu():
     assert "CUDA Runtime error" in p.stdout.splitlines()[1], p.stdout
 
 
-@pytest.mark.parametrize("name", ["tpu_moe", "tpu_moe_depth2"])
+@pytest.mark.parametrize("name", ["tpu_moe", "tpu_moe_depth2", "tpu_moe_ragged"])
 def test_companion_mla_moe_flops_without_the_counter_s_fixes(runs, name, monkeypatch):
-    """Each of the two fixes undone misses the count: a Mosaic ragged_dot not counted (read as an attention kernel, it
-    had 0 FLOPs: its input is 2-D), and a convolution's every window position counted, holes of its dilated input
-    included (the TPU's weight gradient of a ragged_dot slides an E_l-wide window over E_l·E_l - E_l + 1 positions)."""
+    """Each of the fixes undone misses the count: a grouped matmul kernel (Mosaic ragged_dot, megablox gmm) not
+    counted (read as an attention kernel, it had 0 FLOPs: its input is 2-D), and, where XLA's ragged_dot remains, a
+    convolution's every window position counted, holes of its dilated input included (the TPU's weight gradient of
+    a ragged_dot slides an E_l-wide window over E_l·E_l - E_l + 1 positions)."""
     _, expected, _ = moe_flops(runs, name)
     text = (runs[name][3] / "hlo" / "train_step.hlo.txt").read_text()
     with monkeypatch.context() as m:
         m.setattr(hlo, "ragged_call_flops", lambda ins, shapes: 0.0)
         assert abs(hlo.Program(text).stats().flops / expected - 1) > 0.15
-    with monkeypatch.context() as m:
-        m.setattr(hlo, "_taps", lambda n, out, size, *rest: out * size)
-        assert abs(hlo.Program(text).stats().flops / expected - 1) > 0.15
+    if name.endswith("ragged"):
+        with monkeypatch.context() as m:
+            m.setattr(hlo, "_taps", lambda n, out, size, *rest: out * size)
+            assert abs(hlo.Program(text).stats().flops / expected - 1) > 0.15
 
 
 @pytest.mark.parametrize("lhs,rhs,stride,pad,lhs_dilation,rhs_dilation", [

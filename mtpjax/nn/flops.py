@@ -91,6 +91,16 @@ def train_flops_per_token(model_cfg: ModelConfig, seq_len: int, frozen_trunk: bo
 
 
 
+def routed_flops_per_token(model_cfg: ModelConfig) -> dict[str, float]:
+    """Forward FLOPs per token of the routed experts' matmuls (k experts: gate, up, down) in the trunk's MoE blocks
+    and in one MTP module's: what the tokens need of the grouped matmuls (zero without a mixture of experts)."""
+    m = model_cfg
+    if m.mlp_kind != "moe":
+        return {"trunk": 0.0, "module": 0.0}
+    one = float(m.num_experts_per_tok * 3 * 2 * m.d_model * m.moe_d_ff)
+    return {"trunk": (m.n_layers - m.first_k_dense_replace) * one, "module": one}
+
+
 @dataclass(frozen=True)
 class TokenFlops:
     """Forward FLOPs per token of one model's parts (`*_matmul`: the weight matmuls alone, 2 x the weights a row

@@ -2,9 +2,11 @@
 
 Dropless: every token reaches its k experts, and a token's output depends on no other token (decoding and
 speculation see the same function as training). Token-slots are sorted by expert and multiplied group by group:
-`jax.lax.ragged_dot` on GPU/TPU; on CPU (where jax 0.10.2's ragged_dot computes every expert for every row) the
-sorted rows are cut into blocks of one expert each and multiplied by that expert's gathered weights
-(docs/benchmarks.md has the measurement).
+on GPU/TPU by the platform's grouped-matmul kernel (mtpjax.nn.gmm: Pallas-Triton, Mosaic megablox) where the program
+runs per device (one device, or inside the expert-parallel shard_map), by `jax.lax.ragged_dot` where XLA partitions
+the MoE over several devices (a Pallas kernel cannot be partitioned); on CPU (where jax 0.10.2's ragged_dot computes
+every expert for every row) the sorted rows are cut into blocks of one expert each and multiplied by that expert's
+gathered weights (docs/benchmarks.md has the measurement).
 
 Expert parallelism (`ExpertParallel`, from the model's `Placement` when its mesh has an expert axis): inside a
 shard_map each device sends its token-slots to the expert-axis shard holding their experts (an all-to-all), that
@@ -24,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from mtpjax.config import ModelConfig
-from mtpjax.nn import kernels
+from mtpjax.nn import gmm, kernels
 from mtpjax.nn.layers import MLP, dtype_of, param
 from mtpjax.nn.placement import Placement
 
@@ -62,12 +64,14 @@ def block_rows(n_slots: int, n_experts: int) -> int:
     return 1 if b < 8 else 1 << (b.bit_length() - 1)
 
 
-def grouped_swiglu(x_ID, e_I, counts_E, w_gate_EDF, w_up_EDF, w_down_EFD, grouping: str):
-    """SwiGLU of each row by its expert: rows sorted by expert (e_I ascending), counts_E rows per expert."""
-    if grouping == "ragged":
+def grouped_swiglu(x_ID, e_I, counts_E, w_gate_EDF, w_up_EDF, w_down_EFD, grouping: str | gmm.Kernel):
+    """SwiGLU of each row by its expert: rows sorted by expert (e_I ascending), counts_E rows per expert; `grouping`:
+    a grouped-matmul kernel, "ragged" (jax.lax.ragged_dot) or "blocks" (CPU)."""
+    if grouping == "ragged" or isinstance(grouping, gmm.Kernel):
         gs = counts_E.astype(jnp.int32)
-        h_IF = jax.nn.silu(jax.lax.ragged_dot(x_ID, w_gate_EDF, gs)) * jax.lax.ragged_dot(x_ID, w_up_EDF, gs)
-        return jax.lax.ragged_dot(h_IF.astype(x_ID.dtype), w_down_EFD, gs)
+        mm = functools.partial(gmm.grouped_matmul, kernel=grouping) if grouping != "ragged" else jax.lax.ragged_dot
+        h_IF = jax.nn.silu(mm(x_ID, w_gate_EDF, gs)) * mm(x_ID, w_up_EDF, gs)
+        return mm(h_IF.astype(x_ID.dtype), w_down_EFD, gs)
     rows, D = x_ID.shape
     E = w_gate_EDF.shape[0]
     b = block_rows(rows, E)
@@ -158,14 +162,21 @@ def expert_parallel_routed(x_ID, idx_IX, w_IX, w_gate, w_up, w_down, ep: ExpertP
         return y if tp is None else jax.lax.psum(y, tp)
 
     rows = P(ep.batch_axes, None)
+    # check_vma=False: the grouped-matmul kernels (Pallas calls) declare no varying manual axes for their outputs
     return jax.shard_map(body, mesh=ep.mesh, in_specs=(rows, rows, rows, P(ep.expert_axis, None, tp),
                                                        P(ep.expert_axis, None, tp), P(ep.expert_axis, tp, None)),
-                         out_specs=rows)(x_ID, idx_IX, w_IX, w_gate, w_up, w_down)
+                         out_specs=rows, check_vma=False)(x_ID, idx_IX, w_IX, w_gate, w_up, w_down)
 
 
-def grouping_for(platform: str) -> str:
-    """ragged_dot where it is a grouped matmul (GPU, TPU), expert blocks on CPU."""
-    return "ragged" if platform in ("gpu", "tpu") else "blocks"
+def grouping_for(platform: str) -> str | gmm.Kernel:
+    """The platform's grouped-matmul kernel (GPU, TPU), expert blocks on CPU."""
+    return gmm.kernel_for(platform) or "blocks"
+
+
+def partitioned(grouping: str | gmm.Kernel, devices: int) -> str | gmm.Kernel:
+    """The grouping of an MoE that XLA partitions over `devices`: ragged_dot in place of a kernel when more than one
+    (no Pallas kernel can be partitioned; inside the expert-parallel shard_map each device runs the kernel)."""
+    return "ragged" if devices > 1 and isinstance(grouping, gmm.Kernel) else grouping
 
 
 def expert_parallel(placement: Placement) -> ExpertParallel | None:
@@ -192,8 +203,9 @@ class MoE(nnx.Module):
         self.w_down = param(rngs, (E, f, d), out_std, ("expert", "mlp", "embed"), pdt)
         if cfg.n_shared_experts:
             self.shared = MLP(cfg, rngs, d_ff=cfg.n_shared_experts * f)
-        self.grouping = grouping_for(placement.platform)  # how, not what: both are exact
+        self.grouping = grouping_for(placement.platform)  # how, not what: all are exact
         self.ep = expert_parallel(placement)
+        self.devices = placement.size(placement.mesh.axis_names) if placement.mesh is not None else 1
 
     def __call__(self, x_BTD, seg_BT=None):
         B, T, D = x_BTD.shape
@@ -209,7 +221,7 @@ class MoE(nnx.Module):
         else:
             order = jnp.argsort(slot_e, stable=True)
             slot_y = grouped_swiglu(x_ID[order // k], slot_e[order], jnp.bincount(slot_e, length=E), *weights,
-                                    self.grouping)
+                                    partitioned(self.grouping, self.devices))
             y_IXD = jnp.zeros_like(slot_y).at[order].set(slot_y).reshape(B * T, k, D)
             y_ID = jnp.einsum("nxd,nx->nd", y_IXD.astype(jnp.float32), w_IX)
         y_ID = y_ID.astype(self.dtype)

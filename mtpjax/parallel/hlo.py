@@ -142,6 +142,7 @@ class Stats:
 
     flops: float = 0.0
     attention_flops: float = 0.0  # of which: fused attention kernels, counted from their shapes
+    grouped_flops: float = 0.0  # of which: the MoE's grouped-matmul kernels (GMM_CALLS), counted from their shapes
     scoped_flops: float = 0.0  # of which: ops whose name scope holds Program's `scope` (the MTP modules')
     hbm_bytes: float = 0.0
     collectives: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: [0, 0.0]))
@@ -151,6 +152,7 @@ class Stats:
     def add(self, other: Stats, times: float = 1.0) -> None:
         self.flops += times * other.flops
         self.attention_flops += times * other.attention_flops
+        self.grouped_flops += times * other.grouped_flops
         self.scoped_flops += times * other.scoped_flops
         self.hbm_bytes += times * other.hbm_bytes
         for k, (n, b) in other.collectives.items():
@@ -251,18 +253,29 @@ def attention_call_flops(ins: Instr, shapes: dict) -> float:
 
 
 RAGGED_CALL = "ragged_dot (Mosaic)"
+# The MoE's grouped-matmul kernels (mtpjax.nn.gmm), named apart from attention's calls of the same targets: megablox
+# by its jitted function (gmm, tgmm), the Triton kernels by the names they are built with.
+GMM_CALLS = {"megablox": "gmm (Mosaic megablox)", "triton": "gmm (Pallas Triton)"}
+_MEGABLOX = re.compile(r"\bjit\(t?gmm\)")
+_TRITON_GMM = re.compile(r'name = \\?"mtpjax_t?gmm\\?"')
 
 
 def call_name(ins: Instr) -> str | None:
-    """A custom call's target, a TPU's Mosaic ragged_dot (the MoE's grouped matmul, not attention) named apart."""
+    """A custom call's target; the MoE's grouped matmuls (a TPU's Mosaic ragged_dot, the gmm kernels) named apart."""
     target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
-    if target and target[1] == "tpu_custom_call" and "ragged_dot_tiling" in ins.attrs:
-        return RAGGED_CALL
+    if target and target[1] == "tpu_custom_call":
+        if "ragged_dot_tiling" in ins.attrs:
+            return RAGGED_CALL
+        if _MEGABLOX.search(ins.attrs):
+            return GMM_CALLS["megablox"]
+    if target and target[1].startswith("__gpu$xla.gpu.triton") and _TRITON_GMM.search(ins.attrs):
+        return GMM_CALLS["triton"]
     return target[1] if target else None
 
 
 def ragged_call_flops(ins: Instr, shapes: dict) -> float:
-    """A Mosaic ragged_dot's FLOPs: each row of its [M, K] input times its group's [K, N] (2·M·K·N)."""
+    """A grouped matmul's FLOPs: each row of its first floating input [M, K] times its group's [K, N] (2·M·K·N; a
+    Mosaic ragged_dot, a gmm; tgmm's first input is [K, M] (megablox) or [M, K] (Triton), its result [G, K, N])."""
     floats = [d for d, dt in ((_dims_of(shapes, o), arrays(shapes.get(o, ""))) for o in ins.operands)
               if dt and dt[0][0] in _FLOATS]
     out = arrays(ins.shape)
@@ -303,8 +316,9 @@ class Program:
             f = dot_flops(ins, self.shapes)
         if target:
             s.calls[target] += 1
-            if target == RAGGED_CALL:
+            if target == RAGGED_CALL or target in GMM_CALLS.values():
                 f = ragged_call_flops(ins, self.shapes)
+                s.grouped_flops += f if target != RAGGED_CALL else 0.0
             elif attention_kind(target):
                 f = attention_call_flops(ins, self.shapes)
                 s.attention_flops += f
@@ -402,6 +416,7 @@ def gathers_around(prog: Program, is_kernel, hops: int = 4, after: bool = True) 
 def summary(stats: Stats) -> dict:
     """JSON-ready numbers of a Stats."""
     return {"flops": stats.flops, "attention_kernel_flops": stats.attention_flops, "scoped_flops": stats.scoped_flops,
+            "grouped_matmul_flops": stats.grouped_flops,
             "hbm_bytes": stats.hbm_bytes,
             "collectives": {k: {"count": n, "bytes": b} for k, (n, b) in sorted(stats.collectives.items())},
             "custom_calls": dict(sorted(stats.calls.items()))}

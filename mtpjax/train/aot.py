@@ -25,7 +25,7 @@ from mtpjax.decode.loop import execute
 from mtpjax.decode.mesh import check_mesh, specs
 from mtpjax.errors import MtpjaxError
 from mtpjax.eval.plan import plan_trees
-from mtpjax.nn.flops import flops_per_token, train_flops_per_token
+from mtpjax.nn.flops import flops_per_token, routed_flops_per_token, train_flops_per_token
 from mtpjax.nn.model import MTP_SCOPE, build_model
 from mtpjax.nn.speed import expected_tokens, tree_expected_tokens
 from mtpjax.parallel import hlo
@@ -74,7 +74,10 @@ def kernels_in(stats: hlo.Stats, cfg: Config, text: str = "") -> dict:
     attention = sorted({hlo.attention_kind(t) for t in stats.calls if hlo.attention_kind(t)}) or ["xla (einsum)"]
     moe = None
     if cfg.model.mlp_kind == "moe":
-        if stats.calls.get(hlo.RAGGED_CALL):  # TPU: its weight gradient is a convolution over every local expert
+        gmm = [name for name in hlo.GMM_CALLS.values() if stats.calls.get(name)]
+        if gmm:  # mtpjax.nn.gmm: a train step's forward, input and weight gradients all grouped
+            grouped = gmm[0]
+        elif stats.calls.get(hlo.RAGGED_CALL):  # TPU: its weight gradient is a convolution over every local expert
             grouped = "ragged_dot (Mosaic; weight gradients: every local expert over every received row)"
         elif stats.ops.get("ragged-dot"):
             grouped = "ragged_dot"
@@ -183,12 +186,17 @@ def decode_programs(cfg: Config, mesh, report: dict, alpha: float, batch: int, p
 
 
 def analytic(cfg: Config, n_devices: int) -> dict:
-    """The plan's FLOPs per device per step: training (3 × forward, MTP applications included) and evaluation."""
+    """The plan's FLOPs per device per step: training (3 × forward, MTP applications included) and evaluation; and
+    what the tokens need of the routed experts' matmuls in each (`routed`)."""
     m, T, tokens = cfg.model, cfg.data.seq_len, cfg.train.batch_size * cfg.data.seq_len
     f = flops_per_token(m, T)
     train = train_flops_per_token(m, T, cfg.train.freeze == "trunk", cfg.loss.mtp_unroll)
+    r, apps = routed_flops_per_token(m), m.mtp_depth + (cfg.loss.mtp_unroll if m.mtp_depth else 0)
+    routed_train = (r["trunk"] if cfg.train.freeze == "trunk" else 3 * r["trunk"]) + 3 * apps * r["module"]
     return {"train_step": train * tokens / n_devices, "eval_step": f["forward"] * tokens / n_devices,
-            "mtp_share": 3 * m.mtp_depth * f["mtp_module"] / train if train else 0.0}
+            "mtp_share": 3 * m.mtp_depth * f["mtp_module"] / train if train else 0.0,
+            "routed": {"train_step": routed_train * tokens / n_devices,
+                       "eval_step": (r["trunk"] + m.mtp_depth * r["module"]) * tokens / n_devices}}
 
 
 def roofline(flops: float, hbm: float, coll: float, target: Target) -> dict:
@@ -215,6 +223,8 @@ def estimates(report: dict, cfg: Config, target: Target) -> None:
             p["mfu_estimate"] = ana[p["program"]] / (p["roofline"]["estimate_s"] * target.chip.peak_bf16)
             p["mtp_share"] = {"compiled": p["scoped_flops"] / p["flops"] if p["flops"] else 0.0,
                               "plan": ana["mtp_share"] if p["program"] == "train_step" else None}
+            if p["kernels"]["moe"]:
+                p["routed"] = {"flops": p["grouped_matmul_flops"], "need": ana["routed"][p["program"]]}
         if "round" in p:
             r = p["round"]
             r["roofline_s"] = roofline(r["flops"], r["hbm_bytes"], 0.0, target)["estimate_s"]
@@ -293,7 +303,19 @@ def _program_lines(p: dict) -> list[str]:
                      f"speedup ESTIMATE {q['speedup_estimate']:.2f}x over plain")
     k = p["kernels"]
     lines.append(f"  kernels: attention {', '.join(k['attention'])}" + (f"; MoE {k['moe']}" if k["moe"] else ""))
+    if "routed" in p:
+        lines.append(routed_line(p["routed"], k["moe"]))
     return lines
+
+
+def routed_line(routed: dict, kernel: str) -> str:
+    """The routed experts' matmul FLOPs the grouped kernels ran beside what the tokens need (k experts per token, gate,
+    up and down; 3x in a train step); a grouping other than the gmm kernels' is not told apart in the HLO."""
+    need = f"the tokens need {_h(routed['need'])}"
+    if not routed["flops"]:
+        return f"  routed expert matmuls: {need} (not told apart from the other dots: {kernel.split(' (')[0]})"
+    return (f"  routed expert matmuls {_h(routed['flops'])} FLOPs (grouped kernels), {need} "
+            f"({routed['flops'] / routed['need']:.2f}x)")
 
 
 def format_report(report: dict) -> str:
