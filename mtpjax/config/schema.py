@@ -143,6 +143,11 @@ class ModelConfig:
     topk_group: int = key(1, "moe: groups a token's experts are chosen from (≤ `n_group`)", gt=0)
     routed_scaling_factor: float = key(1.0, "moe: the chosen experts' normalized weights are multiplied by this", gt=0)
     first_k_dense_replace: int = key(0, "moe: the first k trunk blocks keep the dense MLP (< `n_layers`)", ge=0)
+    moe_buffer_factor: float = key(
+        0.0, "moe with `mesh.expert` > 1: each expert shard receives this many times its balanced share of "
+        "token-slots (every device's N·k), the all-to-all moving ceil(factor · N·k / expert) rows per pair of "
+        "shards; slots past that are dropped, counted (`moe/<layer>/dropped_fraction`), lowest routing weight "
+        "first; 0 = the worst case, dropless (decoding is always dropless)", ge=0)
     attention: Attention = key(
         "auto", "how attention is computed, not what", runtime=True, choices={
             "auto": "splash on TPU, Pallas on GPU with bf16/fp16, else XLA (for the mesh's devices)",

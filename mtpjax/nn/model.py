@@ -249,6 +249,17 @@ def placed(model: MTPTransformer, placement: Placement) -> MTPTransformer:
     return nnx.merge(graphdef, nnx.state(model))
 
 
+def for_decoding(model: MTPTransformer) -> MTPTransformer:
+    """A copy of `model` (the same arrays) as the decode loop runs it: its MoE layers dropless whatever
+    `model.moe_buffer_factor` (a decoded token's output depends on no other token). The model itself is left as it
+    was."""
+    view = nnx.clone(model)
+    for _, m in nnx.iter_modules(view):
+        if isinstance(m, MoE):
+            m.buffer_factor = 0.0
+    return view
+
+
 def last_block_params(cfg: ModelConfig, params: dict) -> dict:
     """The last trunk block's subtree of a pure-dict parameter tree (its layer axis indexed away when scanned)."""
     if cfg.scan_layers:
