@@ -198,6 +198,8 @@ class MoE(nnx.Module):
     """Routed and always-on shared SwiGLU experts: (y, {"load": int[E] non-padding slots per expert (segment id 0 is
     padding), "balance": float[], "dropped": int[] non-padding slots the expert-parallel dispatch dropped})."""
 
+    COMPUTE_WEIGHTS = ("router", "w_gate", "w_up", "w_down")  # read only cast to the compute dtype (as Dense's)
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, placement: Placement):
         d, f, E = cfg.d_model, cfg.moe_d_ff, cfg.n_routed_experts
         pdt = dtype_of(cfg.param_dtype)
