@@ -3,8 +3,8 @@ model.moe_buffer_factor against the dropless one and one device, and what it dro
 
 argv: <out.json>. out.json holds, per check, the numbers the test asserts on (and the broken variants' numbers, the
 companions): "layer" (an MoE layer's loss and gradients per factor), "overflow" (a hand-built routing's dropped
-count and output per factor), "step" (the train step's reported dropped fractions with every token forced onto one
-shard's experts).
+count and output per factor), "decode" (greedy tokens of a model that drops in training), "step" (the train
+step's reported dropped fractions with every token forced onto one shard's experts).
 """
 
 import os
@@ -24,7 +24,9 @@ from flax import nnx  # noqa: E402
 
 import mtpjax.nn.moe as moe  # noqa: E402
 from mtpjax.config import load_config  # noqa: E402
-from mtpjax.nn.model import moe_layers  # noqa: E402
+from mtpjax.decode import generate, loop as decode_loop  # noqa: E402
+from mtpjax.decode.mesh import on_mesh  # noqa: E402
+from mtpjax.nn.model import build_model, moe_layers  # noqa: E402
 from mtpjax.nn.placement import host_placement  # noqa: E402
 from mtpjax.parallel.sharding import make_mesh, placement  # noqa: E402
 from mtpjax.train.step import make_programs  # noqa: E402
@@ -165,9 +167,28 @@ def step_checks() -> dict:
     return out
 
 
+def decode_checks() -> dict:
+    """Greedy tokens of a model whose buffer factor (0.1) drops most slots in training: speculative on the 2-device
+    expert mesh and plain on one device (decoding runs dropless), and the companion: the mesh's loop on the model as
+    built, its buffers sized by the factor."""
+    cfg = load_config(None, MOE + ["model.num_experts_per_tok=2", "model.vocab_size=64", "model.n_layers=2",
+                                   "model.n_heads=2", "model.n_kv_heads=1", "model.mtp_depth=1", "data.seq_len=32",
+                                   "model.moe_buffer_factor=0.1"])
+    model = build_model(cfg, seed=0)
+    prompts = [[3, 9, 27, 17, 51], [5, 8, 13, 21]]
+    sharded = on_mesh(model, make_mesh(cfg.mesh))
+    out = {"one_plain": generate(model, prompts, max_new_tokens=8).tokens,
+           "mesh_speculative": generate(sharded, prompts, max_new_tokens=8, num_draft=1).tokens}
+    jax.clear_caches()  # the loop is compiled again, without for_decoding
+    with mock.patch.object(decode_loop, "for_decoding", lambda m: m):
+        out["mesh_as_built"] = generate(sharded, prompts, max_new_tokens=8, num_draft=1).tokens
+    return out
+
+
 def main() -> None:
     mesh = make_mesh(load_config(None, MOE).mesh)
-    out = {"layer": layer_checks(mesh), "overflow": overflow_checks(mesh), "step": step_checks()}
+    out = {"decode": decode_checks(), "layer": layer_checks(mesh), "overflow": overflow_checks(mesh),
+           "step": step_checks()}
     Path(sys.argv[1]).write_text(json.dumps(out))
 
 
