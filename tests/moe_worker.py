@@ -69,9 +69,9 @@ def collectives(cfg) -> dict:
                                        for shape, code in ops)}
 
 
-def wrong_dispatch(e_S, experts_per_shard, shards):
+def wrong_dispatch(e_S, w_S, experts_per_shard, shards):
     """dispatch_positions with every slot sent to the next shard: its rows meet another shard's experts."""
-    order, dest, pos = RIGHT_DISPATCH(e_S, experts_per_shard, shards)
+    order, dest, pos = RIGHT_DISPATCH(e_S, w_S, experts_per_shard, shards)
     return order, (dest + 1) % shards, pos
 
 

@@ -122,6 +122,10 @@ class ModelConfig(Section):
         "by this", gt=0)
     first_k_dense_replace: Int = Field(0, description="moe: the first k trunk blocks keep the dense MLP (< `n_layers`)",
         ge=0)
+    moe_buffer_factor: Float = Field(0.0, description="moe with `mesh.expert` > 1: each expert shard receives this "
+        "many times its balanced share of token-slots (every device's N·k), the all-to-all moving ceil(factor · N·k / "
+        "expert) rows per pair of shards; slots past that are dropped, counted (`moe/<layer>/dropped_fraction`), "
+        "lowest routing weight first; 0 = the worst case, dropless (decoding is always dropless)", ge=0)
     attention: choice("auto", "xla", "cudnn", "pallas", "splash") = Field("auto", description="how attention is "
         "computed, not what", json_schema_extra={**RUNTIME, "choices": {"auto": "splash on TPU, Pallas on GPU with "
         "bf16/fp16, else XLA (for the mesh's devices)", "xla": "the reference", "cudnn": "cuDNN's fused kernel (GPU)",

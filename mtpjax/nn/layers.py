@@ -39,6 +39,8 @@ class Dense(nnx.Module):
     """Projection, bias-free unless `bias` (zero-initialised); inputs are flattened to 2-D (XLA CPU's backward is
     slow on 3-D dots)."""
 
+    COMPUTE_WEIGHTS = ("kernel", "bias")  # read only cast to the compute dtype: nn.model.for_decoding casts them once
+
     def __init__(self, d_in: int, d_out: int, axes: tuple, cfg: ModelConfig, rngs: nnx.Rngs, std=None, bias=False):
         std = cfg.init_std if std is None else std
         self.kernel = param(rngs, (d_in, d_out), std, axes, dtype_of(cfg.param_dtype))

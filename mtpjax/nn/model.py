@@ -73,6 +73,8 @@ class MTPTransformer(nnx.Module):
     """Decoder-only LM with J multi-token-prediction modules sharing its embedding and head; `placement` (default: one
     device of this host) is where its programs run, told to every module it builds."""
 
+    COMPUTE_WEIGHTS = ("embed", "head")  # read only cast to the compute dtype (as Dense's)
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, placement: Placement | None = None):
         placement = placement or host_placement()
         self.cfg, self.placement = cfg, placement
@@ -247,6 +249,22 @@ def placed(model: MTPTransformer, placement: Placement) -> MTPTransformer:
     """The same model (its state, not a copy of it) rebuilt for another placement: only the static graph differs."""
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: MTPTransformer(model.cfg, rngs=nnx.Rngs(0), placement=placement)))
     return nnx.merge(graphdef, nnx.state(model))
+
+
+def for_decoding(model: MTPTransformer) -> MTPTransformer:
+    """A copy of `model` as the decode loop runs it, built once per call before the loop: its MoE layers dropless
+    whatever `model.moe_buffer_factor` (a decoded token's output depends on no other token), and the weights its
+    modules read only cast to the compute dtype (their COMPUTE_WEIGHTS) cast to it here, so no round reads the float32
+    masters to cast them again. The same numbers: each matmul made that cast itself. The model is left as it was."""
+    view, dt = nnx.clone(model), dtype_of(model.cfg.dtype)
+    for _, m in nnx.iter_modules(view):
+        if isinstance(m, MoE):
+            m.buffer_factor = 0.0
+        for name in getattr(m, "COMPUTE_WEIGHTS", ()):
+            w = getattr(m, name, None)
+            if isinstance(w, nnx.Param) and w.get_value().dtype.itemsize > dt.itemsize:  # narrower only: bf16 of f32
+                w.set_value(w.get_value().astype(dt))
+    return view
 
 
 def last_block_params(cfg: ModelConfig, params: dict) -> dict:

@@ -11,7 +11,11 @@ gathered weights (docs/benchmarks.md has the measurement).
 Expert parallelism (`ExpertParallel`, from the model's `Placement` when its mesh has an expert axis): inside a
 shard_map each device sends its token-slots to the expert-axis shard holding their experts (an all-to-all), that
 shard multiplies them by its own experts, and a second all-to-all brings them back; expert weights never leave
-their shard.
+their shard. The buffers hold `model.moe_buffer_factor` × the balanced share (`capacity`); a slot past its buffer
+is dropped (lightest routing weight first) and counted, never silently: the train step reports the dropped fraction
+per block. Factor 0 sizes them for the worst case: dropless, as decoding always runs (nn.model.for_decoding). An
+all-to-all of fixed-size buffers, not `jax.lax.ragged_all_to_all`: XLA:CPU 0.10.2 cannot run that op, and the
+equalities below are tested on CPU devices.
 """
 
 from __future__ import annotations
@@ -115,29 +119,39 @@ class ExpertParallel:
         return True
 
 
-def dispatch_positions(slot_e, experts_per_shard: int, shards: int):
-    """(slot order sorted by expert, each sorted slot's destination shard, its row in the buffer sent there);
-    `slot_e`: each token-slot's expert."""
-    order = jnp.argsort(slot_e, stable=True)
-    dest = slot_e[order] // experts_per_shard
+def capacity(rows: int, k: int, local_experts: int, shards: int, factor: float) -> int:
+    """Rows one shard sends another: `factor` × the balanced share rows·k / shards, at most the worst case
+    rows·min(k, local experts) (a shard's every token on each of its experts), which factor 0 asks for."""
+    worst = rows * min(k, local_experts)
+    return worst if factor <= 0 else min(worst, max(1, math.ceil(factor * rows * k / shards)))
+
+
+def dispatch_positions(slot_e, slot_w, experts_per_shard: int, shards: int):
+    """(slot order: by destination shard, heaviest routing weight first; each ordered slot's destination shard, its
+    row in the buffer sent there); `slot_e`, `slot_w`: each token-slot's expert and weight. A buffer of c rows keeps
+    each destination's c heaviest slots: an overflow drops the slots that weigh least in their tokens' outputs."""
+    dest_S = slot_e // experts_per_shard
+    order = jnp.lexsort((-slot_w, dest_S))  # stable: equal weights keep slot order
+    dest = dest_S[order]
     per_shard = jnp.bincount(dest, length=shards)
     return order, dest, jnp.arange(slot_e.shape[0]) - (jnp.cumsum(per_shard) - per_shard)[dest]
 
 
-def _routed_on_shard(x_ID, idx_IX, w_IX, w_gate, w_up, w_down, *, ep: ExpertParallel, grouping: str):
-    """One device's routed output: its slots all-to-all'd to their experts' shards, multiplied there, sent back.
+def _routed_on_shard(x_ID, idx_IX, w_IX, real_I, w_gate, w_up, w_down, *, ep: ExpertParallel, grouping: str,
+                     factor: float):
+    """One device's (routed output, [its real token-slots dropped]): its slots all-to-all'd to their experts' shards in
+    buffers of `capacity` rows per shard, multiplied there, sent back.
 
-    Dropless: a shard can receive from each other shard at most every one of its tokens on each of its local
-    experts (cap = rows·min(k, E_local)), so the buffers hold the worst case; padding rows are zeros, whose
-    SwiGLU and gradients are zero.
+    A slot past its buffer is dropped: it reaches no expert and adds nothing to its token's output. At the worst-case
+    capacity (factor 0) none is. Padding rows are zeros, whose SwiGLU and gradients are zero.
     """
     (rows, D), k = x_ID.shape, idx_IX.shape[1]
     shards, E_l = ep.mesh.shape[ep.expert_axis], w_gate.shape[0]
-    cap = rows * min(k, E_l)
+    cap = capacity(rows, k, E_l, shards, factor)
     slot_e = idx_IX.reshape(-1)
-    order, dest, pos = dispatch_positions(slot_e, E_l, shards)
-    send_x = jnp.zeros((shards, cap, D), x_ID.dtype).at[dest, pos].set(x_ID[order // k])
-    send_e = jnp.full((shards, cap), E_l, jnp.int32).at[dest, pos].set(slot_e[order] % E_l)
+    order, dest, pos = dispatch_positions(slot_e, w_IX.reshape(-1), E_l, shards)
+    send_x = jnp.zeros((shards, cap, D), x_ID.dtype).at[dest, pos].set(x_ID[order // k], mode="drop")
+    send_e = jnp.full((shards, cap), E_l, jnp.int32).at[dest, pos].set(slot_e[order] % E_l, mode="drop")
     a2a = functools.partial(jax.lax.all_to_all, axis_name=ep.expert_axis, split_axis=0, concat_axis=0)
     recv_e = a2a(send_e).reshape(-1)  # [shards·cap]: local expert of each received row, E_l for padding
     o = jnp.argsort(recv_e, stable=True)
@@ -146,26 +160,31 @@ def _routed_on_shard(x_ID, idx_IX, w_IX, w_gate, w_up, w_down, *, ep: ExpertPara
     y = grouped_swiglu(a2a(send_x).reshape(shards * cap, D)[o], jnp.minimum(recv_e[o], E_l - 1), counts,
                        w_gate, w_up, w_down, grouping)
     back = a2a(jnp.zeros_like(y).at[o].set(y).reshape(shards, cap, D))
-    slot_y = jnp.zeros((rows * k, D), y.dtype).at[order].set(back[dest, pos])
+    slot_y = jnp.zeros((rows * k, D), y.dtype).at[order].set(back.at[dest, pos].get(mode="fill", fill_value=0))
     y_ID = jnp.einsum("nxd,nx->nd", slot_y.reshape(rows, k, D).astype(jnp.float32), w_IX)
-    return y_ID
+    dropped = jnp.sum((pos >= cap) & real_I[order // k])
+    return y_ID, dropped.astype(jnp.int32)[None]
 
 
-def expert_parallel_routed(x_ID, idx_IX, w_IX, w_gate, w_up, w_down, ep: ExpertParallel, grouping: str):
-    """The routed experts' weighted output [I, D] (float32) with experts sharded over ep.expert_axis (shard_map)."""
+def expert_parallel_routed(x_ID, idx_IX, w_IX, real_I, w_gate, w_up, w_down, ep: ExpertParallel, grouping: str,
+                           factor: float = 0.0):
+    """(the routed experts' weighted output [I, D] (float32), the real token-slots dropped (int32[])) with experts
+    sharded over ep.expert_axis (shard_map); `real_I`: which rows count (not padding), `factor`: moe_buffer_factor."""
     F, t = w_gate.shape[2], ep.tensor_axis
     # the FFN split over tensor, psum'd
     tp = t if t is not None and ep.mesh.shape[t] > 1 and F % ep.mesh.shape[t] == 0 else None
 
     def body(*args):
-        y = _routed_on_shard(*args, ep=ep, grouping=grouping)
-        return y if tp is None else jax.lax.psum(y, tp)
+        y, dropped = _routed_on_shard(*args, ep=ep, grouping=grouping, factor=factor)
+        return (y if tp is None else jax.lax.psum(y, tp)), dropped
 
     rows = P(ep.batch_axes, None)
     # check_vma=False: the grouped-matmul kernels (Pallas calls) declare no varying manual axes for their outputs
-    return jax.shard_map(body, mesh=ep.mesh, in_specs=(rows, rows, rows, P(ep.expert_axis, None, tp),
-                                                       P(ep.expert_axis, None, tp), P(ep.expert_axis, tp, None)),
-                         out_specs=rows, check_vma=False)(x_ID, idx_IX, w_IX, w_gate, w_up, w_down)
+    y_ID, dropped = jax.shard_map(
+        body, mesh=ep.mesh, in_specs=(rows, rows, rows, P(ep.batch_axes), P(ep.expert_axis, None, tp),
+                                      P(ep.expert_axis, None, tp), P(ep.expert_axis, tp, None)),
+        out_specs=(rows, P(ep.batch_axes)), check_vma=False)(x_ID, idx_IX, w_IX, real_I, w_gate, w_up, w_down)
+    return y_ID, dropped.sum()
 
 
 def grouping_for(platform: str) -> str | gmm.Kernel:
@@ -188,7 +207,9 @@ def expert_parallel(placement: Placement) -> ExpertParallel | None:
 
 class MoE(nnx.Module):
     """Routed and always-on shared SwiGLU experts: (y, {"load": int[E] non-padding slots per expert (segment id 0 is
-    padding), "balance": float[]})."""
+    padding), "balance": float[], "dropped": int[] non-padding slots the expert-parallel dispatch dropped})."""
+
+    COMPUTE_WEIGHTS = ("router", "w_gate", "w_up", "w_down")  # read only cast to the compute dtype (as Dense's)
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, placement: Placement):
         d, f, E = cfg.d_model, cfg.moe_d_ff, cfg.n_routed_experts
@@ -206,6 +227,7 @@ class MoE(nnx.Module):
         self.grouping = grouping_for(placement.platform)  # how, not what: all are exact
         self.ep = expert_parallel(placement)
         self.devices = placement.size(placement.mesh.axis_names) if placement.mesh is not None else 1
+        self.buffer_factor = cfg.moe_buffer_factor  # expert-parallel only; 0: dropless (for_decoding sets it)
 
     def __call__(self, x_BTD, seg_BT=None):
         B, T, D = x_BTD.shape
@@ -216,28 +238,30 @@ class MoE(nnx.Module):
         E, k = s_IE.shape[1], self.k
         slot_e = idx_IX.reshape(-1)  # the I·k token-slots' experts, slot i*k + j
         weights = tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        # segment id 0 is padding: it reaches experts, since the output is per token, but no statistic counts it
+        real_BT = jnp.ones((B, T), jnp.float32) if seg_BT is None else (seg_BT != 0).astype(jnp.float32)
         if self.ep is not None and self.ep.applies(B):
-            y_ID = expert_parallel_routed(x_ID, idx_IX, w_IX, *weights, self.ep, self.grouping)
+            y_ID, dropped = expert_parallel_routed(x_ID, idx_IX, w_IX, real_BT.reshape(-1) > 0, *weights, self.ep,
+                                                   self.grouping, self.buffer_factor)
         else:
             order = jnp.argsort(slot_e, stable=True)
             slot_y = grouped_swiglu(x_ID[order // k], slot_e[order], jnp.bincount(slot_e, length=E), *weights,
                                     partitioned(self.grouping, self.devices))
             y_IXD = jnp.zeros_like(slot_y).at[order].set(slot_y).reshape(B * T, k, D)
-            y_ID = jnp.einsum("nxd,nx->nd", y_IXD.astype(jnp.float32), w_IX)
+            y_ID, dropped = jnp.einsum("nxd,nx->nd", y_IXD.astype(jnp.float32), w_IX), jnp.zeros((), jnp.int32)
         y_ID = y_ID.astype(self.dtype)
         if hasattr(self, "shared"):
             y_ID = y_ID + self.shared(x_ID)
         # Sequence-wise balance (DeepSeek-V3 eq. 17-20), summed over rows: f_i = E/(kT)·(row's slots on i),
         # P_i = the row's mean of the scores normalized over all experts; T counts a row's real tokens only
-        # (segment id 0 is padding: it reaches experts, since the output is per token, but is not the sequence's).
-        real_BT = jnp.ones((B, T), jnp.float32) if seg_BT is None else (seg_BT != 0).astype(jnp.float32)
+        # (padding is not the sequence's).
         t_B = jnp.maximum(real_BT.sum(1), 1.0)
         f_BE = (jax.nn.one_hot(idx_IX, E, dtype=jnp.float32).sum(1).reshape(B, T, E)
                 * real_BT[..., None]).sum(1) * (E / k) / t_B[:, None]
         p_BE = ((s_IE / s_IE.sum(-1, keepdims=True)).reshape(B, T, E) * real_BT[..., None]).sum(1) / t_B[:, None]
         slot_real = jnp.repeat(real_BT.reshape(-1).astype(slot_e.dtype), k)
         aux = {"load": jnp.zeros((E,), jnp.int32).at[slot_e].add(slot_real.astype(jnp.int32)),
-               "balance": (f_BE * p_BE).sum()}
+               "balance": (f_BE * p_BE).sum(), "dropped": dropped}
         return y_ID.reshape(B, T, D), aux
 
 
@@ -250,11 +274,13 @@ def next_bias(bias_E, load_E, speed: float):
     return bias_E + speed * jnp.sign(load.mean(-1, keepdims=True) - load)
 
 
-def load_metrics(name: str, load_E, bias_E) -> dict:
-    """Per-layer scalars: max/mean expert load and the bias range (a stacked [L, E] entry gives one per layer)."""
+def load_metrics(name: str, load_E, bias_E, dropped) -> dict:
+    """Per-layer scalars: max/mean expert load, the bias range and the fraction of the token-slots (load's) that the
+    dispatch dropped (a stacked [L, E] entry, with [L] dropped, gives one per layer)."""
     if load_E.ndim == 2:
-        return {k: v for i in range(load_E.shape[0]) for k, v in load_metrics(f"{name}.{i}", load_E[i],
-                                                                               bias_E[i]).items()}
+        return {k: v for i in range(load_E.shape[0]) for k, v in load_metrics(f"{name}.{i}", load_E[i], bias_E[i],
+                                                                               dropped[i]).items()}
     load = load_E.astype(jnp.float32)
     return {f"moe/{name}/load_max_over_mean": load.max() / jnp.maximum(load.mean(), 1e-9),
-            f"moe/{name}/bias_range": bias_E.max() - bias_E.min()}
+            f"moe/{name}/bias_range": bias_E.max() - bias_E.min(),
+            f"moe/{name}/dropped_fraction": dropped / jnp.maximum(load.sum(), 1.0)}

@@ -63,6 +63,7 @@ class Backward:
     grads: nnx.State  # of the trainable parameters
     metrics: dict  # loss/..., accept_prob/..., lambda/...: what the step reports
     loads: dict  # MoE layer name -> float32[E]: the batch's tokens routed to each expert (empty without MoE)
+    dropped: dict  # MoE layer name -> int32[]: of those token-slots, the ones the expert dispatch dropped
 
 
 def backward(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, graphdef, loss_cfg: LossConfig,
@@ -76,7 +77,7 @@ def backward(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, gr
         model = nnx.merge(graphdef, train, frozen)
         out = forward(model, tok_BT, seg_BT, loss_cfg)
         loss, met = mtp_loss(model, out, tok_BT, seg_BT, step=step, cfg=loss_cfg, counts=counts, rows=B)
-        return loss, (met, {k: aux["load"] for k, aux in out.routing.items()})
+        return loss, (met, {k: (aux["load"], aux["dropped"]) for k, aux in out.routing.items()})
 
     def body(acc, xs):
         if batch_sharding is not None:
@@ -86,7 +87,8 @@ def backward(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, gr
 
     grads, (mets, loads) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, train),
                                         (micro_batches_of(tokens_BT, A), micro_batches_of(seg_BT, A)))
-    return Backward(grads, _sum_micro_metrics(mets, depth), {k: v.sum(0) for k, v in loads.items()})
+    return Backward(grads, _sum_micro_metrics(mets, depth), {k: v[0].sum(0) for k, v in loads.items()},
+                    {k: v[1].sum(0) for k, v in loads.items()})
 
 
 def loss_and_grads(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, **kw) -> tuple[nnx.State, dict]:
@@ -95,8 +97,9 @@ def loss_and_grads(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step,
     return out.grads, out.metrics
 
 
-def balance_experts(model: MTPTransformer, loads: dict, speed, frozen_trunk: bool) -> dict:
-    """Move the MoE layers' routing biases in place from their loads (a frozen trunk's stay); their metrics.
+def balance_experts(model: MTPTransformer, loads: dict, speed, frozen_trunk: bool, dropped: dict) -> dict:
+    """Move the MoE layers' routing biases in place from their loads (a frozen trunk's stay); their metrics (loads,
+    biases, the fraction of token-slots dropped).
 
     Inside the jitted step the batch is the global one (every process's rows, every micro-batch summed), so these
     loads are already global: no collective is written here, the compiler inserts it.
@@ -106,10 +109,12 @@ def balance_experts(model: MTPTransformer, loads: dict, speed, frozen_trunk: boo
         bias = layers[name].bias
         if not (frozen_trunk and name.startswith("blocks")):
             bias[...] = next_bias(bias[...], load, speed)
-        metrics |= load_metrics(name, load, bias[...])
+        metrics |= load_metrics(name, load, bias[...], dropped[name])
     if metrics:
         metrics["moe/load_max_over_mean"] = jnp.max(jnp.stack([v for k, v in metrics.items()
                                                                if k.endswith("load_max_over_mean")]))
+        metrics["moe/dropped_fraction"] = (sum(d.sum() for d in dropped.values())
+                                           / jnp.maximum(sum(v.sum() for v in loads.values()), 1))
     return metrics
 
 
@@ -137,7 +142,8 @@ def train_step(state: TrainState, tokens_BT, seg_BT, *, graphdef, tx: optax.Grad
     params = nnx.merge_state(train, frozen)
     if back.loads:
         model = nnx.merge(graphdef, params)
-        metrics |= balance_experts(model, back.loads, jnp.where(ok, bias_update_speed, 0.0), frozen_trunk)
+        metrics |= balance_experts(model, back.loads, jnp.where(ok, bias_update_speed, 0.0), frozen_trunk,
+                                   back.dropped)
         params = nnx.state(model)
     new = state.replace(params=params, opt=opt, step=state.step + 1)
     return new, {**metrics, "lr": lr_now, "grad_norm": gnorm, "skipped": (~ok).astype(jnp.int32)}
