@@ -410,10 +410,22 @@ def op_name(ins: Instr) -> str:
     return re.sub(r"^jit\([^)]*\)/", "", m[1]) if m else ""
 
 
+def _brief(shape: str, name: str) -> tuple[str, float, str]:
+    """(shape, its largest array's bytes, op name) said briefly: XLA combines collectives into one of a tuple of
+    arrays, whose op name joins theirs (`(a:b:...)`); the largest array and the distinct names stand for them."""
+    sizes = [(DTYPE_BYTES.get(d, 4) * math.prod(dims), f"{d}[{','.join(map(str, dims))}]") for d, dims in arrays(shape)]
+    big = max(sizes, default=(0, ""))
+    if len(sizes) > 1:
+        shape = f"{len(sizes)} arrays, largest {big[1]}"
+    parts = [p for p in dict.fromkeys(name.split(":")) if p] or [""]
+    return shape, big[0], "; ".join(parts[:3]) + (f" (+{len(parts) - 3} more)" if len(parts) > 3 else "")
+
+
 def largest_collectives(stats: Stats, n: int = 8) -> list[dict]:
     """The n collectives (kind, result shape, op name) that move the most bytes per step, loops multiplied out."""
     rows = sorted(stats.sources.items(), key=lambda kv: -kv[1][1])[:n]
-    return [{"kind": k, "shape": shape, "op_name": name, "count": c, "bytes": b} for (k, shape, name), (c, b) in rows]
+    return [dict(zip(("shape", "largest_array_bytes", "op_name"), _brief(shape, name)), kind=k, count=c, bytes=b)
+            for (k, shape, name), (c, b) in rows]
 
 
 def summary(stats: Stats) -> dict:
