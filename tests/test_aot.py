@@ -160,6 +160,19 @@ def test_memory_parts_are_the_compilers_analysis():
         ref.generated_code_size_in_bytes)
 
 
+@pytest.mark.parametrize("name", ["tpu", "gpu"])
+def test_the_largest_collectives_are_printed_with_their_layers(runs, name):
+    """compile says where the bytes go: the largest collectives, largest first, each with the op and the layer's name
+    scope it comes from; they are part of the collectives' total."""
+    train = report_of(runs, name)["train_step"]
+    largest = train["largest_collectives"]
+    assert largest and [c["bytes"] for c in largest] == sorted((c["bytes"] for c in largest), reverse=True)
+    assert sum(c["bytes"] for c in largest) <= sum(v["bytes"] for v in train["collectives"].values()) * (1 + 1e-9)
+    assert any(re.search(r"\b(attention|mlp|head|embed)\b", c["op_name"]) for c in largest)
+    out = runs[name][1]
+    assert "largest collectives" in out and all(c["op_name"] in out and c["shape"] in out for c in largest)
+
+
 @pytest.mark.parametrize("name", ["gpu", "gpu_depth2"])
 def test_flops_with_trip_counts_match_the_plan_at_two_depths(runs, name):
     train = report_of(runs, name)["train_step"]

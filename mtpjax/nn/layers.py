@@ -339,7 +339,9 @@ class Attention(nnx.Module):
         k = apply_rope(self.wk(x_BTD).reshape(B, T, self.n_kv, self.head_dim), tables)
         v = self.wv(x_BTD).reshape(B, T, self.n_kv, self.head_dim)
         R = self.n_heads // self.n_kv
-        q = q.reshape(B, T, self.n_kv, R, self.head_dim)
+        on = self.placement.constrain
+        q = on(q.reshape(B, T, self.n_kv, R, self.head_dim), "batch", "length", "kv_heads", None, None)
+        k, v = (on(x, "batch", "length", "kv_heads", None) for x in (k, v))
         if cache is None:
             o, new_cache = self_attention(q, k, v, pos_BT, seg_BT, self.attention, self.placement), None
         else:
@@ -348,20 +350,25 @@ class Attention(nnx.Module):
             # given, is the [B,T,T] mask of which of its rows each row sees (a draft tree).
             o = attend_cached(q, k, v, cache, pos_BT[:, 0], seg_BT)
             new_cache = write_after(cache, k, v, pos_BT[:, 0], o)
-        return self.wo(o.astype(x_BTD.dtype).reshape(B, T, self.n_heads * self.head_dim)), new_cache
+        o = on(o.astype(x_BTD.dtype), "batch", "length", "kv_heads", None, None)
+        return self.wo(o.reshape(B, T, self.n_heads * self.head_dim)), new_cache
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward."""
+    """SwiGLU feed-forward; its hidden activation [rows..., F] split over the placement's rows and MLP columns."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None, placement: Placement | None = None):
         d, f = cfg.d_model, cfg.resolved_d_ff if d_ff is None else d_ff
         self.gate = Dense(d, f, ("embed", "mlp"), cfg, rngs)
         self.up = Dense(d, f, ("embed", "mlp"), cfg, rngs)
         self.down = Dense(f, d, ("mlp", "embed"), cfg, rngs, std=cfg.init_std / math.sqrt(2 * max(1, cfg.n_layers)))
+        self.placement = placement or Placement()  # how, not what: no parameter depends on it
 
     def __call__(self, x):
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        """x: [rows, ..., D], its leading axis the batch's rows (or tokens in row order)."""
+        axes = ("batch", *(None,) * (x.ndim - 2))
+        h = self.placement.constrain(jax.nn.silu(self.gate(x)) * self.up(x), *axes, "mlp")
+        return self.down(h)
 
 
 class Block(nnx.Module):
@@ -375,15 +382,20 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg, rngs)
         self.attn = Attention(cfg, rngs, placement) if attn is None else attn
         self.mlp_norm = RMSNorm(cfg.d_model, cfg, rngs)
-        self.mlp = MLP(cfg, rngs) if mlp is None else mlp
+        self.mlp = MLP(cfg, rngs, placement=placement) if mlp is None else mlp
+        self.placement = placement
 
     def __call__(self, x_BTD, pos_BT, seg_BT=None, cache: KV | None = None):
-        """(x, updated cache, routing info: {} for a dense MLP)."""
-        a, new_cache = self.attn(self.attn_norm(x_BTD), pos_BT, seg_BT, cache)
-        x_BTD = x_BTD + a
-        h_BTD = self.mlp_norm(x_BTD)
+        """(x, updated cache, routing info: {} for a dense MLP); every [B,T,D] it passes on split by batch rows."""
+        on = lambda x: self.placement.constrain(x, "batch", "length", "embed")
+        x_BTD = on(x_BTD)
+        with jax.named_scope("attention"):  # compiled ops (and their collectives) name the layer they come from
+            a, new_cache = self.attn(on(self.attn_norm(x_BTD)), pos_BT, seg_BT, cache)
+        x_BTD = on(x_BTD + on(a))
+        h_BTD = on(self.mlp_norm(x_BTD))
         # A cached call's seg_BT may be a draft tree's [B,T,T] mask (see Attention), not segment ids; the MoE reads
         # them only to leave padding out of its expert loads, which move balance biases in training alone.
         seg_BT = seg_BT if cache is None else None
-        y, aux = (self.mlp(h_BTD), {}) if isinstance(self.mlp, MLP) else self.mlp(h_BTD, seg_BT)
-        return x_BTD + y, new_cache, aux
+        with jax.named_scope("mlp"):
+            y, aux = (self.mlp(h_BTD), {}) if isinstance(self.mlp, MLP) else self.mlp(h_BTD, seg_BT)
+        return on(x_BTD + on(y)), new_cache, aux

@@ -97,19 +97,30 @@ def first_argmax(x):
     return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
 
 
+def _head(model: MTPTransformer, h_MBCD):
+    """The shared head on [M,B,C,D] states: float32 logits [B,M,C,V], rows first so that the batch axes still split
+    the rows the head flattens (M first, they would not), the vocabulary over tensor."""
+    on = model.placement.constrain
+    with jax.named_scope("head"):
+        h_BMCD = on(jnp.swapaxes(h_MBCD, 0, 1), "batch", None, "length", "embed")
+        return on(model.logits(h_BMCD), "batch", None, "length", "vocab")
+
+
 def _ce_chunk(model: MTPTransformer, h_MBCD, tgt_MBC, teach_JBCD=None, temperature: float = 1.0):
-    logits_MBCV = model.logits(h_MBCD)  # float32
-    lse_MBC = jax.nn.logsumexp(logits_MBCV, axis=-1)
-    tgt_logit_MBC = jnp.take_along_axis(logits_MBCV, tgt_MBC[..., None], axis=-1)[..., 0]
-    out = (lse_MBC - tgt_logit_MBC, first_argmax(logits_MBCV))
+    logits_BMCV = _head(model, h_MBCD)  # float32
+    lse_BMC = jax.nn.logsumexp(logits_BMCV, axis=-1)
+    tgt_logit_BMC = jnp.take_along_axis(logits_BMCV, jnp.swapaxes(tgt_MBC, 0, 1)[..., None], axis=-1)[..., 0]
+    mb = lambda x_BMC: jnp.swapaxes(x_BMC, 0, 1)  # the chunk's results as [M,B,C]
+    out = (mb(lse_BMC - tgt_logit_BMC), mb(first_argmax(logits_BMCV)))
     if teach_JBCD is None:
         return out
     # The main head again on hidden[0] shifted by k, inside the chunk: [J,B,T,V] teacher logits are never all held.
     # The teachers pair with the last J rows: depths 1..J of hidden, or every row of an unrolled stack.
-    teach_JBCV = jax.lax.stop_gradient(model.logits(teach_JBCD))
-    student_JBCV = logits_MBCV[logits_MBCV.shape[0] - teach_JBCV.shape[0]:]
-    tv_JBC = tv_distance(student_JBCV, teach_JBCV)
-    return (*out, soft_ce(student_JBCV, teach_JBCV, temperature), jax.lax.stop_gradient(1 - tv_JBC), tv_JBC)
+    teach_BJCV = jax.lax.stop_gradient(_head(model, teach_JBCD))
+    student_BJCV = logits_BMCV[:, logits_BMCV.shape[1] - teach_BJCV.shape[1]:]
+    tv_BJC = tv_distance(student_BJCV, teach_BJCV)
+    return (*out, mb(soft_ce(student_BJCV, teach_BJCV, temperature)), mb(jax.lax.stop_gradient(1 - tv_BJC)),
+            mb(tv_BJC))
 
 
 def per_position(model: MTPTransformer, hidden_MBTD, tgt_MBT, chunk_size: int = 0, teach_JBTD=None,

@@ -61,11 +61,13 @@ class MTPModule(nnx.Module):
         # DeepSeek-V3's module block is of the trunk's kind
         self.block = make_block(cfg, rngs, cfg.mlp_kind == "moe", placement)
         self.norm = RMSNorm(d, cfg, rngs)
+        self.placement = placement
 
     def __call__(self, h_prev_BTD, emb_next_BTD, pos_BT, seg_BT, kv, remat: str):
         x = h_prev_BTD
         if self.sequential:
-            x = self.eh_proj(jnp.concatenate([self.enorm(emb_next_BTD), self.hnorm(h_prev_BTD)], axis=-1))
+            on = lambda x: self.placement.constrain(x, "batch", "length", "embed")
+            x = on(self.eh_proj(on(jnp.concatenate([self.enorm(emb_next_BTD), self.hnorm(h_prev_BTD)], axis=-1))))
         return _run_block(self.block, x, pos_BT, seg_BT, kv, remat)
 
 
@@ -98,8 +100,12 @@ class MTPTransformer(nnx.Module):
     # ------------------------------------------------------------------ pieces shared with decoding
 
     def embed_tokens(self, tokens_BT):
-        """Shared embedding lookup."""
-        return jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype_of(self.cfg.dtype))
+        """Shared embedding lookup, split by batch rows: the table's model dimension is gathered (its vocabulary
+        stays split), so each device looks up its own rows' tokens."""
+        on = self.placement.constrain
+        with jax.named_scope("embed"):
+            x_BTD = jnp.take(on(self.embed[...], "vocab", "embed"), tokens_BT, axis=0).astype(dtype_of(self.cfg.dtype))
+            return on(x_BTD, "batch", "length", "embed")
 
     def logits(self, h):
         """Shared output head on normed hidden states h ([..., D], any leading axes); float32 logits."""
@@ -184,7 +190,8 @@ class MTPTransformer(nnx.Module):
         unrolled = None
         if unroll:  # the unrolled applications' routing is not collected: their loads do not move the biases
             unrolled = self.unroll(unroll_module, raw[unroll_module], tokens_BT, unroll, segment_ids_BT)
-        return MTPOutput(hidden=jnp.stack(hidden), unrolled=unrolled, routing=routing)
+        hidden_MBTD = self.placement.constrain(jnp.stack(hidden), None, "batch", "length", "embed")
+        return MTPOutput(hidden=hidden_MBTD, unrolled=unrolled, routing=routing)
 
     def unroll(self, k: int, h_raw_BTD, tokens_BT, n: int, seg_BT=None):
         """Module k applied n more times after its own depth, each on its previous raw output and the true next
@@ -194,8 +201,7 @@ class MTPTransformer(nnx.Module):
             # Its own output, never mtp_input's trunk state: the proposers' reuse steps feed it back the same way.
             h_raw_BTD, _ = self.mtp_forward(k, h_raw_BTD, shift_left(tokens_BT, k + u), seg_BT=seg_BT)
             out.append(self.mtp[k - 1].norm(h_raw_BTD))
-        unrolled_UBTD = jnp.stack(out)
-        return unrolled_UBTD
+        return self.placement.constrain(jnp.stack(out), None, "batch", "length", "embed")
 
 
 def make_block(cfg: ModelConfig, rngs: nnx.Rngs, moe: bool, placement: Placement) -> Block:

@@ -223,7 +223,7 @@ class MoE(nnx.Module):
         self.w_up = param(rngs, (E, d, f), cfg.init_std, ("expert", "embed", "mlp"), pdt)
         self.w_down = param(rngs, (E, f, d), out_std, ("expert", "mlp", "embed"), pdt)
         if cfg.n_shared_experts:
-            self.shared = MLP(cfg, rngs, d_ff=cfg.n_shared_experts * f)
+            self.shared = MLP(cfg, rngs, d_ff=cfg.n_shared_experts * f, placement=placement)
         self.grouping = grouping_for(placement.platform)  # how, not what: all are exact
         self.ep = expert_parallel(placement)
         self.devices = placement.size(placement.mesh.axis_names) if placement.mesh is not None else 1

@@ -3,7 +3,9 @@
 A module learns its context here and nowhere else (docs/design.md §3): the attention kernel is chosen by the
 platform of the devices the program is compiled for (a TPU mesh compiled ahead of time on a CPU host gets splash),
 the mixture of experts runs expert-parallel when the mesh has an expert axis, and fused kernels wrap themselves in
-`shard_map` over the batch and head axes. No layer above sets attributes on a built module; a model wanted under
+`shard_map` over the batch and head axes, and every layer keeps its activations where the mesh wants them
+(`Placement.constrain`: batch rows over the batch axes, heads and MLP columns over the tensor axis, by the activation
+rules of mtpjax.parallel.sharding). No layer above sets attributes on a built module; a model wanted under
 another placement is rebuilt (`nn.model.placed`), which keeps its state and changes only its static graph.
 """
 
@@ -13,7 +15,7 @@ import dataclasses
 import math
 
 import jax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 # Device platforms as the kernels know them: CUDA and ROCm devices are both "gpu".
 _PLATFORMS = {"cuda": "gpu", "rocm": "gpu"}
@@ -33,12 +35,41 @@ class Placement:
     batch_axes: tuple[str, ...] = ()  # mesh axes the batch rows are split over
     head_axis: str | None = None  # mesh axis attention heads (and MLP columns) are split over
     expert_axis: str | None = None  # mesh axis the routed experts are split over
+    # (logical activation axis, the mesh axes it splits over) pairs: parallel.sharding.ACTIVATION_RULES on a mesh;
+    # empty, no activation is constrained
+    activation_rules: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def size(self, axis: str | tuple[str, ...] | None) -> int:
         """Devices along a mesh axis (or a tuple of axes); 1 off a mesh or for None."""
         if self.mesh is None or not axis:
             return 1
         return math.prod(self.mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
+
+    def spec(self, axes: tuple[str | None, ...], shape: tuple[int, ...]) -> PartitionSpec:
+        """PartitionSpec of an activation with these logical axes (None: whole); each dim takes the leading mesh axes
+        of its rule whose product divides it, an axis used once."""
+        rules, used, spec = dict(self.activation_rules), set(), []
+        if len(axes) != len(shape):
+            raise ValueError(f"activation axes {axes} do not match shape {tuple(shape)}")
+        for name, dim in zip(axes, shape):
+            if name is not None and name not in rules:
+                raise ValueError(f"activation axis '{name}' has no rule; add it to parallel.sharding.ACTIVATION_RULES")
+            taken, n = [], 1
+            for a in rules.get(name, ()):
+                if a in used or dim % (n * self.mesh.shape[a]):
+                    break
+                taken.append(a)
+                n *= self.mesh.shape[a]
+            used.update(taken)
+            spec.append(tuple(taken) if len(taken) > 1 else (taken[0] if taken else None))
+        return PartitionSpec(*spec)
+
+    def constrain(self, x, *axes: str | None):
+        """x held as its logical activation axes say (jax.lax.with_sharding_constraint), so the compiler gathers
+        weights rather than splitting a contraction across the batch; unchanged off a multi-device mesh."""
+        if not self.activation_rules or self.mesh is None or self.mesh.size == 1:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.spec(axes, x.shape)))
 
 
 def host_placement() -> Placement:

@@ -146,6 +146,8 @@ class Stats:
     scoped_flops: float = 0.0  # of which: ops whose name scope holds Program's `scope` (the MTP modules')
     hbm_bytes: float = 0.0
     collectives: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: [0, 0.0]))
+    # (kind, result shape, op_name) -> [times run, bytes]: where each collective's bytes come from (largest_collectives)
+    sources: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: [0, 0.0]))
     calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # custom-call targets
     ops: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # opcodes, times run
 
@@ -155,9 +157,10 @@ class Stats:
         self.grouped_flops += times * other.grouped_flops
         self.scoped_flops += times * other.scoped_flops
         self.hbm_bytes += times * other.hbm_bytes
-        for k, (n, b) in other.collectives.items():
-            self.collectives[k][0] += times * n
-            self.collectives[k][1] += times * b
+        for mine, theirs in ((self.collectives, other.collectives), (self.sources, other.sources)):
+            for k, (n, b) in theirs.items():
+                mine[k][0] += times * n
+                mine[k][1] += times * b
         for k, n in other.calls.items():
             self.calls[k] += times * n
         for k, n in other.ops.items():
@@ -329,8 +332,10 @@ class Program:
         if base in COLLECTIVES:
             inb = sum(nbytes(self.shapes.get(o, "")) for o in ins.operands)
             outb = nbytes(ins.shape) - (inb if ins.op.endswith("-start") else 0)
-            s.collectives[base][0] += 1
-            s.collectives[base][1] += max(inb, outb)
+            source = (base, re.sub(r"\{[^}]*\}", "", ins.shape), op_name(ins))
+            for table, key in ((s.collectives, base), (s.sources, source)):
+                table[key][0] += 1
+                table[key][1] += max(inb, outb)
         if not fused and ins.op not in _FREE and ins.op not in ("while", "conditional", "call"):
             s.hbm_bytes += self.traffic(ins)
         called = _called(ins)
@@ -413,13 +418,37 @@ def gathers_around(prog: Program, is_kernel, hops: int = 4, after: bool = True) 
     return sorted(found, key=str)
 
 
+def op_name(ins: Instr) -> str:
+    """The JAX op an instruction comes from, its name scopes (the layer) included; its jit(...) prefix dropped."""
+    m = re.search(r'op_name="([^"]*)"', ins.attrs)
+    return re.sub(r"^jit\([^)]*\)/", "", m[1]) if m else ""
+
+
+def _brief(shape: str, name: str) -> tuple[str, float, str]:
+    """(shape, its largest array's bytes, op name) said briefly: XLA combines collectives into one of a tuple of
+    arrays, whose op name joins theirs (`(a:b:...)`); the largest array and the distinct names stand for them."""
+    sizes = [(DTYPE_BYTES.get(d, 4) * math.prod(dims), f"{d}[{','.join(map(str, dims))}]") for d, dims in arrays(shape)]
+    big = max(sizes, default=(0, ""))
+    if len(sizes) > 1:
+        shape = f"{len(sizes)} arrays, largest {big[1]}"
+    parts = [p for p in dict.fromkeys(name.split(":")) if p] or [""]
+    return shape, big[0], "; ".join(parts[:3]) + (f" (+{len(parts) - 3} more)" if len(parts) > 3 else "")
+
+
+def largest_collectives(stats: Stats, n: int = 8) -> list[dict]:
+    """The n collectives (kind, result shape, op name) that move the most bytes per step, loops multiplied out."""
+    rows = sorted(stats.sources.items(), key=lambda kv: -kv[1][1])[:n]
+    return [dict(zip(("shape", "largest_array_bytes", "op_name"), _brief(shape, name)), kind=k, count=c, bytes=b)
+            for (k, shape, name), (c, b) in rows]
+
+
 def summary(stats: Stats) -> dict:
     """JSON-ready numbers of a Stats."""
     return {"flops": stats.flops, "attention_kernel_flops": stats.attention_flops, "scoped_flops": stats.scoped_flops,
             "grouped_matmul_flops": stats.grouped_flops,
             "hbm_bytes": stats.hbm_bytes,
             "collectives": {k: {"count": n, "bytes": b} for k, (n, b) in sorted(stats.collectives.items())},
-            "custom_calls": dict(sorted(stats.calls.items()))}
+            "largest_collectives": largest_collectives(stats), "custom_calls": dict(sorted(stats.calls.items()))}
 
 
 def dumps(obj) -> str:

@@ -31,6 +31,19 @@ LOGICAL_RULES: dict[str | None, str | None] = {
     None: None,
 }
 
+# Activations' logical axes onto mesh axes (Placement.constrain applies them at the layers' boundaries): every
+# activation keeps its batch rows split as the batch arrives, heads, MLP columns and the vocabulary split over
+# `tensor` as their weights are; the model dimension stays whole (its weights' fsdp shards are gathered, as FSDP does).
+ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
+    "batch": BATCH_AXES,
+    "length": (),
+    "embed": (),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+}
+
 
 class MeshError(MtpjaxError, ValueError):
     """The mesh shape does not fit the devices; the message names the numbers and the fix."""
@@ -117,4 +130,4 @@ def placement(mesh: Mesh) -> Placement:
     """What a model built for `mesh` is told: its devices' platform, the batch axes, heads over `tensor`, routed
     experts over `expert` (expert-parallel when that axis has more than one device)."""
     return Placement(platform=platform_of(mesh.devices.flat[0]), mesh=mesh, batch_axes=BATCH_AXES,
-                     head_axis="tensor", expert_axis="expert")
+                     head_axis="tensor", expert_axis="expert", activation_rules=tuple(ACTIVATION_RULES.items()))

@@ -293,6 +293,11 @@ def _program_lines(p: dict) -> list[str]:
                  f"collectives {_h(p['collective_bytes'])}B = {p['collective_fraction']:.1%} of the bytes moved")
     for kind, v in p["collectives"].items():
         lines.append(f"    {kind:<20} x{v['count']:<8g} {_h(v['bytes'])}B")
+    if p["largest_collectives"]:
+        lines.append("  largest collectives (bytes per step; the op, and its layer's name scope, that needs them):")
+    for c in p["largest_collectives"]:
+        name = c["op_name"] or "(no op name: made by XLA)"
+        lines.append(f"    {_h(c['bytes']):>6}B {c['kind']:<18} x{c['count']:<5g} {c['shape']:<34} {name}")
     lines.append(f"  roofline ESTIMATE: compute {r['compute_s'] * 1e3:.2f} ms, HBM {r['hbm_s'] * 1e3:.2f} ms, "
                  f"collectives {r['collective_s'] * 1e3:.2f} ms -> {r['estimate_s'] * 1e3:.2f} ms ({r['bound']}-bound)"
                  + (f", MFU {p['mfu_estimate']:.1%}" if "mfu_estimate" in p else ""))
