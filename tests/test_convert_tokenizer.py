@@ -19,6 +19,10 @@ from transformers import AutoTokenizer
 from mtpjax.convert.hf_tokenizer import MODULE_FILE
 from mtpjax.data import ByteTokenizer, HFTokenizer, train_bpe
 
+# Slow tier: exporting six runs and loading them with transformers costs the default tier ~10 s of CPU, and issue 50
+# adds nothing net to that tier; CI runs these.
+pytestmark = pytest.mark.slow
+
 LAYOUTS = {"qwen2": BASE, "deepseek_v3": DS}
 
 
