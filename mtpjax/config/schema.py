@@ -335,6 +335,8 @@ class MeshConfig:
     # axis order is parallel.sharding.AXES
     expert: int = key(1, "expert-parallel axis: routed experts' weights split over it, the batch too (must divide "
                       "`model.n_routed_experts`)", gt=0)
+    stage: int = key(1, "pipeline stages: the scanned trunk's blocks split over them (GPipe, `train.micro_batches` "
+                     "micro-batches; must divide `model.n_layers`, needs `model.scan_layers`)", gt=0)
 
 
 @dataclass(frozen=True)

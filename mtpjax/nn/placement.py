@@ -33,6 +33,7 @@ class Placement:
     batch_axes: tuple[str, ...] = ()  # mesh axes the batch rows are split over
     head_axis: str | None = None  # mesh axis attention heads (and MLP columns) are split over
     expert_axis: str | None = None  # mesh axis the routed experts are split over
+    stage_axis: str | None = None  # mesh axis a scanned trunk's blocks are split over (pipeline stages)
 
     def size(self, axis: str | tuple[str, ...] | None) -> int:
         """Devices along a mesh axis (or a tuple of axes); 1 off a mesh or for None."""
