@@ -27,6 +27,19 @@ def bubble(stages: int, micro_batches: int) -> float:
     return (stages - 1) / (micro_batches + stages - 1)
 
 
+def stage_lines(blocks_bytes: int, other_bytes: int, stages: int, micro_batches: int) -> list[str]:
+    """What `plan` and `compile` say of a pipelined run: the bubble and the state (parameters and optimizer) one
+    stage holds: its share of the trunk's blocks, and the parts every stage holds whole (embedding/head, final norm,
+    MTP modules: the tail runs after the drain, on every stage)."""
+    per = blocks_bytes / stages
+    return [f"pipeline: mesh.stage={stages} x train.micro_batches={micro_batches} (GPipe), bubble (S-1)/(M+S-1) = "
+            f"{bubble(stages, micro_batches):.1%}",
+            f"  state per stage (before the other mesh axes split it): {(per + other_bytes) / 2**30:.3f} GiB = "
+            f"trunk blocks {per / 2**30:.3f} GiB "
+            f"(1/{stages} of {blocks_bytes / 2**30:.3f}) + embedding/head, final norm, MTP modules "
+            f"{other_bytes / 2**30:.3f} GiB (on every stage; {other_bytes / max(per, 1):.2f}x a stage's blocks)"]
+
+
 def stage_count(model: MTPTransformer) -> int:
     """Pipeline stages the model is placed over (1: no pipeline)."""
     return model.placement.size(model.placement.stage_axis)
