@@ -33,14 +33,17 @@ MLA_MOE = DENSE + [
     "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.mlp_kind=moe",
     "model.n_routed_experts=4", "model.num_experts_per_tok=2", "model.n_group=2", "model.topk_group=1",
     "model.moe_d_ff=16", "loss.moe_seq_aux_loss=0.01", "model.tie_embeddings=false"]
-# (name, trunk, mtp depth, micro-batches, stages, data-parallel devices beside them)
-CASES = [("dense_d1_s2", DENSE, 1, 4, 2, 2), ("dense_d2_s2", DENSE, 2, 4, 2, 2), ("dense_d2_s4", DENSE, 2, 8, 4, 1),
-         ("dense_d1_s4", DENSE, 1, 8, 4, 1), ("moe_d2_s2", MLA_MOE, 2, 4, 2, 2), ("moe_d1_s4", MLA_MOE, 1, 8, 4, 1)]
+S2, S4 = ["mesh.stage=2", "mesh.data=2"], ["mesh.stage=4"]
+# (name, trunk, mtp depth, micro-batches, the staged mesh); expert 2: the MoE's own shard_map inside the stages'
+CASES = [("dense_d1_s2", DENSE, 1, 4, S2), ("dense_d2_s2", DENSE, 2, 4, S2), ("dense_d2_s4", DENSE, 2, 8, S4),
+         ("dense_d1_s4", DENSE, 1, 8, S4), ("moe_d2_s2", MLA_MOE, 2, 4, S2), ("moe_d1_s4", MLA_MOE, 1, 8, S4),
+         ("moe_d2_s2_e2", MLA_MOE, 2, 4, ["mesh.stage=2", "mesh.expert=2"])]
 
 
 def one_batch(cfg, batch) -> tuple[dict, dict]:
     """(gradient as a pure dict of arrays, metrics and expert loads as floats) of one batch on cfg.mesh."""
-    progs = make_programs(cfg, make_mesh(cfg.mesh, jax.devices()[:cfg.mesh.stage * cfg.mesh.data]))
+    m = cfg.mesh
+    progs = make_programs(cfg, make_mesh(m, jax.devices()[:m.stage * m.data * m.fsdp * m.expert * m.tensor]))
     state = progs.init()
     train, frozen = split_trainable(state.params)
     f = jax.jit(functools.partial(backward, graphdef=progs.graphdef, loss_cfg=cfg.loss,
@@ -60,11 +63,11 @@ def rel_diff(a: dict, b: dict) -> dict:
             for (path, x), y in zip(pairs, flat_b)}
 
 
-def compare(base, name, trunk, depth, A, S, D, batch) -> dict:
-    """One case: stage=1 on one device against S stages × D data-parallel devices."""
+def compare(base, name, trunk, depth, A, staged, batch) -> dict:
+    """One case: stage=1 on one device against the staged mesh."""
     cfg = replace(base, [*trunk, f"model.mtp_depth={depth}", f"train.micro_batches={A}"])
     g1, m1 = one_batch(cfg, batch)
-    g2, m2 = one_batch(replace(cfg, [f"mesh.stage={S}", f"mesh.data={D}"]), batch)
+    g2, m2 = one_batch(replace(cfg, staged), batch)
     return {"grad_rel": rel_diff(g1, g2), "single": m1, "staged": m2}
 
 
@@ -81,7 +84,7 @@ def dropped_embedding_tail(base, batch) -> dict:
     g1, _ = one_batch(cfg, batch)
     pipeline.forward = forward
     try:
-        g2, _ = one_batch(replace(cfg, ["mesh.stage=2", "mesh.data=2"]), batch)
+        g2, _ = one_batch(replace(cfg, S2), batch)
     finally:
         pipeline.forward = real
     return rel_diff(g1, g2)
@@ -91,7 +94,7 @@ def training(base, batches) -> dict:
     """20 steps with stage=1 (one device) and stage=2 × data=2: final parameters' largest relative difference."""
     cfg = replace(base, [*DENSE, "model.mtp_depth=2", "train.micro_batches=4", "train.steps=20"])
     l1, s1 = step_losses(cfg, batches, jax.devices()[:1])
-    l2, s2 = step_losses(replace(cfg, ["mesh.stage=2", "mesh.data=2"]), batches)
+    l2, s2 = step_losses(replace(cfg, S2), batches)
     p1, p2 = (jax.tree.map(np.asarray, nnx.to_pure_dict(s.params)) for s in (s1, s2))
     return {"losses": [l1, l2], "param_rel": rel_diff(p1, p2)}
 

@@ -51,7 +51,7 @@ def staged(tmp_path_factory):
     return json.loads((tmp / "out.json").read_text())
 
 
-CASES = ["dense_d1_s2", "dense_d2_s2", "dense_d2_s4", "dense_d1_s4", "moe_d2_s2", "moe_d1_s4"]
+CASES = ["dense_d1_s2", "dense_d2_s2", "dense_d2_s4", "dense_d1_s4", "moe_d2_s2", "moe_d1_s4", "moe_d2_s2_e2"]
 
 
 @pytest.mark.slow

@@ -11,6 +11,8 @@ its uses: the pipeline input's cotangent (summed over stages by shard_map's tran
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -18,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from mtpjax.config import LossConfig
 from mtpjax.nn.loss import forward, mtp_loss
-from mtpjax.nn.model import MTPTransformer, scan_blocks
+from mtpjax.nn.model import MTPTransformer, placed, scan_blocks
 from mtpjax.parallel.sharding import micro_batches_of
 
 
@@ -53,13 +55,16 @@ def trunk(model: MTPTransformer, tok_ABT, seg_ABT):
     """
     pl = model.placement
     axis, S, A = pl.stage_axis, stage_count(model), tok_ABT.shape[0]
-    gdef, st = nnx.split(model.blocks)
+    st = nnx.state(model.blocks)
     x_ABTD = model.embed_tokens(tok_ABT)  # the first stage's input; the embedding's first use
     pos_BT = jnp.broadcast_to(jnp.arange(tok_ABT.shape[2], dtype=jnp.int32), tok_ABT.shape[1:])
     remat = model.cfg.remat
 
     def run(st, x_ABTD, seg_ABT):
         s = jax.lax.axis_index(axis)
+        # Inside, the blocks' own shard_maps (fused attention, expert parallelism) must name the mesh as this
+        # context sees it (stage manual): the blocks are re-placed on it, their state unchanged.
+        gdef = nnx.split(placed(model, dataclasses.replace(pl, mesh=jax.sharding.get_abstract_mesh())).blocks)[0]
 
         def tick(state_BTD, t):
             m = jnp.clip(t - s, 0, A - 1)  # this stage's micro-batch (clipped in the bubble)
