@@ -77,6 +77,7 @@ def dropped_embedding_tail(base, batch) -> dict:
     real = pipeline.forward
 
     def forward(model, *a, **k):
+        model = nnx.clone(model)  # its own variables, which this trace may set
         model.embed.set_value(jax.lax.stop_gradient(model.embed.get_value()))
         return real(model, *a, **k)
 
