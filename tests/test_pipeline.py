@@ -81,8 +81,10 @@ def test_companion_a_tail_without_the_embeddings_gradient_is_caught(staged):
 def test_twenty_staged_steps_end_at_the_unstaged_parameters(staged):
     res = staged["training"]
     np.testing.assert_allclose(res["losses"][1], res["losses"][0], rtol=1e-5)
+    # Measured 2.9e-5 (the embedding; 1.9e-4 at Adam's eps 1e-8): Adam's division by sqrt(v) + eps lifts float32
+    # rounding of small gradients over 20 steps; the 1e-5 is missed, a wrong gradient is off by > 1e-2.
     worst = max(res["param_rel"].items(), key=lambda kv: kv[1])
-    assert worst[1] < 1e-5, worst
+    assert worst[1] < 1e-4, worst
 
 
 @pytest.mark.slow
