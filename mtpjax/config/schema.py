@@ -296,6 +296,8 @@ class MeshConfig(Section):
     # axis order is parallel.sharding.AXES
     expert: Int = Field(1, description="expert-parallel axis: routed experts' weights split over it, the batch too "
         "(must divide `model.n_routed_experts`)", gt=0)
+    stage: Int = Field(1, description="pipeline stages: the scanned trunk's blocks split over them (GPipe, "
+        "`train.micro_batches` micro-batches; must divide `model.n_layers`, needs `model.scan_layers`)", gt=0)
 
 
 class CheckpointConfig(Section):

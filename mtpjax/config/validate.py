@@ -43,6 +43,7 @@ def validate(cfg) -> None:
     _check_train(cfg)
     if m.mlp_kind == "moe":
         _check_moe(cfg)
+    _check_stages(cfg)
     gqa_ok = m.n_kv_heads % cfg.mesh.tensor == 0 or cfg.mesh.tensor % m.n_kv_heads == 0
     _check(m.attention_kind == "mla" or gqa_ok, "mesh.tensor", cfg.mesh.tensor,
            f"must divide model.n_kv_heads={m.n_kv_heads} (or be a multiple of it)")
@@ -101,6 +102,15 @@ def _check_objective(cfg) -> None:
     for at in [*lam.switch_steps(apps), *(s for x in lam.each if x.kind == "piecewise" for s in x.steps)]:
         _check(at < steps, "loss.mtp_lambda_depths", str(lam),
                f"switches at step {at}, not before train.steps={steps}; use a smaller step or more train.steps")
+
+
+def _check_stages(cfg) -> None:
+    """Pipeline stages split a scanned trunk's stacked blocks evenly."""
+    m, S = cfg.model, cfg.mesh.stage
+    if S == 1:
+        return
+    _check(m.scan_layers, "mesh.stage", S, "splits a stacked trunk; set model.scan_layers=true")
+    _check(m.n_layers % S == 0, "mesh.stage", S, f"must divide model.n_layers={m.n_layers}")
 
 
 def _check_moe(cfg) -> None:

@@ -24,7 +24,7 @@ from mtpjax.nn.layers import KV
 from mtpjax.nn.mla import MLACache
 from mtpjax.nn.model import MTPTransformer, placed
 from mtpjax.nn.placement import Placement
-from mtpjax.parallel.sharding import AXES, MeshError, placement, state_shardings
+from mtpjax.parallel.sharding import MeshError, mesh_axes, placement, state_shardings
 
 log = logging.getLogger("mtpjax.decode")
 
@@ -43,11 +43,11 @@ def check_mesh(cfg: ModelConfig, mesh: Mesh) -> None:
 def fallback_note(cfg: ModelConfig, mesh: MeshConfig, devices: int, why: str) -> str | None:
     """The line decode.py logs when a run's own mesh cannot decode here and it decodes on one device instead, naming
     the overrides that choose a mesh (None: the run's mesh is one device, where it decodes anyway)."""
-    shape = {a: getattr(mesh, a) for a in AXES}
+    shape = {a: getattr(mesh, a) for a in mesh_axes(mesh)}
     need = math.prod(shape.values())
     if need == 1:
         return None
-    want = dict.fromkeys(AXES, 1)
+    want = dict.fromkeys(shape, 1)
     if devices > 1:  # all the devices: heads split over tensor where they divide, else rows over data
         want["tensor" if cfg.n_heads % devices == 0 else "data"] = devices
     fix = " ".join(f"mesh.{a}={n}" for a, n in want.items() if n != shape[a])

@@ -18,6 +18,7 @@ from mtpjax.decode.proposers import MTPProposer
 from mtpjax.decode.tree import Hybrid, Tree, chain_tree, parse_tree
 from mtpjax.nn.flops import flops_per_token
 from mtpjax.nn.model import build_model, param_counts
+from mtpjax.parallel import pipeline
 from mtpjax.nn.speed import (ceiling, expected_tokens, floor_ratio, tree_ceiling, tree_expected_tokens,
                              verify_cost_of, weight_ratio, work_ratio)
 
@@ -65,7 +66,9 @@ def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None,
         a, v = [ranks] * t.max_depth, verify_cost_of(verify_cost, t.size + 1)
         trees.append({"tree": t.name(), "nodes": t.size, "tokens_per_round": tree_expected_tokens(t, a),
                       "verify_cost": v, "speedup": tree_ceiling(t, a, spec[0]["floor_ratio"], v)})
+    blocks = tree_bytes(jax.tree.leaves(nnx.state(model.blocks, nnx.Param)))
     return {"params": counts, "param_bytes": tree_bytes(params), "optimizer_bytes": tree_bytes(opt_state),
+            "blocks_bytes": blocks,
             "param_dtype": cfg.model.param_dtype, "flops": fl,
             "cache_bytes_per_token": AttentionCaches().attention_bytes_per_row(cfg.model), "alpha": alpha,
             "draft_cost": draft_cost, "verify_cost": verify_cost, "speculation": spec, "alpha_rank2": second,
@@ -108,6 +111,7 @@ def format_plan(plan: dict, cfg: Config) -> str:
               f"  parameters  {pb:>16,d} B  ({pb / 2**30:.3f} GiB)",
               f"  optimizer   {ob:>16,d} B  ({ob / 2**30:.3f} GiB)",
               f"  total       {pb + ob:>16,d} B  ({(pb + ob) / 2**30:.3f} GiB)",
+              *_stage_lines(plan, cfg),
               f"decode cache per token ({m.attention_kind}, trunk layers + MTP modules, {m.dtype}): "
               f"{plan['cache_bytes_per_token']:,d} B",
               "FLOPs per token (matmuls 2mnk, full TxT attention; train = 3 x forward):",
@@ -119,6 +123,16 @@ def format_plan(plan: dict, cfg: Config) -> str:
         lines.append(f"  {k:<5d}   {_h(f):<12} {_h(3 * f):<12} {inc}")
         prev = f
     return "\n".join(lines + _speculation_lines(plan, m))
+
+
+def _stage_lines(plan: dict, cfg: Config) -> list[str]:
+    """The pipeline's bubble and state per stage (parameters and AdamW state, which mirrors them) with mesh.stage."""
+    if cfg.mesh.stage == 1:
+        return []
+    scale = 1 + plan["optimizer_bytes"] / plan["param_bytes"]
+    blocks = plan["blocks_bytes"] * scale
+    return pipeline.stage_lines(int(blocks), int((plan["param_bytes"] + plan["optimizer_bytes"]) - blocks),
+                                cfg.mesh.stage, cfg.train.micro_batches)
 
 
 def _speculation_lines(plan: dict, m: ModelConfig) -> list[str]:

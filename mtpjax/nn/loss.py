@@ -55,13 +55,15 @@ def scored_depths(cfg: LossConfig, depth: int) -> tuple[int, ...]:
     return (*range(1, depth + 1), *(m + u for u in range(1, cfg.mtp_unroll + 1)))
 
 
-def forward(model: MTPTransformer, tokens_BT, segment_ids_BT, cfg: LossConfig) -> MTPOutput:
-    """The model's forward with the unrolled applications cfg scores (loss.mtp_unroll)."""
+def forward(model: MTPTransformer, tokens_BT, segment_ids_BT, cfg: LossConfig, trunk: tuple | None = None
+            ) -> MTPOutput:
+    """The model's forward with the unrolled applications cfg scores (loss.mtp_unroll); `trunk`: the trunk's (raw
+    hidden, routing) when computed elsewhere (a pipeline's stages)."""
     depth = model.cfg.mtp_depth
     if not (depth and cfg.mtp_unroll):
-        return model(tokens_BT, segment_ids_BT)
+        return model(tokens_BT, segment_ids_BT, trunk=trunk)
     return model(tokens_BT, segment_ids_BT, unroll=cfg.mtp_unroll,
-                 unroll_module=1 if cfg.mtp_unroll_module == "first" else depth)
+                 unroll_module=1 if cfg.mtp_unroll_module == "first" else depth, trunk=trunk)
 
 
 def soft_ce(student_JBCV, teacher_JBCV, temperature: float):

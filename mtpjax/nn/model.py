@@ -48,6 +48,18 @@ def _run_block(block: Block, x, pos, seg, kv, remat: str):
     return f(st, x, kv)
 
 
+def scan_blocks(gdef, st, x_BTD, pos_BT, seg_BT, cache, remat: str):
+    """A stacked trunk's blocks (graphdef, state with a leading layer axis) applied in turn by lax.scan: (x, caches,
+    routing info stacked over layers); the trunk's and a pipeline stage's share of it."""
+    def body(x, xs):
+        st_l, kv_l = xs
+        x, kv, aux = _run_block(nnx.merge(gdef, st_l), x, pos_BT, seg_BT, kv_l, remat)
+        return x, (kv, aux)
+
+    x_BTD, (new, aux) = jax.lax.scan(body, x_BTD, (st, cache))
+    return x_BTD, new, aux
+
+
 class MTPModule(nnx.Module):
     """One MTP depth: [enorm(E(x[i+k])); hnorm(h_{k-1}[i])] -> eh_proj -> block (sequential), or block(h0)."""
 
@@ -132,14 +144,7 @@ class MTPTransformer(nnx.Module):
         x = self.embed_tokens(tokens_BT)
         remat = self.cfg.remat
         if self.cfg.scan_layers:
-            gdef, st = nnx.split(self.blocks)
-
-            def body(x, xs):
-                st_l, kv_l = xs
-                x, kv, aux = _run_block(nnx.merge(gdef, st_l), x, pos_BT, seg_BT, kv_l, remat)
-                return x, (kv, aux)
-
-            x, (new, aux) = jax.lax.scan(body, x, (st, cache))
+            x, new, aux = scan_blocks(*nnx.split(self.blocks), x, pos_BT, seg_BT, cache, remat)
             return x, new, {"blocks": aux} if aux else {}
         news, routing = [], {}
         for i, blk in enumerate(self.blocks):
@@ -172,10 +177,15 @@ class MTPTransformer(nnx.Module):
 
     # ------------------------------------------------------------------ training forward
 
-    def __call__(self, tokens_BT, segment_ids_BT=None, unroll: int = 0, unroll_module: int = 1) -> MTPOutput:
+    def __call__(self, tokens_BT, segment_ids_BT=None, unroll: int = 0, unroll_module: int = 1,
+                 trunk: tuple | None = None) -> MTPOutput:
         """All depths over a batch; hidden[k] at position i is ready to predict x[i+k+1]. With `unroll` > 0, also
-        module `unroll_module`'s reuses (unrolled[u-1] predicts x[i+unroll_module+u+1])."""
-        h, _, routing = self.trunk_routed(tokens_BT, seg_BT=segment_ids_BT)
+        module `unroll_module`'s reuses (unrolled[u-1] predicts x[i+unroll_module+u+1]). `trunk`: trunk_routed's
+        (raw hidden, routing) computed elsewhere (parallel.pipeline's stages), so only the modules run here."""
+        if trunk is None:
+            h, _, routing = self.trunk_routed(tokens_BT, seg_BT=segment_ids_BT)
+        else:
+            h, routing = trunk[0], dict(trunk[1])
         hidden, raw = [self.final_norm(h)], [h]
         h = h0 = hidden[0] if self.cfg.mtp_hidden == "normed" else h  # trunk_state's, its norm computed once
         for k in range(1, self.cfg.mtp_depth + 1):

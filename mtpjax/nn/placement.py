@@ -38,6 +38,7 @@ class Placement:
     # (logical activation axis, the mesh axes it splits over) pairs: parallel.sharding.ACTIVATION_RULES on a mesh;
     # empty, no activation is constrained
     activation_rules: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    stage_axis: str | None = None  # mesh axis a scanned trunk's blocks are split over (pipeline stages)
 
     def size(self, axis: str | tuple[str, ...] | None) -> int:
         """Devices along a mesh axis (or a tuple of axes); 1 off a mesh or for None."""

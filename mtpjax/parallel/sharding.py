@@ -14,6 +14,9 @@ from mtpjax.errors import MtpjaxError
 from mtpjax.nn.placement import Placement, platform_of
 
 AXES = ("data", "fsdp", "expert", "tensor")
+# Pipeline stages: the outermost mesh axis (stages talk least: one activation per micro-batch), present only when
+# mesh.stage > 1, so a run without stages has the four axes it always had.
+STAGE = "stage"
 # The expert axis splits the batch too: outside the MoE layers its devices are data-parallel (DeepSeek-V3's EP).
 BATCH_AXES = ("data", "fsdp", "expert")
 
@@ -25,7 +28,7 @@ LOGICAL_RULES: dict[str | None, str | None] = {
     "kv_heads": "tensor",
     "mlp": "tensor",
     "expert": "expert",  # routed experts' weights [E, ...]
-    "layers": None,
+    "layers": STAGE,  # a scanned trunk's stacked blocks: each stage holds its own (absent axis: replicated)
     "head_dim": None,
     "latent": None,  # MLA's query/key-value latents: small, replicated; their heads-side projections split heads
     None: None,
@@ -57,15 +60,26 @@ def named_axes(axes: Sequence[str], shape: dict) -> list[str]:
 def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """Mesh ('data','fsdp','expert','tensor') from cfg.mesh over `devices` (default: all); raises MeshError."""
     devices = list(jax.devices() if devices is None else devices)
-    shape = (mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.expert, mesh_cfg.tensor)
+    axes = mesh_axes(mesh_cfg)
+    shape = tuple(getattr(mesh_cfg, a) for a in axes)
     n = int(np.prod(shape))
     if n != len(devices):
-        names = named_axes(AXES, dict(zip(AXES, shape)))
+        names = named_axes(axes, dict(zip(axes, shape)))
         raise MeshError(
             f"mesh {'*'.join(names)} = {'*'.join(str(getattr(mesh_cfg, a)) for a in names)} = {n} but "
             f"{len(devices)} device(s) are available; set {'/'.join('mesh.' + a for a in names)} so their product "
             f"is {len(devices)}")
-    return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4, devices=devices)
+    return jax.make_mesh(shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes), devices=devices)
+
+
+def mesh_axes(mesh_cfg: MeshConfig) -> tuple[str, ...]:
+    """The mesh's axis names: AXES, after `stage` when mesh.stage > 1."""
+    return ((STAGE,) if mesh_cfg.stage > 1 else ()) + AXES
+
+
+def stages(mesh: Mesh) -> int:
+    """Pipeline stages of a mesh (1 without a stage axis)."""
+    return dict(mesh.shape).get(STAGE, 1)
 
 
 def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
@@ -80,7 +94,7 @@ def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh
         if name not in LOGICAL_RULES:
             raise ValueError(f"logical axis '{name}' has no sharding rule; add it to LOGICAL_RULES")
         mesh_axis = LOGICAL_RULES[name]
-        ok = mesh_axis is not None and mesh_axis not in used and dim % mesh.shape[mesh_axis] == 0
+        ok = mesh_axis in mesh.shape and mesh_axis not in used and dim % mesh.shape[mesh_axis] == 0
         spec.append(mesh_axis if ok else None)
         if ok:
             used.add(mesh_axis)
@@ -130,4 +144,5 @@ def placement(mesh: Mesh) -> Placement:
     """What a model built for `mesh` is told: its devices' platform, the batch axes, heads over `tensor`, routed
     experts over `expert` (expert-parallel when that axis has more than one device)."""
     return Placement(platform=platform_of(mesh.devices.flat[0]), mesh=mesh, batch_axes=BATCH_AXES,
-                     head_axis="tensor", expert_axis="expert", activation_rules=tuple(ACTIVATION_RULES.items()))
+                     head_axis="tensor", expert_axis="expert", activation_rules=tuple(ACTIVATION_RULES.items()),
+                     stage_axis=STAGE if stages(mesh) > 1 else None)

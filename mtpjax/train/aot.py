@@ -29,6 +29,7 @@ from mtpjax.nn.flops import flops_per_token, routed_flops_per_token, train_flops
 from mtpjax.nn.model import MTP_SCOPE, build_model
 from mtpjax.nn.speed import expected_tokens, tree_expected_tokens
 from mtpjax.parallel import hlo
+from mtpjax.parallel import pipeline
 from mtpjax.parallel.sharding import make_mesh, placement, state_shardings
 from mtpjax.parallel.targets import Target, topology_devices
 from mtpjax.train.setup import check_parallelism
@@ -247,6 +248,9 @@ def compile_report(cfg: Config, target: Target, *, alpha: float = 0.8, decode: b
     if decode:
         decode_programs(cfg, mesh, report, alpha, batch, min(prompt, cfg.data.seq_len), new)
     estimates(report, cfg, target)
+    if cfg.mesh.stage > 1:
+        report["pipeline"] = {"stages": cfg.mesh.stage, "micro_batches": cfg.train.micro_batches,
+                              "bubble": pipeline.bubble(cfg.mesh.stage, cfg.train.micro_batches)}
     return report
 
 
@@ -329,6 +333,11 @@ def format_report(report: dict) -> str:
     lines = [memory_table(report),
              f"chip figures (published): {c['peak_bf16'] / 1e12:.0f} TFLOP/s bf16 dense, HBM {c['hbm_bw'] / 1e12:.2f} "
              f"TB/s, link {c['link_bw'] / 1e9:.0f} GB/s; mesh {report['mesh']}; decode alpha {report['alpha']}"]
+    if "pipeline" in report:
+        pp = report["pipeline"]
+        lines.append(f"pipeline: {pp['stages']} stages x {pp['micro_batches']} micro-batches (GPipe), bubble "
+                     f"(S-1)/(M+S-1) = {pp['bubble']:.1%}; every stage runs the same program (memory per device above "
+                     "is each stage's), and the bubble's ticks are in its FLOPs")
     for p in report["programs"]:
         lines += _program_lines(p)
     lines += [f"note: {n}" for n in report.get("notes", ())]

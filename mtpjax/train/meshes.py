@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from mtpjax.config import Config, MeshConfig
-from mtpjax.parallel.sharding import AXES
+from mtpjax.parallel.sharding import AXES, STAGE
 
 # Tensor parallelism stays inside one host's fast links (NVLink, a TPU host's ICI neighbours): at most 8 ways.
 MAX_TENSOR = 8
@@ -28,12 +28,14 @@ def usable(cfg: Config, mesh: MeshConfig, micro_batches: int) -> bool:
 
 
 def fills(cfg: Config, devices: int) -> MeshConfig:
-    """A mesh over all `devices` at the config's micro-batches: the config's tensor and expert ways with the rest fully
-    sharded (fsdp) where the run can take it, else the first candidate that can (more tensor or expert ways)."""
+    """A mesh over all `devices` at the config's micro-batches: the config's stage, tensor and expert ways with the
+    rest fully sharded (fsdp) where the run can take it, else the first candidate that can (more tensor or expert
+    ways; candidates have no pipeline stages)."""
     m, A = cfg.mesh, cfg.train.micro_batches
-    tensor = m.tensor if devices % m.tensor == 0 else 1
-    expert = m.expert if (devices // tensor) % m.expert == 0 else 1
-    own = MeshConfig(data=1, fsdp=devices // (tensor * expert), tensor=tensor, expert=expert)
+    stage = m.stage if devices % m.stage == 0 else 1
+    tensor = m.tensor if (devices // stage) % m.tensor == 0 else 1
+    expert = m.expert if (devices // (stage * tensor)) % m.expert == 0 else 1
+    own = MeshConfig(data=1, fsdp=devices // (stage * tensor * expert), tensor=tensor, expert=expert, stage=stage)
     if usable(cfg, own, A):
         return own
     return next((mesh for mesh, a in candidates(cfg, devices, limit=None) if a == A), own)  # own: refused later
@@ -69,13 +71,13 @@ def overrides(mesh: MeshConfig, micro_batches: int | None = None) -> list[str]:
 
 def describe(mesh: MeshConfig) -> str:
     """'fsdp 4 x tensor 2': the axes of more than one device (one device: 'one device')."""
-    parts = [f"{a} {getattr(mesh, a)}" for a in AXES if getattr(mesh, a) > 1]
+    parts = [f"{a} {getattr(mesh, a)}" for a in (STAGE, *AXES) if getattr(mesh, a) > 1]
     return " x ".join(parts) or "one device"
 
 
 def size(mesh: MeshConfig) -> int:
-    """Devices the mesh spans."""
-    return math.prod(getattr(mesh, a) for a in AXES)
+    """Devices the mesh spans (pipeline stages included)."""
+    return math.prod(getattr(mesh, a) for a in (STAGE, *AXES))
 
 
 def search(cfg: Config, target, limit: int, place=None) -> list[dict]:

@@ -23,6 +23,7 @@ from mtpjax.nn.loss import add_expected_lengths, forward, mtp_loss, token_counts
 from mtpjax.nn.model import MTPTransformer, build_model, moe_layers
 from mtpjax.nn.moe import load_metrics, next_bias
 from mtpjax.train.optim import decay_mask, global_norm, lr_schedule, make_tx, trainable, with_lr
+from mtpjax.parallel import pipeline
 from mtpjax.parallel.sharding import batch_sharding, micro_batches_of, placement, replicated, state_shardings
 
 
@@ -69,9 +70,15 @@ class Backward:
 def backward(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, graphdef, loss_cfg: LossConfig,
              micro_batches: int, batch_sharding=None) -> Backward:
     """Gradient, metrics and expert loads of one batch, summed over its micro-batches."""
-    depth = nnx.merge(graphdef, train, frozen).cfg.mtp_depth
+    model = nnx.merge(graphdef, train, frozen)
+    depth = model.cfg.mtp_depth
     counts = token_counts(tokens_BT, seg_BT, depth, loss_cfg)
     B, A = tokens_BT.shape[0], micro_batches
+    if pipeline.stage_count(model) > 1:  # the micro-batches flow through the stages together (parallel/pipeline.py)
+        (_, (mets, loads)), grads = jax.value_and_grad(pipeline.loss, has_aux=True)(
+            train, frozen, tokens_BT, seg_BT, step, graphdef=graphdef, loss_cfg=loss_cfg, micro_batches=A,
+            counts=counts, batch_sharding=batch_sharding)
+        return Backward(grads, _sum_micro_metrics(mets, depth), {k: v.sum(0) for k, v in loads.items()})
 
     def loss_fn(train, tok_BT, seg_BT):
         model = nnx.merge(graphdef, train, frozen)

@@ -1,0 +1,106 @@
+"""Pipeline parallelism over the `stage` mesh axis: a GPipe schedule of the scanned trunk's blocks, written as one
+`jax.shard_map` over that axis with `ppermute` shifting each stage's activations to the next.
+
+Where each part lives (docs/scaling-out.md): the stacked blocks [L, ...] are split over `stage` by the sharding
+rules (stage s holds blocks s·L/S .. (s+1)·L/S − 1), so a checkpoint's layout does not depend on the stage count.
+The embedding is read on entry (the first stage's input); after the pipeline drains, the final norm, the MTP
+modules, the shared head and the loss run on the last stage's outputs one micro-batch at a time, as the unpipelined
+step runs them. The embedding (and a tied head) is one parameter read at both ends; autodiff sums the gradient of
+its uses: the pipeline input's cotangent (summed over stages by shard_map's transpose) and the modules' reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from mtpjax.config import LossConfig
+from mtpjax.nn.loss import forward, mtp_loss
+from mtpjax.nn.model import MTPTransformer, placed, scan_blocks
+from mtpjax.parallel.sharding import micro_batches_of
+
+
+def bubble(stages: int, micro_batches: int) -> float:
+    """GPipe's idle fraction of each stage: (S − 1) / (M + S − 1)."""
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def stage_lines(blocks_bytes: int, other_bytes: int, stages: int, micro_batches: int) -> list[str]:
+    """What `plan` and `compile` say of a pipelined run: the bubble and the state (parameters and optimizer) one
+    stage holds: its share of the trunk's blocks, and the parts every stage holds whole (embedding/head, final norm,
+    MTP modules: the tail runs after the drain, on every stage)."""
+    per = blocks_bytes / stages
+    return [f"pipeline: mesh.stage={stages} x train.micro_batches={micro_batches} (GPipe), bubble (S-1)/(M+S-1) = "
+            f"{bubble(stages, micro_batches):.1%}",
+            f"  state per stage (before the other mesh axes split it): {(per + other_bytes) / 2**30:.3f} GiB = "
+            f"trunk blocks {per / 2**30:.3f} GiB "
+            f"(1/{stages} of {blocks_bytes / 2**30:.3f}) + embedding/head, final norm, MTP modules "
+            f"{other_bytes / 2**30:.3f} GiB (on every stage; {other_bytes / max(per, 1):.2f}x a stage's blocks)"]
+
+
+def stage_count(model: MTPTransformer) -> int:
+    """Pipeline stages the model is placed over (1: no pipeline)."""
+    return model.placement.size(model.placement.stage_axis)
+
+
+def trunk(model: MTPTransformer, tok_ABT, seg_ABT):
+    """The trunk over A micro-batches through the stages: (raw hidden [A,B,T,D], routing info stacked [A, ...]).
+
+    Stage s works on micro-batch t − s at tick t of A + S − 1; a tick outside its micro-batches (the bubble) computes
+    on a finite stand-in whose results are dropped, so neither values nor gradients reach the loss from it.
+    """
+    pl = model.placement
+    axis, S, A = pl.stage_axis, stage_count(model), tok_ABT.shape[0]
+    st = nnx.state(model.blocks)
+    x_ABTD = model.embed_tokens(tok_ABT)  # the first stage's input; the embedding's first use
+    pos_BT = jnp.broadcast_to(jnp.arange(tok_ABT.shape[2], dtype=jnp.int32), tok_ABT.shape[1:])
+    remat = model.cfg.remat
+
+    def run(st, x_ABTD, seg_ABT):
+        s = jax.lax.axis_index(axis)
+        # Inside, the blocks' own shard_maps (fused attention, expert parallelism) must name the mesh as this
+        # context sees it (stage manual): the blocks are re-placed on it, their state unchanged.
+        gdef = nnx.split(placed(model, dataclasses.replace(pl, mesh=jax.sharding.get_abstract_mesh())).blocks)[0]
+
+        def tick(state_BTD, t):
+            m = jnp.clip(t - s, 0, A - 1)  # this stage's micro-batch (clipped in the bubble)
+            x_BTD = jnp.where(s == 0, x_ABTD[jnp.minimum(t, A - 1)], state_BTD)
+            y_BTD, _, aux = scan_blocks(gdef, st, x_BTD, pos_BT, seg_ABT[m], None, remat)
+            return jax.lax.ppermute(y_BTD, axis, [(i, (i + 1) % S) for i in range(S)]), (y_BTD, aux)
+
+        _, (y_KBTD, aux) = jax.lax.scan(tick, jnp.zeros_like(x_ABTD[0]), jnp.arange(A + S - 1))
+        # The last stage finishes micro-batch a at tick a + S − 1; stage s's own ticks are s .. s + A − 1.
+        h_ABTD = jax.lax.psum(jnp.where(s == S - 1, y_KBTD[S - 1:], 0), axis)
+        aux = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, s, A), aux)
+        return h_ABTD, aux
+
+    # Routing info is per layer: [A, L/S, ...] on each stage, [A, L, ...] together.
+    h_ABTD, aux = jax.shard_map(run, mesh=pl.mesh, in_specs=(P(axis), P(), P()), out_specs=(P(), P(None, axis)),
+                                axis_names=frozenset({axis}), check_vma=False)(st, x_ABTD, seg_ABT)
+    return h_ABTD, ({"blocks": aux} if aux else {})
+
+
+def loss(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, graphdef, loss_cfg: LossConfig,
+         micro_batches: int, counts, batch_sharding=None):
+    """(loss, (metrics stacked per micro-batch, expert loads)) of one batch through the pipeline: the trunk's stages
+    over every micro-batch, then the MTP modules, head and loss per micro-batch (normalized by the whole batch's
+    `counts`, so the parts sum to the batch's loss as the unpipelined step's do)."""
+    tok_ABT, seg_ABT = micro_batches_of(tokens_BT, micro_batches), micro_batches_of(seg_BT, micro_batches)
+    h_ABTD, routing = trunk(nnx.merge(graphdef, train, frozen), tok_ABT, seg_ABT)
+    rows = tokens_BT.shape[0]
+
+    def tail(_, xs):
+        tok_BT, seg_BT, h_BTD, rout = xs
+        if batch_sharding is not None:
+            tok_BT, seg_BT = (jax.lax.with_sharding_constraint(x, batch_sharding) for x in (tok_BT, seg_BT))
+        model = nnx.merge(graphdef, train, frozen)
+        out = forward(model, tok_BT, seg_BT, loss_cfg, trunk=(h_BTD, rout))
+        value, met = mtp_loss(model, out, tok_BT, seg_BT, step=step, cfg=loss_cfg, counts=counts, rows=rows)
+        return None, (value, met, {k: aux["load"] for k, aux in out.routing.items()})
+
+    _, (values, mets, loads) = jax.lax.scan(tail, None, (tok_ABT, seg_ABT, h_ABTD, routing))
+    return values.sum(), (mets, loads)

@@ -1,0 +1,116 @@
+"""Runs in a subprocess with 4 simulated CPU devices: one batch's gradient and metrics, and 20 train steps, with
+pipeline stages (mesh.stage) and without, in float32.
+
+argv: <corpus> <tmp dir> <out.json>. For each case it writes the largest relative gradient difference per
+parameter (difference / the parameter gradient's largest magnitude) and the metrics of both runs.
+"""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import functools  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_helpers import step_losses, synthetic_batches, tiny_cfg  # noqa: E402
+
+from mtpjax.config import replace  # noqa: E402
+from mtpjax.parallel import pipeline  # noqa: E402
+from mtpjax.parallel.sharding import make_mesh  # noqa: E402
+from mtpjax.train.step import backward, make_programs, split_trainable  # noqa: E402
+
+DENSE = ["model.n_layers=4", "model.scan_layers=true"]
+MLA_MOE = DENSE + [
+    "model.n_kv_heads=4", "model.attention_kind=mla", "model.q_lora_rank=16", "model.kv_lora_rank=16",
+    "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.mlp_kind=moe",
+    "model.n_routed_experts=4", "model.num_experts_per_tok=2", "model.n_group=2", "model.topk_group=1",
+    "model.moe_d_ff=16", "loss.moe_seq_aux_loss=0.01", "model.tie_embeddings=false"]
+S2, S4 = ["mesh.stage=2", "mesh.data=2"], ["mesh.stage=4"]
+# (name, trunk, mtp depth, micro-batches, the staged mesh); expert 2: the MoE's own shard_map inside the stages'
+CASES = [("dense_d1_s2", DENSE, 1, 4, S2), ("dense_d2_s2", DENSE, 2, 4, S2), ("dense_d2_s4", DENSE, 2, 8, S4),
+         ("dense_d1_s4", DENSE, 1, 8, S4), ("moe_d2_s2", MLA_MOE, 2, 4, S2), ("moe_d1_s4", MLA_MOE, 1, 8, S4),
+         ("moe_d2_s2_e2", MLA_MOE, 2, 4, ["mesh.stage=2", "mesh.expert=2"])]
+
+
+def one_batch(cfg, batch) -> tuple[dict, dict]:
+    """(gradient as a pure dict of arrays, metrics and expert loads as floats) of one batch on cfg.mesh."""
+    m = cfg.mesh
+    progs = make_programs(cfg, make_mesh(m, jax.devices()[:m.stage * m.data * m.fsdp * m.expert * m.tensor]))
+    state = progs.init()
+    train, frozen = split_trainable(state.params)
+    f = jax.jit(functools.partial(backward, graphdef=progs.graphdef, loss_cfg=cfg.loss,
+                                  micro_batches=cfg.train.micro_batches, batch_sharding=progs.batch_sharding))
+    put = lambda x: jax.device_put(x, progs.batch_sharding)
+    out = f(train, frozen, put(batch[0]), put(batch[1]), state.step)
+    mets = {k: float(v) for k, v in out.metrics.items()}
+    mets |= {f"load/{k}": np.asarray(v).tolist() for k, v in out.loads.items()}
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(out.grads)), mets
+
+
+def rel_diff(a: dict, b: dict) -> dict:
+    """Per leaf (path joined by '/'): max |a − b| / max |a|."""
+    pairs = jax.tree_util.tree_flatten_with_path(a)[0]
+    flat_b = jax.tree.leaves(b)
+    return {"/".join(str(getattr(k, "key", k)) for k in path): float(np.abs(x - y).max() / max(np.abs(x).max(), 1e-30))
+            for (path, x), y in zip(pairs, flat_b)}
+
+
+def compare(base, name, trunk, depth, A, staged, batch) -> dict:
+    """One case: stage=1 on one device against the staged mesh."""
+    cfg = replace(base, [*trunk, f"model.mtp_depth={depth}", f"train.micro_batches={A}"])
+    g1, m1 = one_batch(cfg, batch)
+    g2, m2 = one_batch(replace(cfg, staged), batch)
+    return {"grad_rel": rel_diff(g1, g2), "single": m1, "staged": m2}
+
+
+def dropped_embedding_tail(base, batch) -> dict:
+    """The companion: a schedule whose last stage reads the embedding without its gradient (the MTP modules' and
+    the tied head's uses lost): the embedding's gradient must differ."""
+    real = pipeline.forward
+
+    def forward(model, *a, **k):
+        model = nnx.clone(model)  # its own variables, which this trace may set
+        model.embed.set_value(jax.lax.stop_gradient(model.embed.get_value()))
+        return real(model, *a, **k)
+
+    cfg = replace(base, [*DENSE, "model.mtp_depth=2", "train.micro_batches=4"])
+    g1, _ = one_batch(cfg, batch)
+    pipeline.forward = forward
+    try:
+        g2, _ = one_batch(replace(cfg, S2), batch)
+    finally:
+        pipeline.forward = real
+    return rel_diff(g1, g2)
+
+
+def training(base, batches) -> dict:
+    """20 steps with stage=1 (one device) and stage=2 × data=2: final parameters' largest relative difference."""
+    # optim.eps 1e-3: Adam divides by sqrt(v) + eps, and at 1e-8 it lifts the float32 rounding of near-zero
+    # gradients to whole steps (tests/test_sharding.py sees ~1e-4 of one); at 1e-3 such noise stays noise.
+    cfg = replace(base, [*DENSE, "model.mtp_depth=2", "train.micro_batches=4", "train.steps=20", "optim.eps=1e-3"])
+    l1, s1 = step_losses(cfg, batches, jax.devices()[:1])
+    l2, s2 = step_losses(replace(cfg, S2), batches)
+    p1, p2 = (jax.tree.map(np.asarray, nnx.to_pure_dict(s.params)) for s in (s1, s2))
+    return {"losses": [l1, l2], "param_rel": rel_diff(p1, p2)}
+
+
+def main() -> None:
+    corpus, tmp, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    base = tiny_cfg(tmp, corpus=corpus)
+    batches = synthetic_batches(20, 8, 32)
+    res = {name: compare(base, name, *rest, batches[0]) for name, *rest in CASES}
+    res["dropped_embedding_tail"] = dropped_embedding_tail(base, batches[0])
+    res["training"] = training(base, batches)
+    out.write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
