@@ -3,8 +3,9 @@ registered and the shipped tasks on its task path.
 
     python -m mtpjax lm_eval --model mtpjax --model_args run_dir=runs/tiny,num_draft=auto --tasks mtpjax
 
-model_args: run_dir (required), step, max_length (default data.seq_len), num_draft (an integer or auto),
-proposer (mtp, mtp1, ngram), tree, seed, max_gen_toks; --batch_size is the rows of one compiled batch.
+model_args: run_dir (required), step, max_length (default data.seq_len), num_draft (an integer or auto) or tree
+(decode.py's flags, both spelling decode.draft), proposer (mtp, mtp1, ngram), seed, max_gen_toks; --batch_size is the
+rows of one compiled batch.
 Importing this module registers the backend, so `lm_eval.simple_evaluate(model="mtpjax", model_args=...)`
 works after `import mtpjax.cli.lm_eval`; `load_lm(run_dir)` returns an instance to pass as `model=`.
 """
@@ -16,7 +17,8 @@ import sys
 
 from lm_eval.api.registry import register_model
 
-from mtpjax.cli.args import Parser, UsageError, command
+from mtpjax.cli.args import Parser, UsageError, command, draft_flag
+from mtpjax.drafts import PLAIN
 from mtpjax.eval import tasks
 from mtpjax.eval.harness import MtpjaxLM
 
@@ -29,8 +31,10 @@ def load_lm(run_dir, step: int | None = None, *, max_length: int | None = None, 
     from mtpjax.train.checkpoint import load_model_step
 
     cfg, model, tok, _ = load_model_step(run_dir, step)
+    draft = draft_flag(options.pop("num_draft", None), options.pop("tree", None))
     return MtpjaxLM(model, tok, max_length=max_length or cfg.data.seq_len, batch_size=batch_size,
-                    proposer=options.pop("proposer", None) or cfg.decode.proposer, **options)
+                    proposer=options.pop("proposer", None) or cfg.decode.proposer,
+                    draft=PLAIN if draft is None else draft.value, **options)
 
 
 def lm_options(given: dict, batch_size=None) -> dict:
@@ -105,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_tasks(args, cfg, model, tok, step: int, proposer: str, shape, draft=None) -> int:
+def run_tasks(args, cfg, model, tok, step: int, proposer: str, draft, draft_model=None) -> int:
     """decode.py --tasks: the harness's table, then what speculative generation did on the generation tasks
-    (drafting `shape`, the request's config.specs DraftSpec)."""
+    (drafting `draft`, the request's mtpjax.drafts Tree or Auto)."""
     import json
     from pathlib import Path
 
@@ -124,8 +128,8 @@ def run_tasks(args, cfg, model, tok, step: int, proposer: str, shape, draft=None
         raise UsageError(f"--batch-size {args.batch_size} must be >= 1")
     manager = tasks.task_manager(names)
     tasks.load(names, manager)  # an unknown or unreadable task before anything runs
-    lm = MtpjaxLM(model, tok, max_length=cfg.data.seq_len, batch_size=args.batch_size, shape=shape,
-                  proposer=proposer, seed=args.seed, draft_model=draft, measure=True)
+    lm = MtpjaxLM(model, tok, max_length=cfg.data.seq_len, batch_size=args.batch_size, draft=draft,
+                  proposer=proposer, seed=args.seed, draft_model=draft_model, measure=True)
     results = tasks.evaluate(lm, names, limit=args.limit, num_fewshot=args.num_fewshot, manager=manager)
     spec = {task: spec_summary(t) for task, t in lm.stats.items()}
     print(f"checkpoint {args.run_dir} step {step}")

@@ -2,7 +2,7 @@
 
     errors     ConfigError, the one-line message form
     specs      values written as one string and parsed once (the λ schedule, the MTP target mix, the profile window,
-               the draft tree's shape)
+               decode.draft's wrapper of mtpjax.drafts)
     schema     the sections: Literal choices, bounds and each key's doc as field metadata
     validate   the one generic validator plus the rules that tie fields together
     load       YAML, dotted overrides, coercion to the field types

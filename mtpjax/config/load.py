@@ -13,8 +13,8 @@ from typing import Any, Literal
 import yaml
 
 from mtpjax.config.errors import ConfigError, fail
-from mtpjax.config.schema import Config
-from mtpjax.config.specs import Spec
+from mtpjax.config.schema import RETIRED, Config
+from mtpjax.config.specs import DecodeDraft, Spec
 from mtpjax.config.validate import validate
 
 
@@ -87,6 +87,9 @@ def _build(cls, raw: Any, prefix: str):
     kwargs = {}
     for key, value in raw.items():
         full = f"{prefix}{key}"
+        if full in RETIRED:
+            raise ConfigError(f"config key '{full}' was replaced by '{RETIRED[full]}' ({DecodeDraft.FORMS}); "
+                              f"write {RETIRED[full]}=... instead")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(names)}"

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import yaml
 
-from mtpjax.config.specs import Auto, DecodeTree, DepthLambdas, DraftSpec, LambdaSchedule, Spec, TargetMix, chain
+from mtpjax.config.specs import DecodeDraft, DepthLambdas, LambdaSchedule, Spec, TargetMix
 
 
 @dataclass(frozen=True)
@@ -350,30 +350,26 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class DecodeConfig:
     max_new_tokens: int = key(128, "default generation length of `decode.py`", gt=0)
-    num_draft: int = key(-1, "drafts per round; -1 = auto (timed per request among 0..`mtp_depth`), 0 = plain",
-                         ge=-1)
+    draft: DecodeDraft = key(DecodeDraft(), "what a round drafts (`decode.py --num-draft/--tree`): `auto` (timed per "
+                             "request among plain, chains and small trees), `0` (plain), `3` (a chain of 3), children "
+                             "per node at each depth (`2x2x1`) or each node's parent (`-1,-1,0,0`); `+ngramL` adds "
+                             "n-gram lookup's L drafts as one more branch (`2x2+ngram3`)")
     proposer: Proposer = key("mtp", "what drafts (`decode.py --proposer`)", choices={
         "mtp": "the run's MTP modules (module k drafts token k)",
         "mtp1": "MTP module 1 drafts every token, fed its own output",
         "ngram": "prompt lookup", "model": "the `decode.py --draft-run-dir` model"})
-    tree: DecodeTree = key(DecodeTree(), "a static draft tree the MTP modules draft instead of a chain (`decode.py "
-                           "--tree`): children per node at each depth (`2x2x1`) or each node's parent (`-1,-1,0,0`); "
-                           "`+ngramL` adds n-gram lookup's L drafts as one more branch (`2x2+ngram3`); empty: a chain")
     temperature: float = key(0.0, "sampling temperature; 0 = greedy", ge=0)
     top_k: int = key(0, "top-k filter (0 = off)", ge=0)
     top_p: float = key(1.0, "nucleus filter (1 = off)", gt=0, le=1)
     max_len: int = key(2048, "KV-cache capacity: prompt + generated tokens", gt=1)
 
     def __post_init__(self):
-        if isinstance(self.tree, str):  # Python callers may pass the YAML string
-            object.__setattr__(self, "tree", DecodeTree.parse(self.tree))
+        if isinstance(self.draft, str):  # Python callers may pass the YAML string
+            object.__setattr__(self, "draft", DecodeDraft.parse(self.draft))
 
-    @property
-    def draft(self) -> DraftSpec:
-        """What a request drafts: the tree, else auto (num_draft -1) or the chain of num_draft."""
-        if self.tree.shape is not None:
-            return self.tree.shape
-        return Auto() if self.num_draft < 0 else chain(self.num_draft)
+
+# Keys that were replaced: a config naming one is refused with a line naming its successor.
+RETIRED = {"decode.num_draft": "decode.draft", "decode.tree": "decode.draft"}
 
 
 @dataclass(frozen=True)

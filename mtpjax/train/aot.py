@@ -27,7 +27,8 @@ from mtpjax.errors import MtpjaxError
 from mtpjax.eval.plan import plan_trees
 from mtpjax.nn.flops import flops_per_token, train_flops_per_token
 from mtpjax.nn.model import MTP_SCOPE, build_model
-from mtpjax.nn.speed import expected_tokens, tree_expected_tokens
+from mtpjax.drafts import PLAIN, chain
+from mtpjax.nn.speed import expected_tokens
 from mtpjax.parallel import hlo
 from mtpjax.parallel.sharding import make_mesh, placement, state_shardings
 from mtpjax.parallel.targets import Target, topology_devices
@@ -142,15 +143,14 @@ def decode_loops(cfg: Config, alpha: float) -> list[tuple[str, dict, float]]:
     """(name, make_loop's drafting arguments, expected tokens per round at α) of the loops compiled: plain, the MTP
     chain (γ = the model's depth) and the first draft tree the plan tabulates."""
     J = cfg.model.mtp_depth
-    loops = [("decode_plain", {"num_draft": 0}, 1.0)]
+    loops = [("decode_plain", {"draft": PLAIN}, 1.0)]
     if J:
-        loops.append((f"decode_chain_{J}", {"num_draft": J}, expected_tokens([alpha], J)))
+        loops.append((f"decode_chain_{J}", {"draft": chain(J)}, expected_tokens(chain(J), [[alpha]])))
         trees = plan_trees(cfg)
         if trees:
             t = trees[0]
             ranks = [alpha] + [(1 - alpha) / 2 / 2**i for i in range(max(t.rank) if t.rank else 0)]
-            loops.append((f"decode_tree_{t.name()}", {"num_draft": 0, "tree": t},
-                          tree_expected_tokens(t, [ranks] * t.max_depth)))
+            loops.append((f"decode_tree_{t.name()}", {"draft": t}, expected_tokens(t, [ranks] * t.max_depth)))
     return loops
 
 
