@@ -43,7 +43,7 @@ def round_seconds(model, prompt, short: int, long_: int, repeats: int) -> float:
     """Seconds per plain decode round: the slope between a short and a long generation of one compiled loop."""
     from mtpjax.decode import make_loop, run
 
-    loop = make_loop(model, [prompt], max_new_tokens=long_, num_draft=0)
+    loop = make_loop(model, [prompt], max_new_tokens=long_, draft=0)
 
     def timed(budget):
         t = time.perf_counter()

@@ -69,7 +69,7 @@ def measure(config: str, batch: int, gamma: int, max_new: int, rounds: int) -> d
         model, make_loop, run = subject(pkg, config)
         if pkg == "mtpjax":
             prompts = rng.integers(0, model.cfg.vocab_size, (batch, 16)).tolist()
-        loop = make_loop(model, prompts, max_new_tokens=max_new, num_draft=gamma, proposer="mtp")
+        loop = make_loop(model, prompts, max_new_tokens=max_new, draft=gamma, proposer="mtp")
 
         def go(model=model, loop=loop, run=run, prompts=prompts, pkg=pkg):
             st = run(model, prompts, loop)

@@ -4,7 +4,7 @@ draft-model speculation, the PyTorch peer.
 For each batch size every variant runs once per round, rounds interleaved; ratios are medians of
 per-round ratios. Round costs (relative to a plain round at the same batch size) feed the predicted
 speedup E(γ)/(v + γc) of mtpjax.nn.speed and its choice of γ ("cost_model"); the "auto" row is the variant
-the decoder's own `generate(num_draft="auto")` picks after timing its probes. The draft model is a
+the decoder's own `generate(draft="auto")` picks after timing its probes. The draft model is a
 second trained run with the same tokenizer (`--draft-run-dir`, configs/draft_tiny.yaml). Beside every
 speculative row: v, the verification of its rows measured apart at that batch size (bench/cache_cliff.py's
 loops, interleaved), c, the rest of its round per drafting call, and its ceiling, the tokens per round it got
@@ -92,13 +92,13 @@ def load_draft(draft_run_dir: str | None, smoke: bool, model):
                   "configs/draft_tiny.yaml`")
 
 
-def _ours(model, groups, num_draft: int, proposer: str, max_new: int, draft=None, variant=None, tree=None):
+def _ours(model, groups, num_draft: int, proposer: str, max_new: int, draft=None, variant=None, draft=None):
     """A closure generating every group once; it records the last stats (tokens, rounds, loops, acceptance).
 
     `variant`: a proposer object that replaces the named one (the same γ), for variants of a proposer; `tree`: a
     draft tree's spec instead of a chain (box["tree"]: its nodes' acceptance by depth and rank)."""
-    loops = [make_loop(model, g, max_new_tokens=max_new, num_draft=num_draft, proposer=proposer, draft=draft,
-                       tree=tree) for g in groups]
+    loops = [make_loop(model, g, max_new_tokens=max_new, draft=num_draft, proposer=proposer, draft_model=draft,
+                       draft=tree) for g in groups]
     loops = [lp if variant is None else replace(lp, proposer=variant) for lp in loops]
     G = 0 if tree is None and not num_draft else loops[0].tree.max_depth
     box = {"loop": loops[0]}
@@ -107,7 +107,7 @@ def _ours(model, groups, num_draft: int, proposer: str, max_new: int, draft=None
         toks, rounds, loops_, acc, reach, gen, rows = [], 0, 0, np.zeros(G), np.zeros(G), 0, 0
         nodes = np.zeros(len(loops[0].proposer.parents()))
         for g, loop in zip(groups, loops):
-            st = run(model, g, loop, draft=draft)
+            st = run(model, g, loop, draft_model=draft)
             jax.block_until_ready(st.n_B)
             res = summarize(st)
             toks += res.tokens
@@ -152,7 +152,7 @@ def bench_batch(model, prompts, batch: int, max_new: int, rounds: int, peer=None
             if g > D:
                 gens[f"mtp1_{g}"] = _ours(model, groups, g, "mtp1", max_new)
         for spec in TREES + HYBRIDS:
-            gens[f"tree{spec}"] = _ours(model, groups, 0, "mtp", max_new, tree=spec)
+            gens[f"tree{spec}"] = _ours(model, groups, 0, "mtp", max_new, draft=spec)
     gd = max(D, 2)
     gens[f"ngram{gd}"] = _ours(model, groups, gd, "ngram", max_new)
     if draft is not None:
@@ -261,17 +261,17 @@ def _ceiling(v: dict, prefix: str, top: int, proposer, cfg, context: int, draft_
 
 
 def _auto(model, groups, max_new: int, v: dict) -> None:
-    """The decoder's own choice (generate(num_draft="auto") times its probes) and how the chosen variant did here."""
+    """The decoder's own choice (generate(draft="auto") times its probes) and how the chosen variant did here."""
     from mtpjax.decode import generate
 
-    stats = generate(model, groups[0], max_new_tokens=max_new, num_draft="auto").stats
+    stats = generate(model, groups[0], max_new_tokens=max_new, draft="auto").stats
     g, shape = stats["num_draft"], stats.get("tree")
     v["auto"] = {"num_draft": g, "tree": shape, "calibration": stats["calibration"]}
     if shape is None:
         v["auto"].update({k: v["plain" if g == 0 else f"mtp{g}"][k] for k in ("tokens_per_sec", "vs_plain")})
         return
     # a tree won: no variant above decodes it, so it is timed against plain here, interleaved as they were
-    fns = {k: (lambda t=t: [generate(model, grp, max_new_tokens=max_new, tree=t) for grp in groups])
+    fns = {k: (lambda t=t: [generate(model, grp, max_new_tokens=max_new, draft=t) for grp in groups])
            for k, t in (("plain", None), ("auto", shape))}
     for fn in fns.values():
         fn()  # compiled already (the probe's loops); warm

@@ -69,7 +69,7 @@ def loops_for(model, prompts, args) -> dict:
     """γ -> the loop: plain, and the chains 1..mtp_depth at the forced acceptance."""
     out = {}
     for g in range(model.cfg.mtp_depth + 1):
-        loop = make_loop(model, prompts, max_new_tokens=args.max_new, num_draft=g)
+        loop = make_loop(model, prompts, max_new_tokens=args.max_new, draft=g)
         out[g] = loop if g == 0 else AtRate(**{f.name: getattr(loop, f.name) for f in dataclasses.fields(loop)},
                                             alpha=tuple(args.alpha))
     return out

@@ -32,9 +32,9 @@ def test_the_loop_verifies_the_tree_parents_describes(model_cfg):
     """The loop verifies whatever parents() describes: a chain for the chain proposers, a tree's nodes for
     decode.tree, whose rows the one capacity rule counts."""
     model = build_model(model_cfg())
-    loop = make_loop(model, [[1, 2, 3]], max_new_tokens=4, num_draft=2)
+    loop = make_loop(model, [[1, 2, 3]], max_new_tokens=4, draft=2)
     assert loop.tree.parents == chain(2) and loop.tree.is_chain()
-    tree = make_loop(model, [[1, 2, 3]], max_new_tokens=4, num_draft=0, tree="2x2x1")
+    tree = make_loop(model, [[1, 2, 3]], max_new_tokens=4, draft="2x2x1")
     assert tree.tree.parents == tree.proposer.parents() and tree.num_draft == 10 and not tree.tree.is_chain()
     assert tree.capacity == rows(3, 4, 10).capacity
 
@@ -67,8 +67,8 @@ def test_one_rule_sizes_the_caches_the_loop_allocates(model_cfg, mtp_depth, num_
     exactly what the loop allocates (trunk keys/values, each module's, the trunk's hidden rows MTP drafting keeps)."""
     model = build_model(model_cfg(mtp_depth=mtp_depth, **attention))
     prompts = [[1, 2, 3], [4] * 20]
-    loop = make_loop(model, prompts, max_new_tokens=7, num_draft=num_draft, proposer="mtp" if mtp_depth else "ngram",
-                     tree=tree)
+    loop = make_loop(model, prompts, max_new_tokens=7, draft=num_draft, proposer="mtp" if mtp_depth else "ngram",
+                     draft=tree)
     size = rows(20, 7, loop.num_draft)
     assert (loop.prompt_pad, loop.capacity) == (size.prompt_pad, size.capacity) == (32, 64 if tree is None else 128)
     assert _allocated_bytes(model, loop, prompts) == cache_bytes(model.cfg, 2, loop.capacity)
@@ -83,5 +83,5 @@ def test_companion_a_layout_that_forgets_a_part_misses_the_allocation(model_cfg)
             return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.resolved_head_dim * 4
 
     model = build_model(model_cfg())
-    loop = make_loop(model, [[1, 2, 3]], max_new_tokens=7, num_draft=2)
+    loop = make_loop(model, [[1, 2, 3]], max_new_tokens=7, draft=2)
     assert _allocated_bytes(model, loop, [[1, 2, 3]]) != cache_bytes(model.cfg, 1, loop.capacity, TrunkOnly())

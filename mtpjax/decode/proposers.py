@@ -146,9 +146,13 @@ class MTPProposer(Proposer):
         """Store the trunk's new states, then draft from the window [s, s+W)."""
         m = models.target
         h0_BSD = write_rows(state.h0_BSD, m.trunk_state(ctx.h_BTD), ctx.h_start_B)
-        r = _Round(m, ctx, s_B, W, state.replace(h0_BSD=h0_BSD), self.in_use(m.cfg.mtp_depth))
+        return self._draft_from(m, state.replace(h0_BSD=h0_BSD), ctx, s_B, W)
+
+    def _draft_from(self, m: MTPTransformer, state: MTPState, ctx: Context, s_B, W: int):
+        """(state, drafts) of one round drafted from the window [s, s+W) of the stored states."""
+        r = _Round(m, ctx, s_B, W, state, self.in_use(m.cfg.mtp_depth))
         tokens, qs = self._draft(r)
-        return state.replace(h0_BSD=h0_BSD, caches=r.caches), _stack(tokens, qs)
+        return state.replace(caches=r.caches), _stack(tokens, qs)
 
     def _draft(self, r: _Round) -> tuple[list, list]:
         """(each node's tokens, the distributions they were drawn from) of one round."""
