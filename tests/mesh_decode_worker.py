@@ -53,12 +53,12 @@ def mesh_of(axes: dict):
     return make_mesh(MeshConfig(**axes), jax.devices()[:n])
 
 
-def decode(model, prompts, draft=None, sampler=None, **kw):
+def decode(model, prompts, draft_model=None, sampler=None, **kw):
     """(tokens, stats, final state) of one generation."""
-    loop = make_loop(model, prompts, max_new_tokens=MAX_NEW, sampler=sampler or make_sampler(), draft_model=draft,
-                     **{"num_draft": 0, **kw})
-    st = run(model, prompts, loop, draft_model=draft)
-    res = summarize(st)
+    loop = make_loop(model, prompts, max_new_tokens=MAX_NEW, sampler=sampler or make_sampler(),
+                     draft_model=draft_model, **kw)
+    st = run(model, prompts, loop, draft_model=draft_model)
+    res = summarize(st, loop.tree)
     return res.tokens, res.stats, st
 
 

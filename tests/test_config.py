@@ -177,7 +177,7 @@ def test_wrong_type(override, key, allowed):
     (["checkpoint.every=0"], "checkpoint.every"),
     (["checkpoint.keep=0"], "checkpoint.keep"),
     (["decode.max_new_tokens=0"], "decode.max_new_tokens"),
-    (["decode.num_draft=-2"], "decode.num_draft"),
+    (["decode.draft=-2"], "decode.draft"),
     (["decode.proposer=eagle"], "decode.proposer"),
     (["decode.temperature=-1"], "decode.temperature"),
     (["decode.top_k=-1"], "decode.top_k"),
@@ -188,26 +188,49 @@ def test_invalid_value_names_key(overrides, key):
     assert f"config key '{key}'" in error_of(overrides)
 
 
-@pytest.mark.parametrize("tree", ["2x0", "abc", "9x9", "-1,1", "2x2+trie", "2x2+ngram0"])
+@pytest.mark.parametrize("tree", ["2x0", "abc", "9x9", "-1,1", "2x2+trie", "2x2+ngram0", ""])
 def test_a_bad_decode_tree_is_refused_when_the_config_loads(tree):
-    """The tree spec's one parser (config.specs; decode.tree re-exports it) runs at load, not at the first decode."""
-    msg = error_of([f"decode.tree={tree}"])
-    assert f"config key 'decode.tree' = {tree!r} is invalid: tree " in msg and "(empty: a chain)" in msg
+    """The draft's one parser (mtpjax.drafts, which decode.draft's wrapper calls) runs at load, not at the first
+    decode. (decode.draft replaced decode.tree: the message names the new key, and empty is no longer a chain.)"""
+    msg = error_of([f"decode.draft={tree}"])
+    assert f"config key 'decode.draft' = {tree!r} is invalid: draft " in msg and "2x2+ngram3" in msg
 
 
 def test_a_bad_decode_tree_exits_2_from_train_and_writes_nothing(tmp_path, capsys):
     from mtpjax.cli.train import main
 
     run = tmp_path / "r"
-    assert main(["--config", str(TINY), "decode.tree=2x0", f"train.run_dir={run}"]) == 2
+    assert main(["--config", str(TINY), "decode.draft=2x0", f"train.run_dir={run}"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "decode.tree" in err and "2x0" in err and "Traceback" not in err
+    assert len(err.splitlines()) == 1 and "decode.draft" in err and "2x0" in err and "Traceback" not in err
     assert not run.exists()
 
 
-@pytest.mark.parametrize("tree", ["", "2x2x1", "3", "-1,-1,0,0", "2x2+ngram3", "1x1+ngram64"])
+@pytest.mark.parametrize("tree", ["auto", "0", "3", "2x2x1", "-1,-1,0,0", "2x2+ngram3", "2+ngram62"])
 def test_companion_a_good_decode_tree_loads(tree):
-    assert str(load_config(None, [f"decode.tree={tree}"]).decode.tree) == tree
+    assert str(load_config(None, [f"decode.draft={tree}"]).decode.draft) == tree
+
+
+@pytest.mark.parametrize("old", ["decode.num_draft=3", "decode.tree=2x2"])
+def test_the_retired_draft_keys_are_refused_naming_decode_draft(old, tmp_path, capsys):
+    """decode.num_draft and decode.tree became decode.draft: an override or a YAML file naming either is one line
+    naming the new key, and train.py exits 2 on it."""
+    key = old.partition("=")[0]
+    assert error_of([old]) == (f"config key '{key}' was replaced by 'decode.draft' (auto | 0 (plain) | 3 (a chain "
+                               "of 3) | 2x2x1 | -1,-1,0,0 | 2x2+ngram3); write decode.draft=... instead")
+    path = tmp_path / "old.yaml"
+    path.write_text(f"decode:\n  {key.split('.')[1]}: 2\n")
+    with pytest.raises(ConfigError, match=f"'{key}' was replaced by 'decode.draft'"):
+        load_config(path)
+    from mtpjax.cli.train import main
+
+    assert main(["--config", str(TINY), old, f"train.run_dir={tmp_path / 'r'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "decode.draft" in err and "Traceback" not in err
+
+
+def test_companion_decode_draft_loads_where_the_retired_keys_are_refused():
+    assert load_config(None, ["decode.draft=3"]).decode.draft.value.size == 3
 
 
 def test_boundaries_that_are_valid():

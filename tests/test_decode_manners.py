@@ -13,6 +13,19 @@ from mtpjax.decode import api, autodraft
 from mtpjax.eval import verdict
 from mtpjax.cli.decode import label, main
 from mtpjax.decode.loop import execute
+from mtpjax.drafts import chain, parse
+
+
+def T(c):
+    """A candidate as these tests spell it: a chain's γ, or a tree's shape."""
+    return chain(c) if isinstance(c, int) else parse(c)
+
+
+def _cal(choice, round_cost: dict, expected_tokens: dict, pruned=(), **kw) -> autodraft.Calibration:
+    """A Calibration from candidates spelled as T reads them."""
+    return autodraft.Calibration(choice=T(choice), round_cost={T(c): v for c, v in round_cost.items()},
+                                 expected_tokens={T(c): v for c, v in expected_tokens.items()},
+                                 pruned=[T(c) for c in pruned], **kw)
 
 
 def _argv(run, *extra):
@@ -49,9 +62,8 @@ def test_auto_choosing_no_drafts_is_labelled_plain(tiny_run, capsys, monkeypatch
     """When the calibration picks 0 drafts, the stats say `plain` and why, not `[mtp draft=0]`."""
     _, run = tiny_run
     monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: autodraft.Calibration(
-        draft=0, round_cost={0: 1.0, 1: 2.5, 2: 3.4}, alpha_by_position=[0.5, 0.2],
-        expected_tokens={0: 1.0, 1: 1.5, 2: 1.6}, seconds=0.5))
+    monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: _cal(
+        0, {0: 1.0, 1: 2.5, 2: 3.4}, {0: 1.0, 1: 1.5, 2: 1.6}, alpha_by_position=[0.5, 0.2], seconds=0.5))
     assert main(_argv(run, "--stats", "--recalibrate")) == 0
     err = capsys.readouterr().err
     assert "[plain] rounds=" in err and "[mtp draft=0]" not in err
@@ -63,8 +75,7 @@ def test_auto_choosing_no_drafts_is_labelled_plain(tiny_run, capsys, monkeypatch
 
 def _fake_calibration(*a, progress=None, **k):
     progress("auto: timing")
-    return autodraft.Calibration(draft=2, round_cost={0: 1.0, 1: 1.1, 2: 1.2}, alpha_by_position=[0.9, 0.9],
-                                 expected_tokens={0: 1.0, 1: 1.9, 2: 2.7}, seconds=0.5)
+    return _cal(2, {0: 1.0, 1: 1.1, 2: 1.2}, {0: 1.0, 1: 1.9, 2: 2.7}, alpha_by_position=[0.9, 0.9], seconds=0.5)
 
 
 def test_a_new_request_shape_decodes_plain_then_measures(tiny_run, capsys, monkeypatch, tmp_path):
@@ -92,9 +103,8 @@ def test_a_tree_chosen_by_auto_is_named_and_runs_next(tiny_run, capsys, monkeypa
     _, run = tiny_run
     monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path))
     cost, tokens = {0: 1.0, 1: 1.3, 2: 1.6, "2x1": 1.5, "2x2": 1.5}, {0: 1.0, 1: 1.6, 2: 1.9, "2x1": 2.4, "2x2": 2.55}
-    monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: autodraft.Calibration(
-        draft=6, draft="2x2", round_cost=cost, alpha_by_position=[0.6, 0.5], expected_tokens=tokens,
-        pruned=[1, 2], seconds=0.5))
+    monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: _cal(
+        "2x2", cost, tokens, pruned=[1, 2], alpha_by_position=[0.6, 0.5], seconds=0.5))
     assert main(_argv(run, "--stats")) == 0
     first = capsys.readouterr()
     assert "[plain] rounds=" in first.err and "-> next time mtp draft=2x2" in first.err
@@ -120,10 +130,10 @@ def test_calibration_compiles_only_the_loops_the_run_reuses(tiny_run):
     # decode.py's order: plain first, then the probe, which reuses the plain loop and compiles the others once
     before = execute._cache_size()
     res = api.generate(model, prompts, draft="auto", plain_first=True, on_commit=lambda *_: None, **kw)
-    assert res.stats["num_draft"] == 0 and res.stats["calibration"]["source"] == "after"
+    assert res.stats["drafts"] == 0 and res.stats["calibration"]["source"] == "after"
     assert execute._cache_size() - before == len(autodraft.candidates(model, "mtp")) == 5  # 0, 1, 2, 2x1, 2x2
     again = api.generate(model, prompts, draft="auto", plain_first=True, on_commit=lambda *_: None, **kw)
-    assert again.stats["num_draft"] == res.stats["calibration"]["num_draft"]  # remembered...
+    assert again.stats["draft"] == res.stats["calibration"]["draft"]  # remembered...
     assert execute._cache_size() - before == 5  # ...and already compiled
     # the counter does count: a request of another shape compiles its loop
     mid = execute._cache_size()
@@ -133,14 +143,18 @@ def test_calibration_compiles_only_the_loops_the_run_reuses(tiny_run):
 
 def test_auto_never_picks_drafts_within_the_noise_of_plain():
     """A draft count predicted less than MARGIN faster than plain is not worth the risk: plain is chosen."""
-    from mtpjax.nn.speed import choose_num_draft, predicted_speedup
+    from mtpjax.nn.speed import by_position, choose_fastest, expected_tokens
+
+    def pick(alpha, cost: dict, margin=autodraft.MARGIN) -> int:
+        trees = {T(g): c for g, c in cost.items()}
+        return choose_fastest({t: expected_tokens(t, by_position(alpha)) for t in trees}, trees, margin).size
 
     alpha = [0.5]
-    assert 1.0 < predicted_speedup(alpha, 1, 1.45) < autodraft.MARGIN  # 1.5 / 1.45 = 1.03
-    assert choose_num_draft(alpha, {1: 1.45}) == 1  # the bare cost model would take the noise
-    assert autodraft.choose(alpha, {0: 1.0, 1: 1.45}) == 0
-    assert autodraft.choose(alpha, {0: 1.0, 1: 1.2}) == 1  # a clear win (1.25) is taken
-    assert autodraft.choose([], {0: 1.0}) == 0
+    assert 1.0 < expected_tokens(T(1), by_position(alpha)) / 1.45 < autodraft.MARGIN  # 1.5 / 1.45 = 1.03
+    assert pick(alpha, {0: 1.0, 1: 1.45}, margin=1.0) == 1  # the bare cost model would take the noise
+    assert pick(alpha, {0: 1.0, 1: 1.45}) == 0
+    assert pick(alpha, {0: 1.0, 1: 1.2}) == 1  # a clear win (1.25) is taken
+    assert pick([], {0: 1.0}) == 0
 
 
 def test_a_refused_request_echoes_nothing_and_restores_quietly(tiny_run, capfd, caplog):
@@ -177,9 +191,8 @@ def _with_agreement(tiny_run, tmp_path, agreement: list[float]) -> Path:
 
 def _first_call(run, monkeypatch, tmp_path, capsys) -> str:
     monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: autodraft.Calibration(
-        draft=0, round_cost={0: 1.0, 1: 1.9, 2: 2.8}, alpha_by_position=[0.6, 0.4],
-        expected_tokens={0: 1.0, 1: 1.6, 2: 1.84}, seconds=0.5))
+    monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: _cal(
+        0, {0: 1.0, 1: 1.9, 2: 2.8}, {0: 1.0, 1: 1.6, 2: 1.84}, alpha_by_position=[0.6, 0.4], seconds=0.5))
     assert main(_argv(run, "--stats")) == 0
     return capsys.readouterr().err
 

@@ -135,13 +135,13 @@ def hf_greedy(hf_lm):
     return hf_lm.generate_until(_requests())
 
 
-@pytest.mark.parametrize("draft", [{"num_draft": 0}, {"num_draft": 1}])
+@pytest.mark.parametrize("draft", [{"draft": 0}, {"draft": 1}])
 def test_greedy_generation_is_the_hf_backend_s_plain_and_speculative(ours, hf_greedy, draft):
     lm = ours(**draft)
     out = lm.generate_until(_requests())
     assert out == hf_greedy and sum(map(len, out)) > 0
     (st,) = lm.stats.values()
-    assert (sum(st["reached"]) > 0) == (draft != {"num_draft": 0})  # drafts were verified
+    assert (sum(st["reached"]) > 0) == (draft != {"draft": 0})  # drafts were verified
 
 
 def test_companion_generation_not_cut_at_the_stop_sequence_is_not_the_hf_text(ours, hf_greedy, monkeypatch):

@@ -330,7 +330,7 @@ class DraftModelProposer(Proposer):
 
     def impossible(self, target, draft) -> str | None:
         if draft is None:
-            return "proposer 'model' needs a draft model: pass draft=... (decode.py --draft-run-dir RUN)"
+            return "proposer 'model' needs a draft model: pass draft_model=... (decode.py --draft-run-dir RUN)"
         tv, dv = target.cfg.vocab_size, draft.cfg.vocab_size
         if tv != dv:
             return (f"the draft model's vocabulary ({dv} ids) differs from the target's ({tv}); "
