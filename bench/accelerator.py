@@ -150,8 +150,8 @@ def train_section(base, backends, peak: float, steps: int, budget: Budget) -> li
 
 def decode_section(cfg, batches, alpha, prompt_len: int, max_new: int, repeats: int, budget: Budget) -> dict:
     """Plain vs MTP(1) tokens/s per batch, v and c, and what the passed-in α makes of them."""
-    from mtpjax.decode import MTPProposer
-    from mtpjax.decode.tree import chain_tree
+    from mtpjax.decode.proposers import make_proposer
+    from mtpjax.drafts import chain
     from mtpjax.nn.model import build_model
     from mtpjax.nn.speed import floor_ratio
 
@@ -160,8 +160,8 @@ def decode_section(cfg, batches, alpha, prompt_len: int, max_new: int, repeats: 
     weights = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(model))
     rng = np.random.default_rng(1)
     gamma, rows, last = 1, [], 0.0
-    r = floor_ratio(MTPProposer(chain_tree(gamma)), cfg.model, prompt_len + max_new // 2)
-    E = expected_tokens(alpha, gamma)
+    r = floor_ratio(make_proposer("mtp", chain(gamma)), cfg.model, prompt_len + max_new // 2)
+    E = expected_tokens(chain(gamma), [[a] for a in alpha])
     ceiling = speedup_ceiling(alpha, r, gamma)["by_gamma"][gamma]
     for b in batches:
         if not budget.allows(1.5 * last):

@@ -217,7 +217,7 @@ def test_module_caches_equal_fresh_prefill(half_trained, proposer, expect_equal)
         np.testing.assert_allclose(stacked(st.trunk).k_BKSH[:, b, :, : n - 1],
                                    stacked(trunk).k_BKSH[:, 0, :, : n - 1], atol=2e-5)
         mtp = stacked(st.proposer.caches)
-        mods = mods[: proposer.used(model.cfg.mtp_depth)]  # modules=1 drafts with module 1 alone
+        mods = mods[: proposer.in_use(model.cfg.mtp_depth)]  # modules=1 drafts with module 1 alone
         for k, kv in enumerate(mods, start=1):
             valid = n - k
             for got, want in ((mtp.k_BKSH[k - 1, b, :, :valid], kv.k_BKSH[0, :, :valid]),
