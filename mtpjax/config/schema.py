@@ -296,8 +296,9 @@ class TrainConfig:
     nan_policy: NanPolicy = key("stop", "on a non-finite loss or gradient", choices={
         "stop": "stop the run", "skip": "skip the update"})
     max_skipped_steps: int = key(10, "`skip` policy: stop after this many skipped updates", ge=0)
-    peak_flops: float = key(0.0, "per-device peak FLOP/s for MFU; 0 = the best float32 matmul rate of XLA, numpy "
-                                 "or torch, measured at start", ge=0)
+    peak_flops: float = key(0.0, "per-device peak FLOP/s for MFU; 0 = the chip's published dense bf16 peak on a GPU "
+                                 "or TPU (the table `compile` reports use), and only on CPU the best float32 matmul "
+                                 "rate of XLA, numpy or torch, measured at start (the log says which)", ge=0)
     progress: bool = key(True, "tqdm progress bar")
     profile: str = key("", "`start:stop` (e.g. `10:13`): a `jax.profiler` trace of the steps after `start` up to "
                        "`stop` completed steps, in the run's TensorBoard directory (profile tab); empty: none")
