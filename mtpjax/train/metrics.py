@@ -68,8 +68,8 @@ def device_peak(configured: float = 0.0, device=None) -> Peak:
     peak = published_peak(dev.device_kind)
     if peak:
         return Peak(peak, f"published dense bf16 peak of {dev.device_kind}")
-    return Peak(measure_peak_flops(), f"measured float32 matmul rate ({dev.device_kind} is not in parallel.targets' chip table; "
-                           "set train.peak_flops to its peak)")
+    return Peak(measure_peak_flops(), f"measured float32 matmul rate ({dev.device_kind} is not in parallel.targets' "
+                                      "chip table; set train.peak_flops to its peak)")
 
 
 def mfu(tokens_per_sec: float, flops_per_token: float, peak_flops_per_device: float, n_devices: int) -> float:
