@@ -18,6 +18,7 @@ import sys
 from lm_eval.api.registry import register_model
 
 from mtpjax.cli.args import Parser, UsageError, command, draft_flag
+from mtpjax.cli.lm_eval_private import HarnessParsers, harness_parsers
 from mtpjax.drafts import PLAIN
 from mtpjax.eval import tasks
 from mtpjax.eval.harness import MtpjaxLM
@@ -65,13 +66,11 @@ class RunLM(MtpjaxLM):
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
 
-def _harness_cli():
-    """lm-eval's HarnessCLI whose parsers report errors as ours do (Parser.error: one UsageError line)."""
-    from lm_eval._cli import HarnessCLI
-
-    cli = HarnessCLI()
-    for p in (cli._parser, *cli._subparsers.choices.values()):
-        p.prog = "python -m mtpjax lm_eval" + ("" if p is cli._parser else f" {p.prog.split()[-1]}")
+def _harness_cli() -> HarnessParsers:
+    """lm-eval's command line whose parsers report errors as ours do (Parser.error: one UsageError line)."""
+    cli = harness_parsers()
+    for p in (cli.parser, *cli.commands.values()):
+        p.prog = "python -m mtpjax lm_eval" + ("" if p is cli.parser else f" {p.prog.split()[-1]}")
         p.error = functools.partial(Parser.error, p)
     return cli
 
@@ -99,9 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     tasks.go_offline()
     cli = _harness_cli()
-    if argv and argv[0] not in cli._subparsers.choices and argv[0] not in ("-h", "--help"):
+    if argv and argv[0] not in cli.commands and argv[0] not in ("-h", "--help"):
         argv = ["run", *argv]
-    args = cli._parser.parse_args(argv)
+    args = cli.parser.parse_args(argv)
     if getattr(args, "command", None) == "run":
         check_run_args(args)
         args.include_path = ":".join([str(tasks.task_dir()), *([args.include_path] if args.include_path else [])])
