@@ -74,7 +74,7 @@ class Tree:
             out.add(node)
         return out
 
-    def of(self, source: Source) -> Tree:
+    def part(self, source: Source) -> Tree:
         """The nodes `source` drafts, as a tree of their own (they come first, parents before children)."""
         n = sum(s == source for s in self.sources)
         return Tree(self.parents[:n], self.sources[:n])
@@ -92,7 +92,7 @@ class Tree:
         parent list; `+ngramL` for an n-gram branch beside another source's nodes."""
         ngram = self.count("ngram")
         if ngram and ngram < self.size:
-            return f"{self.of(self.sources[0]).name()}+ngram{ngram}"
+            return f"{self.part(self.sources[0]).name()}+ngram{ngram}"
         if self.is_chain():
             return str(self.size)
         b = self._branching()

@@ -461,3 +461,22 @@ def test_the_plugin_filter_drops_only_the_plugin_s_lines(capfd):
                     b"be used.\nour line\n")
         print("python's line", file=sys.stderr)
     assert sorted(capfd.readouterr().err.splitlines()) == ["our line", "python's line"]  # capfd: its own order
+
+
+def test_a_program_over_the_chip_s_memory_raises_does_not_fit_with_its_table():
+    """compile_report has no table argument to forget: a program over capacity is DoesNotFit carrying the memory
+    table (once a TypeError when compile_report's `table=None` was called); companion: one that fits passes."""
+    import inspect
+
+    from mtpjax.train.aot import DoesNotFit, check_fits, compile_report
+
+    assert "table" not in inspect.signature(compile_report).parameters
+    target = parse_target("h100:1")
+    cap = target.chip.hbm_bytes
+    report = {"target": target.name, "chip": dataclasses.asdict(target.chip), "programs": [
+        {"program": "train_step", "memory": {"total": cap + 2**30, "arguments": cap, "temporaries": 2**30}}]}
+    with pytest.raises(DoesNotFit, match=r"^train_step does not fit on .* by 1.00 GiB per device") as e:
+        check_fits(report, target)
+    assert "memory per device (GiB) on h100:1" in e.value.table and "does not fit by 1.00 GiB" in e.value.table
+    report["programs"][0]["memory"]["total"] = cap // 2
+    check_fits(report, target)

@@ -43,7 +43,7 @@ def test_the_loop_verifies_the_tree_parents_describes(model_cfg):
 def test_draft_costs_read_the_typed_record(model_cfg):
     """TokenFlops holds flops_per_token's counts under names; an MTP round's work is counted from them."""
     cfg = model_cfg()
-    f, d = TokenFlops.of(cfg, 12), flops_per_token(cfg, 12)
+    f, d = TokenFlops.per_token(cfg, 12), flops_per_token(cfg, 12)
     assert (f.trunk, f.trunk_matmul, f.module, f.module_matmul, f.head, f.mtp_depth) == (
         d["trunk"], d["trunk_matmul"], d["mtp_module"], d["mtp_module_matmul"], d["head"], cfg.mtp_depth)
     # two modules over 3 rows each

@@ -153,7 +153,7 @@ def test_bad_tree_specs_are_one_line_errors():
     assert parse("2x2x1").parents == (-1, -1, 0, 0, 1, 1, 2, 3, 4, 5)
     assert parse("-1,-1,0").parents == (-1, -1, 0) and Tree((-1, -1, 0, 1), ("mtp",) * 4).name() == "2x1"
     assert Tree((-1, -1, 0, 2), ("mtp",) * 4).name() == "-1,-1,0,2"
-    assert parse("2x2+ngram3").of("mtp") == parse("2x2") and parse("2x2+ngram3").count("ngram") == 3
+    assert parse("2x2+ngram3").part("mtp") == parse("2x2") and parse("2x2+ngram3").count("ngram") == 3
     assert parse("3") == chain(3) and parse("0").size == 0  # a number spells a chain (0: plain)
     for spec in ["2x0", "ax2", "", "-1,1", "9x9", "2x2+ngram0", "2x2+trie", "0+ngram2"]:
         with pytest.raises(DraftError) as e:

@@ -10,7 +10,7 @@ from pathlib import Path
 from mtpjax.cli.args import Parser, command
 from mtpjax.config import load_config
 from mtpjax.parallel.targets import parse_target
-from mtpjax.train.aot import DoesNotFit, compile_report, format_report, memory_table, report_json
+from mtpjax.train.aot import DoesNotFit, compile_report, format_report, report_json
 
 
 @command
@@ -36,8 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     target = parse_target(args.target)
     cfg = load_config(args.config, args.overrides)
     try:
-        report = compile_report(cfg, target, alpha=args.alpha, decode=not args.no_decode, batch=args.decode_batch,
-                                table=memory_table)
+        report = compile_report(cfg, target, alpha=args.alpha, decode=not args.no_decode, batch=args.decode_batch)
     except DoesNotFit as e:
         print(e.table, flush=True)
         raise

@@ -109,7 +109,7 @@ class MTPProposer(Proposer):
     @property
     def mtp(self) -> Tree:
         """The nodes the modules draft."""
-        return self.tree.of("mtp")
+        return self.tree.part("mtp")
 
     def impossible(self, target, draft) -> str | None:
         cfg = target.cfg
@@ -168,8 +168,8 @@ class MTPProposer(Proposer):
             h_BTD, kv = m.mtp_forward(mk, h_in, toks_BW, r.pos_BW, cache=r.caches[mk - 1])
         else:
             # a node's input: its parent's row one level up (past the modules, the shallow ones recomputed as before)
-            ins = [r.out(k - 1 if k <= r.used or tree.depth[v] >= r.used else r.used - 1, tree.parents[v])
-                   for v in nodes]
+            last = r.last_module
+            ins = [r.out(k - 1 if k <= last or tree.depth[v] >= last else last - 1, tree.parents[v]) for v in nodes]
             depth_O = jnp.asarray([tree.depth[v] for v in nodes], jnp.int32)
             pos_BO = (r.n_B - 1 - mk)[:, None] + depth_O[None, :]
             toks_BO = jnp.stack([r.tokens[v] for v in nodes], 1)
@@ -187,7 +187,7 @@ class MTPProposer(Proposer):
         b i.i.d. draws from q. Returns the children."""
         kids = self.tree.children(parent)
         ctx, B = r.ctx, r.n_B.shape[0]
-        logits_BV = r.m.logits(r.m.head_norm(min(k, r.used), h_BD))
+        logits_BV = r.m.logits(r.m.head_norm(min(k, r.last_module), h_BD))
         if len(kids) == 1 or not ctx.sampler.greedy:
             for v in kids:
                 r.tokens[v], r.qs[v] = choose(ctx.sampler, logits_BV, row_keys(ctx.key, 11 + v, ctx.it, B))
@@ -232,7 +232,7 @@ class MTPChainProposer(MTPProposer):
     def _draft(self, r: _Round) -> tuple[list, list]:
         for k in range(1, self.tree.max_depth + 1):
             with jax.named_scope(f"draft{k}"):  # profiles attribute time per depth
-                if k > r.used:
+                if k > r.last_module:
                     self._continue(r, k)
                 else:
                     self._level(r, k, k)
@@ -243,11 +243,11 @@ class MTPChainProposer(MTPProposer):
     def _continue(self, r: _Round, k: int) -> None:
         """Past the modules in use: the last module one row further, from its own output and the last draft (its
         cache holds the window and the rows before, all of the chain)."""
-        m, used = r.m, r.used
-        pos_B = r.n_B - 2 + (k - used)
-        h_BTD, kv = m.mtp_forward(used, r.h_BD[:, None], r.tokens[k - 2][:, None], pos_B[:, None],
-                                  cache=r.caches[used - 1])
-        r.caches = set_layer(r.caches, used - 1, kv)
+        m, last = r.m, r.last_module
+        pos_B = r.n_B - 2 + (k - last)
+        h_BTD, kv = m.mtp_forward(last, r.h_BD[:, None], r.tokens[k - 2][:, None], pos_B[:, None],
+                                  cache=r.caches[last - 1])
+        r.caches = set_layer(r.caches, last - 1, kv)
         r.h_BD = h_BTD[:, 0]
 
     def level_rows(self, k: int, f_target: TokenFlops) -> int:
@@ -272,7 +272,7 @@ class MTPTreeProposer(MTPProposer):
     def _draft(self, r: _Round) -> tuple[list, list]:
         for k in range(1, self.mtp.max_depth + 1):
             with jax.named_scope(f"draft{k}"):  # profiles attribute time per depth
-                self._level(r, k, min(k, r.used))
+                self._level(r, k, min(k, r.last_module))
                 for parent in self.mtp.at_depth(k - 1, k - 1) if k > 1 else (-1,):
                     if self.mtp.children(parent):
                         self._children(r, k, parent, r.h_BD if parent < 0 or not r.sequential else r.rows[k, parent])
@@ -289,8 +289,8 @@ class MTPTreeProposer(MTPProposer):
 class _Round:
     """One round's drafting as it is traced: the window, each level's outputs, the drafts so far, the caches."""
 
-    def __init__(self, m: MTPTransformer, ctx: Context, s_B, W: int, st: MTPState, used: int):
-        self.m, self.ctx, self.s_B, self.W, self.used, self.n_B = m, ctx, s_B, W, used, ctx.n_B
+    def __init__(self, m: MTPTransformer, ctx: Context, s_B, W: int, st: MTPState, last_module: int):
+        self.m, self.ctx, self.s_B, self.W, self.last_module, self.n_B = m, ctx, s_B, W, last_module, ctx.n_B
         self.sequential, self.seq_BS, self.caches = m.cfg.mtp_kind == "sequential", ctx.seq_BS, st.caches
         self.pos_BW = s_B[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :]
         self.wins = {0: read_rows(st.h0_BSD, s_B, W)}  # level k's output over the window
@@ -303,7 +303,7 @@ class _Round:
         """The level's output at the node's row (-1: the root's, where that level's module reads x[n-1])."""
         if node >= 0:
             return self.rows[level, node]
-        return take_rows(self.wins[level], self.n_B - 1 - min(level, self.used) - self.s_B)
+        return take_rows(self.wins[level], self.n_B - 1 - min(level, self.last_module) - self.s_B)
 
     def tree_mask(self, mk: int, sees_OO) -> jax.Array:
         """[B, W+O, W+O]: window rows causal; node rows see the window rows with committed inputs (position <=
@@ -385,7 +385,7 @@ def model_drafts(target: MTPTransformer, draft: MTPTransformer | None) -> int:
 
 def mtp_proposer(modules: int) -> Callable[[Tree], MTPProposer]:
     """The MTP modules' proposer for a tree: in place for a chain, extra rows for anything wider or a hybrid."""
-    return lambda tree: (MTPChainProposer if tree == tree.of("mtp") and tree.is_chain() else MTPTreeProposer)(
+    return lambda tree: (MTPChainProposer if tree == tree.part("mtp") and tree.is_chain() else MTPTreeProposer)(
         tree, modules)
 
 

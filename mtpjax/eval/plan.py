@@ -77,11 +77,11 @@ def plan_trees(cfg: Config) -> list[Tree]:
     chain (its MTP nodes: an n-gram branch drafts for free)."""
     shapes = [drafts.parse(s) for s in PROBED_TREES.get(min(cfg.model.mtp_depth, max(PROBED_TREES)), ())]
     given = cfg.decode.draft.value
-    base = given.of("mtp") if isinstance(given, Tree) and not given.is_chain() else None
+    base = given.part("mtp") if isinstance(given, Tree) and not given.is_chain() else None
     return shapes + ([base] if base is not None and base not in shapes else [])
 
 
-def _h(n: float) -> str:
+def _si(n: float) -> str:
     for unit, s in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= s:
             return f"{n / s:.3f}{unit}"
@@ -112,12 +112,12 @@ def format_plan(plan: dict, cfg: Config) -> str:
               f"decode cache per token ({m.attention_kind}, trunk layers + MTP modules, {m.dtype}): "
               f"{plan['cache_bytes_per_token']:,d} B",
               "FLOPs per token (matmuls 2mnk, full TxT attention; train = 3 x forward):",
-              f"  trunk fwd {_h(fl['trunk'])}  mtp module fwd {_h(fl['mtp_module'])}  head fwd {_h(fl['head'])}",
+              f"  trunk fwd {_si(fl['trunk'])}  mtp module fwd {_si(fl['mtp_module'])}  head fwd {_si(fl['head'])}",
               "  depth   forward      train        +train vs depth-1"]
     prev = None
     for k, f in enumerate(fl["forward_by_depth"]):
-        inc = "" if prev is None else f"+{_h(3 * (f - prev))} ({(f - prev) / prev:+.2%})"
-        lines.append(f"  {k:<5d}   {_h(f):<12} {_h(3 * f):<12} {inc}")
+        inc = "" if prev is None else f"+{_si(3 * (f - prev))} ({(f - prev) / prev:+.2%})"
+        lines.append(f"  {k:<5d}   {_si(f):<12} {_si(3 * f):<12} {inc}")
         prev = f
     return "\n".join(lines + _speculation_lines(plan, m))
 

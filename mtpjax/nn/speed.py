@@ -100,7 +100,8 @@ def floor_ratio(proposer: DraftCost, model_cfg: ModelConfig, context: int,
 
 
 def _flops(model_cfg: ModelConfig, context: int, draft_cfg: ModelConfig | None) -> tuple:
-    return TokenFlops.of(model_cfg, context), None if draft_cfg is None else TokenFlops.of(draft_cfg, context)
+    draft = None if draft_cfg is None else TokenFlops.per_token(draft_cfg, context)
+    return TokenFlops.per_token(model_cfg, context), draft
 
 
 def _per_draft(proposer: DraftCost, draft: float, plain: float) -> float:

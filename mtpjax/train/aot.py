@@ -108,35 +108,35 @@ def _compile(lowered_fn, name: str, capacity: float, table_so_far, platform: str
     try:
         return lowered_fn().compile(compiler_options(platform)), time.perf_counter() - t0
     except Exception as e:  # XlaRuntimeError: a refusal for memory is the user's to fix, anything else a bug
-        used = refused_memory(str(e))
-        if used is None:
+        refused = refused_memory(str(e))
+        if refused is None:
             raise
-        gib = (used["total"] - capacity) / GiB
-        raise DoesNotFit(f"{name} does not fit: the compiler refused it ({used['total'] / GiB:.2f} GiB of "
-                         f"{used['available'] / GiB:.2f} GiB; over by {gib:.2f} GiB); try {KNOBS}",
-                         table_so_far(name, used)) from None
+        gib = (refused["total"] - capacity) / GiB
+        raise DoesNotFit(f"{name} does not fit: the compiler refused it ({refused['total'] / GiB:.2f} GiB of "
+                         f"{refused['available'] / GiB:.2f} GiB; over by {gib:.2f} GiB); try {KNOBS}",
+                         table_so_far(name, refused)) from None
 
 
-def train_programs(cfg: Config, target: Target, mesh, report: dict, table) -> None:
+def train_programs(cfg: Config, target: Target, mesh, report: dict) -> None:
     """Compile the train and eval steps on the config's mesh over the target's devices into report['programs']."""
     programs = make_programs(cfg, mesh)
     B, T = cfg.train.batch_size, cfg.data.seq_len
     tok = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=programs.batch_sharding)
     for name, fn in (("train_step", programs.train_step), ("eval_step", programs.eval_step)):
         c, s = _compile(lambda fn=fn: fn.lower(programs.target, tok, tok), name, target.chip.hbm_bytes,
-                        lambda n, used: table(report, extra=(n, used)), target.platform)
+                        lambda n, refused: memory_table(report, extra=(n, refused)), target.platform)
         report["programs"].append(analyse(name, c, s, cfg))
-        check_fits(report, target, table)
+        check_fits(report, target)
 
 
-def check_fits(report: dict, target: Target, table) -> None:
-    """DoesNotFit when the last compiled program needs more than the chip's memory (GPU: the compiler does not
-    refuse)."""
+def check_fits(report: dict, target: Target) -> None:
+    """DoesNotFit, with the memory table so far, when the last compiled program needs more than the chip's memory
+    (GPU: the compiler does not refuse)."""
     p = report["programs"][-1]
     over = p["memory"]["total"] - target.chip.hbm_bytes
     if over > 0:
         raise DoesNotFit(f"{p['program']} does not fit on {target.chip.name} by {over / GiB:.2f} GiB per device; "
-                         f"try {KNOBS}", table(report))
+                         f"try {KNOBS}", memory_table(report))
 
 
 def decode_loops(cfg: Config, alpha: float) -> list[tuple[str, dict, float]]:
@@ -222,7 +222,7 @@ def estimates(report: dict, cfg: Config, target: Target) -> None:
 
 
 def compile_report(cfg: Config, target: Target, *, alpha: float = 0.8, decode: bool = True, batch: int = 1,
-                   prompt: int = 128, new: int = 128, table=None) -> dict:
+                   prompt: int = 128, new: int = 128) -> dict:
     """Every program compiled for `target` and its numbers (JSON-ready but for each entry's `_program`)."""
     devices = topology_devices(target)
     report = {"target": target.name, "chip": dataclasses.asdict(target.chip), "devices": target.devices,
@@ -231,14 +231,14 @@ def compile_report(cfg: Config, target: Target, *, alpha: float = 0.8, decode: b
     if decode:
         check_mesh(cfg.model, mesh)
     check_parallelism(cfg, mesh)  # a batch the run would refuse is refused here too
-    train_programs(cfg, target, mesh, report, table)
+    train_programs(cfg, target, mesh, report)
     if decode:
         decode_programs(cfg, mesh, report, alpha, batch, min(prompt, cfg.data.seq_len), new)
     estimates(report, cfg, target)
     return report
 
 
-def _g(n: float) -> str:
+def _gib(n: float) -> str:
     return f"{n / GiB:8.2f}"
 
 
@@ -253,13 +253,13 @@ def memory_table(report: dict, extra: tuple | None = None) -> str:
         over = m["total"] - cap
         verdict = (f"does not fit by {over / GiB:.2f} GiB" if over > 0 else
                    f"fits ({-over / cap:.0%} headroom)")
-        parts = "".join(_g(m[k]) + " " if k in m else f"{'-':>8} " for k in
+        parts = "".join(_gib(m[k]) + " " if k in m else f"{'-':>8} " for k in
                         ("arguments", "outputs", "aliased", "temporaries", "generated_code"))
-        lines.append(f"  {name:<28} {parts}{_g(m['total'])}  {verdict}")
+        lines.append(f"  {name:<28} {parts}{_gib(m['total'])}  {verdict}")
     return "\n".join(lines)
 
 
-def _h(n: float) -> str:
+def _si(n: float) -> str:
     for unit, s in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= s:
             return f"{n / s:.3g}{unit}"
@@ -269,24 +269,24 @@ def _h(n: float) -> str:
 def _program_lines(p: dict) -> list[str]:
     r = p["roofline"]
     lines = [f"{p['program']} (compiled in {p['compile_seconds']} s):",
-             f"  FLOPs per device {_h(p['flops'])} (HLO, loop trip counts multiplied out; fused attention kernels "
-             f"{_h(p['attention_kernel_flops'])} from their shapes)"
-             + (f", plan {_h(p['analytic_flops'])} ({p['flops'] / p['analytic_flops']:.3f}x)"
+             f"  FLOPs per device {_si(p['flops'])} (HLO, loop trip counts multiplied out; fused attention kernels "
+             f"{_si(p['attention_kernel_flops'])} from their shapes)"
+             + (f", plan {_si(p['analytic_flops'])} ({p['flops'] / p['analytic_flops']:.3f}x)"
                 if p.get("analytic_flops") else "")]
     if p.get("mtp_share") and p["mtp_share"]["plan"] is not None:
         share = p["mtp_share"]
         lines.append(f"  MTP modules' share of FLOPs {share['compiled']:.1%} (plan {share['plan']:.1%}; module blocks, "
                      "head applications apart)")
-    lines.append(f"  HBM bytes (estimate: each unfused op reads its inputs, writes its output) {_h(p['hbm_bytes'])}B; "
-                 f"collectives {_h(p['collective_bytes'])}B = {p['collective_fraction']:.1%} of the bytes moved")
+    lines.append(f"  HBM bytes (estimate: each unfused op reads its inputs, writes its output) {_si(p['hbm_bytes'])}B; "
+                 f"collectives {_si(p['collective_bytes'])}B = {p['collective_fraction']:.1%} of the bytes moved")
     for kind, v in p["collectives"].items():
-        lines.append(f"    {kind:<20} x{v['count']:<8g} {_h(v['bytes'])}B")
+        lines.append(f"    {kind:<20} x{v['count']:<8g} {_si(v['bytes'])}B")
     lines.append(f"  roofline ESTIMATE: compute {r['compute_s'] * 1e3:.2f} ms, HBM {r['hbm_s'] * 1e3:.2f} ms, "
                  f"collectives {r['collective_s'] * 1e3:.2f} ms -> {r['estimate_s'] * 1e3:.2f} ms ({r['bound']}-bound)"
                  + (f", MFU {p['mfu_estimate']:.1%}" if "mfu_estimate" in p else ""))
     if "round" in p:
         q = p["round"]
-        lines.append(f"  one round: {_h(q['flops'])} FLOPs, {_h(q['hbm_bytes'])}B read/written, "
+        lines.append(f"  one round: {_si(q['flops'])} FLOPs, {_si(q['hbm_bytes'])}B read/written, "
                      f"{q['roofline_s'] * 1e6:.1f} us; {q['tokens_per_round']:.3f} tokens/round at alpha -> "
                      f"speedup ESTIMATE {q['speedup_estimate']:.2f}x over plain")
     k = p["kernels"]
