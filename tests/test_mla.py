@@ -202,7 +202,7 @@ def _fresh_trunk_cache(model, seq_1S, n):
 def test_latent_cache_after_rejections_equals_a_fresh_prefill(model):
     loop = make_loop(model, PROMPTS, max_new_tokens=20, draft=2, proposer="ngram", sampler=make_sampler())
     st = run(model, PROMPTS, loop)
-    res = summarize(st)
+    res = summarize(st, loop.tree)
     assert 0 < sum(res.stats["accepted"]) < sum(res.stats["reached"])
     seq, n_B = np.asarray(st.seq_BS), np.asarray(st.n_B)
     got = stacked(st.trunk)

@@ -100,7 +100,8 @@ def test_plan_tabulates_auto_s_trees_and_the_configured_one():
         assert t["speedup"] == pytest.approx(e[shape] / (v[shape] + 2 * r))
     default = build_plan(cfg, alpha=0.7)
     assert default["alpha_rank2"] == pytest.approx(0.15)  # half of rank 1's misses
-    assert build_plan(load_config(TINY, SMALL_OVERRIDES + ["model.mtp_depth=1"]))["trees"][0]["tree"] == "2"
+    depth1 = build_plan(load_config(TINY, SMALL_OVERRIDES + ["model.mtp_depth=1"]))
+    assert depth1["trees"][0]["tree"] == "-1,-1"  # two children of the root, spelled so since `2` is the chain of 2
     assert build_plan(load_config(TINY, ["model.mtp_depth=0"]))["trees"] == []
 
 
