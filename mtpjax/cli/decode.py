@@ -263,15 +263,13 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
 
 def label(proposer: str, draft: str) -> str:
     """What ran: `plain` for the empty tree, else the proposer and the tree it drafted (decode.draft's spelling)."""
-    tree = parse(draft)
-    if tree.size == 0:
-        return "plain"
-    return f"{proposer} draft={draft}" + ("" if tree.is_chain() else f" ({tree.size} nodes)")
+    return "plain" if parse(draft).size == 0 else f"{proposer} draft={draft}"
 
 
 def _print_stats(s: dict, proposer: str, seconds: float, saved_path) -> None:
     """--stats: what ran and its acceptance; with auto, what was measured, what it cost, and what was chosen."""
-    line = f"[{label(proposer, s['draft'])}] rounds={s['rounds']} tokens/round={s['tokens_per_round']:.2f}"
+    nodes = f" ({s['drafts']} nodes)" if "acceptance_by_depth_rank" in s else ""  # a tree wider than a chain
+    line = f"[{label(proposer, s['draft'])}{nodes}] rounds={s['rounds']} tokens/round={s['tokens_per_round']:.2f}"
     if s["drafts"]:
         if "acceptance_by_depth_rank" in s:  # the share each rank takes at each depth (nn.speed.expected_tokens)
             line += f" acceptance_by_depth_rank={[[round(a, 3) for a in row] for row in s['acceptance_by_depth_rank']]}"
