@@ -108,9 +108,9 @@ def test_the_ceiling_bounds_every_round_costing_at_least_its_floors():
         g, r = rng.randint(1, 6), rng.uniform(0.01, 1.5)
         alpha = [rng.random() for _ in range(g)]
         v, c = 1 + rng.expovariate(1.0), r * (1 + rng.expovariate(2.0))
-        assert predicted_speedup(alpha, g, v + g * c) <= ceiling(alpha, g, r)
-    tree, by = parse_tree("2x2"), [[0.5, 0.3], [0.4, 0.2]]
-    assert tree_expected_tokens(tree, by) / (1.3 + 2 * 0.2) <= tree_ceiling(tree, by, r=0.2)
+        assert E(alpha, g) / (v + g * c) <= ceiling(chain(g), by_position(alpha), r)
+    tree, by = parse("2x2"), [[0.5, 0.3], [0.4, 0.2]]
+    assert expected_tokens(tree, by) / (1.3 + 2 * 0.2) <= ceiling(tree, by, r=0.2)
 
 
 def test_companion_a_ceiling_over_the_n_gram_round_s_v_is_no_bound():
@@ -118,9 +118,10 @@ def test_companion_a_ceiling_over_the_n_gram_round_s_v_is_no_bound():
     (its lookup and bookkeeping included) instead of 1 falls below the MTP round it claims to bound."""
     alpha, r = [0.8], 0.3
     mtp_round = 1.3 + 1 * 0.32  # its verification 1.3 plain steps, its draft 0.32
-    measured = predicted_speedup(alpha, 1, mtp_round)
-    assert round(ceiling(alpha, 1, r, verify_cost=1.92), 2) == 0.81 and round(measured, 2) == 1.11
-    assert ceiling(alpha, 1, r, verify_cost=1.92) < measured <= ceiling(alpha, 1, r)
+    measured = E(alpha, 1) / mtp_round
+    one = chain(1), by_position(alpha)
+    assert round(ceiling(*one, r, verify_cost=1.92), 2) == 0.81 and round(measured, 2) == 1.11
+    assert ceiling(*one, r, verify_cost=1.92) < measured <= ceiling(*one, r)
 
 
 def test_constant_alpha_is_the_closed_form():

@@ -99,7 +99,7 @@ class MtpjaxLM(TemplateLM):
         self.stats: dict[str, dict] = {}  # per task: what generation did (generate_until)
         self.chosen: Tree | None = None  # what Auto chose on its first batch
         # why generation runs plain, where it does (stats' why_plain)
-        self.why_plain = "draft=0 was asked (decode.draft, --num-draft 0 or model_args num_draft=0)"
+        self.why_plain = "draft=0 was asked (decode.draft, or the decode.py or model_args flags that spell it)"
         self.draft_model, self.measure, self._compiled = draft_model, measure, set()
 
     @property
