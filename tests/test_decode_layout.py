@@ -103,7 +103,7 @@ def test_decoding_s_bfloat16_weights_give_the_same_numbers(kw):
 def loop_carried_f32_weights(model, num_draft: int) -> int:
     """Float32 arrays of a weight matrix's shape that the decode loop's `while` carries (in the lowered program,
     before XLA: XLA:CPU itself computes bfloat16 dots in float32), i.e. that every round reads."""
-    lp = host.make_loop(model, PROMPTS, max_new_tokens=4, num_draft=num_draft)
+    lp = host.make_loop(model, PROMPTS, max_new_tokens=4, draft=num_draft)
     (gt, pt), req = nnx.split(model), host.request(lp, PROMPTS)
 
     def fresh(loop, graphs, params, req):

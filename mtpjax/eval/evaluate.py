@@ -157,8 +157,7 @@ def speed_report(model, prompts, *, gamma: int, max_new: int, batch: int = 1, re
         r = timed_decode(model, prompts, draft=gamma, proposer=name, draft_model=dm, **kw)
         exact &= r["outputs"] == plain["outputs"]
         alpha_pos = (r["accepted"] / np.maximum(r["reached"], 1)).tolist()
-        cost = r["sec_per_round"] / t
-        dcfg = None if dm is None else dm.cfg
+        cost, dcfg = r["sec_per_round"] / t, None if dm is None else dm.cfg
         floor = floor_ratio(proposer, model.cfg, context, dcfg)
         e = expected_tokens(chain(gamma), by_position(alpha_pos))
         rep[f"{name}_tokens_per_sec"] = r["tokens_per_sec"]

@@ -30,7 +30,7 @@ def tree_bytes(tree) -> int:
 def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None, max_gamma: int | None = None,
                verify_cost: float | dict = 1.0, alpha_rank2: float | None = None) -> dict:
     """The plan as numbers: parameters, memory, FLOPs per token by depth, and the speculation ceiling per γ and per
-    draft tree (auto's shapes and `decode.tree`).
+    draft tree (auto's shapes and `decode.draft`'s).
 
     r is mtpjax.nn.speed's floor ratio of MTP drafting (the smaller of the FLOPs it computes, each module
     recomputing its window, and the weights it reads), unless `draft_cost` fixes it for every γ; v(γ+1), the
