@@ -150,8 +150,8 @@ def train_section(base, backends, peak: float, steps: int, budget: Budget) -> li
 
 def decode_section(cfg, batches, alpha, prompt_len: int, max_new: int, repeats: int, budget: Budget) -> dict:
     """Plain vs MTP(1) tokens/s per batch, v and c, and what the passed-in α makes of them."""
-    from mtpjax.decode import MTPProposer
-    from mtpjax.decode.tree import chain_tree
+    from mtpjax.decode.proposers import make_proposer
+    from mtpjax.drafts import chain
     from mtpjax.nn.model import build_model
     from mtpjax.nn.speed import floor_ratio
 
@@ -160,8 +160,8 @@ def decode_section(cfg, batches, alpha, prompt_len: int, max_new: int, repeats: 
     weights = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(model))
     rng = np.random.default_rng(1)
     gamma, rows, last = 1, [], 0.0
-    r = floor_ratio(MTPProposer(chain_tree(gamma)), cfg.model, prompt_len + max_new // 2)
-    E = expected_tokens(alpha, gamma)
+    r = floor_ratio(make_proposer("mtp", chain(gamma)), cfg.model, prompt_len + max_new // 2)
+    E = expected_tokens(chain(gamma), [[a] for a in alpha])
     ceiling = speedup_ceiling(alpha, r, gamma)["by_gamma"][gamma]
     for b in batches:
         if not budget.allows(1.5 * last):
@@ -171,9 +171,9 @@ def decode_section(cfg, batches, alpha, prompt_len: int, max_new: int, repeats: 
         prompts = rng.integers(1, cfg.model.vocab_size, (b, prompt_len)).tolist()
         kw = {"max_new": max_new, "batch": b, "repeats": repeats}
         try:
-            plain = timed_decode(model, prompts, num_draft=0, proposer="mtp", **kw)
-            ngram = timed_decode(model, prompts, num_draft=gamma, proposer="ngram", **kw)
-            mtp = timed_decode(model, prompts, num_draft=gamma, proposer="mtp", **kw)
+            plain = timed_decode(model, prompts, draft=0, proposer="mtp", **kw)
+            ngram = timed_decode(model, prompts, draft=gamma, proposer="ngram", **kw)
+            mtp = timed_decode(model, prompts, draft=gamma, proposer="mtp", **kw)
         except Exception as e:  # noqa: BLE001 - reported in the table
             rows.append({"batch": b, "failed": _first_line(e)})
             last = time.perf_counter() - t
@@ -205,8 +205,8 @@ def equality_section(smoke: bool) -> dict:
     prompts = [rng.integers(1, 512, int(n)).tolist() for n in rng.integers(5, 40, 8)]
     max_new = 8 if smoke else 48
     with jax.default_matmul_precision("highest"):
-        plain = generate(model, prompts, max_new_tokens=max_new, num_draft=0).tokens
-        same = {g: generate(model, prompts, max_new_tokens=max_new, num_draft=g).tokens == plain for g in (1, 2)}
+        plain = generate(model, prompts, max_new_tokens=max_new, draft=0).tokens
+        same = {g: generate(model, prompts, max_new_tokens=max_new, draft=g).tokens == plain for g in (1, 2)}
     return {"batch": len(prompts), "max_new": max_new, "identical": same}
 
 

@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench.common import interleave, load, log, median_ratio  # noqa: E402
-from mtpjax.decode.tree import chain_tree
+from mtpjax.drafts import chain
 from mtpjax.eval.plan import tree_bytes  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def round_seconds(model, prompt, short: int, long_: int, repeats: int) -> float:
     """Seconds per plain decode round: the slope between a short and a long generation of one compiled loop."""
     from mtpjax.decode import make_loop, run
 
-    loop = make_loop(model, [prompt], max_new_tokens=long_, num_draft=0)
+    loop = make_loop(model, [prompt], max_new_tokens=long_, draft=0)
 
     def timed(budget):
         t = time.perf_counter()
@@ -103,12 +103,12 @@ def _decode_loop(model, batch: int, rows: int, context: int, capacity: int, iter
 def _draft_loop(model, batch: int, num_draft: int, context: int, capacity: int, iters: int):
     """A jitted call running `iters` drafting steps of the MTP proposer with γ = num_draft (its window of γ+1
     rows through each module, the head per draft), as a round after a commit runs them."""
-    from mtpjax.decode.proposers import MTPProposer
+    from mtpjax.decode.proposers import make_proposer
     from mtpjax.decode.protocol import Context, Models
     from mtpjax.decode.sampling import make_sampler
 
     graph, params = nnx.split(model)
-    prop, sampler, D = MTPProposer(chain_tree(num_draft)), make_sampler(), model.cfg.d_model
+    prop, sampler, D = make_proposer("mtp", chain(num_draft)), make_sampler(), model.cfg.d_model
     n_B = jnp.full((batch,), context, jnp.int32)
     seq_BS = jnp.ones((batch, capacity), jnp.int32)
 

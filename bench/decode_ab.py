@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import re
 import subprocess
@@ -61,6 +62,11 @@ def subject(pkg: str, config: str):
     return model, host.make_loop, host.run
 
 
+def chain_of(make_loop, gamma: int) -> dict:
+    """make_loop's arguments for a chain of γ as the package spells them (draft=, or num_draft= before decode.draft)."""
+    return {"draft" if "draft_model" in inspect.signature(make_loop).parameters else "num_draft": gamma}
+
+
 def measure(config: str, batch: int, gamma: int, max_new: int, rounds: int) -> dict:
     """Seconds per generation of both decoders for one request shape, and whether their tokens agree."""
     rng = np.random.default_rng(batch)
@@ -69,7 +75,7 @@ def measure(config: str, batch: int, gamma: int, max_new: int, rounds: int) -> d
         model, make_loop, run = subject(pkg, config)
         if pkg == "mtpjax":
             prompts = rng.integers(0, model.cfg.vocab_size, (batch, 16)).tolist()
-        loop = make_loop(model, prompts, max_new_tokens=max_new, num_draft=gamma, proposer="mtp")
+        loop = make_loop(model, prompts, max_new_tokens=max_new, proposer="mtp", **chain_of(make_loop, gamma))
 
         def go(model=model, loop=loop, run=run, prompts=prompts, pkg=pkg):
             st = run(model, prompts, loop)

@@ -4,7 +4,7 @@ draft-model speculation, the PyTorch peer.
 For each batch size every variant runs once per round, rounds interleaved; ratios are medians of
 per-round ratios. Round costs (relative to a plain round at the same batch size) feed the predicted
 speedup E(γ)/(v + γc) of mtpjax.nn.speed and its choice of γ ("cost_model"); the "auto" row is the variant
-the decoder's own `generate(num_draft="auto")` picks after timing its probes. The draft model is a
+the decoder's own `generate(draft="auto")` picks after timing its probes. The draft model is a
 second trained run with the same tokenizer (`--draft-run-dir`, configs/draft_tiny.yaml). Beside every
 speculative row: v, the verification of its rows measured apart at that batch size (bench/cache_cliff.py's
 loops, interleaved), c, the rest of its round per drafting call, and its ceiling, the tokens per round it got
@@ -27,17 +27,17 @@ from flax import nnx  # noqa: E402
 
 from bench import peer as peer_mod  # noqa: E402
 from bench.common import interleave, load, log, median_ratio  # noqa: E402
-from mtpjax.decode.tree import chain_tree  # noqa: E402
-from mtpjax.decode import DraftModelProposer, MTPProposer, make_loop, run, summarize  # noqa: E402
-from mtpjax.decode.proposers import NgramProposer  # noqa: E402
+from mtpjax.decode import MTPProposer, make_loop, run, summarize  # noqa: E402
+from mtpjax.decode.proposers import NgramProposer, make_proposer  # noqa: E402
 from mtpjax.decode.tree import acceptance_by_depth_rank  # noqa: E402
 from mtpjax.eval.evaluate import decode_context  # noqa: E402
 from mtpjax.eval.plan import tree_bytes  # noqa: E402
+from mtpjax.drafts import chain  # noqa: E402
 from mtpjax.nn.speed import (  # noqa: E402
-    choose_num_draft,
+    by_position,
+    choose_fastest,
     expected_tokens,
     floor_ratio,
-    predicted_speedup,
     speedup_ceiling,
     weight_ratio,
     work_ratio,
@@ -45,8 +45,9 @@ from mtpjax.nn.speed import (  # noqa: E402
 
 DRAFT_GAMMAS = (1, 2, 3)  # draft-model variants: its drafts cost a fraction of an MTP module's
 CHAIN_GAMMAS = (1, 2, 3)  # MTP chains; past the model's depth module 1 drafts every token (proposer mtp1)
-TREES = ("2", "2x1", "2x2")  # MTP trees: one each as deep as the chains of 1 and 2 drafts, and a wider one
-HYBRIDS = ("1x1+ngram2", "2x1+ngram2")  # a chain or a tree of the modules with n-gram lookup as one more branch
+# variant name -> decode.draft: MTP trees, one each as deep as the chains of 1 and 2 drafts, and a wider one
+TREES = {"2": "-1,-1", "2x1": "2x1", "2x2": "2x2"}
+HYBRIDS = {h: h for h in ("1x1+ngram2", "2x1+ngram2")}  # a chain or a tree of the modules with n-gram lookup beside
 
 
 def load_subject(run_dir: str | None, smoke: bool, n_prompts: int, prompt_len: int):
@@ -92,24 +93,25 @@ def load_draft(draft_run_dir: str | None, smoke: bool, model):
                   "configs/draft_tiny.yaml`")
 
 
-def _ours(model, groups, num_draft: int, proposer: str, max_new: int, draft=None, variant=None, tree=None):
-    """A closure generating every group once; it records the last stats (tokens, rounds, loops, acceptance).
+def _ours(model, groups, draft, proposer: str, max_new: int, draft_model=None, variant=None):
+    """A closure generating every group once, drafting `draft` (a chain's γ or any decode.draft spelling); it records
+    the last stats (tokens, rounds, loops, acceptance; box["tree"]: a wider tree's acceptance by depth and rank).
 
-    `variant`: a proposer object that replaces the named one (the same γ), for variants of a proposer; `tree`: a
-    draft tree's spec instead of a chain (box["tree"]: its nodes' acceptance by depth and rank)."""
-    loops = [make_loop(model, g, max_new_tokens=max_new, num_draft=num_draft, proposer=proposer, draft=draft,
-                       tree=tree) for g in groups]
+    `variant`: a proposer object that replaces the named one (the same tree), for variants of a proposer."""
+    loops = [make_loop(model, g, max_new_tokens=max_new, draft=draft, proposer=proposer, draft_model=draft_model)
+             for g in groups]
     loops = [lp if variant is None else replace(lp, proposer=variant) for lp in loops]
-    G = 0 if tree is None and not num_draft else loops[0].tree.max_depth
+    tree = loops[0].tree
+    G = tree.max_depth
     box = {"loop": loops[0]}
 
     def call():
         toks, rounds, loops_, acc, reach, gen, rows = [], 0, 0, np.zeros(G), np.zeros(G), 0, 0
-        nodes = np.zeros(len(loops[0].proposer.parents()))
+        nodes = np.zeros(tree.size)
         for g, loop in zip(groups, loops):
-            st = run(model, g, loop, draft=draft)
+            st = run(model, g, loop, draft_model=draft_model)
             jax.block_until_ready(st.n_B)
-            res = summarize(st)
+            res = summarize(st, loop.tree)
             toks += res.tokens
             rounds += res.stats["rounds"]
             loops_ += int(np.asarray(st.rounds_B).max())
@@ -120,8 +122,8 @@ def _ours(model, groups, num_draft: int, proposer: str, max_new: int, draft=None
             gen += res.stats["generated"]
             rows += len(g)
         box.update(tokens=toks, rounds=rounds, loops=loops_, accepted=acc, reached=reach, generated=gen, rows=rows)
-        if tree is not None:
-            box["tree"] = acceptance_by_depth_rank(loops[0].tree, nodes.tolist(), reach.tolist())
+        if not tree.is_chain():
+            box["tree"] = acceptance_by_depth_rank(tree, nodes.tolist(), reach.tolist())
 
     call()  # compile (one bucket per batch size) and warm up
     return call, box
@@ -151,8 +153,8 @@ def bench_batch(model, prompts, batch: int, max_new: int, rounds: int, peer=None
         for g in CHAIN_GAMMAS:
             if g > D:
                 gens[f"mtp1_{g}"] = _ours(model, groups, g, "mtp1", max_new)
-        for spec in TREES + HYBRIDS:
-            gens[f"tree{spec}"] = _ours(model, groups, 0, "mtp", max_new, tree=spec)
+        for name, spec in {**TREES, **HYBRIDS}.items():
+            gens[f"tree{name}"] = _ours(model, groups, spec, "mtp", max_new)
     gd = max(D, 2)
     gens[f"ngram{gd}"] = _ours(model, groups, gd, "ngram", max_new)
     if draft is not None:
@@ -187,11 +189,12 @@ def bench_batch(model, prompts, batch: int, max_new: int, rounds: int, peer=None
     if trees:
         out["verify"] = _verify(model, gens, batch, context, rounds, out["variants"], draft)
     if D:
-        out["ceiling"] = _ceiling(out["variants"], "mtp", D, lambda g: MTPProposer(chain_tree(g)), model.cfg, context)
+        out["ceiling"] = _ceiling(out["variants"], "mtp", D, lambda g: make_proposer("mtp", chain(g)), model.cfg,
+                                  context)
         _auto(model, groups, max_new, out["variants"])
     if draft is not None:
-        out["draft_ceiling"] = _ceiling(out["variants"], "model", max(DRAFT_GAMMAS), lambda g: DraftModelProposer(g),
-                                        model.cfg, context, draft.cfg)
+        out["draft_ceiling"] = _ceiling(out["variants"], "model", max(DRAFT_GAMMAS),
+                                        lambda g: make_proposer("model", chain(g)), model.cfg, context, draft.cfg)
     for c in (out.get("ceiling"), out.get("draft_ceiling")):
         if c:
             c["context"] = context
@@ -205,18 +208,18 @@ def _verify(model, gens: dict, batch: int, context: int, rounds: int, v: dict, d
     from bench.cache_cliff import measure_rows
 
     loops = {k: box["loop"] for k, (_, box) in gens.items() if "loop" in box and k != "plain"}
-    most = max(len(lp.proposer.parents()) + 1 for lp in loops.values())
+    most = max(lp.tree.size + 1 for lp in loops.values())
     most = max(most, 8) if model.cfg.n_layers > 2 else most  # v(1..8) as issue 30 asks; a smoke model: what it uses
     meas = measure_rows(model, list(range(1, most + 1)), [1] if model.cfg.mtp_depth else [], batch, context,
                         rounds=max(rounds, 3))
     for k, lp in loops.items():
         r, prop = v[k], lp.proposer
-        rows = len(prop.parents()) + 1
+        rows = prop.tree.size + 1
         calls = (0 if isinstance(prop, NgramProposer)  # lookup: no model call
                  else prop.tree.max_depth if isinstance(prop, MTPProposer)  # a level's nodes in one call; the
-                 else prop.num_draft)  # hybrid's n-gram branch adds none
+                 else prop.tree.size)  # hybrid's n-gram branch adds none
         floor = floor_ratio(prop, model.cfg, context, draft.cfg if draft is not None and k.startswith("model")
-                            else None) * prop.num_draft
+                            else None) * prop.tree.size
         r["rows"], r["verify_cost_v"] = rows, meas["v"][rows]
         r["draft_cost_c"] = (r["round_cost"] - r["verify_cost_v"]) / calls if calls else None
         r["draft_floor"] = floor
@@ -234,16 +237,17 @@ def _predict(v: dict, gd: int, prefix: str) -> None:
     for k, r in v.items():
         if k.startswith(prefix) and k[len(prefix):].isdigit():
             g = int(k[len(prefix):])
-            r["expected_tokens_per_round"] = expected_tokens(r["acceptance_by_position"], g)
-            r["predicted_speedup"] = predicted_speedup(r["acceptance_by_position"], g, r["round_cost"])
+            r["expected_tokens_per_round"] = expected_tokens(chain(g), by_position(r["acceptance_by_position"]))
+            r["predicted_speedup"] = r["expected_tokens_per_round"] / r["round_cost"]
             if g == gd:
                 r["verify_cost_v"], r["draft_cost_c"] = vv, (r["round_cost"] - vv) / g
             r["measured_over_predicted"] = r["vs_plain"] / r["predicted_speedup"]
             costs[g] = r["round_cost"]
     if costs:
         alpha = v[f"{prefix}{max(costs)}"]["acceptance_by_position"]
-        v[f"cost_model_{prefix}" if prefix != "mtp" else "cost_model"] = {
-            "num_draft": choose_num_draft(alpha, costs), "round_cost": costs}
+        trees = {chain(g): c for g, c in {0: 1.0, **costs}.items()}
+        pick = choose_fastest({t: expected_tokens(t, by_position(alpha)) for t in trees}, trees)
+        v[f"cost_model_{prefix}" if prefix != "mtp" else "cost_model"] = {"num_draft": pick.size, "round_cost": costs}
 
 
 def _ceiling(v: dict, prefix: str, top: int, proposer, cfg, context: int, draft_cfg=None) -> dict:
@@ -255,24 +259,24 @@ def _ceiling(v: dict, prefix: str, top: int, proposer, cfg, context: int, draft_
     reads = {g: weight_ratio(proposer(g), cfg, context, draft_cfg) for g in gammas}
     ratio = lambda g: floor_ratio(proposer(g), cfg, context, draft_cfg)  # noqa: E731
     c = speedup_ceiling(alpha, ratio, top)
-    return {"ceiling_r": ratio(c["num_draft"] or top), "work_ratio_by_gamma": work, "weight_ratio_by_gamma": reads,
-            "alpha_by_position": alpha, "by_gamma": c["by_gamma"], "max": c["max"], "num_draft": c["num_draft"],
+    return {"ceiling_r": ratio(c["gamma"] or top), "work_ratio_by_gamma": work, "weight_ratio_by_gamma": reads,
+            "alpha_by_position": alpha, "by_gamma": c["by_gamma"], "max": c["max"], "num_draft": c["gamma"],
             "perfect_drafter": speedup_ceiling([1.0], ratio, top)["by_gamma"][top]}
 
 
 def _auto(model, groups, max_new: int, v: dict) -> None:
-    """The decoder's own choice (generate(num_draft="auto") times its probes) and how the chosen variant did here."""
+    """The decoder's own choice (generate(draft="auto") times its probes) and how the chosen variant did here."""
     from mtpjax.decode import generate
 
-    stats = generate(model, groups[0], max_new_tokens=max_new, num_draft="auto").stats
-    g, shape = stats["num_draft"], stats.get("tree")
+    stats = generate(model, groups[0], max_new_tokens=max_new, draft="auto").stats
+    g, shape = stats["drafts"], None if "acceptance_by_depth_rank" not in stats else stats["draft"]
     v["auto"] = {"num_draft": g, "tree": shape, "calibration": stats["calibration"]}
     if shape is None:
         v["auto"].update({k: v["plain" if g == 0 else f"mtp{g}"][k] for k in ("tokens_per_sec", "vs_plain")})
         return
     # a tree won: no variant above decodes it, so it is timed against plain here, interleaved as they were
-    fns = {k: (lambda t=t: [generate(model, grp, max_new_tokens=max_new, tree=t) for grp in groups])
-           for k, t in (("plain", None), ("auto", shape))}
+    fns = {k: (lambda t=t: [generate(model, grp, max_new_tokens=max_new, draft=t) for grp in groups])
+           for k, t in (("plain", 0), ("auto", shape))}
     for fn in fns.values():
         fn()  # compiled already (the probe's loops); warm
     times = interleave(fns, 3)

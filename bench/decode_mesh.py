@@ -39,6 +39,7 @@ from mtpjax.config import MeshConfig, load_config  # noqa: E402
 from mtpjax.decode import autodraft, make_loop, run, summarize  # noqa: E402
 from mtpjax.decode.cache import take_rows  # noqa: E402
 from mtpjax.decode.loop import Loop  # noqa: E402
+from mtpjax.drafts import chain  # noqa: E402
 from mtpjax.decode.mesh import on_mesh  # noqa: E402
 from mtpjax.decode.sampling import row_keys  # noqa: E402
 from mtpjax.nn.model import build_model  # noqa: E402
@@ -69,8 +70,8 @@ def loops_for(model, prompts, args) -> dict:
     """γ -> the loop: plain, and the chains 1..mtp_depth at the forced acceptance."""
     out = {}
     for g in range(model.cfg.mtp_depth + 1):
-        loop = make_loop(model, prompts, max_new_tokens=args.max_new, num_draft=g)
-        out[g] = loop if g == 0 else AtRate(**{f.name: getattr(loop, f.name) for f in dataclasses.fields(loop)},
+        loop = make_loop(model, prompts, max_new_tokens=args.max_new, draft=g)
+        out[chain(g)] = loop if g == 0 else AtRate(**{f.name: getattr(loop, f.name) for f in dataclasses.fields(loop)},
                                             alpha=tuple(args.alpha))
     return out
 
@@ -83,13 +84,15 @@ def bench_batch(models: dict, batch: int, args) -> dict:
     for where, model in models.items():
         loops = loops_for(model, prompts, args)
         cal = autodraft.calibrate(model, prompts, loops)  # compiles every loop, which the timing below reuses
-        auto[where] = {"choice": cal.choice, "round_cost": cal.round_cost, "expected_tokens": cal.expected_tokens,
-                       "alpha_by_position": cal.alpha_by_position}
-        for g, loop in loops.items():
+        named = cal.as_dict()
+        auto[where] = {"choice": cal.choice.size, "round_cost": named["round_cost"],
+                       "expected_tokens": named["expected_tokens"], "alpha_by_position": cal.alpha_by_position}
+        for t, loop in loops.items():
+            g = t.size
             name = f"{'plain' if g == 0 else f'mtp{g}'}_{where}"
-            if where == "one" and g not in (0, cal.choice):
+            if where == "one" and t not in (chain(0), cal.choice):
                 continue  # one device: plain and auto's choice only (the goals compare MTP on tensor=2)
-            res = summarize(run(model, prompts, loop))
+            res = summarize(run(model, prompts, loop), loop.tree)
             outputs[name] = res.tokens
             if g:
                 alpha[name] = res.stats["acceptance_by_position"]

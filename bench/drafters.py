@@ -144,7 +144,7 @@ def decode_speed(cfg, drafters: dict, prompts, gamma: int, batches, max_new: int
     median of per-round ratios, wall and CPU time), output identical to plain, and each drafter's ceiling."""
     from bench.decode_bench import _ours
     from mtpjax.decode.proposers import make_proposer
-    from mtpjax.decode.tree import chain_tree
+    from mtpjax.drafts import chain
     from mtpjax.eval.evaluate import decode_context
     from mtpjax.nn.speed import floor_ratio, speedup_ceiling
 
@@ -168,7 +168,7 @@ def decode_speed(cfg, drafters: dict, prompts, gamma: int, batches, max_new: int
                 m, proposer, draft = drafters[k]
                 alpha = (box["accepted"] / np.maximum(box["reached"], 1)).tolist()
                 ratio = lambda g, p=proposer, d=draft, c=context: floor_ratio(
-                    make_proposer(p, chain_tree(g)), cfg.model, c, None if d is None else d.cfg)
+                    make_proposer(p, chain(g)), cfg.model, c, None if d is None else d.cfg)
                 r |= {"tokens_per_round": (box["generated"] - box["rows"]) / max(box["rounds"], 1),
                       "acceptance_by_position": alpha, "ceiling": speedup_ceiling(alpha, ratio, gamma)["max"]}
             rows[k] = r

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     absl.logging.set_verbosity(absl.logging.ERROR)
     hf_dir = Path(tempfile.mkdtemp(prefix="harness-bench-")) / "hf"
     export_run(a.run_dir, hf_dir, step=a.step)
-    ours = {g: load_lm(a.run_dir, a.step, batch_size=a.batch_size, num_draft=g, max_gen_toks=a.max_gen)
+    ours = {g: load_lm(a.run_dir, a.step, batch_size=a.batch_size, draft=g, max_gen_toks=a.max_gen)
             for g in (0, 1, "auto")}
     # the same truncation as ours (data.seq_len; the export's max_position_embeddings is longer)
     hf = HFLM(pretrained=str(hf_dir), tokenizer=PreTrainedTokenizerFast.from_pretrained(str(hf_dir)),

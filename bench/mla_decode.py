@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         model = build_model(cfg, seed=0)
         if name == "mla relaid":
             nnx.update(model, nnx.state(loops["mla"][0]))
-        loops[name] = (model, make_loop(model, [prompt], max_new_tokens=args.long, num_draft=0,
+        loops[name] = (model, make_loop(model, [prompt], max_new_tokens=args.long, draft=0,
                                         max_len=len(prompt) + args.long))
 
     def timed(name, budget):

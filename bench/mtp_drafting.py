@@ -26,28 +26,28 @@ import numpy as np  # noqa: E402
 
 from bench.common import interleave, load, log, median_ratio  # noqa: E402
 from bench.decode_bench import _ours, load_subject  # noqa: E402
-from mtpjax.decode.tree import chain_tree
-from mtpjax.decode import MTPProposer  # noqa: E402
+from mtpjax.decode import MTPChainProposer  # noqa: E402
+from mtpjax.drafts import chain  # noqa: E402
 
 
 @dataclass(frozen=True)
-class OldWindow(MTPProposer):
+class OldWindow(MTPChainProposer):
     """The window before this change: γ + min(γ, D) rows."""
 
     depth: int = 0
 
     def window(self, depth: int) -> int:
-        return self.num_draft + min(self.num_draft, self.depth)
+        return self.tree.size + min(self.tree.size, self.depth)
 
 
 def variants(depth: int, gammas) -> dict:
     """name -> the MTP proposer it decodes with."""
     out = {}
     for g in gammas:
-        out[f"mtp{g}_old_window"] = OldWindow(chain_tree(g), depth=depth)
-        out[f"mtp{g}"] = MTPProposer(chain_tree(g))
+        out[f"mtp{g}_old_window"] = OldWindow(chain(g), depth=depth)
+        out[f"mtp{g}"] = MTPChainProposer(chain(g))
         if g > 1:
-            out[f"mtp{g}_module1"] = MTPProposer(chain_tree(g), modules=1)
+            out[f"mtp{g}_module1"] = MTPChainProposer(chain(g), modules=1)
     return out
 
 
@@ -57,7 +57,7 @@ def bench_batch(model, prompts, batch: int, max_new: int, rounds: int, gammas) -
     groups = [prompts[i * batch:(i + 1) * batch] for i in range(n)]
     gens = {"plain": _ours(model, groups, 0, "mtp", max_new)}
     for name, prop in variants(model.cfg.mtp_depth, gammas).items():
-        gens[name] = _ours(model, groups, prop.num_draft, "mtp", max_new, variant=prop)
+        gens[name] = _ours(model, groups, prop.tree.size, "mtp", max_new, variant=prop)
     cpu: dict = {}
     times = interleave({k: v[0] for k, v in gens.items()}, rounds, seed=batch, cpu=cpu)
     out = {"batch": batch, "max_new": max_new, "load": load(), "variants": {}}

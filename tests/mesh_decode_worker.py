@@ -38,12 +38,12 @@ MLA_MOE = dict(attention_kind="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rop
                mlp_kind="moe", n_routed_experts=4, num_experts_per_tok=2, moe_d_ff=32, first_k_dense_replace=1)
 # (name, model, mesh axes, request): each rule of decode.mesh by one case, not the whole product
 CASES = [
-    ("gqa-tensor2-mtp", "gqa", dict(tensor=2), dict(num_draft=3)),
-    ("gqa-data2-tree", "gqa", dict(data=2), dict(tree="2x2")),
-    ("mla-moe-expert2-mtp", "mla", dict(expert=2), dict(num_draft=2)),
-    ("mla-moe-tensor2-hybrid", "mla", dict(tensor=2), dict(tree="2x2+ngram2")),
-    ("mla-moe-data2-ngram", "mla", dict(data=2), dict(num_draft=2, proposer="ngram")),
-    ("gqa-data2-tensor2-draft", "gqa", dict(data=2, tensor=2), dict(num_draft=2, proposer="model", prompts=3)),
+    ("gqa-tensor2-mtp", "gqa", dict(tensor=2), dict(draft=3)),
+    ("gqa-data2-tree", "gqa", dict(data=2), dict(draft="2x2")),
+    ("mla-moe-expert2-mtp", "mla", dict(expert=2), dict(draft=2)),
+    ("mla-moe-tensor2-hybrid", "mla", dict(tensor=2), dict(draft="2x2+ngram2")),
+    ("mla-moe-data2-ngram", "mla", dict(data=2), dict(draft=2, proposer="ngram")),
+    ("gqa-data2-tensor2-draft", "gqa", dict(data=2, tensor=2), dict(draft=2, proposer="model", prompts=3)),
 ]
 MAX_NEW = 16
 
@@ -53,12 +53,12 @@ def mesh_of(axes: dict):
     return make_mesh(MeshConfig(**axes), jax.devices()[:n])
 
 
-def decode(model, prompts, draft=None, sampler=None, **kw):
+def decode(model, prompts, draft_model=None, sampler=None, **kw):
     """(tokens, stats, final state) of one generation."""
-    loop = make_loop(model, prompts, max_new_tokens=MAX_NEW, sampler=sampler or make_sampler(), draft=draft,
-                     **{"num_draft": 0, **kw})
-    st = run(model, prompts, loop, draft=draft)
-    res = summarize(st)
+    loop = make_loop(model, prompts, max_new_tokens=MAX_NEW, sampler=sampler or make_sampler(),
+                     draft_model=draft_model, **kw)
+    st = run(model, prompts, loop, draft_model=draft_model)
+    res = summarize(st, loop.tree)
     return res.tokens, res.stats, st
 
 
@@ -104,10 +104,10 @@ def cases(ms: dict, out: dict) -> None:
         prompts = PROMPTS[: req.pop("prompts", len(PROMPTS))]
         mesh = mesh_of(axes)
         draft = ms["draft"] if req.get("proposer") == "model" else None
-        one, stats, _ = decode(ms[model], prompts, draft=draft, **req)
+        one, stats, _ = decode(ms[model], prompts, draft_model=draft, **req)
         sharded = on_mesh(ms[model], mesh)
         sdraft = None if draft is None else on_mesh(draft, mesh)
-        toks, _, st = decode(sharded, prompts, draft=sdraft, **req)
+        toks, _, st = decode(sharded, prompts, draft_model=sdraft, **req)
         out["cases"][name] = {"one": one, "mesh": toks, "layouts": layouts(st), "accepted": sum(stats["accepted"]),
                               "reached": sum(stats["reached"])}
         if name == "gqa-tensor2-mtp":
@@ -137,7 +137,7 @@ def patched(module, name: str, value, model, prompts, req):
 def caches_after_rejections(model) -> dict:
     """tensor=2, sampled MTP drafting: committed cache entries against a fresh prefill on the mesh (max differences)."""
     sharded = on_mesh(model, mesh_of(dict(tensor=2)))
-    _, stats, st = decode(sharded, PROMPTS, num_draft=3)
+    _, stats, st = decode(sharded, PROMPTS, draft=3)
     seq, n_B = np.asarray(st.seq_BS), np.asarray(st.n_B)
     worst = 0.0
     for b in range(len(PROMPTS)):

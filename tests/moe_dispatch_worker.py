@@ -178,10 +178,10 @@ def decode_checks() -> dict:
     prompts = [[3, 9, 27, 17, 51], [5, 8, 13, 21]]
     sharded = on_mesh(model, make_mesh(cfg.mesh))
     out = {"one_plain": generate(model, prompts, max_new_tokens=8).tokens,
-           "mesh_speculative": generate(sharded, prompts, max_new_tokens=8, num_draft=1).tokens}
+           "mesh_speculative": generate(sharded, prompts, max_new_tokens=8, draft=1).tokens}
     jax.clear_caches()  # the loop is compiled again, without for_decoding
     with mock.patch.object(decode_loop, "for_decoding", lambda m: m):
-        out["mesh_as_built"] = generate(sharded, prompts, max_new_tokens=8, num_draft=1).tokens
+        out["mesh_as_built"] = generate(sharded, prompts, max_new_tokens=8, draft=1).tokens
     return out
 
 

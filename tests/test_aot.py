@@ -7,6 +7,7 @@ plugin prints a line on every process's start on a machine without CUDA, which o
 Every compile this file needs starts when its first test does, two processes at a time (the CI machine's cores).
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -517,3 +518,20 @@ def test_search_ranks_the_meshes_that_fit_by_the_estimate(runs):
     assert [r["estimate_s"] for r in rows] == sorted(r["estimate_s"] for r in rows)
     assert out.strip().splitlines()[-1] == "best: " + " ".join(rows[0]["overrides"])
     assert out.startswith("mesh search on h100:4")
+def test_a_program_over_the_chip_s_memory_raises_does_not_fit_with_its_table():
+    """compile_report has no table argument to forget: a program over capacity is DoesNotFit carrying the memory
+    table (once a TypeError when compile_report's `table=None` was called); companion: one that fits passes."""
+    import inspect
+
+    from mtpjax.train.aot import DoesNotFit, check_fits, compile_report
+
+    assert "table" not in inspect.signature(compile_report).parameters
+    target = parse_target("h100:1")
+    cap = target.chip.hbm_bytes
+    report = {"target": target.name, "chip": dataclasses.asdict(target.chip), "programs": [
+        {"program": "train_step", "memory": {"total": cap + 2**30, "arguments": cap, "temporaries": 2**30}}]}
+    with pytest.raises(DoesNotFit, match=r"^train_step does not fit on .* by 1.00 GiB per device") as e:
+        check_fits(report, target)
+    assert "memory per device (GiB) on h100:1" in e.value.table and "does not fit by 1.00 GiB" in e.value.table
+    report["programs"][0]["memory"]["total"] = cap // 2
+    check_fits(report, target)

@@ -201,7 +201,7 @@ def test_a_run_resumes_and_decodes_on_another_backend(tmp_path, capfd):
         check_identity(replace(cfg, ["model.attention=xla", "model.n_layers=3"]))
     saved, model, _ = load_model(tmp_path / "run", step=2)
     assert saved.model.attention == "splash"
-    out = generate(model, [[1, 2, 3, 4, 5]], max_new_tokens=6, num_draft=1).tokens
+    out = generate(model, [[1, 2, 3, 4, 5]], max_new_tokens=6, draft=1).tokens
     assert len(out[0]) == 6
 
 

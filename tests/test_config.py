@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 from pydantic import Field, ValidationError
 
+from mtpjax import drafts
 from mtpjax.config import (
     RUNTIME_KEYS,
     Config,
@@ -212,7 +213,7 @@ def test_wrong_type(override, key, allowed):
     (["checkpoint.every=0"], "checkpoint.every"),
     (["checkpoint.keep=0"], "checkpoint.keep"),
     (["decode.max_new_tokens=0"], "decode.max_new_tokens"),
-    (["decode.num_draft=-2"], "decode.num_draft"),
+    (["decode.draft=-2"], "decode.draft"),
     (["decode.proposer=eagle"], "decode.proposer"),
     (["decode.temperature=-1"], "decode.temperature"),
     (["decode.top_k=-1"], "decode.top_k"),
@@ -223,28 +224,52 @@ def test_invalid_value_names_key(overrides, key):
     assert f"config key '{key}'" in error_of(overrides)
 
 
-@pytest.mark.parametrize("tree", ["2x0", "abc", "9x9", "-1,1", "2x2+trie", "2x2+ngram0"])
+@pytest.mark.parametrize("tree", ["2x0", "abc", "9x9", "-1,1", "2x2+trie", "2x2+ngram0", ""])
 def test_a_bad_decode_tree_is_refused_when_the_config_loads(tree):
-    """The tree spec's one parser (config.specs; decode.tree re-exports it) runs at load, not at the first decode."""
-    msg = error_of([f"decode.tree={tree}"])
-    assert f"config key 'decode.tree' = {tree!r} is invalid: tree " in msg and "(empty: a chain)" in msg
+    """The draft's one parser (mtpjax.drafts, which decode.draft's wrapper calls) runs at load, not at the first
+    decode. (decode.draft replaced decode.tree: the message names the new key, and empty is no longer a chain.)"""
+    msg = error_of([f"decode.draft={tree}"])
+    assert f"config key 'decode.draft' = {tree!r} is invalid: draft " in msg and "\n" not in msg
 
 
 def test_a_bad_decode_tree_exits_2_from_train_and_writes_nothing(tmp_path, capsys):
     from mtpjax.cli.train import main
 
     run = tmp_path / "r"
-    assert main(["--config", str(TINY), "decode.tree=2x0", f"train.run_dir={run}"]) == 2
+    assert main(["--config", str(TINY), "decode.draft=2x0", f"train.run_dir={run}"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "decode.tree" in err and "2x0" in err and "Traceback" not in err
+    assert len(err.splitlines()) == 1 and "decode.draft" in err and "2x0" in err and "Traceback" not in err
     assert not run.exists()
 
 
-@pytest.mark.parametrize("tree", ["", "2x2x1", "3", "-1,-1,0,0", "2x2+ngram3", "1x1+ngram64"])
+@pytest.mark.parametrize("tree", ["auto", "0", "3", "2x2x1", "-1,-1,0,0", "2x2+ngram3", "2+ngram62"])
 def test_companion_a_good_decode_tree_loads(tree):
-    """The tree is the parsed shape itself (None: a chain), written back as its spec."""
-    cfg = load_config(None, [f"decode.tree={tree}"])
-    assert cfg.to_dict()["decode"]["tree"] == tree and (cfg.decode.tree is None) == (tree == "")
+    """The draft is the parsed value itself (a mtpjax.drafts Tree, or Auto), written back as its spelling."""
+    cfg = load_config(None, [f"decode.draft={tree}"])
+    assert cfg.to_dict()["decode"]["draft"] == tree and cfg.decode.draft.name() == tree
+    assert isinstance(cfg.decode.draft, drafts.Auto) == (tree == "auto")
+
+
+@pytest.mark.parametrize("old", ["decode.num_draft=3", "decode.tree=2x2"])
+def test_the_retired_draft_keys_are_refused_naming_decode_draft(old, tmp_path, capsys):
+    """decode.num_draft and decode.tree became decode.draft: an override or a YAML file naming either is one line
+    naming the new key, and train.py exits 2 on it."""
+    key = old.partition("=")[0]
+    assert error_of([old]) == (f"config key '{key}' was replaced by 'decode.draft' (auto | 0 (plain) | 3 (a chain "
+                               "of 3) | 2x2x1 | -1,-1,0,0 | 2x2+ngram3); write decode.draft=... instead")
+    path = tmp_path / "old.yaml"
+    path.write_text(f"decode:\n  {key.split('.')[1]}: 2\n")
+    with pytest.raises(ConfigError, match=f"'{key}' was replaced by 'decode.draft'"):
+        load_config(path)
+    from mtpjax.cli.train import main
+
+    assert main(["--config", str(TINY), old, f"train.run_dir={tmp_path / 'r'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "decode.draft" in err and "Traceback" not in err
+
+
+def test_companion_decode_draft_loads_where_the_retired_keys_are_refused():
+    assert load_config(None, ["decode.draft=3"]).decode.draft.size == 3
 
 
 def test_boundaries_that_are_valid():
@@ -449,10 +474,10 @@ def test_every_decode_cli_choice_with_a_config_twin_is_the_configs():
 
 
 def test_every_proposer_is_a_config_choice_and_back():
-    from mtpjax.decode.proposers import PROPOSERS
+    from mtpjax.decode.proposers import DRAFTERS
 
-    assert tuple(PROPOSERS) == choices(DecodeConfig, "proposer")
-    for name in PROPOSERS:  # decode.py --proposer mtp1 works, so does decode.proposer=mtp1
+    assert tuple(DRAFTERS) == choices(DecodeConfig, "proposer")
+    for name in DRAFTERS:  # decode.py --proposer mtp1 works, so does decode.proposer=mtp1
         assert load_config(None, [f"decode.proposer={name}"]).decode.proposer == name
 
 

@@ -304,7 +304,7 @@ def test_imported_run_decodes_with_fresh_mtp_modules(tmp_path):
                             "--max-new-tokens", "12", "--num-draft", draft, "--stats"],
                            check=False, capture_output=True, text=True, cwd=ROOT, timeout=600)
         assert p.returncode == 0, p.stderr
-        assert ("[plain]" if draft == "0" else f"[mtp num_draft={draft}]") in p.stderr  # what ran
+        assert ("[plain]" if draft == "0" else f"[mtp draft={draft}]") in p.stderr  # what ran
         outs.append(p.stdout)
     assert outs[0] == outs[1] and len(outs[0].strip()) > 0
 
@@ -378,7 +378,7 @@ def test_export_import_roundtrip_is_bitwise(tmp_path, overrides, back):
     assert np.array_equal(embed.float().numpy(), np.asarray(a.embed[...], np.float32))
     if not cfg_a.model.scan_layers:  # one case suffices: equal parameters and config decode alike
         prompts = [tok_a.encode("def f(x):"), tok_a.encode("import os\n")]
-        gen = [[list(map(int, r)) for r in generate(m, prompts, max_new_tokens=10, num_draft=2).tokens] for m in (a, b)]
+        gen = [[list(map(int, r)) for r in generate(m, prompts, max_new_tokens=10, draft=2).tokens] for m in (a, b)]
         assert gen[0] == gen[1]
 
 

@@ -36,7 +36,7 @@ def test_generate_streams_text(runs, capsys):
     assert main(argv + ["--num-draft", "2"]) == 0
     out = capsys.readouterr()
     assert out.out.endswith("\n") and len(out.out) > 1
-    assert "tokens/round=" in out.err and "[mtp num_draft=2]" in out.err
+    assert "tokens/round=" in out.err and "[mtp draft=2]" in out.err
 
 
 @pytest.mark.slow
@@ -112,7 +112,7 @@ def test_plain_model_defaults_to_ngram_and_plain(runs, capsys):
     # a fixed draft count shows the proposer (auto decodes a new request shape plain first)
     assert main(["--run-dir", str(runs["plain"]), "--prompt", "abcabc", "--max-new-tokens", "4", "--stats",
                  "--num-draft", "2"]) == 0
-    assert "[ngram num_draft=2]" in capsys.readouterr().err
+    assert "[ngram draft=2]" in capsys.readouterr().err
     assert main(["--run-dir", str(runs["plain"]), "--prompt", "abc", "--max-new-tokens", "4", "--num-draft", "0"]) == 0
 
 
@@ -217,7 +217,7 @@ def test_draft_run_drafts_and_keeps_the_greedy_text(runs, capsys):
     plain = capsys.readouterr().out
     assert main(argv + ["--draft-run-dir", str(runs["plain"]), "--num-draft", "2"]) == 0
     out = capsys.readouterr()
-    assert out.out == plain and "[model num_draft=2]" in out.err
+    assert out.out == plain and "[model draft=2]" in out.err
 
 
 @pytest.mark.slow
@@ -281,6 +281,6 @@ def test_a_tree_decodes_the_same_text_and_names_its_shape(runs, capsys):
     assert main(argv + ["--tree", "2x2x1"]) == 0
     out = capsys.readouterr()
     assert out.out == plain
-    assert "[mtp tree=2x2x1 (10 nodes)] rounds=" in out.err and "tokens/round=" in out.err
+    assert "[mtp draft=2x2x1 (10 nodes)] rounds=" in out.err and "tokens/round=" in out.err
     assert main(argv + ["--tree", "2x1", "--num-draft", "2"]) == 2
     assert capsys.readouterr().err.count("\n") == 1

@@ -22,10 +22,10 @@ def _cfg(**kw):
     return load_config(None, [f"model.{k}={v}" for k, v in kw.items()] + ["data.seq_len=32"]).model
 
 
-def loop_body_moves(model, shape: str, num_draft: int = 0, ops=(" copy(", " transpose(")) -> int:
+def loop_body_moves(model, shape: str, draft: int = 0, ops=(" copy(", " transpose(")) -> int:
     """Copies and transposes (or `ops`) producing an array of `shape` (HLO's `f32[a,b,..]`) inside the compiled decode
     loop."""
-    lp = host.make_loop(model, PROMPTS, max_new_tokens=4, num_draft=num_draft)
+    lp = host.make_loop(model, PROMPTS, max_new_tokens=4, draft=draft)
     (gt, pt), req = nnx.split(model), host.request(lp, PROMPTS)
 
     def fresh(loop, graphs, params, req):  # a new function each call: JAX reuses a function's trace
@@ -43,7 +43,7 @@ def test_mla_up_projections_are_laid_out_before_the_loop():
     cfg = _cfg(vocab_size=32, d_model=64, n_layers=2, n_heads=4, mtp_depth=1, attention_kind="mla", kv_lora_rank=16,
                q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=12)
     model, shape = build_model(cfg, seed=0), "f32[4,16,8]"
-    assert loop_body_moves(model, shape) == 0 and loop_body_moves(model, shape, num_draft=1) == 0
+    assert loop_body_moves(model, shape) == 0 and loop_body_moves(model, shape, draft=1) == 0
     with mock.patch.object(decode_loop, "decode_view", lambda m: m):
         assert loop_body_moves(model, shape) > 0
 
@@ -103,7 +103,7 @@ def test_decoding_s_bfloat16_weights_give_the_same_numbers(kw):
 def loop_carried_f32_weights(model, num_draft: int) -> int:
     """Float32 arrays of a weight matrix's shape that the decode loop's `while` carries (in the lowered program,
     before XLA: XLA:CPU itself computes bfloat16 dots in float32), i.e. that every round reads."""
-    lp = host.make_loop(model, PROMPTS, max_new_tokens=4, num_draft=num_draft)
+    lp = host.make_loop(model, PROMPTS, max_new_tokens=4, draft=num_draft)
     (gt, pt), req = nnx.split(model), host.request(lp, PROMPTS)
 
     def fresh(loop, graphs, params, req):

@@ -13,6 +13,19 @@ from mtpjax.decode import api, autodraft
 from mtpjax.eval import verdict
 from mtpjax.cli.decode import label, main
 from mtpjax.decode.loop import execute
+from mtpjax.drafts import chain, parse
+
+
+def T(c):
+    """A candidate as these tests spell it: a chain's γ, or a tree's shape."""
+    return chain(c) if isinstance(c, int) else parse(c)
+
+
+def _cal(choice, round_cost: dict, expected_tokens: dict, pruned=(), **kw) -> autodraft.Calibration:
+    """A Calibration from candidates spelled as T reads them."""
+    return autodraft.Calibration(choice=T(choice), round_cost={T(c): v for c, v in round_cost.items()},
+                                 expected_tokens={T(c): v for c, v in expected_tokens.items()},
+                                 pruned=[T(c) for c in pruned], **kw)
 
 
 def _argv(run, *extra):
@@ -36,25 +49,24 @@ def test_prompts_file_prints_each_prompt_with_its_continuation(tiny_run, capsys,
 
 
 def test_the_label_says_what_ran(tiny_run, capsys):
-    assert label("mtp", 0) == "plain" and label("ngram", 0) == "plain" and label("mtp", 2) == "mtp num_draft=2"
+    assert label("mtp", 0) == "plain" and label("ngram", 0) == "plain" and label("mtp", 2) == "mtp draft=2"
     _, run = tiny_run
     assert main(_argv(run, "--num-draft", "0", "--stats")) == 0
     err = capsys.readouterr().err
-    assert "[plain] rounds=" in err and "num_draft=0" not in err and "acceptance=" not in err
+    assert "[plain] rounds=" in err and "draft=0" not in err and "acceptance=" not in err
     assert main(_argv(run, "--num-draft", "2", "--stats")) == 0
-    assert "[mtp num_draft=2] rounds=" in capsys.readouterr().err
+    assert "[mtp draft=2] rounds=" in capsys.readouterr().err
 
 
 def test_auto_choosing_no_drafts_is_labelled_plain(tiny_run, capsys, monkeypatch, tmp_path):
-    """When the calibration picks 0 drafts, the stats say `plain` and why, not `[mtp num_draft=0]`."""
+    """When the calibration picks 0 drafts, the stats say `plain` and why, not `[mtp draft=0]`."""
     _, run = tiny_run
     monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: autodraft.Calibration(
-        num_draft=0, round_cost={0: 1.0, 1: 2.5, 2: 3.4}, alpha_by_position=[0.5, 0.2],
-        expected_tokens={0: 1.0, 1: 1.5, 2: 1.6}, seconds=0.5))
+    monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: _cal(
+        0, {0: 1.0, 1: 2.5, 2: 3.4}, {0: 1.0, 1: 1.5, 2: 1.6}, alpha_by_position=[0.5, 0.2], seconds=0.5))
     assert main(_argv(run, "--stats", "--recalibrate")) == 0
     err = capsys.readouterr().err
-    assert "[plain] rounds=" in err and "[mtp num_draft=0]" not in err
+    assert "[plain] rounds=" in err and "[mtp draft=0]" not in err
     assert "-> next time plain (no draft count or tree was predicted to beat plain decoding" in err
     assert main(_argv(run, "--stats")) == 0  # the saved measurement: plain again, and the stats say so
     err = capsys.readouterr().err
@@ -63,8 +75,7 @@ def test_auto_choosing_no_drafts_is_labelled_plain(tiny_run, capsys, monkeypatch
 
 def _fake_calibration(*a, progress=None, **k):
     progress("auto: timing")
-    return autodraft.Calibration(num_draft=2, round_cost={0: 1.0, 1: 1.1, 2: 1.2}, alpha_by_position=[0.9, 0.9],
-                                 expected_tokens={0: 1.0, 1: 1.9, 2: 2.7}, seconds=0.5)
+    return _cal(2, {0: 1.0, 1: 1.1, 2: 1.2}, {0: 1.0, 1: 1.9, 2: 2.7}, alpha_by_position=[0.9, 0.9], seconds=0.5)
 
 
 def test_a_new_request_shape_decodes_plain_then_measures(tiny_run, capsys, monkeypatch, tmp_path):
@@ -79,11 +90,11 @@ def test_a_new_request_shape_decodes_plain_then_measures(tiny_run, capsys, monke
     assert "[plain] rounds=" in first.err
     assert "no measurement for this request shape yet, so it decoded plain" in first.err
     assert first.err.index("auto: timing") < first.err.index("[plain]")
-    assert "-> next time mtp num_draft=2" in first.err
+    assert "-> next time mtp draft=2" in first.err
     assert main(_argv(run, "--stats")) == 0
     again = capsys.readouterr()
     assert again.out == first.out  # greedy: the same text whichever ran
-    assert "[mtp num_draft=2] rounds=" in again.err and "auto: timing" not in again.err
+    assert "[mtp draft=2] rounds=" in again.err and "auto: timing" not in again.err
 
 
 def test_a_tree_chosen_by_auto_is_named_and_runs_next(tiny_run, capsys, monkeypatch, tmp_path):
@@ -92,25 +103,24 @@ def test_a_tree_chosen_by_auto_is_named_and_runs_next(tiny_run, capsys, monkeypa
     _, run = tiny_run
     monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path))
     cost, tokens = {0: 1.0, 1: 1.3, 2: 1.6, "2x1": 1.5, "2x2": 1.5}, {0: 1.0, 1: 1.6, 2: 1.9, "2x1": 2.4, "2x2": 2.55}
-    monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: autodraft.Calibration(
-        num_draft=6, tree="2x2", round_cost=cost, alpha_by_position=[0.6, 0.5], expected_tokens=tokens,
-        pruned=[1, 2], seconds=0.5))
+    monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: _cal(
+        "2x2", cost, tokens, pruned=[1, 2], alpha_by_position=[0.6, 0.5], seconds=0.5))
     assert main(_argv(run, "--stats")) == 0
     first = capsys.readouterr()
-    assert "[plain] rounds=" in first.err and "-> next time mtp tree=2x2" in first.err
+    assert "[plain] rounds=" in first.err and "-> next time mtp draft=2x2" in first.err
     assert "2x2: 1.50}" in first.err and "(timed in the first pass only: 1, 2)" in first.err
     assert main(_argv(run, "--stats")) == 0
     again = capsys.readouterr()
     assert again.out == first.out  # greedy: plain's text whichever ran
-    assert "[mtp tree=2x2 (6 nodes)] rounds=" in again.err and "-> mtp tree=2x2 (measurement saved in" in again.err
+    assert "[mtp draft=2x2 (6 nodes)] rounds=" in again.err and "-> mtp draft=2x2 (measurement saved in" in again.err
     monkeypatch.setattr(autodraft, "calibrate", _fake_calibration)
     assert main(_argv(run, "--stats", "--recalibrate")) == 0
-    assert "-> next time mtp num_draft=2" in capsys.readouterr().err
+    assert "-> next time mtp draft=2" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 def test_calibration_compiles_only_the_loops_the_run_reuses(tiny_run):
-    """`num_draft="auto"` compiles each candidate's loop once; the real runs add no compilation."""
+    """`draft="auto"` compiles each candidate's loop once; the real runs add no compilation."""
     from mtpjax.train.checkpoint import load_model
 
     _, run = tiny_run
@@ -119,28 +129,32 @@ def test_calibration_compiles_only_the_loops_the_run_reuses(tiny_run):
     kw = dict(max_new_tokens=19, seed=3, eos_id=tok.eos_id)  # a request shape no other test compiles
     # decode.py's order: plain first, then the probe, which reuses the plain loop and compiles the others once
     before = execute._cache_size()
-    res = api.generate(model, prompts, num_draft="auto", plain_first=True, on_commit=lambda *_: None, **kw)
-    assert res.stats["num_draft"] == 0 and res.stats["calibration"]["source"] == "after"
+    res = api.generate(model, prompts, draft="auto", plain_first=True, on_commit=lambda *_: None, **kw)
+    assert res.stats["drafts"] == 0 and res.stats["calibration"]["source"] == "after"
     assert execute._cache_size() - before == len(autodraft.candidates(model, "mtp")) == 5  # 0, 1, 2, 2x1, 2x2
-    again = api.generate(model, prompts, num_draft="auto", plain_first=True, on_commit=lambda *_: None, **kw)
-    assert again.stats["num_draft"] == res.stats["calibration"]["num_draft"]  # remembered...
+    again = api.generate(model, prompts, draft="auto", plain_first=True, on_commit=lambda *_: None, **kw)
+    assert again.stats["draft"] == res.stats["calibration"]["draft"]  # remembered...
     assert execute._cache_size() - before == 5  # ...and already compiled
     # the counter does count: a request of another shape compiles its loop
     mid = execute._cache_size()
-    api.generate(model, prompts, num_draft=1, **{**kw, "max_new_tokens": 21})
+    api.generate(model, prompts, draft=1, **{**kw, "max_new_tokens": 21})
     assert execute._cache_size() - mid == 1
 
 
 def test_auto_never_picks_drafts_within_the_noise_of_plain():
     """A draft count predicted less than MARGIN faster than plain is not worth the risk: plain is chosen."""
-    from mtpjax.nn.speed import choose_num_draft, predicted_speedup
+    from mtpjax.nn.speed import by_position, choose_fastest, expected_tokens
+
+    def pick(alpha, cost: dict, margin=autodraft.MARGIN) -> int:
+        trees = {T(g): c for g, c in cost.items()}
+        return choose_fastest({t: expected_tokens(t, by_position(alpha)) for t in trees}, trees, margin).size
 
     alpha = [0.5]
-    assert 1.0 < predicted_speedup(alpha, 1, 1.45) < autodraft.MARGIN  # 1.5 / 1.45 = 1.03
-    assert choose_num_draft(alpha, {1: 1.45}) == 1  # the bare cost model would take the noise
-    assert autodraft.choose(alpha, {0: 1.0, 1: 1.45}) == 0
-    assert autodraft.choose(alpha, {0: 1.0, 1: 1.2}) == 1  # a clear win (1.25) is taken
-    assert autodraft.choose([], {0: 1.0}) == 0
+    assert 1.0 < expected_tokens(T(1), by_position(alpha)) / 1.45 < autodraft.MARGIN  # 1.5 / 1.45 = 1.03
+    assert pick(alpha, {0: 1.0, 1: 1.45}, margin=1.0) == 1  # the bare cost model would take the noise
+    assert pick(alpha, {0: 1.0, 1: 1.45}) == 0
+    assert pick(alpha, {0: 1.0, 1: 1.2}) == 1  # a clear win (1.25) is taken
+    assert pick([], {0: 1.0}) == 0
 
 
 def test_a_refused_request_echoes_nothing_and_restores_quietly(tiny_run, capfd, caplog):
@@ -177,9 +191,8 @@ def _with_agreement(tiny_run, tmp_path, agreement: list[float]) -> Path:
 
 def _first_call(run, monkeypatch, tmp_path, capsys) -> str:
     monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: autodraft.Calibration(
-        num_draft=0, round_cost={0: 1.0, 1: 1.9, 2: 2.8}, alpha_by_position=[0.6, 0.4],
-        expected_tokens={0: 1.0, 1: 1.6, 2: 1.84}, seconds=0.5))
+    monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: _cal(
+        0, {0: 1.0, 1: 1.9, 2: 2.8}, {0: 1.0, 1: 1.6, 2: 1.84}, alpha_by_position=[0.6, 0.4], seconds=0.5))
     assert main(_argv(run, "--stats")) == 0
     return capsys.readouterr().err
 
@@ -189,10 +202,10 @@ def test_auto_s_first_call_drafts_as_the_estimate_from_training_s_agreement_says
     """No measurement yet: the cost model on the run's agreement chooses (here 1 draft); the measurement after it
     says plain, and the stats line says why, from its own numbers."""
     err = _first_call(_with_agreement(tiny_run, tmp_path, [0.9, 0.8]), monkeypatch, tmp_path, capsys)
-    assert "[mtp num_draft=1] rounds=" in err, err
-    assert "so it ran mtp num_draft=1, the cost model's choice from training's agreement [0.9, 0.8]" in err
+    assert "[mtp draft=1] rounds=" in err, err
+    assert "so it ran mtp draft=1, the cost model's choice from training's agreement [0.9, 0.8]" in err
     assert "-> next time plain" in err
-    assert "[why plain] a round of mtp num_draft=1 costs 1.90 plain steps for 1.60 tokens (0.84x): " in err
+    assert "[why plain] a round of mtp draft=1 costs 1.90 plain steps for 1.60 tokens (0.84x): " in err
     assert "compute-bound" in err and verdict.DOCS in err
 
 

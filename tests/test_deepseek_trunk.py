@@ -133,7 +133,7 @@ def test_greedy_speculative_equals_plain_on_an_mla_moe_trunk(trunk, proposer, dr
 
 @pytest.mark.slow
 def test_an_mla_moe_draft_model_keeps_greedy_output(trunk, draft):
-    _check_greedy_equal(trunk, "model", (2,), (PROMPTS,), draft=draft)
+    _check_greedy_equal(trunk, "model", (2,), (PROMPTS,), draft_model=draft)
 
 
 @pytest.mark.slow

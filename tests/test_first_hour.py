@@ -179,7 +179,7 @@ def test_companion_no_hint_for_an_unknown_flag_or_a_command_without_overrides(ca
 
 
 def test_the_eval_line_names_why_speculation_lost():
-    d = {"speedup": 0.83, "verify_cost_v": 1.8, "draft_cost_c": 0.12, "num_draft": 1, "tokens_per_round": 1.6,
+    d = {"speedup": 0.83, "verify_cost_v": 1.8, "draft_cost_c": 0.12, "gamma": 1, "tokens_per_round": 1.6,
          "round_cost": 1.92, "speedup_ceiling": 1.04}
     line = verdict.eval_line(d)
     assert line.startswith("why MTP is slower here (0.83x): verifying 2 tokens costs v=1.80 plain steps, a draft "
@@ -191,4 +191,4 @@ def test_the_eval_line_names_why_speculation_lost():
 
 def test_companion_no_eval_line_when_speculation_wins():
     assert verdict.eval_line({"speedup": 1.2}) is None and verdict.eval_line({}) is None
-    assert verdict.stats_line({"num_draft": 1, "round_cost": {0: 1.0, 1: 1.2}, "expected_tokens": {}}, "mtp") is None
+    assert verdict.stats_line({"drafts": 1, "round_cost": {"0": 1.0, "1": 1.2}, "expected_tokens": {}}, "mtp") is None

@@ -204,7 +204,7 @@ DECODE = [  # (argv after --run-dir, expected exit status, words in the error or
     (["--prompt", "x", "--max-new-tokens", "-5"], 2, "max_new_tokens=-5"),
     (["--prompt", "x", "--max-len", "-1"], 2, "max_len=-1"),
     (["--prompt", "x", "--num-draft", str(10**6)], 2, "--num-draft"),
-    (["--prompt", "x", "--num-draft", "-3"], 2, "num_draft=-3"),
+    (["--prompt", "x", "--num-draft", "-3"], 2, "--num-draft -3"),  # the flag spells decode.draft now
     (["--prompt", "x", "--temperature", "nan"], 2, "--temperature"),
     (["--prompt", "x", "--top-p", "2"], 2, "top_p"),
     (["--prompt", "x", "--top-k", "-1"], 2, "top_k"),

@@ -154,13 +154,13 @@ def hf_greedy(hf_lm):
     return hf_lm.generate_until(_requests())
 
 
-@pytest.mark.parametrize("draft", [{"num_draft": 0}, {"num_draft": 1}])
+@pytest.mark.parametrize("draft", [{"draft": 0}, {"draft": 1}])
 def test_greedy_generation_is_the_hf_backend_s_plain_and_speculative(ours, hf_greedy, draft):
     lm = ours(**draft)
     out = lm.generate_until(_requests())
     assert out == hf_greedy and sum(map(len, out)) > 0
     (st,) = lm.stats.values()
-    assert (sum(st["reached"]) > 0) == (draft != {"num_draft": 0})  # drafts were verified
+    assert (sum(st["reached"]) > 0) == (draft != {"draft": 0})  # drafts were verified
 
 
 def test_companion_generation_not_cut_at_the_stop_sequence_is_not_the_hf_text(ours, hf_greedy, monkeypatch):
@@ -202,8 +202,8 @@ def test_decode_tasks_says_why_generation_ran_plain(run, tmp_path, capsys):
     out = tmp_path / "r.json"
     assert harness().decode_main(["--run-dir", str(run[0]), "--tasks", "mtpjax_funcret", "--limit", "2",
                                   "--num-draft", "0", "--batch-size", "8", "--json", str(out)]) == 0
-    assert "mtpjax_funcret ran plain: num_draft=0 was asked" in capsys.readouterr().out
-    assert json.loads(out.read_text())["speculative"]["mtpjax_funcret"]["why_plain"].startswith("num_draft=0")
+    assert "mtpjax_funcret ran plain: draft=0 was asked" in capsys.readouterr().out
+    assert json.loads(out.read_text())["speculative"]["mtpjax_funcret"]["why_plain"].startswith("draft=0")
 
 
 def test_decode_tasks_prints_the_scores_and_the_speculative_table(run, tmp_path, capsys):

@@ -51,7 +51,7 @@ def test_readme_main_job_trains_and_speculates(quickstart_run, tmp_path):
                              capture_output=True, text=True, timeout=600)
         assert gen.returncode == 0, gen.stderr[-2000:]
         assert not one_line_repeated(gen.stdout), gen.stdout  # sampled: the greedy text repeated one line 8 times
-        assert "[mtp num_draft=" in gen.stderr and "so it ran mtp num_draft=" in gen.stderr, gen.stderr  # drafted
+        assert "[mtp draft=" in gen.stderr and "so it ran mtp draft=" in gen.stderr, gen.stderr  # drafted
 
     out = tmp_path / "eval.json"
     ev = subprocess.run([sys.executable, "decode.py", "--run-dir", str(run), "--eval", "--json", str(out),

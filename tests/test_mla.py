@@ -162,7 +162,7 @@ PROMPTS = [[1, 4, 13, 8, 25], [7, 22, 3], [2, 7, 22, 3, 10, 31, 30, 27, 18, 23, 
 def _check_greedy_equal(model, proposer, drafts):
     base = generate(model, PROMPTS, max_new_tokens=16)
     for g in drafts:
-        out = generate(model, PROMPTS, max_new_tokens=16, num_draft=g, proposer=proposer)
+        out = generate(model, PROMPTS, max_new_tokens=16, draft=g, proposer=proposer)
         assert out.tokens == base.tokens, (proposer, g)
         assert 0 < sum(out.stats["accepted"]) < sum(out.stats["reached"])  # both outcomes exercised
 
@@ -182,7 +182,7 @@ def test_an_mla_draft_model_for_an_mla_target_keeps_greedy_output(model):
     """proposer="model": the draft model's own cache is an MLA latent cache too."""
     draft = _randomized(build_model(_cfg(n_layers=1, mtp_depth=0), seed=3), 7)
     base = generate(model, PROMPTS, max_new_tokens=16)
-    out = generate(model, PROMPTS, max_new_tokens=16, num_draft=2, proposer="model", draft=draft)
+    out = generate(model, PROMPTS, max_new_tokens=16, draft=2, proposer="model", draft_model=draft)
     assert out.tokens == base.tokens and sum(out.stats["reached"]) > 0
 
 
@@ -191,7 +191,7 @@ def test_scanned_mla_trunk_decodes_exactly():
     cfg = _cfg(scan_layers=True, **YARN)
     m = _randomized(build_model(cfg, seed=1), 6)
     base = generate(m, PROMPTS, max_new_tokens=12)
-    assert generate(m, PROMPTS, max_new_tokens=12, num_draft=2, proposer="ngram").tokens == base.tokens
+    assert generate(m, PROMPTS, max_new_tokens=12, draft=2, proposer="ngram").tokens == base.tokens
 
 
 @nnx.jit(static_argnums=2)
@@ -200,9 +200,9 @@ def _fresh_trunk_cache(model, seq_1S, n):
 
 
 def test_latent_cache_after_rejections_equals_a_fresh_prefill(model):
-    loop = make_loop(model, PROMPTS, max_new_tokens=20, num_draft=2, proposer="ngram", sampler=make_sampler())
+    loop = make_loop(model, PROMPTS, max_new_tokens=20, draft=2, proposer="ngram", sampler=make_sampler())
     st = run(model, PROMPTS, loop)
-    res = summarize(st)
+    res = summarize(st, loop.tree)
     assert 0 < sum(res.stats["accepted"]) < sum(res.stats["reached"])
     seq, n_B = np.asarray(st.seq_BS), np.asarray(st.n_B)
     got = stacked(st.trunk)

@@ -14,6 +14,7 @@ from mtpjax.nn.flops import flops_per_token
 from mtpjax.nn.model import build_model, param_counts
 from mtpjax.cli.plan import main
 from mtpjax.eval.plan import build_plan
+from mtpjax.drafts import chain
 from mtpjax.nn.speed import ceiling, expected_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,12 +40,12 @@ def test_plan_matches_real_model(dtype, itemsize):
 
 
 def test_speculation_formulas():
-    assert expected_tokens([0.8], 1) == pytest.approx(1.8)
-    assert expected_tokens([0.8], 2) == pytest.approx(1 + 0.8 + 0.64)
-    assert expected_tokens([0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert expected_tokens([1.0], 4) == 5.0 and expected_tokens([0.0], 4) == 1.0
-    assert ceiling([0.8], 2, 0.1) == pytest.approx(2.44 / 1.2)
-    assert ceiling([0.8], 3, 0.0) == pytest.approx(1 + 0.8 + 0.64 + 0.512)
+    assert expected_tokens(chain(1), [[0.8]]) == pytest.approx(1.8)
+    assert expected_tokens(chain(2), [[0.8]]) == pytest.approx(1 + 0.8 + 0.64)
+    assert expected_tokens(chain(3), [[0.5]]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(chain(4), [[1.0]]) == 5.0 and expected_tokens(chain(4), [[0.0]]) == 1.0
+    assert ceiling(chain(2), [[0.8]], 0.1) == pytest.approx(2.44 / 1.2)
+    assert ceiling(chain(3), [[0.8]], 0.0) == pytest.approx(1 + 0.8 + 0.64 + 0.512)
 
 
 def test_default_draft_cost_counts_the_rows_mtp_drafting_computes():
@@ -85,10 +86,10 @@ def test_ceiling_divides_by_the_verification_cost_of_the_rows_verified():
 def test_plan_tabulates_auto_s_trees_and_the_configured_one():
     """Each tree's E sums, over its nodes, the product along the path of rank 1's α or rank 2's β; its ceiling
     divides by v(nodes + 1) and one module call per depth."""
-    cfg = load_config(TINY, SMALL_OVERRIDES + ["decode.tree=3x1+ngram2"])
+    cfg = load_config(TINY, SMALL_OVERRIDES + ["decode.draft=3x1+ngram2"])
     plan = build_plan(cfg, alpha=0.7, verify_cost={3: 1.2, 5: 1.5, 7: 1.9}, alpha_rank2=0.2)
     rows = {t["tree"]: t for t in plan["trees"]}
-    assert list(rows) == ["2x1", "2x2", "3x1"]  # auto's at depth 2, then decode.tree's (its n-gram branch is free)
+    assert list(rows) == ["2x1", "2x2", "3x1"]  # auto's at depth 2, then decode.draft's (its n-gram branch is free)
     r = plan["speculation"][0]["floor_ratio"]
     e = {"2x1": 1 + 0.7 + 0.2 + 0.7 * 0.7 + 0.2 * 0.7,
          "2x2": 1 + 0.7 + 0.2 + (0.7 + 0.2) * (0.7 + 0.2),
@@ -99,7 +100,8 @@ def test_plan_tabulates_auto_s_trees_and_the_configured_one():
         assert t["speedup"] == pytest.approx(e[shape] / (v[shape] + 2 * r))
     default = build_plan(cfg, alpha=0.7)
     assert default["alpha_rank2"] == pytest.approx(0.15)  # half of rank 1's misses
-    assert build_plan(load_config(TINY, SMALL_OVERRIDES + ["model.mtp_depth=1"]))["trees"][0]["tree"] == "2"
+    depth1 = build_plan(load_config(TINY, SMALL_OVERRIDES + ["model.mtp_depth=1"]))
+    assert depth1["trees"][0]["tree"] == "-1,-1"  # two children of the root, spelled so since `2` is the chain of 2
     assert build_plan(load_config(TINY, ["model.mtp_depth=0"]))["trees"] == []
 
 

@@ -52,7 +52,7 @@ def test_readme_quickstart_decode_prints_python_lines(quickstart_run):
     rep = check_pythonish(text, prompt)
     # the continuation contains Python: several lines parse as statements, several open with a keyword
     assert rep.statement_lines >= 5 and rep.keyword_lines >= 3 and len(rep.keywords) >= 2, (rep, text)
-    assert "acceptance=" in res.stderr and "num_draft=1" in res.stderr, res.stderr  # speculative decoding's stats
+    assert "acceptance=" in res.stderr and "draft=1" in res.stderr, res.stderr  # speculative decoding's stats
 
 
 @pytest.mark.slow

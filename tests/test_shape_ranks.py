@@ -100,7 +100,7 @@ def exercise(cfg: ModelConfig, micro_batches: int = 1) -> None:
     tok = jax.ShapeDtypeStruct((4, 16), jnp.int32)
     f = functools.partial(loss_and_grads, graphdef=graphdef, loss_cfg=LossConfig(), micro_batches=micro_batches)
     jax.eval_shape(f, *split_trainable(params), tok, tok, jnp.int32(0))
-    generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=3, num_draft=2)
+    generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=3, draft=2)
 
 
 @pytest.fixture(scope="module")

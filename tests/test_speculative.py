@@ -13,15 +13,15 @@ import pytest
 from flax import nnx
 
 from mtpjax.config import load_config
-from mtpjax.decode import DecodeError, MTPProposer, autodraft, generate, host, make_loop, run, summarize
+from mtpjax.decode import DecodeError, MTPChainProposer, autodraft, generate, host, make_loop, run, summarize
 from mtpjax.decode.cache import layer, module_caches, stacked, trunk_cache
 from mtpjax.decode.loop import Loop, execute, run_loop
 from mtpjax.decode.sampling import make_sampler
-from mtpjax.decode.tree import chain_tree
+from mtpjax.drafts import PLAIN, chain, parse
 from mtpjax.eval.evaluate import argmax_by_depth, run_forced
 from mtpjax.nn.loss import mtp_loss
 from mtpjax.nn.model import build_model
-from mtpjax.nn.speed import choose_num_draft
+from mtpjax.nn.speed import by_position, choose_fastest, expected_tokens
 
 
 def _pattern_batch(rng, B, T, V):
@@ -79,11 +79,16 @@ def half_trained():
 PROMPTS = [[1, 4, 13, 8, 25], [7, 22, 3], [2, 7, 22, 3, 10, 31, 30, 27, 18, 23, 6], [5, 16]]
 
 
-def _check_greedy_equal(model, proposer, drafts, batches, draft=None):
+def T(c):
+    """A candidate as these tests spell it: a chain's γ, a tree's shape (`2`: two children of the root)."""
+    return chain(c) if isinstance(c, int) else parse({"2": "-1,-1"}.get(c, c))
+
+
+def _check_greedy_equal(model, proposer, drafts, batches, draft_model=None):
     for prompts in batches:
         base = generate(model, prompts, max_new_tokens=24)
         for g in drafts:
-            out = generate(model, prompts, max_new_tokens=24, num_draft=g, proposer=proposer, draft=draft)
+            out = generate(model, prompts, max_new_tokens=24, draft=g, proposer=proposer, draft_model=draft_model)
             assert out.tokens == base.tokens, (proposer, g, len(prompts))
             assert all(len(t) == 24 for t in out.tokens)
             assert 0 < sum(out.stats["accepted"]) < sum(out.stats["reached"])  # both outcomes exercised
@@ -96,7 +101,7 @@ def test_greedy_speculative_equals_plain(half_trained):
 
 def test_module_1_drafting_every_token_equals_plain(half_trained):
     """proposer="mtp1": module 1 drafts every token (as vLLM and SGLang do), beyond the model's depth too."""
-    assert autodraft.candidates(half_trained, "mtp1") == [0, 1, 2, 3, "2x1", "2x2"]
+    assert autodraft.candidates(half_trained, "mtp1") == list(map(T, [0, 1, 2, 3, "2x1", "2x2"]))
     _check_greedy_equal(half_trained, "mtp1", (2, 3), (PROMPTS,))
 
 
@@ -108,7 +113,7 @@ def test_greedy_speculative_equals_plain_full_matrix(half_trained, proposer):
 
 def test_mtp_drafts_are_accepted_on_a_trained_model(trained):
     model, metrics = trained
-    out = generate(model, PROMPTS, max_new_tokens=32, num_draft=2)
+    out = generate(model, PROMPTS, max_new_tokens=32, draft=2)
     alpha = out.stats["acceptance_by_position"]
     assert alpha[0] > 0.6 and out.stats["tokens_per_round"] > 1.5
     # Decode-time acceptance of depth 1 tracks the teacher-forced training agreement.
@@ -133,8 +138,8 @@ def test_companion_a_wrong_acceptance_rule_breaks_equality(half_trained):
     """The equality test can fail: accepting drafts without checking them changes the output."""
     model = half_trained
     base = generate(model, PROMPTS, max_new_tokens=24)
-    loop = make_loop(model, PROMPTS, max_new_tokens=24, num_draft=2, proposer="ngram", sampler=make_sampler())
-    out = summarize(run(model, PROMPTS, as_loop(AcceptAll, loop)))
+    loop = make_loop(model, PROMPTS, max_new_tokens=24, draft=2, proposer="ngram", sampler=make_sampler())
+    out = summarize(run(model, PROMPTS, as_loop(AcceptAll, loop)), loop.tree)
     assert out.tokens != base.tokens
 
 
@@ -145,7 +150,7 @@ def test_parallel_heads_and_scanned_layers_decode_exactly():
         model = build_model(cfg, seed=1)
         _train(model, cfg, steps=5)
         base = generate(model, PROMPTS, max_new_tokens=16)
-        out = generate(model, PROMPTS, max_new_tokens=16, num_draft=2)
+        out = generate(model, PROMPTS, max_new_tokens=16, draft=2)
         assert out.tokens == base.tokens and sum(out.stats["accepted"]) > 0
 
 
@@ -153,7 +158,7 @@ def test_eos_and_per_row_lengths(trained):
     model, _ = trained
     base = generate(model, PROMPTS, max_new_tokens=24)
     eos = base.tokens[0][5]
-    out = generate(model, PROMPTS, max_new_tokens=24, num_draft=3, eos_id=eos)
+    out = generate(model, PROMPTS, max_new_tokens=24, draft=3, eos_id=eos)
     for full, cut in zip(base.tokens, out.tokens):
         k = full.index(eos) + 1 if eos in full else len(full)
         assert cut == full[:k]
@@ -184,7 +189,7 @@ def _fresh_prefill(model, seq):
 
 
 @dataclasses.dataclass(frozen=True)
-class NarrowMTP(MTPProposer):
+class NarrowMTP(MTPChainProposer):
     """MTP drafting that recomputes a window of `rows` rows instead of the one exactness needs."""
 
     rows: int = 1
@@ -194,15 +199,15 @@ class NarrowMTP(MTPProposer):
 
 
 @pytest.mark.parametrize("proposer,expect_equal", [
-    (MTPProposer(chain_tree(3)), True), (NarrowMTP(chain_tree(3), rows=1), False),
-    (NarrowMTP(chain_tree(3), rows=3), False), (MTPProposer(chain_tree(3), modules=1), True)])
+    (MTPChainProposer(chain(3)), True), (NarrowMTP(chain(3), rows=1), False),
+    (NarrowMTP(chain(3), rows=3), False), (MTPChainProposer(chain(3), modules=1), True)])
 def test_module_caches_equal_fresh_prefill(half_trained, proposer, expect_equal):
     """After rounds with rejections, committed entries equal a fresh prefill; a too-small window breaks it,
     even one row short of the γ+1 the decoder recomputes (a round that accepts every draft needs them all)."""
     model = half_trained
-    loop = make_loop(model, PROMPTS, max_new_tokens=30, num_draft=3, proposer="mtp", sampler=make_sampler())
+    loop = make_loop(model, PROMPTS, max_new_tokens=30, draft=3, proposer="mtp", sampler=make_sampler())
     st = run(model, PROMPTS, dataclasses.replace(loop, proposer=proposer))
-    res = summarize(st)
+    res = summarize(st, loop.tree)
     assert 0 < sum(res.stats["accepted"]) < sum(res.stats["reached"])  # accepted and rejected drafts
     seq, n_B = np.asarray(st.seq_BS), np.asarray(st.n_B)
     ok = True
@@ -212,7 +217,7 @@ def test_module_caches_equal_fresh_prefill(half_trained, proposer, expect_equal)
         np.testing.assert_allclose(stacked(st.trunk).k_BKSH[:, b, :, : n - 1],
                                    stacked(trunk).k_BKSH[:, 0, :, : n - 1], atol=2e-5)
         mtp = stacked(st.proposer.caches)
-        mods = mods[: proposer.used(model.cfg.mtp_depth)]  # modules=1 drafts with module 1 alone
+        mods = mods[: proposer.in_use(model.cfg.mtp_depth)]  # modules=1 drafts with module 1 alone
         for k, kv in enumerate(mods, start=1):
             valid = n - k
             for got, want in ((mtp.k_BKSH[k - 1, b, :, :valid], kv.k_BKSH[0, :, :valid]),
@@ -384,9 +389,9 @@ def _check_target_distribution(model, sampling, schemes):
     levels = _context_logits(model, prompt, n_tok)
     exact = _exact_joint(levels, **sampling)
     for num_draft, proposer in schemes:
-        loop = make_loop(model, [prompt] * N, max_new_tokens=n_tok, num_draft=num_draft, proposer=proposer,
+        loop = make_loop(model, [prompt] * N, max_new_tokens=n_tok, draft=num_draft, proposer=proposer,
                          sampler=sampler)
-        res = summarize(run(model, [prompt] * N, loop, seed=7))
+        res = summarize(run(model, [prompt] * N, loop, seed=7), loop.tree)
         assert _tv(res, exact, 6, n_tok) < TV_BOUND, (num_draft, proposer)
         if num_draft:
             assert res.stats["acceptance_by_position"][0] < 0.95  # rejections happened
@@ -403,18 +408,17 @@ def test_stochastic_companion_wrong_rule_is_detected():
     sampler = make_sampler(1.0, 0, None)
     prompt, N = [1, 2, 3], 6000
     exact = _exact_joint(_context_logits(model, prompt, 3))
-    loop = make_loop(model, [prompt] * N, max_new_tokens=3, num_draft=2, proposer="mtp", sampler=sampler)
-    res = summarize(run(model, [prompt] * N, as_loop(AcceptAll, loop), seed=7))
+    loop = make_loop(model, [prompt] * N, max_new_tokens=3, draft=2, proposer="mtp", sampler=sampler)
+    res = summarize(run(model, [prompt] * N, as_loop(AcceptAll, loop), seed=7), loop.tree)
     assert _tv(res, exact, 6, 3) > TV_BOUND
 
 
-def _cache_copies_per_round(model, num_draft: int, tree: str | None = None) -> list[str]:
+def _cache_copies_per_round(model, draft) -> list[str]:
     """Instructions of the compiled decode loop's body that copy or transpose a whole KV-cache buffer."""
     import functools
     import re
 
-    loop = make_loop(model, PROMPTS[:1], max_new_tokens=8, num_draft=num_draft, proposer="mtp", sampler=make_sampler(),
-                     tree=tree)
+    loop = make_loop(model, PROMPTS[:1], max_new_tokens=8, draft=draft, proposer="mtp", sampler=make_sampler())
     cfg = model.cfg
     elems = loop.capacity * cfg.n_kv_heads * cfg.resolved_head_dim  # batch 1
     gdef, params = nnx.split(model)
@@ -448,20 +452,20 @@ def test_auto_num_draft_is_measured_and_keeps_greedy_output(half_trained):
     """auto times plain, the chains and the trees on the request and runs the fastest by E / cost: the greedy
     output is plain greedy's whatever it picked, and stats name the choice (a tree by its shape)."""
     base = generate(half_trained, PROMPTS, max_new_tokens=24)
-    out = generate(half_trained, PROMPTS, max_new_tokens=24, num_draft="auto")
+    out = generate(half_trained, PROMPTS, max_new_tokens=24, draft="auto")
     cal = out.stats["calibration"]
     assert out.tokens == base.tokens
-    assert list(cal["round_cost"]) == [0, 1, 2, "2x1", "2x2"] and cal["round_cost"][0] == 1.0
+    assert list(cal["round_cost"]) == ["0", "1", "2", "2x1", "2x2"] and cal["round_cost"]["0"] == 1.0
     assert all(c > 0 for c in cal["round_cost"].values()) and len(cal["alpha_by_position"]) == 2
     assert set(cal["acceptance_by_depth_rank"]) == {"2x1", "2x2"}
     for shape, (a1, a2) in cal["acceptance_by_depth_rank"].items():  # a tree's E from its own probe, by hand:
         # 1 + (a[0][0] + a[0][1]) + (a[0][0] + a[0][1]) · (a[1][0] (+ a[1][1] for 2x2)), every parent alike
         assert cal["expected_tokens"][shape] == pytest.approx(1 + sum(a1) * (1 + sum(a2)))
     chosen = _chosen_by_hand(cal)
-    assert (cal["tree"] or cal["num_draft"]) == chosen and out.stats.get("tree") == cal["tree"]
-    assert out.stats["num_draft"] == cal["num_draft"] == autodraft.nodes(chosen)
-    assert cal["rounds"] > 0 and 0 not in cal["pruned"] and len(cal["pruned"]) >= 5 - autodraft.KEEP
-    again = generate(half_trained, PROMPTS, max_new_tokens=24, num_draft="auto")
+    assert cal["draft"] == chosen and out.stats["draft"] == cal["draft"]
+    assert out.stats["drafts"] == cal["drafts"] == parse(chosen).size
+    assert cal["rounds"] > 0 and "0" not in cal["pruned"] and len(cal["pruned"]) >= 5 - autodraft.KEEP
+    again = generate(half_trained, PROMPTS, max_new_tokens=24, draft="auto")
     assert again.stats["calibration"] == cal  # one probe per request shape
 
 
@@ -470,11 +474,11 @@ def _chosen_by_hand(cal):
     1 + α1 + α1·α2 + ... for a chain, the tree's E as reported; plain (0) unless it is predicted autodraft.MARGIN
     times as fast as plain decoding (cost(0) = 1), the rule decode uses."""
     alpha, cost = cal["alpha_by_position"], cal["round_cost"]
-    e = {g: sum(float(np.prod(alpha[:i])) for i in range(g + 1)) if isinstance(g, int) else cal["expected_tokens"][g]
+    e = {g: sum(float(np.prod(alpha[:i])) for i in range(int(g) + 1)) if g.isdigit() else cal["expected_tokens"][g]
          for g in cost}
-    rate = {g: e[g] / cost[g] for g in cost if g != 0 and g not in cal["pruned"]}
-    best = max(rate, key=rate.get, default=0)
-    return best if best and rate[best] >= autodraft.MARGIN else 0
+    rate = {g: e[g] / cost[g] for g in cost if g != "0" and g not in cal["pruned"]}
+    best = max(rate, key=rate.get, default="0")
+    return best if best != "0" and rate[best] >= autodraft.MARGIN else "0"
 
 
 @pytest.mark.parametrize("chosen", [0, 2, "2x2"])
@@ -482,55 +486,56 @@ def test_auto_num_draft_runs_what_the_calibration_chose(half_trained, chosen):
     """The wiring, not the timing: a remembered choice, a chain or a tree, is what generate runs and what its stats
     name (a wrong wiring fails one case), and greedy output stays plain greedy's."""
     prompts = PROMPTS[:2]
-    loop = make_loop(half_trained, prompts, max_new_tokens=16, num_draft=0, proposer="mtp", sampler=make_sampler())
+    loop = make_loop(half_trained, prompts, max_new_tokens=16, draft=0, proposer="mtp", sampler=make_sampler())
     key = autodraft.request_key(prompts, loop, "mtp", autodraft.candidates(half_trained, "mtp"))
     tree = chosen if isinstance(chosen, str) else None
-    autodraft.memo(half_trained)[key] = autodraft.Calibration(num_draft=autodraft.nodes(chosen), tree=tree)
+    autodraft.memo(half_trained)[key] = autodraft.Calibration(choice=T(chosen))
     try:
-        out = generate(half_trained, prompts, max_new_tokens=16, num_draft="auto")
+        out = generate(half_trained, prompts, max_new_tokens=16, draft="auto")
     finally:
         del autodraft.memo(half_trained)[key]
-    assert out.stats["num_draft"] == autodraft.nodes(chosen) and out.stats.get("tree") == tree
+    assert out.stats["drafts"] == T(chosen).size and out.stats["draft"] == T(chosen).name()
     assert len(out.stats["acceptance_by_position"]) == (2 if tree else chosen)  # a tree's: by depth
     assert out.tokens == generate(half_trained, prompts, max_new_tokens=16).tokens
 
 
 def test_auto_candidates_are_plain_chains_and_the_trees_the_proposer_can_draft(half_trained):
     """Trees only where the MTP modules draft them, as deep as the chains reach (one parallel head: depth 1)."""
-    assert autodraft.candidates(half_trained, "mtp") == [0, 1, 2, "2x1", "2x2"]
-    assert autodraft.candidates(half_trained, "ngram") == [0, 1, 2, 3]
-    assert autodraft.candidates(build_model(_cfg(mtp_depth=1), seed=0), "mtp") == [0, 1, "2"]
+    assert autodraft.candidates(half_trained, "mtp") == list(map(T, [0, 1, 2, "2x1", "2x2"]))
+    assert autodraft.candidates(half_trained, "ngram") == [chain(g, "ngram") for g in (0, 1, 2, 3)]
+    assert autodraft.candidates(build_model(_cfg(mtp_depth=1), seed=0), "mtp") == list(map(T, [0, 1, "2"]))
     parallel = build_model(_cfg(mtp_kind="parallel"), seed=0)
-    assert autodraft.candidates(parallel, "mtp") == [0, 1, 2, "2x1", "2x2"]
-    assert autodraft.candidates(parallel, "mtp1") == [0, 1, "2"]
+    assert autodraft.candidates(parallel, "mtp") == list(map(T, [0, 1, 2, "2x1", "2x2"]))
+    assert autodraft.candidates(parallel, "mtp1") == list(map(T, [0, 1, "2"]))
 
 
 def test_the_calibration_key_names_the_candidates(half_trained, tmp_path, monkeypatch):
     """A measurement saved among other candidates (chains only) is not reused now that trees are candidates; one
     among these is read back, a tree's choice with it."""
     def loop_for(c):
-        tree = c if isinstance(c, str) else None
-        return make_loop(half_trained, PROMPTS, max_new_tokens=24, num_draft=0 if tree else c, tree=tree)
+        return make_loop(half_trained, PROMPTS, max_new_tokens=24, draft=c)
 
     cands = autodraft.candidates(half_trained, "mtp")
-    key = autodraft.request_key(PROMPTS, loop_for(0), "mtp", cands)
+    key = autodraft.request_key(PROMPTS, loop_for(PLAIN), "mtp", cands)
     saved = autodraft.SavedCalibrations(tmp_path / "cal.json", "step 1")
-    saved.put(key[:-1] + (("0", "1", "2"),), autodraft.Calibration(num_draft=2, round_cost={0: 1.0, 1: 1.1, 2: 1.2}))
+    saved.put(key[:-1] + (("0", "1", "2"),),
+              autodraft.Calibration(choice=T(2), round_cost={T(0): 1.0, T(1): 1.1, T(2): 1.2}))
     probes = []
 
     def fake_calibrate(model, prompts, loops, seed=0, **kw):
         probes.append(list(loops))
-        return autodraft.Calibration(num_draft=6, tree="2x2", round_cost={c: 1.0 + autodraft.nodes(c) / 10
-                                                                         for c in loops}, pruned=[1, "2x1"])
+        return autodraft.Calibration(choice=T("2x2"), round_cost={c: 1.0 + c.size / 10 for c in loops},
+                                     pruned=[T(1), T("2x1")])
 
     monkeypatch.setattr(autodraft, "calibrate", fake_calibrate)
     autodraft.memo(half_trained).clear()
-    assert autodraft.resolve(half_trained, PROMPTS, loop_for, "mtp", 0, saved)[0] == "2x2"
+    assert autodraft.resolve(half_trained, PROMPTS, loop_for, "mtp", 0, saved)[0] == T("2x2")
     assert probes == [cands]
     autodraft.memo(half_trained).clear()  # only the file may remember
     choice, cal = autodraft.resolve(half_trained, PROMPTS, loop_for, "mtp", 0, saved)
-    assert len(probes) == 1 and cal.source == "saved" and (choice, cal.tree, cal.num_draft) == ("2x2", "2x2", 6)
-    assert cal.round_cost == {0: 1.0, 1: 1.1, 2: 1.2, "2x1": 1.4, "2x2": 1.6} and cal.pruned == [1, "2x1"]
+    assert len(probes) == 1 and cal.source == "saved" and (choice, cal.choice.size) == (T("2x2"), 6)
+    assert cal.round_cost == {T(0): 1.0, T(1): 1.1, T(2): 1.2, T("2x1"): 1.4, T("2x2"): 1.6}
+    assert cal.pruned == [T(1), T("2x1")]
     autodraft.memo(half_trained).clear()
 
 
@@ -541,7 +546,7 @@ def test_saved_calibration_is_reused_and_kept_per_machine_and_model(half_trained
 
     def fake_calibrate(model, prompts, specs, seed=0, **kw):
         probes.append(list(specs))
-        return autodraft.Calibration(num_draft=len(probes) % 3, round_cost={g: 1.0 + autodraft.nodes(g) for g in specs},
+        return autodraft.Calibration(choice=T(len(probes) % 3), round_cost={g: 1.0 + g.size for g in specs},
                                      alpha_by_position=[0.5, 0.25], expected_tokens={g: 1.0 for g in specs},
                                      seconds=1.5)
 
@@ -550,14 +555,14 @@ def test_saved_calibration_is_reused_and_kept_per_machine_and_model(half_trained
     def run(tag, refresh=False):
         autodraft.memo(half_trained).clear()  # only the file may remember
         saved = autodraft.SavedCalibrations(path, tag, refresh=refresh)
-        return generate(half_trained, prompts, max_new_tokens=24, num_draft="auto", calibrations=saved).stats
+        return generate(half_trained, prompts, max_new_tokens=24, draft="auto", calibrations=saved).stats
 
     first = run("step 1")
-    assert len(probes) == 1 and first["calibration"]["source"] == "probe" and first["num_draft"] == 1
+    assert len(probes) == 1 and first["calibration"]["source"] == "probe" and first["drafts"] == 1
     again = run("step 1")
     assert len(probes) == 1 and again["calibration"]["source"] == "saved"
-    assert again["num_draft"] == 1 and again["calibration"]["round_cost"] == first["calibration"]["round_cost"]
-    assert run("step 2")["num_draft"] == 2 and len(probes) == 2  # another checkpoint: measured again
+    assert again["drafts"] == 1 and again["calibration"]["round_cost"] == first["calibration"]["round_cost"]
+    assert run("step 2")["drafts"] == 2 and len(probes) == 2  # another checkpoint: measured again
     assert len(json.loads(path.read_text())) == 2
     assert run("step 1", refresh=True)["calibration"]["source"] == "probe" and len(probes) == 3
     path.write_text("{not json")
@@ -568,21 +573,21 @@ def test_saved_calibration_is_reused_and_kept_per_machine_and_model(half_trained
     autodraft.memo(half_trained).clear()
     (tmp_path / "a_file").write_text("")
     bad = autodraft.SavedCalibrations(tmp_path / "a_file" / "cal.json", "step 1")  # its directory is a file
-    assert bad.put((1,), autodraft.Calibration(num_draft=0)) is False and bad.get((1,)) is None
+    assert bad.put((1,), autodraft.Calibration()) is False and bad.get((1,)) is None
 
 
 class _FakeLoop:
     """Stands in for the compiled loop: a clock that advances 10 ms of prefill plus a cost per round, and
     interference that slows chosen calls (interference only ever adds time)."""
 
-    cost = {0: 1e-3, 1: 2.5e-3, 2: 3.5e-3}  # seconds per round
-    per_round = {0: 1, 1: 2, 2: 2.5}  # tokens per round
+    cost = {"0": 1e-3, "1": 2.5e-3, "2": 3.5e-3}  # seconds per round, by the candidate's name
+    per_round = {"0": 1, "1": 2, "2": 2.5}  # tokens per round
 
     def __init__(self, slow_calls=()):
         self.now, self.calls, self.slow = 0.0, [], set(slow_calls)
 
     def run(self, model, prompts, loop, seed=0, budget=None, **kw):
-        g = loop.num_draft
+        g = loop.tree.name()
         rounds = int(-(-(budget - 1) // self.per_round[g]))
         self.now += 10e-3 + rounds * self.cost[g] + (50e-3 if len(self.calls) in self.slow else 0.0)
         self.calls.append((g, budget))
@@ -591,23 +596,24 @@ class _FakeLoop:
 
 def test_calibration_costs_are_marginal_round_times_robust_to_interference(half_trained, monkeypatch):
     """Slopes from a prefill-only run to a long one (fixed costs cancel), each length at its fastest."""
-    loops = {g: SimpleNamespace(num_draft=g, max_new=64) for g in (0, 1, 2)}
+    loops = {T(g): SimpleNamespace(tree=T(g), max_new=64) for g in (0, 1, 2)}
     warm, per_pass = 3, 6  # compile runs, then (short, long) per candidate per pass
     # slow down the long probe of γ=1 in two of three passes and γ=0's short probe in one: medians would be fooled
     loop = _FakeLoop(slow_calls={warm + 3, warm + per_pass + 3, warm + 0})
     monkeypatch.setattr(host, "run", loop.run)
-    monkeypatch.setattr(host, "summarize", lambda st: SimpleNamespace(stats={"acceptance_by_position": [0.9, 0.6]}))
+    alpha = SimpleNamespace(stats={"acceptance_by_position": [0.9, 0.6]})
+    monkeypatch.setattr(host, "summarize", lambda st, tree: alpha)
     monkeypatch.setattr(autodraft.time, "perf_counter", lambda: loop.now)
     cal = autodraft.calibrate(half_trained, PROMPTS, loops, probe=32, repeats=3, min_seconds=0.0)
     assert {b for _, b in loop.calls[warm:]} == {1, 64} and len(loop.calls) == warm + 3 * per_pass
-    assert cal.round_cost == pytest.approx({0: 1.0, 1: 2.5, 2: 3.5})
-    assert cal.num_draft == 0  # E(1) / 2.5 = 1.9 / 2.5 and E(2) / 3.5 = 2.44 / 3.5: both slower than plain
+    assert cal.round_cost == pytest.approx({T(0): 1.0, T(1): 2.5, T(2): 3.5})
+    assert cal.choice == PLAIN  # E(1) / 2.5 = 1.9 / 2.5 and E(2) / 3.5 = 2.44 / 3.5: both slower than plain
     # passes continue until min_seconds of probing (at most max_repeats)
     loop = _FakeLoop()
     monkeypatch.setattr(host, "run", loop.run)
     autodraft.calibrate(half_trained, PROMPTS, loops, probe=32, repeats=1, min_seconds=1.0, max_repeats=50)
     passes = (len(loop.calls) - warm) // per_pass
-    one_pass = sum(2 * 10e-3 + r * loop.cost[g] for g, r in ((0, 63), (1, 32), (2, 26)))
+    one_pass = sum(2 * 10e-3 + r * loop.cost[g] for g, r in (("0", 63), ("1", 32), ("2", 26)))
     assert passes == int(-(-1.0 // one_pass))
 
 
@@ -615,10 +621,10 @@ class _FakeTreeLoops(_FakeLoop):
     """_FakeLoop over chains and trees: each candidate's seconds and tokens per round, and the acceptance its probe
     reports (chains α = [0.6, 0.5]; trees a[0] = [0.6, 0.25], a[1] by rank from accepted_by_node)."""
 
-    accepted_by_node = {"2": [60, 25], "2x1": [60, 25, 40, 15], "2x2": [60, 25, 40, 10, 15, 5],
+    accepted_by_node = {"-1,-1": [60, 25], "2x1": [60, 25, 40, 15], "2x2": [60, 25, 40, 10, 15, 5],
                         "3x1": [60, 20, 5, 40, 10, 3]}
-    reached = {"2": [100], "2x1": [100, 85], "2x2": [100, 85], "3x1": [100, 85]}
-    per_round = {0: 1.0, 1: 1.6, 2: 1.9, 3: 2.05, "2": 1.85, "2x1": 2.4, "2x2": 2.55, "3x1": 2.38}  # their E
+    reached = {"-1,-1": [100], "2x1": [100, 85], "2x2": [100, 85], "3x1": [100, 85]}
+    per_round = {"0": 1.0, "1": 1.6, "2": 1.9, "3": 2.05, "-1,-1": 1.85, "2x1": 2.4, "2x2": 2.55, "3x1": 2.38}  # E
 
     def __init__(self, cost: dict):
         super().__init__()
@@ -626,18 +632,15 @@ class _FakeTreeLoops(_FakeLoop):
 
     def run(self, model, prompts, loop, seed=0, budget=None, **kw):
         st = super().run(model, prompts, loop, seed, budget)
-        return SimpleNamespace(n_B=st.n_B, rounds_B=st.rounds_B, candidate=loop.num_draft)
+        return SimpleNamespace(n_B=st.n_B, rounds_B=st.rounds_B, candidate=loop.tree.name())
 
-    def summarize(self, st):
+    def summarize(self, st, tree):
         c = st.candidate
-        return SimpleNamespace(stats={"acceptance_by_position": [0.6, 0.5, 0.5][: autodraft.nodes(c)],
+        return SimpleNamespace(stats={"acceptance_by_position": [0.6, 0.5, 0.5][: parse(c).size],
                                       "accepted_by_node": self.accepted_by_node.get(c), "reached": self.reached.get(c)})
 
     def loops(self, cands):
-        from mtpjax.decode.tree import parse_tree
-
-        return {c: SimpleNamespace(num_draft=c, max_new=64, tree=parse_tree(c) if isinstance(c, str) else None)
-                for c in cands}
+        return {T(c): SimpleNamespace(tree=T(c), max_new=64) for c in cands}
 
     def calibrate(self, monkeypatch, model, cands, **kw):
         monkeypatch.setattr(host, "run", self.run)
@@ -647,7 +650,8 @@ class _FakeTreeLoops(_FakeLoop):
 
 
 CHAINS_AND_TREES = [0, 1, 2, "2x1", "2x2"]
-ROUND_S = {0: 1e-3, 1: 1.3e-3, 2: 1.6e-3, 3: 1.9e-3, "2": 1.4e-3, "2x1": 1.5e-3, "2x2": 1.5e-3, "3x1": 1.7e-3}
+ROUND_S = {"0": 1e-3, "1": 1.3e-3, "2": 1.6e-3, "3": 1.9e-3, "-1,-1": 1.4e-3, "2x1": 1.5e-3, "2x2": 1.5e-3,
+           "3x1": 1.7e-3}  # by the candidate's name
 
 
 def test_auto_chooses_a_tree_where_its_measured_round_pays(half_trained, monkeypatch):
@@ -655,31 +659,31 @@ def test_auto_chooses_a_tree_where_its_measured_round_pays(half_trained, monkeyp
     the chains' 1.6 / 1.3, 1.9 / 1.6): it is chosen, named, and its E is the hand-computed one; companions: a dearer
     2x2 round loses to 2x1, and trees dearer still lose to a chain."""
     cal = _FakeTreeLoops(ROUND_S).calibrate(monkeypatch, half_trained, CHAINS_AND_TREES)
-    assert (cal.choice, cal.tree, cal.num_draft) == ("2x2", "2x2", 6)
-    assert cal.round_cost == pytest.approx({0: 1.0, 1: 1.3, 2: 1.6, "2x1": 1.5, "2x2": 1.5})
+    assert (cal.choice, cal.choice.size) == (T("2x2"), 6)
+    assert cal.round_cost == pytest.approx({T(0): 1.0, T(1): 1.3, T(2): 1.6, T("2x1"): 1.5, T("2x2"): 1.5})
     assert cal.acceptance_by_depth_rank["2x2"] == [pytest.approx([0.6, 0.25]), pytest.approx([55 / 85, 15 / 85])]
-    assert cal.expected_tokens["2x2"] == pytest.approx(1 + 0.85 + 0.85 * 70 / 85)  # 2.55
-    assert cal.expected_tokens["2x1"] == pytest.approx(1 + 0.85 + 0.85 * 55 / 85)  # 2.40
-    assert cal.expected_tokens[2] == pytest.approx(1 + 0.6 + 0.3)
-    assert cal.pruned == [1, 2]  # after the first pass: below both trees
-    saved = autodraft.Calibration.from_dict(cal.as_json())
-    assert (saved.choice, saved.round_cost, saved.pruned) == ("2x2", cal.round_cost, [1, 2])
+    assert cal.expected_tokens[T("2x2")] == pytest.approx(1 + 0.85 + 0.85 * 70 / 85)  # 2.55
+    assert cal.expected_tokens[T("2x1")] == pytest.approx(1 + 0.85 + 0.85 * 55 / 85)  # 2.40
+    assert cal.expected_tokens[T(2)] == pytest.approx(1 + 0.6 + 0.3)
+    assert cal.pruned == [T(1), T(2)]  # after the first pass: below both trees
+    saved = autodraft.Calibration.from_dict(cal.as_dict())
+    assert (saved.choice, saved.round_cost, saved.pruned) == (T("2x2"), cal.round_cost, [T(1), T(2)])
 
     dear = _FakeTreeLoops({**ROUND_S, "2x2": 1.7e-3}).calibrate(monkeypatch, half_trained, CHAINS_AND_TREES)
-    assert dear.choice == "2x1" and dear.tree == "2x1" and dear.num_draft == 4
+    assert dear.choice == T("2x1") and dear.choice.size == 4
     dearer = _FakeTreeLoops({**ROUND_S, "2x1": 2.4e-3, "2x2": 2.6e-3})
     chain = dearer.calibrate(monkeypatch, half_trained, CHAINS_AND_TREES)
-    assert chain.choice == 1 and chain.tree is None and chain.pruned == ["2x1", "2x2"]
+    assert chain.choice == T(1) and chain.choice.is_chain() and chain.pruned == [T("2x1"), T("2x2")]
 
 
 def test_a_one_depth_tree_and_the_chain_of_as_many_drafts_stay_apart():
     """The tree `2` (two children of the root) and the chain of 2 drafts are different candidates: a saved
     calibration reads each back as itself and a request key tells the candidate sets apart."""
-    cal = autodraft.Calibration(num_draft=2, round_cost={0: 1.0, 2: 1.6, "2": 1.4}, tree="2", pruned=[2],
-                                expected_tokens={0: 1.0, 2: 1.9, "2": 1.8})
-    back = autodraft.Calibration.from_dict(json.loads(json.dumps(cal.as_json())))
-    assert back.round_cost == {0: 1.0, 2: 1.6, "2": 1.4} and back.pruned == [2] and back.choice == "2"
-    assert autodraft.label(2) != autodraft.label("2") and autodraft._candidate("2x1") == "2x1"  # older files
+    cal = autodraft.Calibration(choice=T("2"), round_cost={T(0): 1.0, T(2): 1.6, T("2"): 1.4}, pruned=[T(2)],
+                                expected_tokens={T(0): 1.0, T(2): 1.9, T("2"): 1.8})
+    back = autodraft.Calibration.from_dict(json.loads(json.dumps(cal.as_dict())))
+    assert back.round_cost == {T(0): 1.0, T(2): 1.6, T("2"): 1.4} and back.pruned == [T(2)] and back.choice == T("2")
+    assert T(2).name() != T("2").name() and parse(T("2").name()) == T("2")  # each spelled as itself
 
 
 def test_calibration_rounds_past_the_first_pass_do_not_grow_with_the_candidates(half_trained, monkeypatch):
@@ -690,32 +694,39 @@ def test_calibration_rounds_past_the_first_pass_do_not_grow_with_the_candidates(
 
     def rounds_after_first_pass(cands, **kw):
         cal = _FakeTreeLoops(ROUND_S).calibrate(monkeypatch, half_trained, cands, **kw)
-        first = sum(-(-63 // _FakeTreeLoops.per_round[c]) for c in cands)  # one 64-token run each (the 1-token runs: 0)
+        first = sum(-(-63 // _FakeTreeLoops.per_round[T(c).name()]) for c in cands)  # one 64-token run each
         return cal.rounds - first, cal
 
     few_later, few = rounds_after_first_pass(CHAINS_AND_TREES, repeats=3)
     many_later, lots = rounds_after_first_pass(many, repeats=3)
     kept = [0, "2x1", "2x2"]  # the best two rivals among either set, in candidate order
-    assert [c for c in CHAINS_AND_TREES if c not in few.pruned] == [c for c in many if c not in lots.pruned] == kept
-    assert few_later == many_later == 2 * sum(-(-63 // _FakeTreeLoops.per_round[c]) for c in kept)
+    assert [c for c in CHAINS_AND_TREES if T(c) not in few.pruned] == [c for c in many if T(c) not in lots.pruned] \
+        == kept
+    assert few_later == many_later == 2 * sum(-(-63 // _FakeTreeLoops.per_round[T(c).name()]) for c in kept)
     # min_seconds never reached: passes stop at max_repeats, still of the kept three
     capped, _ = rounds_after_first_pass(many, repeats=1, min_seconds=1e9, max_repeats=5)
-    assert capped == 4 * sum(-(-63 // _FakeTreeLoops.per_round[c]) for c in kept)
+    assert capped == 4 * sum(-(-63 // _FakeTreeLoops.per_round[T(c).name()]) for c in kept)
     assert rounds_after_first_pass(many, repeats=3, keep=len(many))[0] > few_later
 
 
-def test_choose_num_draft_falls_back_to_plain_when_drafting_costs_more_than_it_saves():
+def _fastest_chain(alpha, round_cost: dict) -> int:
+    """The γ choose_fastest picks among chains with E from α (0: plain)."""
+    cost = {chain(g): c for g, c in {0: 1.0, **round_cost}.items()}
+    return choose_fastest({t: expected_tokens(t, by_position(alpha)) for t in cost}, cost).size
+
+
+def test_choose_fastest_falls_back_to_plain_when_drafting_costs_more_than_it_saves():
     alpha = [0.9, 0.7]
-    assert choose_num_draft(alpha, {1: 3.8, 2: 5.1}) == 0  # batch 1 on a 2-core CPU, measured
-    assert choose_num_draft(alpha, {1: 1.5, 2: 2.5}) == 1  # batch 32, measured
-    assert choose_num_draft(alpha, {1: 1.1, 2: 1.3}) == 2
+    assert _fastest_chain(alpha, {1: 3.8, 2: 5.1}) == 0  # batch 1 on a 2-core CPU, measured
+    assert _fastest_chain(alpha, {1: 1.5, 2: 2.5}) == 1  # batch 32, measured
+    assert _fastest_chain(alpha, {1: 1.1, 2: 1.3}) == 2
 
 
 def test_budget_cuts_generation_without_recompiling(half_trained):
-    loop = make_loop(half_trained, PROMPTS, max_new_tokens=20, num_draft=2, proposer="mtp", sampler=make_sampler())
-    full = summarize(run(half_trained, PROMPTS, loop)).tokens
+    loop = make_loop(half_trained, PROMPTS, max_new_tokens=20, draft=2, proposer="mtp", sampler=make_sampler())
+    full = summarize(run(half_trained, PROMPTS, loop), loop.tree).tokens
     size = jax_cache_size()
-    short = summarize(run(half_trained, PROMPTS, loop, budget=7)).tokens
+    short = summarize(run(half_trained, PROMPTS, loop, budget=7), loop.tree).tokens
     assert jax_cache_size() == size
     assert short == [t[:7] for t in full]
 
@@ -729,7 +740,7 @@ def test_streaming_callbacks_never_recompile(half_trained):
         def on_commit(toks, counts, streamed=streamed):
             streamed.extend(toks[0, : int(counts[0])].tolist())
 
-        out = generate(half_trained, PROMPTS, max_new_tokens=13, num_draft=2, temperature=1.0, seed=seed,
+        out = generate(half_trained, PROMPTS, max_new_tokens=13, draft=2, temperature=1.0, seed=seed,
                        on_commit=on_commit)
         assert streamed == out.tokens[0]
     assert jax_cache_size() == size + 1
@@ -753,17 +764,17 @@ def _teacher_forced_depth1(model, prompts, refs, n):
 
 
 @dataclasses.dataclass(frozen=True)
-class StaleTrunkMTP(MTPProposer):
+class StaleTrunkMTP(MTPChainProposer):
     """A broken draft state: MTP drafting that never stores the trunk's new hidden states (module 1 reads rows
     that were never written)."""
 
     def step(self, models, state, ctx):
         W = self.window(models.target.cfg.mtp_depth)
-        return self._draft(models.target, state, ctx, jnp.maximum(ctx.n_B - 1 - W, 0), W)
+        return self._draft_from(models.target, state, ctx, jnp.maximum(ctx.n_B - 1 - W, 0), W)
 
 
-@pytest.mark.parametrize("proposer,equal", [(MTPProposer(chain_tree(2)), True),
-                                            (StaleTrunkMTP(chain_tree(2)), False)])
+@pytest.mark.parametrize("proposer,equal", [(MTPChainProposer(chain(2)), True),
+                                            (StaleTrunkMTP(chain(2)), False)])
 def test_forced_decoding_acceptance_equals_teacher_forced_agreement(half_trained, proposer, equal):
     """Walking a reference text, depth-1 acceptance counts equal agreement/mtp_1 from a full forward on it:
     the decoder's draft state is the training forward's. The companion walks the same text with a broken draft
@@ -771,8 +782,8 @@ def test_forced_decoding_acceptance_equals_teacher_forced_agreement(half_trained
     rng = np.random.default_rng(1)
     refs = [_pattern_batch(rng, 1, 20, 32)[0].tolist() for _ in PROMPTS]
     n = 16
-    loop = make_loop(half_trained, PROMPTS, max_new_tokens=n, num_draft=2, proposer="mtp", sampler=make_sampler())
-    res = summarize(run_forced(half_trained, PROMPTS, dataclasses.replace(loop, proposer=proposer), refs))
+    loop = make_loop(half_trained, PROMPTS, max_new_tokens=n, draft=2, proposer="mtp", sampler=make_sampler())
+    res = summarize(run_forced(half_trained, PROMPTS, dataclasses.replace(loop, proposer=proposer), refs), loop.tree)
     match, total = _teacher_forced_depth1(half_trained, PROMPTS, refs, n)
     assert 0 < match < total
     assert res.tokens == [r[:n] for r in refs] and res.stats["reached"][0] == total
@@ -781,7 +792,7 @@ def test_forced_decoding_acceptance_equals_teacher_forced_agreement(half_trained
 
 def test_rows_sample_independently(trained):
     model, _ = trained
-    out = generate(model, [[1, 2]] * 8, max_new_tokens=12, num_draft=2, temperature=1.5, seed=3)
+    out = generate(model, [[1, 2]] * 8, max_new_tokens=12, draft=2, temperature=1.5, seed=3)
     assert len({tuple(t) for t in out.tokens}) > 1
 
 
@@ -791,18 +802,18 @@ def test_bad_requests_raise_one_line_errors(trained):
     cases = [
         (lambda: generate(model, [[]], max_new_tokens=4), "empty prompt"),
         (lambda: generate(model, [[1] * 40], max_new_tokens=30, max_len=64), "exceeds the cache"),
-        (lambda: generate(plain, [[1]], max_new_tokens=4, num_draft=2), "no MTP modules"),
+        (lambda: generate(plain, [[1]], max_new_tokens=4, draft=2), "no MTP modules"),
         (lambda: generate(model, [[99]], max_new_tokens=4), "outside the vocabulary"),
         (lambda: generate(model, [[1]], max_new_tokens=0), "max_new_tokens"),
         (lambda: generate(model, [[1]], max_new_tokens=4, temperature=-1.0), "temperature"),
-        (lambda: generate(model, [[1]], max_new_tokens=4, num_draft=1, proposer="x"), "proposer"),
-        (lambda: generate(model, [[1]], max_new_tokens=4, num_draft="many"), "integer >= 0 or 'auto'"),
-        (lambda: generate(plain, [[1]], max_new_tokens=4, num_draft="auto"), "no MTP modules"),
+        (lambda: generate(model, [[1]], max_new_tokens=4, draft=1, proposer="x"), "proposer"),
+        (lambda: generate(model, [[1]], max_new_tokens=4, draft="many"), "is not one of auto"),
+        (lambda: generate(plain, [[1]], max_new_tokens=4, draft="auto"), "no MTP modules"),
     ]
     for fn, text in cases:
         with pytest.raises(DecodeError, match=text) as e:
             fn()
         assert "\n" not in str(e.value)
     # The n-gram proposer works without MTP modules: the plain model's greedy tokens, all 4 of them.
-    out = generate(plain, [[1, 2, 1, 2]], max_new_tokens=4, num_draft=2, proposer="ngram")
+    out = generate(plain, [[1, 2, 1, 2]], max_new_tokens=4, draft=2, proposer="ngram")
     assert len(out.tokens[0]) == 4 and out.tokens == generate(plain, [[1, 2, 1, 2]], max_new_tokens=4).tokens

@@ -149,7 +149,7 @@ def test_exact_match_equals_greedy_decoding(tmp_path):
     greedy = []
     for r in range(len(tokens)):
         cols = np.nonzero(batch.mask_BT[r])[0]
-        out = generate(model, [tokens[r, :cols[0]].tolist()], max_new_tokens=len(cols), num_draft=0).tokens[0]
+        out = generate(model, [tokens[r, :cols[0]].tolist()], max_new_tokens=len(cols), draft=0).tokens[0]
         if r % 2 == 0:  # even rows: the model's greedy answer becomes the reference, so both outcomes occur
             tokens[r, cols] = out[:len(cols)]
         greedy.append(list(out[:len(cols)]) == tokens[r, cols].tolist())

@@ -12,12 +12,12 @@ from test_speculative import PROMPTS, TV_BOUND, _cache_copies_per_round, _cfg, _
 
 import mtpjax.decode.loop as loop_module
 import mtpjax.decode.tree as tree_module
-from mtpjax.decode import DecodeError, MTPProposer, generate, make_loop, run, summarize
+from mtpjax.decode import DecodeError, MTPTreeProposer, generate, make_loop, run, summarize
 from mtpjax.decode.cache import stacked
 from mtpjax.decode.sampling import make_sampler
-from mtpjax.decode.tree import Tree, TreeError, chain_tree, parse_tree, split_hybrid
+from mtpjax.drafts import DraftError, Tree, chain, parse
 from mtpjax.nn.model import build_model
-from mtpjax.nn.speed import tree_expected_tokens
+from mtpjax.nn.speed import expected_tokens
 
 MLA = dict(attention_kind="mla", kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=6,
            v_head_dim=10)
@@ -39,14 +39,13 @@ def _check_tree_equal(model, trees, batches, proposer="mtp"):
     for prompts in batches:
         base = generate(model, prompts, max_new_tokens=24)
         for tree in trees:
-            out = generate(model, prompts, max_new_tokens=24, tree=tree, proposer=proposer)
+            out = generate(model, prompts, max_new_tokens=24, draft=tree, proposer=proposer)
             assert out.tokens == base.tokens, (tree, len(prompts))
-            assert out.stats["tree"] == tree
+            assert parse(out.stats["draft"]) == parse(tree)
             assert 0 < sum(out.stats["accepted"]) < sum(out.stats["reached"])  # accepted and rejected branches
             # the arithmetic's tree E from the measured acceptance by depth and rank is the measured count
-            spec, ngram = split_hybrid(tree)
-            if not ngram and parse_tree(spec).branching():
-                E = tree_expected_tokens(parse_tree(spec), out.stats["acceptance_by_depth_rank"])
+            if "+" not in tree and "," not in tree:  # an MTP tree branching evenly
+                E = expected_tokens(parse(tree), out.stats["acceptance_by_depth_rank"])
                 assert E == pytest.approx(1 + sum(out.stats["accepted"]) / out.stats["rounds"])
 
 
@@ -88,14 +87,14 @@ def test_a_chain_tree_drafts_as_the_chain_does(half_trained, hidden):
     if hidden == "normed":  # a final-norm scale far from 1, else the modules' own norm hides a raw state read
         scale = model.final_norm.scale
         scale[...] = jnp.asarray(np.random.default_rng(0).uniform(0.2, 3.0, scale.shape), scale.dtype)
-    chain = generate(model, PROMPTS, max_new_tokens=24, num_draft=2)
-    tree = generate(model, PROMPTS, max_new_tokens=24, tree="1x1")
+    chain = generate(model, PROMPTS, max_new_tokens=24, draft=2)
+    tree = generate(model, PROMPTS, max_new_tokens=24, draft="1x1")
     assert tree.tokens == chain.tokens
     assert tree.stats["accepted"] == chain.stats["accepted"] and tree.stats["rounds"] == chain.stats["rounds"]
 
 
 @dataclasses.dataclass(frozen=True)
-class NarrowTree(MTPProposer):
+class NarrowTree(MTPTreeProposer):
     """Tree drafting that recomputes `rows` committed rows a round instead of depth + modules."""
 
     rows: int = 1
@@ -121,10 +120,9 @@ def _caches_equal_fresh(model, st, used: int) -> tuple[bool, bool]:
 
 
 def _tree_run(model, proposer, max_new=30):
-    loop = make_loop(model, PROMPTS, max_new_tokens=max_new, num_draft=0, sampler=make_sampler(),
-                     tree=proposer.name())
+    loop = make_loop(model, PROMPTS, max_new_tokens=max_new, sampler=make_sampler(), draft=proposer.tree)
     st = run(model, PROMPTS, dataclasses.replace(loop, proposer=proposer))
-    res = summarize(st)
+    res = summarize(st, loop.tree)
     assert 0 < sum(res.stats["accepted"]) < sum(res.stats["reached"])  # branches accepted and rejected
     return st
 
@@ -137,47 +135,46 @@ def test_tree_caches_equal_fresh_prefill(kw, monkeypatch):
     tree; companions: the accepted path left where the tree put it breaks the trunk's, a window one row short breaks
     the modules', and so does the hybrid's window sized by its MTP tree alone (missing a deep n-gram accept)."""
     model = _half_trained(**kw)
-    tree = parse_tree("2x2x1")
-    assert _caches_equal_fresh(model, _tree_run(model, MTPProposer(tree)), 2) == (True, True)
-    narrow = NarrowTree(tree, rows=MTPProposer(tree).window(2) - 1)
+    tree = parse("2x2x1")
+    assert _caches_equal_fresh(model, _tree_run(model, MTPTreeProposer(tree)), 2) == (True, True)
+    narrow = NarrowTree(tree, rows=MTPTreeProposer(tree).window(2) - 1)
     assert _caches_equal_fresh(model, _tree_run(model, narrow), 2) == (True, False)
-    hybrid = MTPProposer(parse_tree("2x1"), ngram=3)
+    hybrid = MTPTreeProposer(parse("2x1+ngram3"))
     st = _tree_run(model, hybrid)
-    assert int(np.asarray(st.accepted_nodes_BG)[:, -1].sum()) > 0  # the n-gram branch accepted at depth 3
+    assert int(np.asarray(st.accepted_BG)[:, -1].sum()) > 0  # the n-gram branch accepted at depth 3
     assert _caches_equal_fresh(model, st, 2) == (True, True)
-    mtp_only = NarrowTree(hybrid.tree, ngram=3, rows=hybrid.tree.max_depth + hybrid.used(2))
+    mtp_only = NarrowTree(hybrid.tree, rows=hybrid.mtp.max_depth + hybrid.in_use(2))
     assert _caches_equal_fresh(model, _tree_run(model, mtp_only), 2) == (True, False)
     monkeypatch.setattr(loop_module, "keep_path", lambda cache, *a: cache)
-    assert not _caches_equal_fresh(model, _tree_run(model, MTPProposer(tree), max_new=29), 2)[0]
+    assert not _caches_equal_fresh(model, _tree_run(model, MTPTreeProposer(tree), max_new=29), 2)[0]
 
 
 def test_bad_tree_specs_are_one_line_errors():
-    assert parse_tree("2x2x1").parents == (-1, -1, 0, 0, 1, 1, 2, 3, 4, 5)
-    assert parse_tree("-1,-1,0").parents == (-1, -1, 0) and Tree((-1, -1, 0, 1)).name() == "2x1"
-    assert Tree((-1, -1, 0, 2)).name() == "-1,-1,0,2"
-    assert split_hybrid("2x2+ngram3") == ("2x2", 3) and split_hybrid("2x2") == ("2x2", 0)
-    for spec in ["2x0", "ax2", "", "-1,1", "0", "9x9", "2x2+ngram0", "2x2+trie"]:
-        with pytest.raises(TreeError) as e:
-            parse_tree(split_hybrid(spec)[0])
+    assert parse("2x2x1").parents == (-1, -1, 0, 0, 1, 1, 2, 3, 4, 5)
+    assert parse("-1,-1,0").parents == (-1, -1, 0) and Tree((-1, -1, 0, 1), ("mtp",) * 4).name() == "2x1"
+    assert Tree((-1, -1, 0, 2), ("mtp",) * 4).name() == "-1,-1,0,2"
+    assert parse("2x2+ngram3").part("mtp") == parse("2x2") and parse("2x2+ngram3").count("ngram") == 3
+    assert parse("3") == chain(3) and parse("0").size == 0  # a number spells a chain (0: plain)
+    for spec in ["2x0", "ax2", "", "-1,1", "9x9", "2x2+ngram0", "2x2+trie", "0+ngram2"]:
+        with pytest.raises(DraftError) as e:
+            parse(spec)
         assert "\n" not in str(e.value) and spec in str(e.value)
     model = build_model(_cfg(), seed=0)
     with pytest.raises(DecodeError, match="proposer mtp or mtp1"):
-        make_loop(model, PROMPTS, max_new_tokens=4, num_draft=0, proposer="ngram", tree="2x2")
-    with pytest.raises(DecodeError, match="give one"):
-        make_loop(model, PROMPTS, max_new_tokens=4, num_draft=2, tree="2x2")
-    with pytest.raises(DecodeError, match="tree '2x0'"):
-        make_loop(model, PROMPTS, max_new_tokens=4, num_draft=0, tree="2x0")
+        make_loop(model, PROMPTS, max_new_tokens=4, proposer="ngram", draft="2x2")
+    with pytest.raises(DecodeError, match="draft '2x0'"):
+        make_loop(model, PROMPTS, max_new_tokens=4, draft="2x0")
 
 
 @pytest.mark.slow
 def test_tree_rounds_update_the_caches_in_place(half_trained, monkeypatch):
     """Verifying a tree and keeping its accepted path writes the caches in place: no whole-buffer copy per round;
     companion: the verification's write not ordered after its reads makes XLA copy the buffers in a tree loop too."""
-    assert _cache_copies_per_round(half_trained, 0, tree="2x2") == []
+    assert _cache_copies_per_round(half_trained, "2x2") == []
     import mtpjax.nn.layers as layers
 
     monkeypatch.setattr(layers, "write_after", lambda cache, k, v, start, o: layers.write_kv(cache, k, v, start))
-    assert len(_cache_copies_per_round(half_trained, 0, tree="2x2")) >= 2 * half_trained.cfg.n_layers
+    assert len(_cache_copies_per_round(half_trained, "2x2")) >= 2 * half_trained.cfg.n_layers
 
 
 def _tree_tv(tree: str, sampling: dict, proposer="mtp"):
@@ -187,9 +184,8 @@ def _tree_tv(tree: str, sampling: dict, proposer="mtp"):
     sampler = make_sampler(sampling["temperature"], sampling.get("top_k"), sampling.get("top_p"))
     prompt, n_tok, N = [1, 2, 3], 3, 6000
     exact = _exact_joint(_context_logits(model, prompt, n_tok), **sampling)
-    loop = make_loop(model, [prompt] * N, max_new_tokens=n_tok, num_draft=0, proposer=proposer, sampler=sampler,
-                     tree=tree)
-    res = summarize(run(model, [prompt] * N, loop, seed=7))
+    loop = make_loop(model, [prompt] * N, max_new_tokens=n_tok, proposer=proposer, sampler=sampler, draft=tree)
+    res = summarize(run(model, [prompt] * N, loop, seed=7), loop.tree)
     return _tv(res, exact, 6, n_tok), res.stats["acceptance_by_position"][0]
 
 
@@ -231,7 +227,7 @@ def _ngram_scored_with_the_mtp_q(real):
     """sampled_path with the n-gram nodes' one-hot q replaced by the root's MTP q (node 0's, drawn i.i.d.)."""
 
     def wrong(tree, drafts_BG, q_BGV, p_BYV, u_BG):
-        G = parse_tree("2x1").size  # the MTP nodes; the n-gram chain's follow
+        G = parse("2x1").size  # the MTP nodes; the n-gram chain's follow
         return real(tree, drafts_BG, q_BGV.at[:, G:].set(q_BGV[:, :1]), p_BYV, u_BG)
 
     return wrong
@@ -262,15 +258,15 @@ def test_sampled_hybrid_tree_companion_a_wrong_ngram_rule_is_detected(monkeypatc
 
 @pytest.mark.slow
 def test_eval_speed_report_prices_a_tree(half_trained):
-    """speed_report(tree=...): the tree's E from its acceptance by depth and rank, by hand, its ceiling over one
+    """speed_report(wider=...): the tree's E from its acceptance by depth and rank, by hand, its ceiling over one
     plain step plus one module call per depth at a chain draft's floor r, and its estimate over v of its 7 rows
     (the n-gram round verifying 6 drafts) instead of the one step."""
     from mtpjax.eval.evaluate import decode_context, speed_report
     from mtpjax.nn.speed import floor_ratio
-    from mtpjax.decode import MTPProposer
+    from mtpjax.decode import MTPChainProposer
 
     prompts = PROMPTS[:2]
-    d = speed_report(half_trained, prompts, num_draft=2, max_new=16, tree="2x2")
+    d = speed_report(half_trained, prompts, gamma=2, max_new=16, wider=parse("2x2"))
     assert d["outputs_identical"] is True and d["tree"] == "2x2" and d["tree_nodes"] == 6
     a1, a2 = d["tree_acceptance_depth1"], d["tree_acceptance_depth2"]
     assert len(a1) == len(a2) == 2 and 0 < sum(a1) <= 1
@@ -278,7 +274,7 @@ def test_eval_speed_report_prices_a_tree(half_trained):
     assert d["tree_expected_tokens_per_round"] == pytest.approx(e)
     assert d["tree_predicted_speedup"] == pytest.approx(e / d["tree_round_cost"])
     assert d["tree_speedup"] == pytest.approx(d["tree_tokens_per_sec"] / d["plain_tokens_per_sec"])
-    r = floor_ratio(MTPProposer(chain_tree(2)), half_trained.cfg, decode_context(prompts, 16))
+    r = floor_ratio(MTPChainProposer(chain(2)), half_trained.cfg, decode_context(prompts, 16))
     assert d["tree_verify_cost_v"] > 0
     # issue 50: the ceiling is a bound (verification at least one plain step); over the n-gram round's v it is the
     # estimate tree_floor_draft_speedup, which a measured speedup can exceed

@@ -70,3 +70,15 @@ def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | No
             return 0 if e.code is None else e.code
 
     return run
+
+
+def draft_flag(num_draft: str | None, tree: str | None):
+    """decode.draft from the flags that spell it (decode.py's --num-draft and --tree, the harness's num_draft= and
+    tree=): the one place they map onto the key; None when neither is given."""
+    if num_draft is not None and tree is not None:
+        raise UsageError(f"--num-draft {num_draft} and --tree {tree} both say what to draft (decode.draft); give one "
+                         "of them")
+    from mtpjax.config.schema import read_draft  # here: a command's bad flags are answered before the config loads
+
+    given = tree if tree is not None else num_draft
+    return None if given is None else read_draft(str(given))

@@ -16,7 +16,7 @@ from mtpjax.parallel.console import say
 from mtpjax.parallel.sharding import MeshError
 from mtpjax.parallel.targets import parse_target
 from mtpjax.train import meshes
-from mtpjax.train.aot import DoesNotFit, compile_report, format_report, memory_table, report_json
+from mtpjax.train.aot import DoesNotFit, compile_report, format_report, report_json
 
 
 def _parser() -> Parser:
@@ -95,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = on_target(cfg, args.overrides, target)
     with notes_of("mtpjax.decode") as notes:
         try:
-            report = compile_report(cfg, target, alpha=args.alpha, decode=not args.no_decode,
-                                    batch=args.decode_batch, table=memory_table)
+            report = compile_report(cfg, target, alpha=args.alpha, decode=not args.no_decode, batch=args.decode_batch)
         except DoesNotFit as e:
             print(e.table, flush=True)
             raise

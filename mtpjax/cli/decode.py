@@ -10,15 +10,14 @@ import sys
 import time
 from pathlib import Path
 
-from mtpjax.cli.args import Parser, command
+from mtpjax.cli.args import Parser, command, draft_flag
 from mtpjax.cli.decode_eval import evaluate
 from mtpjax.config import DecodeConfig, choices
-from mtpjax.config.specs import parse_num_draft, parse_shape
 from mtpjax.decode import api, autodraft
 from mtpjax.decode.cache import cache_bytes, rows
 from mtpjax.decode.host import DecodeError
 from mtpjax.decode.mesh import describe
-from mtpjax.decode.tree import Auto, Hybrid, Tree, TreeError, nodes
+from mtpjax.drafts import Auto, DraftError, parse
 from mtpjax.eval import verdict
 from mtpjax.parallel import console
 from mtpjax.eval.log import agreement_at
@@ -40,8 +39,8 @@ def parser() -> Parser:
     p.add_argument("--num-draft", type=_num_draft, default=None,
                    help="drafts per round, or auto: measure plain, chains up to the proposer's most drafts (the MTP "
                         "modules' depth, one more for mtp1; n-gram lookup's longest suffix; a draft model by its size "
-                        "against the target's) and the small trees of autodraft.TREES on the prompts, and use the "
-                        "fastest (default: decode.num_draft)")
+                        "against the target's) and the small trees of autodraft.PROBED_TREES on the prompts, and use "
+                        "the fastest (sets decode.draft; default: decode.draft)")
     p.add_argument("--proposer", choices=choices(DecodeConfig, "proposer"), default=None,
                    help="mtp: the run's MTP modules (module k drafts token k); mtp1: module 1 drafts every token; "
                         "ngram: prompt lookup; model: the --draft-run-dir model (default: decode.proposer, or model "
@@ -49,7 +48,7 @@ def parser() -> Parser:
     p.add_argument("--tree", type=_tree, default=None,
                    help="draft a static tree with the MTP modules instead of a chain: children per node at each depth "
                         "(2x2x1: top-2 at depths 1 and 2, top-1 at 3) or each node's parent (-1,-1,0,0); +ngramL adds "
-                        "n-gram lookup's L drafts as one more branch (2x2+ngram3) (default: decode.tree)")
+                        "n-gram lookup's L drafts as one more branch (2x2+ngram3) (sets decode.draft)")
     p.add_argument("--draft-run-dir", default=None,
                    help="a run trained with the same tokenizer (e.g. configs/draft_tiny.yaml) whose model drafts")
     p.add_argument("--temperature", type=float, default=None)
@@ -108,18 +107,20 @@ def _mesh(args):
     return mesh if mesh.size > 1 else None
 
 
-def _num_draft(text: str) -> Tree | Auto:
-    try:
-        return parse_num_draft(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"num_draft={text} must be auto or an integer number of drafts >= 0") from None
+def _num_draft(text: str) -> str:
+    """--num-draft: `auto` or a chain's length, as decode.draft spells them."""
+    if text.strip() != "auto" and not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"--num-draft {text} must be auto or an integer number of drafts >= 0")
+    return _tree(text)
 
 
-def _tree(text: str) -> Tree | Hybrid:
+def _tree(text: str) -> str:
+    """--tree: any spelling of decode.draft (checked here, so a bad one is refused before the model loads)."""
     try:
-        return parse_shape(text)
-    except TreeError as e:
+        parse(text)
+    except DraftError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _fmt(d: dict) -> str:
@@ -180,16 +181,10 @@ def _tokenizer_identity(run_dir: Path, tok) -> tuple:
 
 def decode_config(args, cfg) -> DecodeConfig:
     """The config's decode section with the flags given on the command line laid over it (a flag given wins)."""
-    d = cfg.decode
-    if args.num_draft is not None and (args.tree or d.tree) is not None:
-        tree = (args.tree or d.tree).name()
-        raise DecodeError(f"--num-draft and a tree ({tree}) both say how much to draft; give one of them")
     flags = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
              "top_p": args.top_p, "max_len": args.max_len, "proposer": _proposer(args, cfg),
-             "tree": args.tree,
-             "num_draft": None if args.num_draft is None else -1 if isinstance(args.num_draft, Auto)
-             else args.num_draft.size}
-    return d.model_copy(update={k: v for k, v in flags.items() if v is not None})
+             "draft": draft_flag(args.num_draft, args.tree)}
+    return cfg.decode.model_copy(update={k: v for k, v in flags.items() if v is not None})
 
 
 class _Streamer:
@@ -233,12 +228,11 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
     prompts = [tok.encode(t) for t in texts]
     if any(len(p) == 0 for p in prompts):
         raise DecodeError("empty prompt: give at least one character of text")
-    shape = d.draft
+    tree = d.draft
     # the most drafts a round may verify (auto: its largest chain or tree)
-    most = (max(map(autodraft.nodes, autodraft.candidates(model, d.proposer, draft))) if isinstance(shape, Auto)
-            else nodes(shape))
-    chain = isinstance(shape, Tree) and shape.is_chain()
-    _check_size(cfg.model, prompts, d.max_new_tokens, most, d.max_len, chain=chain)
+    most = (max(t.size for t in autodraft.candidates(model, d.proposer, draft)) if isinstance(tree, Auto)
+            else tree.size)
+    _check_size(cfg.model, prompts, d.max_new_tokens, most, d.max_len, chain=isinstance(tree, Auto) or tree.is_chain())
     if not math.isfinite(d.temperature):
         raise DecodeError(f"--temperature {d.temperature} must be a finite number >= 0 (0 = greedy)")
     out = _Streamer(tok, texts[0], stream=len(prompts) == 1)  # one prompt streams as it decodes; several print at end
@@ -248,13 +242,13 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
                                         f"{run_dir.resolve()} step {step}{draft_tag}"
                                         + ("" if on is None else f" mesh {describe(on)}"), refresh=args.recalibrate)
     guess = None  # auto's first choice for a new request shape: the cost model on training's agreement
-    if isinstance(shape, Auto) and d.proposer in ("mtp", "mtp1") and cfg.model.mtp_depth:
+    if isinstance(tree, Auto) and d.proposer in ("mtp", "mtp1") and cfg.model.mtp_depth:
         guess = agreement_at(run_dir, step, cfg.model.mtp_depth if d.proposer == "mtp" else 1)
     t0 = time.perf_counter()
-    res = api.generate(model, prompts, max_new_tokens=d.max_new_tokens, shape=shape, proposer=d.proposer,
+    res = api.generate(model, prompts, max_new_tokens=d.max_new_tokens, draft=tree, proposer=d.proposer,
                        temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, seed=args.seed, eos_id=tok.eos_id,
                        max_len=d.max_len, on_commit=out.on_commit if out.stream else None, calibrations=saved,
-                       draft=draft, progress=out.progress, plain_first=True, first_guess=guess)
+                       draft_model=draft, progress=out.progress, plain_first=True, first_guess=guess)
     seconds = time.perf_counter() - t0
     if out.stream:
         out.finish()
@@ -266,17 +260,17 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
     return 0
 
 
-def label(proposer: str, num_draft: int) -> str:
-    """What ran: `plain` for 0 drafts, else the proposer and its drafts per round."""
-    return "plain" if num_draft == 0 else f"{proposer} num_draft={num_draft}"
+def label(proposer: str, draft: str) -> str:
+    """What ran: `plain` for the empty tree, else the proposer and the tree it drafted (decode.draft's spelling)."""
+    return "plain" if parse(draft).size == 0 else f"{proposer} draft={draft}"
 
 
 def _print_stats(s: dict, proposer: str, seconds: float, saved_path) -> None:
     """--stats: what ran and its acceptance; with auto, what was measured, what it cost, and what was chosen."""
-    what = f"{proposer} tree={s['tree']} ({s['num_draft']} nodes)" if "tree" in s else label(proposer, s["num_draft"])
-    line = f"[{what}] rounds={s['rounds']} tokens/round={s['tokens_per_round']:.2f}"
-    if s["num_draft"]:
-        if "tree" in s:  # the share each rank takes at each depth (nn.speed.tree_expected_tokens reads it)
+    nodes = f" ({s['drafts']} nodes)" if "acceptance_by_depth_rank" in s else ""  # a tree wider than a chain
+    line = f"[{label(proposer, s['draft'])}{nodes}] rounds={s['rounds']} tokens/round={s['tokens_per_round']:.2f}"
+    if s["drafts"]:
+        if "acceptance_by_depth_rank" in s:  # the share each rank takes at each depth (nn.speed.expected_tokens)
             line += f" acceptance_by_depth_rank={[[round(a, 3) for a in row] for row in s['acceptance_by_depth_rank']]}"
         else:
             line += f" acceptance={[round(a, 3) for a in s['acceptance_by_position']]}"
@@ -284,8 +278,7 @@ def _print_stats(s: dict, proposer: str, seconds: float, saved_path) -> None:
     if "calibration" in s:
         c = s["calibration"]
         chose = ("plain (no draft count or tree was predicted to beat plain decoding by more than the probe's noise)"
-                 if c["num_draft"] == 0 else f"{proposer} tree={c['tree']}" if c.get("tree")
-                 else label(proposer, c["num_draft"]))
+                 if c["drafts"] == 0 else label(proposer, c["draft"]))
         measured = (f"round cost vs plain {_fmt(c['round_cost'])}, expected tokens/round "
                     f"{_fmt(c['expected_tokens'])}")
         if c.get("pruned"):
@@ -306,7 +299,7 @@ def _first(g: dict | None, proposer: str) -> str:
     """What a request shape's first decode ran (the estimate of mtpjax.decode.firstguess, or plain without one)."""
     if g is None:
         return "it decoded plain (the run logged no agreement to estimate from)"
-    ran = label(proposer, g["num_draft"]) if g["num_draft"] else "plain"
+    ran = label(proposer, g["draft"])
     return (f"it ran {ran}, the cost model's choice from training's agreement "
             f"{[round(a, 3) for a in g['alpha_by_position']]} with free verification and drafts at their floor cost "
             f"(round cost {_fmt(g['round_cost'])})")
@@ -327,7 +320,7 @@ def _memory_bytes() -> int:
 
 def _check_size(mcfg, prompts, max_new: int, nodes: int, max_len: int, chain: bool = True) -> None:
     """DecodeError for requests that could only hang compiling or run out of memory (`nodes`: the most drafts a round
-    verifies, a chain's by --num-draft; a tree's are bounded by its spec, tree.MAX_NODES)."""
+    verifies, a chain's by --num-draft; a tree's are bounded by its spelling, drafts.MAX_NODES)."""
     if chain and nodes > MAX_DRAFT:
         raise DecodeError(f"--num-draft {nodes} is above {MAX_DRAFT}; use at most {MAX_DRAFT} drafts per round")
     if max(map(len, prompts)) + max_new > max_len:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mtpjax.cli.args import draft_flag
 from mtpjax.decode.host import DecodeError
 from mtpjax.decode.mesh import describe
-from mtpjax.decode.tree import Tree
+from mtpjax.drafts import Tree, chain
 from mtpjax.eval import verdict
 from mtpjax.parallel import console
 
@@ -34,19 +35,21 @@ def evaluate(args, cfg, model, tok, run_dir: Path, step: int, draft=None) -> int
                                            micro_batches=cfg.train.micro_batches), batches, tok)
     # a synthetic source's task metric on its held-out instances (the training eval's eval/task/...)
     val |= task_metrics(model, task_batch(cfg.data, tok, cfg.data.task_instances, cfg.data.seq_len))
-    num_draft = args.num_draft.size if isinstance(args.num_draft, Tree) else max(1, cfg.model.mtp_depth)
+    given = draft_flag(args.num_draft, args.tree) or cfg.decode.draft
+    tree = given if isinstance(given, Tree) else chain(max(1, cfg.model.mtp_depth))  # auto: the depth
+    gamma = tree.size if tree.is_chain() and tree.size else max(1, cfg.model.mtp_depth)
+    wider = None if tree.is_chain() else tree
     prompts = heldout_prompts(prepared.val_tokens, args.eval_prompts, args.prompt_len, tok.eos_id)
     max_new = args.max_new_tokens or 128
-    tree = args.tree or cfg.decode.tree
     console.say(f"eval: decoding {len(prompts)} held-out prompts x {max_new} tokens: plain, n-gram and "
-                f"{'the draft model' if draft is not None else 'MTP'} at num_draft={num_draft}"
-                f"{f', the tree {tree.name()}' if tree else ''} (compiling, then timing)")
-    speed = speed_report(model, prompts, num_draft=num_draft, max_new=max_new, draft=draft, tree=tree)
+                f"{'the draft model' if draft is not None else 'MTP'} chains of {gamma}"
+                f"{f', the tree {wider.name()}' if wider else ''} (compiling, then timing)")
+    speed = speed_report(model, prompts, gamma=gamma, max_new=max_new, draft_model=draft, wider=wider)
     if cfg.model.mtp_depth:
         # The held-out text itself as the continuation: acceptance on the distribution training measured.
         texts = heldout_prompts(prepared.val_tokens, max(32, args.eval_prompts), args.prompt_len + max_new, tok.eos_id)
         console.say(f"eval: teacher-forced acceptance on {len(texts)} held-out texts")
-        speed["forced_acceptance_by_position"] = forced_acceptance(model, texts, args.prompt_len, num_draft)
+        speed["forced_acceptance_by_position"] = forced_acceptance(model, texts, args.prompt_len, gamma)
         speed["agreement_on_heldout"] = agreement_on(model, [t[:args.prompt_len] for t in texts],
                                                      [t[args.prompt_len:] for t in texts], cfg.model.mtp_depth)
     report = {"run_dir": str(run_dir), "step": step, "mesh": describe(model.placement.mesh), "validation": val,

@@ -6,8 +6,9 @@ registered and the shipped tasks on its task path.
 --include_path DIR (repeated, or several joined with os.pathsep) adds the user's task directories beside the
 shipped ones.
 
-model_args: run_dir (required), step, max_length (default data.seq_len), num_draft (an integer or auto),
-proposer (mtp, mtp1, ngram), tree, seed, max_gen_toks; --batch_size is the rows of one compiled batch.
+model_args: run_dir (required), step, max_length (default data.seq_len), num_draft (an integer or auto) or tree
+(decode.py's flags, both spelling decode.draft), proposer (mtp, mtp1, ngram), seed, max_gen_toks; --batch_size is the
+rows of one compiled batch.
 Importing this module registers the backend, so `lm_eval.simple_evaluate(model="mtpjax", model_args=...)`
 works after `import mtpjax.cli.lm_eval`; `load_lm(run_dir)` returns an instance to pass as `model=`.
 """
@@ -21,7 +22,9 @@ from pathlib import Path
 
 from lm_eval.api.registry import register_model
 
-from mtpjax.cli.args import Parser, UsageError, command
+from mtpjax.cli.args import Parser, UsageError, command, draft_flag
+from mtpjax.cli.lm_eval_private import HarnessParsers, harness_parsers
+from mtpjax.drafts import PLAIN
 from mtpjax.eval import tasks
 from mtpjax.eval.harness import MtpjaxLM
 
@@ -34,8 +37,10 @@ def load_lm(run_dir, step: int | None = None, *, max_length: int | None = None, 
     from mtpjax.train.checkpoint import load_model_step
 
     cfg, model, tok, _ = load_model_step(run_dir, step)
+    draft = draft_flag(options.pop("num_draft", None), options.pop("tree", None))
     return MtpjaxLM(model, tok, max_length=max_length or cfg.data.seq_len, batch_size=batch_size,
-                    proposer=options.pop("proposer", None) or cfg.decode.proposer, **options)
+                    proposer=options.pop("proposer", None) or cfg.decode.proposer,
+                    draft=PLAIN if draft is None else draft, **options)
 
 
 def lm_options(given: dict, batch_size=None) -> dict:
@@ -66,13 +71,11 @@ class RunLM(MtpjaxLM):
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
 
-def _harness_cli():
-    """lm-eval's HarnessCLI whose parsers report errors as ours do (Parser.error: one UsageError line)."""
-    from lm_eval._cli import HarnessCLI
-
-    cli = HarnessCLI()
-    for p in (cli._parser, *cli._subparsers.choices.values()):
-        p.prog = "python -m mtpjax lm_eval" + ("" if p is cli._parser else f" {p.prog.split()[-1]}")
+def _harness_cli() -> HarnessParsers:
+    """lm-eval's command line whose parsers report errors as ours do (Parser.error: one UsageError line)."""
+    cli = harness_parsers()
+    for p in (cli.parser, *cli.commands.values()):
+        p.prog = "python -m mtpjax lm_eval" + ("" if p is cli.parser else f" {p.prog.split()[-1]}")
         p.error = functools.partial(Parser.error, p)
     return cli
 
@@ -120,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     tasks.go_offline()
     cli = _harness_cli()
-    if argv and argv[0] not in cli._subparsers.choices and argv[0] not in ("-h", "--help"):
+    if argv and argv[0] not in cli.commands and argv[0] not in ("-h", "--help"):
         argv = ["run", *argv]
     argv, dirs = include_paths(argv) if argv[:1] == ["run"] else (argv, [])
-    args = cli._parser.parse_args(argv)
+    args = cli.parser.parse_args(argv)
     if getattr(args, "command", None) == "run":
         check_run_args(args, dirs)
         args.include_path = [str(tasks.task_dir()), *dirs]  # the shipped tasks beside the user's
@@ -131,9 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_tasks(args, cfg, model, tok, step: int, proposer: str, shape, draft=None) -> int:
+def run_tasks(args, cfg, model, tok, step: int, proposer: str, draft, draft_model=None) -> int:
     """decode.py --tasks: the harness's table, then what speculative generation did on the generation tasks
-    (drafting `shape`, the request's config.specs DraftSpec)."""
+    (drafting `draft`, the request's mtpjax.drafts Tree or Auto)."""
     import json
     from pathlib import Path
 
@@ -150,8 +153,8 @@ def run_tasks(args, cfg, model, tok, step: int, proposer: str, shape, draft=None
         raise UsageError(f"--batch-size {args.batch_size} must be >= 1")
     manager = tasks.task_manager(names)
     tasks.load(names, manager)  # an unknown or unreadable task before anything runs
-    lm = MtpjaxLM(model, tok, max_length=cfg.data.seq_len, batch_size=args.batch_size, shape=shape,
-                  proposer=proposer, seed=args.seed, draft_model=draft, measure=True)
+    lm = MtpjaxLM(model, tok, max_length=cfg.data.seq_len, batch_size=args.batch_size, draft=draft,
+                  proposer=proposer, seed=args.seed, draft_model=draft_model, measure=True)
     results = tasks.evaluate(lm, names, limit=args.limit, num_fewshot=args.num_fewshot, manager=manager)
     spec = {task: spec_summary(t) for task, t in lm.stats.items()}
     print(f"checkpoint {args.run_dir} step {step}")

@@ -2,8 +2,7 @@
 
     errors     ConfigError, the one-line message form, pydantic's errors read into it
     types      the value types: YAML scalars as written, and the values parsed from one string (the λ schedule, the
-               MTP target mix, the per-depth λ, the profile window)
-    specs      the draft tree's type and parser
+               MTP target mix, the per-depth λ, the profile window; decode.draft, read by mtpjax.drafts)
     schema     the sections: each key's type, bounds, doc and choices as its `Field`
     validate   the rules that tie fields together
     load       YAML and dotted overrides

@@ -6,8 +6,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from mtpjax.config.errors import fail, one_line
-from mtpjax.config.specs import Auto, DraftSpec, Hybrid, Tree, TreeError, chain, parse_shape
+from mtpjax import drafts
+from mtpjax.config.errors import ConfigError, fail, one_line
 from mtpjax.config.types import (
     Bool, DepthLambdas, Float, Int, LambdaSchedule, Str, Strs, TargetMix, choice, listed, parsed)
 from mtpjax.config.validate import validate
@@ -259,8 +259,9 @@ class TrainConfig(Section):
     nan_policy: choice("stop", "skip") = Field("stop", description="on a non-finite loss or gradient",
         json_schema_extra={"choices": {"stop": "stop the run", "skip": "skip the update"}})
     max_skipped_steps: Int = Field(10, description="`skip` policy: stop after this many skipped updates", ge=0)
-    peak_flops: Float = Field(0.0, description="per-device peak FLOP/s for MFU; 0 = the best float32 matmul rate of "
-        "XLA, numpy or torch, measured at start", ge=0)
+    peak_flops: Float = Field(0.0, description="per-device peak FLOP/s for MFU; 0 = the chip's published dense bf16 "
+        "peak on a GPU or TPU (the table `compile` reports use), and only on CPU the best float32 matmul rate of XLA, "
+        "numpy or torch, measured at start (the log says which)", ge=0)
     progress: Bool = Field(True, description="tqdm progress bar")
     profile: Str = Field("", description="`start:stop` (e.g. `10:13`): a `jax.profiler` trace of the steps after "
         "`start` up to `stop` completed steps, in the run's TensorBoard directory (profile tab); empty: none")
@@ -309,40 +310,45 @@ class CheckpointConfig(Section):
         "for speed")
 
 
-def _read_tree(text: str) -> Tree | Hybrid | None:
-    """decode.tree's shape (empty: none, a chain of decode.num_draft); ConfigError naming the key otherwise."""
+def read_draft(text: str, key: str = "decode.draft") -> drafts.Tree | drafts.Auto:
+    """decode.draft's value (mtpjax.drafts' one spelling); ConfigError naming the key otherwise."""
     try:
-        return parse_shape(text) if text.strip() else None
-    except TreeError as e:
-        raise fail("decode.tree", text, f"{e} (empty: a chain)") from None
+        return drafts.parse(text)
+    except drafts.DraftError as e:
+        raise fail(key, text, str(e)) from None
 
 
-DraftTree = parsed(Tree | Hybrid | None, _read_tree, lambda t: "" if t is None else t.name())
+Draft = parsed(drafts.Tree | drafts.Auto, read_draft, lambda d: d.name())
 
 
 class DecodeConfig(Section):
     max_new_tokens: Int = Field(128, description="default generation length of `decode.py`", gt=0)
-    num_draft: Int = Field(-1, description="drafts per round; -1 = auto (timed per request among 0..`mtp_depth`), 0 = "
-        "plain", ge=-1)
+    draft: Draft = Field(drafts.Auto(), description="what a round drafts (`decode.py --num-draft/--tree`): `auto` "
+        "(timed per request among plain, chains and small trees), `0` (plain), `3` (a chain of 3), children per node "
+        "at each depth (`2x2x1`) or each node's parent (`-1,-1,0,0`); `+ngramL` adds n-gram lookup's L drafts as one "
+        "more branch (`2x2+ngram3`)", json_schema_extra={"forms": drafts.FORMS})
     proposer: choice(*typing.get_args(Proposer)) = Field("mtp", description="what drafts (`decode.py --proposer`)",
         json_schema_extra={"choices": {"mtp": "the run's MTP modules (module k drafts token k)", "mtp1": "MTP module 1 "
         "drafts every token, fed its own output", "ngram": "prompt lookup", "model": "the `decode.py --draft-run-dir` "
         "model"}})
-    tree: DraftTree = Field(None, description="a static draft tree the MTP modules draft instead of a chain "
-        "(`decode.py --tree`): children per node at each depth (`2x2x1`) or each node's parent (`-1,-1,0,0`); "
-        "`+ngramL` adds n-gram lookup's L drafts as one more branch (`2x2+ngram3`); empty: a chain",
-        json_schema_extra={"forms": "empty (a chain of decode.num_draft) | 2x2x1 | -1,-1,0,0 | 2x2+ngram3"})
     temperature: Float = Field(0.0, description="sampling temperature; 0 = greedy", ge=0)
     top_k: Int = Field(0, description="top-k filter (0 = off)", ge=0)
     top_p: Float = Field(1.0, description="nucleus filter (1 = off)", gt=0, le=1)
     max_len: Int = Field(2048, description="KV-cache capacity: prompt + generated tokens", gt=1)
 
-    @property
-    def draft(self) -> DraftSpec:
-        """What a request drafts: the tree, else auto (num_draft -1) or the chain of num_draft."""
-        if self.tree is not None:
-            return self.tree
-        return Auto() if self.num_draft < 0 else chain(self.num_draft)
+    @model_validator(mode="before")
+    @classmethod
+    def _retired(cls, raw: Any) -> Any:
+        """A replaced key is refused with one line naming its successor (not as an unknown key)."""
+        for name in raw if isinstance(raw, dict) else ():
+            if (full := f"decode.{name}") in RETIRED:
+                raise ConfigError(f"config key '{full}' was replaced by '{RETIRED[full]}' ({drafts.FORMS}); "
+                                  f"write {RETIRED[full]}=... instead", full)
+        return raw
+
+
+# Keys that were replaced: a config naming one is refused with a line naming its successor.
+RETIRED = {"decode.num_draft": "decode.draft", "decode.tree": "decode.draft"}
 
 
 class Config(Section):

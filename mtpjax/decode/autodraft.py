@@ -4,9 +4,9 @@ Whether speculation pays depends on the machine, the batch size and the model. O
 model sits in the last-level cache and one decode row is already compute-bound, so verifying 2-3 tokens
 costs 2-3 plain steps and MTP drafts lose; a 99 MB model is bound by reading its weights, and 1-2 MTP
 drafts win at batch 1 (docs/benchmarks.md). At batch 32 verification is compute-bound for any model
-size. So `generate(num_draft="auto")` times
+size. So `generate(draft="auto")` times
 a short probe of every candidate (plain, chains of γ drafts, and for the MTP modules the small draft trees of
-TREES) on the very prompts it was given (the same compiled loops the real run then reuses), takes α by draft
+PROBED_TREES) on the very prompts it was given (the same compiled loops the real run then reuses), takes α by draft
 position from the longest chain and each tree's acceptance by depth and rank from its own probe, and picks the
 candidate that maximizes expected tokens per unit time. Plain decoding (γ = 0) is always a candidate, and any other
 must beat it by MARGIN (more than the probe's timing noise), which is how speculation is never slower than plain.
@@ -31,111 +31,85 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from mtpjax import drafts
 from mtpjax.decode import host
-from mtpjax.decode.proposers import PROPOSERS
-from mtpjax.decode.tree import Tree, acceptance_by_depth_rank, chain_tree, parse_tree
-from mtpjax.nn.speed import choose_fastest, expected_tokens, tree_expected_tokens
+from mtpjax.decode.tree import acceptance_by_depth_rank
+from mtpjax.drafts import PLAIN, Tree, chain
+from mtpjax.nn.speed import by_position, choose_fastest, expected_tokens
 
 
 MARGIN = 1.05  # a candidate must be predicted this much faster than plain: the probe's timing noise is a few percent
-# Tree shapes probed beside the chains, by the depth the chains reach (capped at 2): few and small, since every
-# candidate costs the probe a compile and a first pass; a deeper or wider tree is fixed with --tree.
-TREES = {1: ("2",), 2: ("2x1", "2x2")}
+# Trees probed beside the chains, by the depth the chains reach (capped at 2): few and small, since every candidate
+# costs the probe a compile and a first pass; a deeper or wider tree is fixed with decode.draft.
+PROBED_TREES = {1: ("-1,-1",), 2: ("2x1", "2x2")}
 KEEP = 3  # candidates timed again after the first pass, plain included: later passes cost the same for any count
 
 
 @dataclass
 class Calibration:
-    num_draft: int  # drafts per round of the choice (a tree: its node count)
-    round_cost: dict = field(default_factory=dict)  # candidate (γ, or a tree's shape) -> round time over a plain round
+    choice: Tree = PLAIN  # what runs (PLAIN: plain decoding)
+    round_cost: dict = field(default_factory=dict)  # candidate tree -> round time over a plain round
     alpha_by_position: list = field(default_factory=list)
-    expected_tokens: dict = field(default_factory=dict)  # candidate -> tokens per round: chains from α, trees below
+    expected_tokens: dict = field(default_factory=dict)  # candidate tree -> tokens per round
     seconds: float = 0.0  # wall time the probe took, compiles included
     source: str = "probe"  # probe | saved (read back from a SavedCalibrations file) | estimate (nothing timed)
-    tree: str | None = None  # the chosen tree's shape (None: a chain, or plain)
-    acceptance_by_depth_rank: dict = field(default_factory=dict)  # tree shape -> a[d][r] measured on its probe
+    acceptance_by_depth_rank: dict = field(default_factory=dict)  # tree name -> a[d][r] measured on its probe
     pruned: list = field(default_factory=list)  # candidates timed in the first pass only
     rounds: int = 0  # decode rounds the probe ran, warm-up included (its time bound counts these)
 
-    @property
-    def choice(self) -> int | str:
-        """What runs: a tree's shape, else the chain's γ (0: plain)."""
-        return self.tree or self.num_draft
-
     def as_dict(self) -> dict:
-        return {"num_draft": self.num_draft, "tree": self.tree, "round_cost": self.round_cost,
-                "alpha_by_position": self.alpha_by_position, "expected_tokens": self.expected_tokens,
-                "acceptance_by_depth_rank": self.acceptance_by_depth_rank, "pruned": self.pruned,
-                "rounds": self.rounds, "seconds": self.seconds, "source": self.source}
-
-    def as_json(self) -> dict:
-        """as_dict with string keys and candidates (JSON's, and sortable when γs and tree shapes mix)."""
-        d = self.as_dict()
-        return {**d, "round_cost": _keyed(d["round_cost"]), "expected_tokens": _keyed(d["expected_tokens"]),
-                "pruned": list(map(label, d["pruned"]))}
+        """The calibration as stats and the saved file spell it: every tree by its name (drafts.parse reads it)."""
+        return {"draft": self.choice.name(), "drafts": self.choice.size, "round_cost": _named(self.round_cost),
+                "alpha_by_position": self.alpha_by_position, "expected_tokens": _named(self.expected_tokens),
+                "acceptance_by_depth_rank": self.acceptance_by_depth_rank,
+                "pruned": [t.name() for t in self.pruned], "rounds": self.rounds, "seconds": self.seconds,
+                "source": self.source}
 
     @classmethod
-    def from_dict(cls, d: dict) -> Calibration:
-        """Inverse of as_json (and of as_dict)."""
-        def unkey(m):
-            return dict(sorted(((_candidate(str(k)), float(v)) for k, v in m.items()), key=lambda kv: _order(kv[0])))
+    def from_dict(cls, d: dict, source: str = "mtp") -> Calibration:
+        """Inverse of as_dict, the trees' nodes given to `source`."""
+        def tree(name) -> Tree:
+            return drafts.parse(str(name)).drafted_by(source)
 
-        return cls(num_draft=int(d["num_draft"]), round_cost=unkey(d["round_cost"]),
+        def unname(m):
+            return dict(sorted(((tree(k), float(v)) for k, v in m.items()), key=lambda kv: _order(kv[0])))
+
+        return cls(choice=tree(d["draft"]), round_cost=unname(d["round_cost"]),
                    alpha_by_position=[float(a) for a in d["alpha_by_position"]],
-                   expected_tokens=unkey(d["expected_tokens"]), seconds=float(d["seconds"]), source="saved",
-                   tree=d.get("tree") or None, acceptance_by_depth_rank=dict(d.get("acceptance_by_depth_rank", {})),
-                   pruned=[_candidate(str(k)) for k in d.get("pruned", [])], rounds=int(d.get("rounds", 0)))
+                   expected_tokens=unname(d["expected_tokens"]), seconds=float(d["seconds"]), source="saved",
+                   acceptance_by_depth_rank=dict(d.get("acceptance_by_depth_rank", {})),
+                   pruned=[tree(k) for k in d.get("pruned", [])], rounds=int(d.get("rounds", 0)))
 
 
-def _keyed(m: dict) -> dict:
-    return {label(k): v for k, v in m.items()}
+def _named(m: dict) -> dict:
+    return {t.name(): v for t, v in m.items()}
 
 
-def label(candidate: int | str) -> str:
-    """A candidate as JSON and request keys spell it: a chain's γ as digits, a tree as `tree:` and its shape (the
-    tree `2`, two children of the root, is not the chain of 2 drafts)."""
-    return str(candidate) if isinstance(candidate, int) else f"tree:{candidate}"
-
-
-def _candidate(key: str) -> int | str:
-    """Inverse of label (a bare non-digit shape, as files written before the prefix hold it, is a tree too)."""
-    return int(key) if key.isdigit() else key.removeprefix("tree:")
-
-
-def _order(c) -> tuple:
+def _order(t: Tree) -> tuple:
     """Chains by γ, then trees by node count: cheaper first (max() keeps the first of equal rates)."""
-    return (isinstance(c, str), nodes(c), str(c))
+    return (not t.is_chain(), t.size, t.name())
 
 
-def shape(candidate: int | str) -> Tree:
-    """The tree a candidate drafts: a chain of γ, or the tree its shape names (candidates keep the spelling the
-    calibration file keys them by)."""
-    return chain_tree(candidate) if isinstance(candidate, int) else parse_tree(candidate)
-
-
-def nodes(candidate: int | str) -> int:
-    """Drafts a round of this candidate verifies: a chain's γ, a tree's node count."""
-    return shape(candidate).size
-
-
-def candidates(model, proposer: str, draft=None) -> list[int | str]:
-    """What auto probes: 0 (plain), each γ up to what the proposer drafts usefully (its most_drafts, asked of its
-    class), then the TREES as deep as those chains (at most 2) that this proposer and model can draft."""
-    most = max(PROPOSERS[proposer].most_drafts(model, draft), 0)
-    out: list[int | str] = list(range(0, most + 1))
-    for spec in TREES.get(min(most, max(TREES)), ()):
+def candidates(model, proposer: str, draft_model=None) -> list[Tree]:
+    """What auto probes: PLAIN, each chain up to what the proposer drafts usefully (its most_drafts), then the
+    PROBED_TREES as deep as those chains (at most 2) that this proposer and model can draft."""
+    drafter = host.DRAFTERS[proposer]
+    most = max(drafter.most_drafts(model, draft_model), 0)
+    out = [chain(g, drafter.source) for g in range(0, most + 1)]
+    for name in PROBED_TREES.get(min(most, max(PROBED_TREES)), ()):
+        tree = drafts.parse(name).drafted_by(drafter.source)
         try:
-            host.check_proposer(model, proposer, parse_tree(spec), None)
+            host.check_proposer(model, proposer, tree, None)
         except host.DecodeError:  # not an MTP proposer, or parallel heads fewer than the tree is deep
             continue
-        out.append(spec)
+        out.append(tree)
     return out
 
 
 def calibrate(model, prompts, loops: dict, seed: int = 0, probe: int = 32, repeats: int = 3,
-              min_seconds: float = 1.0, max_repeats: int = 20, keep: int = KEEP, draft=None,
+              min_seconds: float = 1.0, max_repeats: int = 20, keep: int = KEEP, draft_model=None,
               progress=None) -> Calibration:
-    """Time every candidate's compiled loop on `prompts` (loops: γ or tree shape -> Loop) and choose one.
+    """Time every candidate's compiled loop on `prompts` (loops: candidate tree -> Loop) and choose one.
 
     A round's cost is the slope between a run that stops after the prefill (one new token) and one of
     2·`probe` new tokens, so prefill and dispatch (~10 ms on the tiny model) cancel. Candidates are timed
@@ -150,9 +124,9 @@ def calibrate(model, prompts, loops: dict, seed: int = 0, probe: int = 32, repea
     max_new = min(lp.max_new for lp in loops.values())
     short, long_ = 1, max(2, min(2 * probe, max_new))
     if progress is not None:
-        progress(f"auto: compiling and timing {len(loops)} candidates ({', '.join(map(str, loops))}) on this "
+        progress(f"auto: compiling and timing {len(loops)} candidates ({', '.join(t.name() for t in loops)}) on this "
                  f"request, {long_} tokens a run")
-    timed = _Probe(model, prompts, seed, draft)
+    timed = _Probe(model, prompts, seed, draft_model)
     times: dict = {c: ([], []) for c in loops}
     rounds, last = {}, {}
     for loop in loops.values():  # compile and warm
@@ -170,8 +144,8 @@ def calibrate(model, prompts, loops: dict, seed: int = 0, probe: int = 32, repea
         if done == 1:
             live = kept(_expected(loops, last)[2], _costs(times, rounds), keep)
     cost, (alpha, by_tree, expected) = _costs(times, rounds), _expected(loops, last)
-    choice = choose(alpha, {c: cost[c] for c in live}, expected)
-    return Calibration(num_draft=nodes(choice), tree=choice if isinstance(choice, str) else None, round_cost=cost,
+    choice = choose_fastest(expected, {c: cost[c] for c in live}, margin=MARGIN)
+    return Calibration(choice=choice, round_cost=cost,
                        alpha_by_position=alpha, expected_tokens=expected, acceptance_by_depth_rank=by_tree,
                        pruned=[c for c in loops if c not in live], rounds=timed.rounds,
                        seconds=time.perf_counter() - t0)
@@ -184,13 +158,13 @@ class _Probe:
     model: object
     prompts: list
     seed: int
-    draft: object = None
+    draft_model: object = None
     rounds: int = 0
 
     def __call__(self, loop, budget: int):
         """(seconds, rounds of the slowest row, final state) of one run cut at `budget` new tokens."""
         t = time.perf_counter()
-        st = host.run(self.model, self.prompts, loop, self.seed, budget=budget, draft=self.draft)
+        st = host.run(self.model, self.prompts, loop, self.seed, budget=budget, draft_model=self.draft_model)
         jax.block_until_ready(st.n_B)
         r = int(np.asarray(st.rounds_B).max())
         self.rounds += r
@@ -204,23 +178,23 @@ def _costs(times: dict, rounds: dict) -> dict:
     if len(per_round) < len(times) or min(per_round.values()) <= 0:
         # Too few rounds for the slope to rise above timing noise: whole-run time per round instead.
         per_round = {c: min(tl) / max(rounds[c][1], 1) for c, (_, tl) in times.items()}
-    return {c: t / per_round[0] for c, t in per_round.items()}
+    return {c: t / per_round[PLAIN] for c, t in per_round.items()}
 
 
 def _expected(loops: dict, last: dict) -> tuple[list, dict, dict]:
-    """(α by position of the longest chain, each tree's acceptance by depth and rank, each candidate's expected
-    tokens per round from them) off the candidates' last probe runs."""
-    chains = [c for c in loops if isinstance(c, int)]
-    top = max(chains)
-    alpha = host.summarize(last[top]).stats["acceptance_by_position"] if top > 0 else []
-    expected: dict = {g: expected_tokens(alpha, g) for g in chains}
-    by_tree = {}
-    for c in loops:
-        if isinstance(c, str):
-            stats, tree = host.summarize(last[c]).stats, loops[c].tree
-            by_tree[c] = acceptance_by_depth_rank(tree, stats["accepted_by_node"], stats["reached"])
-            expected[c] = tree_expected_tokens(tree, by_tree[c])
-    return alpha, by_tree, {c: expected[c] for c in loops}
+    """(α by position of the longest chain, each wider tree's acceptance by depth and rank by its name, each
+    candidate's expected tokens per round from them) off the candidates' last probe runs."""
+    top = max((t for t in loops if t.is_chain()), key=lambda t: t.size)
+    alpha = host.summarize(last[top], top).stats["acceptance_by_position"] if top.size else []
+    expected, by_tree = {}, {}
+    for t in loops:
+        if t.is_chain():
+            expected[t] = expected_tokens(t, by_position(alpha))
+        else:
+            stats = host.summarize(last[t], t).stats
+            by_tree[t.name()] = acceptance_by_depth_rank(t, stats["accepted_by_node"], stats["reached"])
+            expected[t] = expected_tokens(t, by_tree[t.name()])
+    return alpha, by_tree, expected
 
 
 def kept(expected: dict, round_cost: dict, keep: int) -> list:
@@ -228,28 +202,20 @@ def kept(expected: dict, round_cost: dict, keep: int) -> list:
     that could still beat plain by MARGIN (a round costs at least a plain one, so E < MARGIN never can). More
     passes only lower a cost (each run length keeps its fastest time), so a candidate dropped here ranked below
     every kept one and stays below."""
-    rivals = [c for c in round_cost if c != 0 and expected[c] >= MARGIN]
+    rivals = [c for c in round_cost if c != PLAIN and expected[c] >= MARGIN]
     rivals.sort(key=lambda c: -expected[c] / round_cost[c])  # stable: of equal rates, the cheaper first
-    return [0] + rivals[: max(keep - 1, 0)]
-
-
-def choose(alpha_by_pos, round_cost: dict, expected: dict | None = None) -> int | str:
-    """The candidate of nn.speed.choose_fastest (a chain's E from α unless `expected` gives it), or 0 (plain)
-    unless it is predicted MARGIN faster than plain decoding."""
-    given = expected or {}
-    exp = {c: given[c] if c in given else expected_tokens(alpha_by_pos, c) for c in round_cost}
-    return choose_fastest(exp, round_cost, margin=MARGIN)
+    return [PLAIN] + rivals[: max(keep - 1, 0)]
 
 
 _MEMO = weakref.WeakKeyDictionary()  # model -> {request shape: Calibration}: one probe per request shape
 _DRAFT_MEMO = weakref.WeakKeyDictionary()  # draft model -> the same, per target model
 
 
-def memo(model, draft=None) -> dict:
+def memo(model, draft_model=None) -> dict:
     """This model's (and draft model's) calibrations, keyed by request shape (dropped with either model)."""
-    if draft is None:
+    if draft_model is None:
         return _MEMO.setdefault(model, {})
-    return _DRAFT_MEMO.setdefault(draft, weakref.WeakKeyDictionary()).setdefault(model, {})
+    return _DRAFT_MEMO.setdefault(draft_model, weakref.WeakKeyDictionary()).setdefault(model, {})
 
 
 @functools.cache  # fixed for the life of the process; read for every saved-calibration lookup
@@ -294,18 +260,18 @@ class SavedCalibrations:
         except (OSError, ValueError):
             return {}
 
-    def get(self, key: tuple) -> Calibration | None:
-        """The saved calibration for this request shape on this machine, or None."""
+    def get(self, key: tuple, source: str = "mtp") -> Calibration | None:
+        """The saved calibration for this request shape on this machine (its trees' nodes `source`'s), or None."""
         entry = None if self.refresh else self._entries().get(self._key(key))
         try:
-            return Calibration.from_dict(entry) if entry else None
+            return Calibration.from_dict(entry, source) if entry else None
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
 
     def put(self, key: tuple, cal: Calibration) -> bool:
         """Save (atomically); False if the file could not be written."""
         entries = self._entries()
-        entries[self._key(key)] = cal.as_json()
+        entries[self._key(key)] = cal.as_dict()
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -321,25 +287,25 @@ class SavedCalibrations:
 
 
 def resolve(model, prompts, loop_for, proposer: str, seed: int, saved: SavedCalibrations | None = None,
-            draft=None, progress=None, measure: bool = True, guess=None):
-    """(the chosen candidate, Calibration) for this request shape (`loop_for(candidate)` builds each candidate's loop;
-    `shape` turns the choice into its tree): measured once per model (or read from `saved`), then remembered. The key
-    names the candidates, so a measurement among others is never reused.
+            draft_model=None, progress=None, measure: bool = True, guess=None) -> tuple[Tree, Calibration | None]:
+    """(the chosen tree, Calibration) for this request shape (`loop_for(tree)` builds each candidate's loop): measured
+    once per model (or read from `saved`), then remembered. The key names the candidates, so a measurement among
+    others is never reused.
 
     measure=False: when nothing is known yet for this shape, `guess()` (a Calibration of source "estimate",
-    mtpjax.decode.firstguess) decides, or plain decoding, (0, None), without a guess; neither is remembered.
+    mtpjax.decode.firstguess) decides, or plain decoding, (PLAIN, None), without a guess; neither is remembered.
     """
-    cands = candidates(model, proposer, draft)
+    cands = candidates(model, proposer, draft_model)
     loops = {c: loop_for(c) for c in cands}
-    key = request_key(prompts, loops[0], proposer, cands)
-    known = memo(model, draft)
+    key = request_key(prompts, loops[PLAIN], proposer, cands)
+    known = memo(model, draft_model)
     if key not in known:
-        cal = saved.get(key) if saved is not None else None
+        cal = saved.get(key, host.DRAFTERS[proposer].source) if saved is not None else None
         if cal is None:
             if not measure:
                 est = guess() if guess is not None else None
-                return (est.choice, est) if est is not None else (0, None)
-            cal = calibrate(model, prompts, loops, seed, draft=draft, progress=progress)
+                return (est.choice, est) if est is not None else (PLAIN, None)
+            cal = calibrate(model, prompts, loops, seed, draft_model=draft_model, progress=progress)
             if saved is not None:
                 saved.put(key, cal)
         known[key] = cal
@@ -350,4 +316,4 @@ def resolve(model, prompts, loop_for, proposer: str, seed: int, saved: SavedCali
 def request_key(prompts, plain, proposer: str, cands) -> tuple:
     """What a calibration holds for: batch, padded prompt, new tokens, proposer, sampler, EOS, the candidates."""
     return (len(prompts), plain.prompt_pad, plain.max_new, proposer, plain.sampler, plain.eos_id,
-            tuple(map(label, cands)))
+            tuple(t.name() for t in cands))

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 from mtpjax.config import ModelConfig
 from mtpjax.nn.flops import cache_numbers_per_token
 from mtpjax.nn.layers import KV, dtype_of
-from mtpjax.nn.mla import mla_cache
+from mtpjax.nn.mla import MLACache, mla_cache
+
+STACKED = (KV, MLACache)  # one cache whose arrays lead with a layer axis (scanned layers); else a tuple, one per layer
 
 
 PROMPT_ROUND = 16  # prompts are padded to a multiple of this: nearby lengths share one compiled loop
@@ -87,7 +89,7 @@ def module_caches(cfg: ModelConfig, batch: int, capacity: int) -> tuple:
 
 def layer(cache, i: int) -> KV:
     """The cache of layer/module i (of a tuple of KVs or of a stacked KV)."""
-    if hasattr(cache, "_fields"):  # a stacked KV or MLACache
+    if isinstance(cache, STACKED):
         return type(cache)(*(x[i] for x in cache))
     return cache[i]
 
@@ -99,7 +101,7 @@ def set_layer(cache: tuple, i: int, new: KV) -> tuple:
 
 def stacked(cache) -> KV:
     """All layers as one [L, B, K, S, H] KV (for inspection and tests)."""
-    if hasattr(cache, "_fields"):
+    if isinstance(cache, STACKED):
         return cache
     return type(cache[0])(*(jnp.stack(xs) for xs in zip(*cache)))
 

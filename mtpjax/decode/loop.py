@@ -27,6 +27,7 @@ from mtpjax.decode.cache import keep_path, take_rows, trunk_cache, write_rows
 from mtpjax.decode.mesh import lay_out
 from mtpjax.decode.protocol import Context, Models, Proposer
 from mtpjax.decode.sampling import Sampler, choose, draw, probs, row_keys
+from mtpjax.drafts import Tree
 from mtpjax.nn.mla import decode_view
 from mtpjax.nn.model import for_decoding
 
@@ -57,9 +58,10 @@ class DecodeState:
     proposer: object  # the proposer's own state (its caches); the loop never looks inside
     done_B: jax.Array
     rounds_B: jax.Array
-    reached_BG: jax.Array  # rounds in which a draft at depth i+1 was evaluated (all before it accepted)
-    accepted_BG: jax.Array  # rounds in which a draft at depth i+1 was accepted
-    accepted_nodes_BG: jax.Array  # rounds in which node i of the draft tree was accepted (a chain: as accepted_BG)
+    # The one acceptance counter: rounds in which node i of the draft tree was accepted. With rounds_B it gives the
+    # rest (host.summarize): acceptance by depth sums a depth's nodes, and a depth is reached when the one above it
+    # was accepted.
+    accepted_BG: jax.Array
     key: jax.Array
     stream: jax.Array
     policy: object = None  # the request's arrays for the commit policy
@@ -94,12 +96,8 @@ class Loop:
     commits: CommitPolicy = Accepted()  # what a round commits (tokens, count) given what it accepted
 
     @property
-    def num_draft(self) -> int:
-        return self.proposer.num_draft
-
-    @property
-    def tree(self) -> trees.Tree:
-        return trees.Tree(tuple(self.proposer.parents()))
+    def tree(self) -> Tree:
+        return self.proposer.tree
 
     def __call__(self, models: Models, req: Request) -> DecodeState:
         # On a mesh every carried array keeps one layout: caches sharded as their producers, rows over the data axes.
@@ -132,12 +130,11 @@ class Loop:
         with jax.named_scope("propose"):
             ctx = Context(seq_BS, n_B, h_BPD, jnp.zeros_like(n_B), self.sampler, req.key, 0)
             pstate, draft = self.proposer.start(models, ctx)
-        zeros_BG = jnp.zeros((B, self.tree.max_depth), jnp.int32)
         return DecodeState(
             trunk=trunk, seq_BS=seq_BS, n_B=n_B, prompt_len_B=req.plen_B, budget_B=req.budget_B,
             drafts_BG=draft.tokens_BG, q_BGV=draft.q_BGV, proposer=pstate,
             done_B=(first_B == self.eos_id) | (req.budget_B <= 1), rounds_B=jnp.zeros((B,), jnp.int32),
-            reached_BG=zeros_BG, accepted_BG=zeros_BG, accepted_nodes_BG=jnp.zeros((B, self.num_draft), jnp.int32),
+            accepted_BG=jnp.zeros((B, self.tree.size), jnp.int32),
             key=req.key, stream=req.stream, policy=req.policy)
 
     def round(self, models: Models, st: DecodeState, it) -> DecodeState:
@@ -158,7 +155,7 @@ class Loop:
         st = st.replace(trunk=trunk)
         with jax.named_scope("commit"):
             on_BG = ~st.done_B[:, None] & trees.accepted_nodes(tree, a_B, path_BY)
-            st = self.commit(st.replace(accepted_nodes_BG=st.accepted_nodes_BG + on_BG), a_B, toks_BY)
+            st = self.commit(st.replace(accepted_BG=st.accepted_BG + on_BG), a_B, toks_BY)
         with jax.named_scope("propose"):
             ctx = Context(st.seq_BS, st.n_B, h_BYD, start_B, self.sampler, st.key, it)
             pstate, draft = self.proposer.step(models, st.proposer, ctx)
@@ -200,12 +197,9 @@ class Loop:
         seq_BS = write_rows(st.seq_BS, toks_BY, st.n_B)  # past n for inactive rows: scratch
         self.emit(st.stream, jnp.max(st.rounds_B) + 1, toks_BY, c_B)  # a row active now was active every round
         n_B = st.n_B + c_B
-        g = jnp.arange(Y - 1)[None, :]
         return st.replace(
             seq_BS=seq_BS, n_B=n_B, done_B=st.done_B | hit_B | (n_B - st.prompt_len_B >= st.budget_B),
-            rounds_B=st.rounds_B + active_B.astype(jnp.int32),
-            reached_BG=st.reached_BG + (active_B[:, None] & (g <= a_B[:, None])).astype(jnp.int32),
-            accepted_BG=st.accepted_BG + (active_B[:, None] & (g < a_B[:, None])).astype(jnp.int32))
+            rounds_B=st.rounds_B + active_B.astype(jnp.int32))
 
 
 def run_loop(loop: Loop, graphs: tuple, params: tuple, req: Request) -> DecodeState:

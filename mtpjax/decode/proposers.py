@@ -1,12 +1,12 @@
-"""Proposers: small static objects that draft γ tokens a round, each owning its decode state (the contract:
-mtpjax.decode.protocol.Proposer). Draft.q_BGV is the exact distribution each draft was sampled from, None when
-greedy (only the tokens matter there).
+"""Proposers: small static objects that draft a tree a round, one class per drafting algorithm, each owning its
+decode state (the contract: mtpjax.decode.protocol.Proposer). Draft.q_BGV is the exact distribution each draft was
+sampled from, None when greedy (only the tokens matter there).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +15,8 @@ from flax import struct
 from mtpjax.decode.cache import module_caches, read_rows, set_layer, take_rows, trunk_cache, write_rows
 from mtpjax.decode.protocol import Context, Draft, Models, Proposer
 from mtpjax.decode.sampling import choose, row_keys
-from mtpjax.decode.tree import MAX_NODES as MAX_TREE_NODES
-from mtpjax.decode.tree import PLAIN, Hybrid, Tree, nodes, sees
+from mtpjax.decode.tree import sees
+from mtpjax.drafts import MAX_NODES, PLAIN, Source, Tree
 from mtpjax.nn.flops import TokenFlops
 from mtpjax.nn.model import MTPTransformer
 
@@ -27,20 +27,12 @@ def _stack(drafts: list, qs: list) -> Draft:
 
 @dataclass(frozen=True)
 class Plain(Proposer):
-    """No drafts: plain decoding is the same loop with γ = 0."""
+    """No drafts: plain decoding is the same loop verifying the empty tree."""
 
-    num_draft: int = 0
+    tree: Tree = PLAIN
 
-    def problem(self, target, draft) -> str | None:
+    def impossible(self, target, draft) -> str | None:
         return None
-
-    @classmethod
-    def of(cls, shape: Tree | Hybrid) -> Plain:
-        return cls()
-
-    @staticmethod
-    def most_drafts(target, draft=None) -> int:
-        return 0
 
     def start(self, models: Models, ctx: Context):
         return self.step(models, None, ctx)
@@ -58,26 +50,17 @@ class Plain(Proposer):
 class NgramProposer(Proposer):
     """Prompt lookup: continue the latest earlier occurrence of the longest matching suffix (<= max_n)."""
 
-    num_draft: int
-    max_n: int = 3
+    tree: Tree  # a chain
+    max_n: int = 3  # the longest suffix matched; also the most drafts auto probes (a heuristic bound)
 
-    def problem(self, target, draft) -> str | None:
+    def impossible(self, target, draft) -> str | None:
         return None
-
-    @classmethod
-    def of(cls, shape: Tree | Hybrid) -> NgramProposer:
-        return cls(nodes(shape))
-
-    @staticmethod
-    def most_drafts(target, draft=None) -> int:
-        """As many drafts as the longest suffix it matches (max_n), a heuristic bound."""
-        return NgramProposer.max_n
 
     def start(self, models: Models, ctx: Context):
         return self.step(models, None, ctx)
 
     def step(self, models: Models, state, ctx: Context):
-        drafts = lookup(ctx.seq_BS, ctx.n_B, self.num_draft, self.max_n)
+        drafts = lookup(ctx.seq_BS, ctx.n_B, self.tree.size, self.max_n)
         q = None
         if not ctx.sampler.greedy:  # a deterministic draft: q is one-hot
             q = jax.nn.one_hot(drafts, models.target.cfg.vocab_size, dtype=jnp.float32)
@@ -116,68 +99,39 @@ class MTPState:
 
 @dataclass(frozen=True)
 class MTPProposer(Proposer):
-    """The target's MTP modules drafting a static tree (a chain of γ is the tree `1x…x1`): level k drafts depth k
-    with module min(k, modules in use) over a window of committed rows ending at the draft position n-2, a chain's
-    nodes in the window at their own positions, a wider tree's as extra rows seeing their ancestors (docs/decoding.md
-    §Draft trees). `modules=1`: module 1 drafts every depth (vLLM, SGLang); 0 uses all J. `ngram`: a hybrid, n-gram
-    lookup's chain of that many drafts as the root's last branch (a point mass: its q is one-hot)."""
+    """What the MTP modules' two drafting algorithms share (MTPChainProposer, MTPTreeProposer): level k drafts depth k
+    with module min(k, modules in use) over a window of committed rows ending at the draft position n-2, and the
+    window's caches. `modules=1`: module 1 drafts every depth (vLLM, SGLang); 0 uses all J."""
 
     tree: Tree
     modules: int = 0
-    ngram: int = 0
-    TREES: ClassVar[bool] = True
-
-    @classmethod
-    def of(cls, shape: Tree | Hybrid) -> MTPProposer:
-        return cls(shape.tree, ngram=shape.ngram) if isinstance(shape, Hybrid) else cls(shape)
 
     @property
-    def num_draft(self) -> int:
-        return self.tree.size + self.ngram
+    def mtp(self) -> Tree:
+        """The nodes the modules draft."""
+        return self.tree.part("mtp")
 
-    def parents(self) -> tuple[int, ...]:
-        G = self.tree.size
-        return self.tree.parents + tuple(-1 if i == 0 else G + i - 1 for i in range(self.ngram))
-
-    def name(self) -> str:
-        return Hybrid(self.tree, self.ngram).name() if self.ngram else self.tree.name()
-
-    def in_place(self) -> bool:
-        """Whether every node sits in the window at its own position (a chain), needing no rows of its own."""
-        return self.tree.is_chain() and not self.ngram
-
-    def problem(self, target, draft) -> str | None:
+    def impossible(self, target, draft) -> str | None:
         cfg = target.cfg
         if cfg.mtp_depth == 0:
-            return "this model has no MTP modules (mtp_depth 0); use --proposer ngram or --num-draft 0"
-        used, D = self.used(cfg.mtp_depth), self.tree.max_depth
-        if cfg.mtp_kind == "parallel" and D > used:
-            if self.in_place():
-                return f"num_draft={D} exceeds the {used} parallel MTP heads in use; lower --num-draft"
-            return (f"tree {self.name()} is {D} deep, beyond the {used} parallel MTP heads in use; "
-                    "use a shallower --tree")
+            return "this model has no MTP modules (mtp_depth 0); use --proposer ngram or decode.draft=0"
+        heads, D = self.in_use(cfg.mtp_depth), self.mtp.max_depth
+        if cfg.mtp_kind == "parallel" and D > heads:
+            return (f"draft {self.tree.name()} is {D} deep, beyond the {heads} parallel MTP heads in use; "
+                    f"draft at most {heads} deep (decode.draft)")
         return None
 
-    @staticmethod
-    def most_drafts(target, draft=None) -> int:
-        """Module k drafts token k: the model's depth."""
-        return target.cfg.mtp_depth
-
-    def used(self, depth: int) -> int:
+    def in_use(self, depth: int) -> int:
         """Modules that draft from a recomputed window (deeper levels reuse the last of them)."""
-        return min(self.tree.max_depth, depth, self.modules or depth)
+        return min(self.mtp.max_depth, depth, self.modules or depth)
 
     def window(self, depth: int) -> int:
-        """Committed rows each module recomputes a round, ending at the draft position n-2.
+        """Committed rows each module recomputes a round, ending at the draft position n-2."""
+        raise NotImplementedError
 
-        A round commits up to D+1 tokens (D: the deepest branch, the n-gram one included), whose entries every module
-        must now compute. A chain's entries built from its accepted drafts are already right, so D+1 rows cover it;
-        a tree's nodes were written elsewhere and module k's rows lag the committed length by k. Fewer rows leave
-        entries a later query reads stale.
-        """
-        if self.in_place():
-            return self.tree.max_depth + 1
-        return max(self.tree.max_depth, self.ngram) + self.used(depth)
+    def extra_nodes(self, k: int, sequential: bool) -> tuple[int, ...]:
+        """The nodes level k runs rows for beside the window."""
+        raise NotImplementedError
 
     def start(self, models: Models, ctx: Context):
         (B, S), cfg = ctx.seq_BS.shape, models.target.cfg
@@ -190,33 +144,19 @@ class MTPProposer(Proposer):
 
     def _step(self, models: Models, state: MTPState, ctx: Context, s_B, W: int):
         """Store the trunk's new states, then draft from the window [s, s+W)."""
-        h0_BSD = write_rows(state.h0_BSD, models.target.trunk_state(ctx.h_BTD), ctx.h_start_B)
-        return self._draft(models.target, state.replace(h0_BSD=h0_BSD), ctx, s_B, W)
+        m = models.target
+        h0_BSD = write_rows(state.h0_BSD, m.trunk_state(ctx.h_BTD), ctx.h_start_B)
+        return self._draft_from(m, state.replace(h0_BSD=h0_BSD), ctx, s_B, W)
 
-    def _draft(self, m: MTPTransformer, st: MTPState, ctx: Context, s_B, W: int):
-        """Level k drafts depth k: a module call, then each node of depth k-1 its children; then the n-gram branch."""
-        r = _Round(m, ctx, s_B, W, st, self.used(m.cfg.mtp_depth))
-        for k in range(1, self.tree.max_depth + 1):
-            with jax.named_scope(f"draft{k}"):  # profiles attribute time per depth
-                if k > r.used and self.in_place():
-                    self._continue(r, k)
-                else:
-                    self._level(r, k, min(k, r.used))
-                for parent in self.tree.at_depth(k - 1, k - 1) if k > 1 else (-1,):
-                    self._children(r, k, parent)
-        tokens = [r.tokens[v] for v in range(self.tree.size)]
-        qs = [r.qs.get(v) for v in range(self.tree.size)]
-        if self.ngram:
-            look_BG = lookup(ctx.seq_BS, ctx.n_B, self.ngram, NgramProposer(self.ngram).max_n)
-            tokens += [look_BG[:, i] for i in range(self.ngram)]
-            if not ctx.sampler.greedy:
-                qs += [jax.nn.one_hot(look_BG[:, i], m.cfg.vocab_size, dtype=jnp.float32) for i in range(self.ngram)]
-        return st.replace(caches=r.caches), _stack(tokens, qs)
+    def _draft_from(self, m: MTPTransformer, state: MTPState, ctx: Context, s_B, W: int):
+        """(state, drafts) of one round drafted from the window [s, s+W) of the stored states."""
+        r = _Round(m, ctx, s_B, W, state, self.in_use(m.cfg.mtp_depth))
+        tokens, qs = self._draft(r)
+        return state.replace(caches=r.caches), _stack(tokens, qs)
 
-    def extra_nodes(self, k: int, sequential: bool) -> tuple[int, ...]:
-        """The nodes level k runs rows for beside the window: a tree's depths 1..k-1 (none for a chain, whose nodes
-        are in the window, or for parallel heads, which read no token)."""
-        return () if self.in_place() or not sequential else self.tree.at_depth(1, k - 1)
+    def _draft(self, r: _Round) -> tuple[list, list]:
+        """(each node's tokens, the distributions they were drawn from) of one round."""
+        raise NotImplementedError
 
     def _level(self, r: _Round, k: int, mk: int) -> None:
         """Module mk over the window and the level's extra rows (each seeing the committed rows and its ancestors)."""
@@ -228,8 +168,8 @@ class MTPProposer(Proposer):
             h_BTD, kv = m.mtp_forward(mk, h_in, toks_BW, r.pos_BW, cache=r.caches[mk - 1])
         else:
             # a node's input: its parent's row one level up (past the modules, the shallow ones recomputed as before)
-            ins = [r.out(k - 1 if k <= r.used or tree.depth[v] >= r.used else r.used - 1, tree.parents[v])
-                   for v in nodes]
+            last = r.last_module
+            ins = [r.out(k - 1 if k <= last or tree.depth[v] >= last else last - 1, tree.parents[v]) for v in nodes]
             depth_O = jnp.asarray([tree.depth[v] for v in nodes], jnp.int32)
             pos_BO = (r.n_B - 1 - mk)[:, None] + depth_O[None, :]
             toks_BO = jnp.stack([r.tokens[v] for v in nodes], 1)
@@ -242,25 +182,12 @@ class MTPProposer(Proposer):
         r.rows.update({(k, v): h_BTD[:, W + j] for j, v in enumerate(nodes)})
         r.h_BD = take_rows(r.wins[k], r.n_B - 2 - r.s_B)  # the row at the draft position
 
-    def _continue(self, r: _Round, k: int) -> None:
-        """A chain past the modules in use: the last module one row further, from its own output and the last draft
-        (its cache holds the window and the rows before, all of the chain)."""
-        m, used = r.m, r.used
-        pos_B = r.n_B - 2 + (k - used)
-        h_BTD, kv = m.mtp_forward(used, r.h_BD[:, None], r.tokens[k - 2][:, None], pos_B[:, None],
-                                  cache=r.caches[used - 1])
-        r.caches = set_layer(r.caches, used - 1, kv)
-        r.h_BD = h_BTD[:, 0]
-
-    def _children(self, r: _Round, k: int, parent: int) -> None:
-        """Draft the children of `parent` (depth k-1): the top-b distinct tokens when greedy, else b i.i.d. draws
-        from q; a chain's draft is written into the sequence, where the window's next module reads it."""
+    def _children(self, r: _Round, k: int, parent: int, h_BD) -> tuple[int, ...]:
+        """Draft the children of `parent` (depth k-1) from its row h_BD: the top-b distinct tokens when greedy, else
+        b i.i.d. draws from q. Returns the children."""
         kids = self.tree.children(parent)
-        if not kids:
-            return
         ctx, B = r.ctx, r.n_B.shape[0]
-        h_BD = r.h_BD if parent < 0 or self.in_place() or not r.sequential else r.rows[k, parent]
-        logits_BV = r.m.logits(r.m.head_norm(min(k, r.used), h_BD))
+        logits_BV = r.m.logits(r.m.head_norm(min(k, r.last_module), h_BD))
         if len(kids) == 1 or not ctx.sampler.greedy:
             for v in kids:
                 r.tokens[v], r.qs[v] = choose(ctx.sampler, logits_BV, row_keys(ctx.key, 11 + v, ctx.it, B))
@@ -268,44 +195,102 @@ class MTPProposer(Proposer):
             top_BO = jax.lax.top_k(logits_BV, len(kids))[1].astype(jnp.int32)
             for j, v in enumerate(kids):
                 r.tokens[v] = top_BO[:, j]
-        if self.in_place():
-            r.seq_BS = write_rows(r.seq_BS, r.tokens[kids[0]][:, None], r.n_B + k - 1)
+        return kids
+
+    def level_rows(self, k: int, f_target: TokenFlops) -> int:
+        """Rows level k runs its module over."""
+        return self.window(f_target.mtp_depth) + len(self.extra_nodes(k, True))
 
     def draft_flops(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
-        """Each level runs its module over the window and its extra rows (a chain past the modules: one row); the
-        head once per expanded node."""
-        J, tree = f_target.mtp_depth, self.tree
-        W, used = self.window(J), self.used(J)
-        rows = sum(1 if k > used and self.in_place() else W + len(self.extra_nodes(k, True))
-                   for k in range(1, tree.max_depth + 1))
+        """Each level runs its module over its rows; the head once per expanded node."""
+        rows = sum(self.level_rows(k, f_target) for k in range(1, self.mtp.max_depth + 1))
         return rows * f_target.module + self._expanded() * f_target.head
 
     def draft_reads(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
         """Each level reads its module once (whatever its rows); the head once per expanded node."""
-        return self.tree.max_depth * f_target.module_matmul + self._expanded() * f_target.head
+        return self.mtp.max_depth * f_target.module_matmul + self._expanded() * f_target.head
 
     def _expanded(self) -> int:
         """Nodes whose children are drafted: the root and every node above the deepest level."""
-        return 1 + len(self.tree.at_depth(1, self.tree.max_depth - 1)) if self.tree.size else 0
+        return 1 + len(self.mtp.at_depth(1, self.mtp.max_depth - 1)) if self.mtp.size else 0
 
 
 @dataclass(frozen=True)
-class ModuleOneProposer(MTPProposer):
-    """MTP module 1 drafting every depth, fed its own output (`--proposer mtp1`)."""
+class MTPChainProposer(MTPProposer):
+    """The MTP modules drafting a chain in place: each draft is written into the sequence at its own position, where
+    the window's next module reads it, so the window needs no rows of its own for the nodes; past the modules in
+    use the last one continues one row at a time."""
 
-    modules: int = 1
+    def window(self, depth: int) -> int:
+        """A round commits up to γ+1 tokens, whose entries every module must now compute; those built from accepted
+        drafts are already right, so γ+1 rows cover them (fewer leave entries a later query reads stale)."""
+        return self.tree.max_depth + 1
 
-    @staticmethod
-    def most_drafts(target, draft=None) -> int:
-        """One head in use when heads are parallel; else a draft past the modules' depth (module 1 continues)."""
-        return 1 if target.cfg.mtp_kind == "parallel" else target.cfg.mtp_depth + 1
+    def extra_nodes(self, k: int, sequential: bool) -> tuple[int, ...]:
+        return ()
+
+    def _draft(self, r: _Round) -> tuple[list, list]:
+        for k in range(1, self.tree.max_depth + 1):
+            with jax.named_scope(f"draft{k}"):  # profiles attribute time per depth
+                if k > r.last_module:
+                    self._continue(r, k)
+                else:
+                    self._level(r, k, k)
+                (v,) = self._children(r, k, k - 2, r.h_BD)
+                r.seq_BS = write_rows(r.seq_BS, r.tokens[v][:, None], r.n_B + k - 1)
+        return [r.tokens[v] for v in range(self.tree.size)], [r.qs.get(v) for v in range(self.tree.size)]
+
+    def _continue(self, r: _Round, k: int) -> None:
+        """Past the modules in use: the last module one row further, from its own output and the last draft (its
+        cache holds the window and the rows before, all of the chain)."""
+        m, last = r.m, r.last_module
+        pos_B = r.n_B - 2 + (k - last)
+        h_BTD, kv = m.mtp_forward(last, r.h_BD[:, None], r.tokens[k - 2][:, None], pos_B[:, None],
+                                  cache=r.caches[last - 1])
+        r.caches = set_layer(r.caches, last - 1, kv)
+        r.h_BD = h_BTD[:, 0]
+
+    def level_rows(self, k: int, f_target: TokenFlops) -> int:
+        return 1 if k > self.in_use(f_target.mtp_depth) else self.window(f_target.mtp_depth)
+
+
+@dataclass(frozen=True)
+class MTPTreeProposer(MTPProposer):
+    """The MTP modules drafting a wider tree: its nodes are extra rows beside the window, each seeing its ancestors
+    (docs/decoding.md §Draft trees); n-gram nodes (a hybrid) are lookup's chain as the root's last branch (a point
+    mass: its q is one-hot)."""
+
+    def window(self, depth: int) -> int:
+        """A round commits up to D+1 tokens (D: the deepest branch, the n-gram one included); a tree's nodes were
+        written elsewhere and module k's rows lag the committed length by k, so D + modules in use rows."""
+        return max(self.mtp.max_depth, self.tree.count("ngram")) + self.in_use(depth)
+
+    def extra_nodes(self, k: int, sequential: bool) -> tuple[int, ...]:
+        """A tree's depths 1..k-1 (none for parallel heads, which read no token)."""
+        return self.mtp.at_depth(1, k - 1) if sequential else ()
+
+    def _draft(self, r: _Round) -> tuple[list, list]:
+        for k in range(1, self.mtp.max_depth + 1):
+            with jax.named_scope(f"draft{k}"):  # profiles attribute time per depth
+                self._level(r, k, min(k, r.last_module))
+                for parent in self.mtp.at_depth(k - 1, k - 1) if k > 1 else (-1,):
+                    if self.mtp.children(parent):
+                        self._children(r, k, parent, r.h_BD if parent < 0 or not r.sequential else r.rows[k, parent])
+        G, L = self.mtp.size, self.tree.count("ngram")
+        tokens, qs = [r.tokens[v] for v in range(G)], [r.qs.get(v) for v in range(G)]
+        if L:
+            look_BG = lookup(r.ctx.seq_BS, r.ctx.n_B, L, NgramProposer.max_n)
+            tokens += [look_BG[:, i] for i in range(L)]
+            if not r.ctx.sampler.greedy:
+                qs += [jax.nn.one_hot(look_BG[:, i], r.m.cfg.vocab_size, dtype=jnp.float32) for i in range(L)]
+        return tokens, qs
 
 
 class _Round:
     """One round's drafting as it is traced: the window, each level's outputs, the drafts so far, the caches."""
 
-    def __init__(self, m: MTPTransformer, ctx: Context, s_B, W: int, st: MTPState, used: int):
-        self.m, self.ctx, self.s_B, self.W, self.used, self.n_B = m, ctx, s_B, W, used, ctx.n_B
+    def __init__(self, m: MTPTransformer, ctx: Context, s_B, W: int, st: MTPState, last_module: int):
+        self.m, self.ctx, self.s_B, self.W, self.last_module, self.n_B = m, ctx, s_B, W, last_module, ctx.n_B
         self.sequential, self.seq_BS, self.caches = m.cfg.mtp_kind == "sequential", ctx.seq_BS, st.caches
         self.pos_BW = s_B[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :]
         self.wins = {0: read_rows(st.h0_BSD, s_B, W)}  # level k's output over the window
@@ -318,7 +303,7 @@ class _Round:
         """The level's output at the node's row (-1: the root's, where that level's module reads x[n-1])."""
         if node >= 0:
             return self.rows[level, node]
-        return take_rows(self.wins[level], self.n_B - 1 - min(level, self.used) - self.s_B)
+        return take_rows(self.wins[level], self.n_B - 1 - min(level, self.last_module) - self.s_B)
 
     def tree_mask(self, mk: int, sees_OO) -> jax.Array:
         """[B, W+O, W+O]: window rows causal; node rows see the window rows with committed inputs (position <=
@@ -341,28 +326,16 @@ class DraftModelProposer(Proposer):
     committed length alone.
     """
 
-    num_draft: int
+    tree: Tree  # a chain
 
-    def problem(self, target, draft) -> str | None:
+    def impossible(self, target, draft) -> str | None:
         if draft is None:
-            return "proposer 'model' needs a draft model: pass draft=... (decode.py --draft-run-dir RUN)"
+            return "proposer 'model' needs a draft model: pass draft_model=... (decode.py --draft-run-dir RUN)"
         tv, dv = target.cfg.vocab_size, draft.cfg.vocab_size
         if tv != dv:
             return (f"the draft model's vocabulary ({dv} ids) differs from the target's ({tv}); "
                     "draft with a model trained on the same tokenizer")
         return None
-
-    @classmethod
-    def of(cls, shape: Tree | Hybrid) -> DraftModelProposer:
-        return cls(nodes(shape))
-
-    @staticmethod
-    def most_drafts(target, draft=None) -> int:
-        """A draft model k times narrower x shallower than the target drafts up to k tokens a round (at least 1)."""
-        if draft is None:
-            return 1
-        t, d = target.cfg, draft.cfg
-        return max(1, min(MAX_TREE_NODES, (t.d_model * t.n_layers) // (d.d_model * d.n_layers)))
 
     def start(self, models: Models, ctx: Context):
         dm, (B, S), T = models.draft, ctx.seq_BS.shape, ctx.h_BTD.shape[1]  # the prefill's rows: the prompts
@@ -376,7 +349,7 @@ class DraftModelProposer(Proposer):
         return 2
 
     def step(self, models: Models, cache, ctx: Context):
-        dm, G, B, rows = models.draft, self.num_draft, ctx.n_B.shape[0], self.catch_up()
+        dm, G, B, rows = models.draft, self.tree.size, ctx.n_B.shape[0], self.catch_up()
         start_B = ctx.n_B - rows
         pos_BT = start_B[:, None] + jnp.arange(rows, dtype=jnp.int32)[None, :]
         h_BTD, cache = dm.trunk(read_rows(ctx.seq_BS, start_B, rows), pos_BT, cache=cache)
@@ -394,17 +367,49 @@ class DraftModelProposer(Proposer):
 
     def draft_flops(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
         """The catch-up rows, γ-1 single-row steps, and the draft model's head once per draft."""
-        G = self.num_draft
+        G = self.tree.size
         return (self.catch_up() + G - 1) * f_draft.trunk + G * f_draft.head
 
     def draft_reads(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
         """γ calls of the draft model (the catch-up and γ-1 steps), each reading its weights once."""
-        return self.num_draft * (f_draft.trunk_matmul + f_draft.head)
+        return self.tree.size * (f_draft.trunk_matmul + f_draft.head)
 
 
-PROPOSERS = {"mtp": MTPProposer, "mtp1": ModuleOneProposer, "ngram": NgramProposer, "model": DraftModelProposer}
+def model_drafts(target: MTPTransformer, draft: MTPTransformer | None) -> int:
+    """A draft model k times narrower x shallower than the target drafts up to k tokens a round (at least 1)."""
+    if draft is None:
+        return 1
+    t, d = target.cfg, draft.cfg
+    return max(1, min(MAX_NODES, (t.d_model * t.n_layers) // (d.d_model * d.n_layers)))
 
 
-def make_proposer(name: str, shape: Tree | Hybrid) -> Proposer:
-    """The proposer a request names drafting `shape`; the empty tree is plain decoding whatever the name."""
-    return Plain() if shape == PLAIN else PROPOSERS[name].of(shape)
+def mtp_proposer(modules: int) -> Callable[[Tree], MTPProposer]:
+    """The MTP modules' proposer for a tree: in place for a chain, extra rows for anything wider or a hybrid."""
+    return lambda tree: (MTPChainProposer if tree == tree.part("mtp") and tree.is_chain() else MTPTreeProposer)(
+        tree, modules)
+
+
+@dataclass(frozen=True)
+class Drafter:
+    """What a request's `proposer=` name drafts with: its nodes' source, whether it drafts trees (else chains), the
+    most drafts `auto` probes, and its proposer for a tree."""
+
+    source: Source
+    trees: bool
+    most_drafts: Callable[[MTPTransformer, MTPTransformer | None], int]
+    proposer: Callable[[Tree], Proposer]
+
+
+DRAFTERS = {
+    "mtp": Drafter("mtp", True, lambda t, d: t.cfg.mtp_depth, mtp_proposer(0)),  # module k drafts token k
+    # module 1 in use when heads are parallel; else a draft past the modules' depth (module 1 continues)
+    "mtp1": Drafter("mtp", True, lambda t, d: 1 if t.cfg.mtp_kind == "parallel" else t.cfg.mtp_depth + 1,
+                    mtp_proposer(1)),
+    "ngram": Drafter("ngram", False, lambda t, d: NgramProposer.max_n, NgramProposer),
+    "model": Drafter("model", False, model_drafts, DraftModelProposer),
+}
+
+
+def make_proposer(name: str, tree: Tree) -> Proposer:
+    """The proposer a request names drafting `tree`; the empty tree is plain decoding whatever the name."""
+    return Plain() if tree == PLAIN else DRAFTERS[name].proposer(tree.drafted_by(DRAFTERS[name].source))

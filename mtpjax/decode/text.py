@@ -1,7 +1,7 @@
 """Text in, text out: a model and its tokenizer behind `generate`, for callers who start from strings.
 
     gen = mtpjax.load("runs/tiny")            # or Generator(model, tokenizer, cfg.decode)
-    out = gen("def fibonacci(n):", max_new_tokens=64, num_draft=1, temperature=0.7, top_k=40)
+    out = gen("def fibonacci(n):", max_new_tokens=64, draft=1, temperature=0.7, top_k=40)
     out.text, out.stats["tokens_per_round"]
 """
 
@@ -33,7 +33,7 @@ class Generator:
     """A loaded model and its tokenizer; calling it with a string (or a list of strings) generates text.
 
     Settings default to `decode` (the run's decode section: decode.py's defaults); keyword arguments of a call
-    are generate's (num_draft, proposer, temperature, top_k, top_p, seed, tree, on_commit, ...) and win over them.
+    are generate's (draft, proposer, temperature, top_k, top_p, seed, on_commit, ...) and win over them.
     """
 
     model: object
@@ -45,16 +45,15 @@ class Generator:
         ids = [self.tokenizer.encode(t) for t in texts]
         if any(len(p) == 0 for p in ids):
             raise PromptError("empty prompt: give at least one character of text")
-        res = generate(self.model, ids, **{**self.defaults(drafts="num_draft" not in kw and "tree" not in kw), **kw})
+        res = generate(self.model, ids, **{**self.defaults(), **kw})
         return TextResult([self.tokenizer.decode(t) for t in res.tokens], res.tokens, res.stats)
 
-    def defaults(self, drafts: bool = True) -> dict:
-        """generate's keyword arguments from the decode section; `drafts`: with its draft shape (decode.draft), left
-        out where a call spells its own (num_draft= or tree=)."""
+    def defaults(self) -> dict:
+        """generate's keyword arguments from the decode section (a call's own win over them)."""
         d = self.decode
         return {"max_new_tokens": d.max_new_tokens, "proposer": d.proposer, "temperature": d.temperature,
                 "top_k": d.top_k, "top_p": d.top_p, "max_len": d.max_len, "eos_id": self.tokenizer.eos_id,
-                **({"shape": d.draft} if drafts else {})}
+                "draft": d.draft}
 
     @staticmethod
     def _texts(prompts) -> list[str]:

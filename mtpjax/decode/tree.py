@@ -1,5 +1,5 @@
-"""Static draft trees: their shape (parsed from `2x2x1` or a parent list), the masks that verify them, and the rule
-that walks a verified tree to its longest accepted path.
+"""Verifying a static draft tree (mtpjax.drafts.Tree): the masks that verify it, the rules that walk it to its
+longest accepted path (greedy match, recursive rejection), and its acceptance by depth and rank.
 
 Node i (0-based, parents before children) continues node parents[i]; -1 is the last committed token, the root. In
 the verification rows the root is row 0 and node i row i+1; a row sees the committed cache and its own ancestors.
@@ -11,18 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The shape and its parser live in config (decode.tree is parsed when the config loads); re-exported for decode.
-from mtpjax.config.specs import MAX_TREE_NODES as MAX_NODES  # noqa: F401
-from mtpjax.config.specs import PLAIN as PLAIN
-from mtpjax.config.specs import Auto as Auto
-from mtpjax.config.specs import DraftSpec as DraftSpec
-from mtpjax.config.specs import Hybrid as Hybrid
-from mtpjax.config.specs import Tree as Tree
-from mtpjax.config.specs import nodes as nodes
-from mtpjax.config.specs import TreeError as TreeError
-from mtpjax.config.specs import chain as chain_tree  # noqa: F401
-from mtpjax.config.specs import parse_tree as parse_tree
-from mtpjax.config.specs import split_hybrid as split_hybrid
+from mtpjax.drafts import Tree
 from mtpjax.decode.cache import take_rows
 
 
@@ -73,7 +62,7 @@ def accepted_nodes(tree: Tree, a_B, path_BY):
 
 
 def acceptance_by_depth_rank(tree: Tree, accepted_by_node, reached_by_depth) -> list[list[float]]:
-    """a[d][r] as nn.speed.tree_expected_tokens reads it: the share of the rounds that reached depth d+1 in which
+    """a[d][r] as nn.speed.expected_tokens reads it: the share of the rounds that reached depth d+1 in which
     its rank-r node (summed over the parents at that depth) was the one accepted."""
     parents = [(-1,) if d == 0 else tree.at_depth(d, d) for d in range(tree.max_depth)]
     out = [[0.0] * max(len(tree.children(p)) for p in ps) for ps in parents]

@@ -4,7 +4,7 @@ Costs come from whole-loop timings in one process, never from isolated dispatche
 round of plain decoding; a proposer's round cost = its seconds per round over t = v + γc, where v = the
 n-gram round's cost (drafting is nearly free, so a round is one verification of γ+1 tokens) and c the
 rest per draft. The predicted speedup is mtpjax.nn.speed's E(γ)/(v + γc) from the measured α by position; a draft
-tree's (`tree=`) is its E from acceptance by depth and rank over its measured round cost.
+tree's (`wider`) is its E from acceptance by depth and rank over its measured round cost.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from mtpjax.decode.firstguess import decode_context  # noqa: F401 (also this mod
 from mtpjax.decode.host import execute_request, make_loop, request, run, summarize
 from mtpjax.decode.cache import read_rows
 from mtpjax.decode.loop import DecodeState, Loop
-from mtpjax.decode.proposers import DraftModelProposer, MTPProposer
-from mtpjax.decode.tree import Hybrid, Tree, acceptance_by_depth_rank, chain_tree
-from mtpjax.nn.speed import (ceiling, expected_tokens, floor_ratio, predicted_speedup, tree_ceiling,
-                             tree_expected_tokens, weight_ratio, work_ratio)
+from mtpjax.decode.proposers import make_proposer
+from mtpjax.decode.tree import acceptance_by_depth_rank
+from mtpjax.drafts import PLAIN, Tree, chain
+from mtpjax.nn.speed import by_position, ceiling, expected_tokens, floor_ratio, weight_ratio, work_ratio
 
 
 def heldout_prompts(val_tokens, n: int, length: int, eos_id: int) -> list[list[int]]:
@@ -41,28 +41,28 @@ def heldout_prompts(val_tokens, n: int, length: int, eos_id: int) -> list[list[i
     return out
 
 
-def timed_decode(model, prompts, *, num_draft: int, proposer: str, max_new: int, batch: int = 1,
-                 repeats: int = 1, draft=None, tree: str | Tree | Hybrid | None = None) -> dict:
-    """Greedy-decode prompts in groups of `batch` after a compile warmup; seconds, tokens, rounds, acceptance
-    (`tree`: a draft tree instead of num_draft; acceptance by depth, and by node)."""
+def timed_decode(model, prompts, *, draft: Tree | str | int, proposer: str, max_new: int, batch: int = 1,
+                 repeats: int = 1, draft_model=None) -> dict:
+    """Greedy-decode prompts in groups of `batch` drafting `draft` after a compile warmup; seconds, tokens, rounds,
+    acceptance (by depth, and by node)."""
     groups = [prompts[i: i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
 
     def loop_of(group):
         # all prompts are padded to one bucket, so a single compilation serves every group
-        return make_loop(model, group, max_new_tokens=max_new, num_draft=num_draft, proposer=proposer, draft=draft,
-                         tree=tree)
+        return make_loop(model, group, max_new_tokens=max_new, draft=draft, proposer=proposer,
+                         draft_model=draft_model)
 
-    jax.block_until_ready(run(model, groups[0], loop_of(groups[0]), draft=draft).n_B)  # compile
+    jax.block_until_ready(run(model, groups[0], loop_of(groups[0]), draft_model=draft_model).n_B)  # compile
     secs, tokens, rounds, loops = 0.0, 0, 0, 0
     acc, reach, nodes, outs = 0, 0, 0, []
     for group in groups:
         loop = loop_of(group)
         for _ in range(repeats):
             t0 = time.perf_counter()
-            st = run(model, group, loop, draft=draft)
+            st = run(model, group, loop, draft_model=draft_model)
             jax.block_until_ready(st.n_B)
             secs += time.perf_counter() - t0
-        res = summarize(st)
+        res = summarize(st, loop.tree)
         tokens += res.stats["generated"] * repeats
         rounds += res.stats["rounds"] * repeats  # summed over rows
         loops += int(np.asarray(st.rounds_B).max()) * repeats  # a batch loops until its slowest row is done
@@ -107,7 +107,7 @@ class Forced:
         return read_rows(ref_BS, n_B, toks_BY.shape[1]), jnp.minimum(c_B, 1)
 
 
-def run_forced(model, prompts, loop: Loop, reference, draft=None) -> DecodeState:
+def run_forced(model, prompts, loop: Loop, reference, draft_model=None) -> DecodeState:
     """`loop` teacher-forced: row i commits reference[i] (at least loop.max_new tokens) after its prompt."""
     if len(reference) != len(prompts):
         raise ValueError("forced decoding needs one reference continuation per prompt")
@@ -117,29 +117,30 @@ def run_forced(model, prompts, loop: Loop, reference, draft=None) -> DecodeState
             raise ValueError(f"reference {i} has {len(r)} tokens, fewer than the {loop.max_new} to decode")
         ref_BS[i, len(p): len(p) + loop.max_new] = r[: loop.max_new]
     forced = dataclasses.replace(loop, commits=Forced())
-    return execute_request(forced, model, request(forced, prompts).replace(policy=jnp.asarray(ref_BS)), draft=draft)
+    return execute_request(forced, model, request(forced, prompts).replace(policy=jnp.asarray(ref_BS)),
+                            draft_model)
 
 
-def forced_acceptance(model, sequences, prompt_len: int, num_draft: int, proposer: str = "mtp",
-                      draft=None) -> list[float]:
+def forced_acceptance(model, sequences, prompt_len: int, gamma: int, proposer: str = "mtp",
+                      draft_model=None) -> list[float]:
     """Acceptance by draft position while decoding walks the reference continuation of each sequence
     (teacher forcing, one token per round). Depth 1 measures what agreement/mtp_1 measures in training,
-    on the same kind of text, through the decoder's caches; any proposer (a draft model: `draft`)."""
+    on the same kind of text, through the decoder's caches; any proposer (a draft model: `draft_model`)."""
     prompts = [s[:prompt_len] for s in sequences]
     refs = [s[prompt_len:] for s in sequences]
     n = min(len(r) for r in refs)
-    loop = make_loop(model, prompts, max_new_tokens=n, num_draft=num_draft, proposer=proposer, draft=draft)
-    return summarize(run_forced(model, prompts, loop, refs, draft)).stats["acceptance_by_position"]
+    loop = make_loop(model, prompts, max_new_tokens=n, draft=gamma, proposer=proposer, draft_model=draft_model)
+    return summarize(run_forced(model, prompts, loop, refs, draft_model), loop.tree).stats["acceptance_by_position"]
 
 
-def speed_report(model, prompts, *, num_draft: int, max_new: int, batch: int = 1, repeats: int = 1,
-                 draft=None, tree: str | Tree | Hybrid | None = None) -> dict:
-    """Plain vs n-gram vs MTP (vs a draft model, vs a draft `tree`) greedy decoding: throughput, acceptance, costs,
-    predictions."""
+def speed_report(model, prompts, *, gamma: int, max_new: int, batch: int = 1, repeats: int = 1,
+                 draft_model=None, wider: Tree | None = None) -> dict:
+    """Plain vs n-gram vs MTP chains of `gamma` (vs a draft model, vs a `wider` draft tree) greedy decoding:
+    throughput, acceptance, costs, predictions."""
     kw = dict(max_new=max_new, batch=batch, repeats=repeats)
-    plain = timed_decode(model, prompts, num_draft=0, proposer="mtp", **kw)
-    ngram = timed_decode(model, prompts, num_draft=num_draft, proposer="ngram", **kw)
-    rep = {"batch": batch, "num_draft": num_draft, "plain_tokens_per_sec": plain["tokens_per_sec"],
+    plain = timed_decode(model, prompts, draft=PLAIN, proposer="mtp", **kw)
+    ngram = timed_decode(model, prompts, draft=gamma, proposer="ngram", **kw)
+    rep = {"batch": batch, "gamma": gamma, "plain_tokens_per_sec": plain["tokens_per_sec"],
            "ngram_tokens_per_sec": ngram["tokens_per_sec"],
            "ngram_speedup": ngram["tokens_per_sec"] / plain["tokens_per_sec"],
            "ngram_tokens_per_round": _per_round(ngram)}
@@ -148,37 +149,37 @@ def speed_report(model, prompts, *, num_draft: int, max_new: int, batch: int = 1
     rep["verify_cost_v"] = v
     exact = ngram["outputs"] == plain["outputs"]
     context = decode_context(prompts, max_new)
-    proposers = [("", "mtp", MTPProposer(chain_tree(num_draft)), None)] if model.cfg.mtp_depth else []
-    if draft is not None:
-        proposers.append(("model_", "model", DraftModelProposer(num_draft), draft))
-    for prefix, name, proposer, dm in proposers:
-        r = timed_decode(model, prompts, num_draft=num_draft, proposer=name, draft=dm, **kw)
+    proposers = [("", "mtp", None)] if model.cfg.mtp_depth else []
+    if draft_model is not None:
+        proposers.append(("model_", "model", draft_model))
+    for prefix, name, dm in proposers:
+        proposer = make_proposer(name, chain(gamma))
+        r = timed_decode(model, prompts, draft=gamma, proposer=name, draft_model=dm, **kw)
         exact &= r["outputs"] == plain["outputs"]
         alpha_pos = (r["accepted"] / np.maximum(r["reached"], 1)).tolist()
-        cost = r["sec_per_round"] / t
-        dcfg = None if dm is None else dm.cfg
+        cost, dcfg = r["sec_per_round"] / t, None if dm is None else dm.cfg
         floor = floor_ratio(proposer, model.cfg, context, dcfg)
+        e = expected_tokens(chain(gamma), by_position(alpha_pos))
         rep[f"{name}_tokens_per_sec"] = r["tokens_per_sec"]
         rep.update({f"{prefix}{k}": x for k, x in {
             "speedup": r["tokens_per_sec"] / plain["tokens_per_sec"],
             "acceptance_by_position": alpha_pos, "alpha": float(r["accepted"].sum() / max(r["reached"].sum(), 1)),
-            "tokens_per_round": _per_round(r), "expected_tokens_per_round": expected_tokens(alpha_pos, num_draft),
-            "round_cost": cost, "draft_cost_c": max(0.0, (cost - v) / num_draft),
-            "predicted_speedup": predicted_speedup(alpha_pos, num_draft, cost),
+            "tokens_per_round": _per_round(r), "expected_tokens_per_round": e,
+            "round_cost": cost, "draft_cost_c": max(0.0, (cost - v) / gamma), "predicted_speedup": e / cost,
             "draft_time_fraction": max(0.0, cost - v) / cost,
             "work_ratio_r": work_ratio(proposer, model.cfg, context, dcfg),
             "weight_ratio_r": weight_ratio(proposer, model.cfg, context, dcfg),
             # a bound: verifying the γ+1 rows costs at least one plain step, a draft at least its floor r
-            "speedup_ceiling": ceiling(alpha_pos, num_draft, floor),
+            "speedup_ceiling": ceiling(chain(gamma), by_position(alpha_pos), floor),
             # an estimate, not a bound: verification at the v measured on the n-gram round (drafting a lookup), whose
             # own bookkeeping a measured speedup can beat
-            "floor_draft_speedup": ceiling(alpha_pos, num_draft, floor, max(1.0, v)),
+            "floor_draft_speedup": ceiling(chain(gamma), by_position(alpha_pos), floor, max(1.0, v)),
         }.items()})
-    if tree is not None:
-        exact &= _tree_report(rep, model, prompts, tree, plain, context, kw)
+    if wider is not None:
+        exact &= _tree_report(rep, model, prompts, wider, plain, context, kw)
     if model.cfg.mtp_depth:
         # greedy: the speculative outputs are the plain ones (outputs_identical)
-        depth = min(num_draft, model.cfg.mtp_depth)
+        depth = min(gamma, model.cfg.mtp_depth)
         rep["agreement_on_generated"] = agreement_on(model, prompts, plain["outputs"], depth)
     rep["outputs_identical"] = bool(exact)
     return rep
@@ -189,25 +190,24 @@ def _per_round(r: dict) -> float:
     return (r["tokens"] - r["runs"]) / max(r["rounds"], 1)
 
 
-def _tree_report(rep: dict, model, prompts, spec: str | Tree | Hybrid, plain: dict, context: int, kw: dict) -> bool:
+def _tree_report(rep: dict, model, prompts, wider: Tree, plain: dict, context: int, kw: dict) -> bool:
     """The `tree_*` keys: the tree's speed, acceptance by depth (a list by rank per depth), expected tokens from it,
     its ceiling (verification at least a plain step) and its estimate over v of its rows, measured as the n-gram
     round verifying as many (drafting is a lookup); whether its outputs are plain's."""
-    r = timed_decode(model, prompts, num_draft=0, proposer="mtp", tree=spec, **kw)
+    r = timed_decode(model, prompts, draft=wider, proposer="mtp", **kw)
     shape = r["tree"]
-    rows = timed_decode(model, prompts, num_draft=shape.size, proposer="ngram", **kw)
+    rows = timed_decode(model, prompts, draft=shape.size, proposer="ngram", **kw)
     t = plain["sec_per_round"]
     v, cost = rows["sec_per_round"] / t, r["sec_per_round"] / t
     by = acceptance_by_depth_rank(shape, r["accepted_by_node"], r["reached"])
-    e = tree_expected_tokens(shape, by)
+    e = expected_tokens(shape, by)
     # r of the ceiling: one module call per depth at a chain draft's floor (a level drafts all its nodes at once)
-    floor = floor_ratio(MTPProposer(chain_tree(shape.max_depth)), model.cfg, context)
-    name = spec if isinstance(spec, str) else spec.name()
-    rep.update({"tree": name, "tree_nodes": shape.size, "tree_tokens_per_sec": r["tokens_per_sec"],
+    floor = floor_ratio(make_proposer("mtp", chain(shape.max_depth)), model.cfg, context)
+    rep.update({"tree": shape.name(), "tree_nodes": shape.size, "tree_tokens_per_sec": r["tokens_per_sec"],
                 "tree_speedup": r["tokens_per_sec"] / plain["tokens_per_sec"], "tree_tokens_per_round": _per_round(r),
                 **{f"tree_acceptance_depth{d + 1}": a for d, a in enumerate(by)},
                 "tree_expected_tokens_per_round": e, "tree_round_cost": cost, "tree_verify_cost_v": v,
                 "tree_predicted_speedup": e / cost,
-                "tree_speedup_ceiling": tree_ceiling(shape, by, floor),
-                "tree_floor_draft_speedup": tree_ceiling(shape, by, floor, max(1.0, v))})
+                "tree_speedup_ceiling": ceiling(shape, by, floor),
+                "tree_floor_draft_speedup": ceiling(shape, by, floor, max(1.0, v))})
     return r["outputs"] == plain["outputs"]

@@ -7,7 +7,7 @@ backend sorts them, cut into rows of `batch_size` and padded to a power-of-two l
 runs one of a few compiled programs. A request longer than `max_length` keeps its last `max_length` + 1 tokens
 (the `hf` backend's left truncation); rolling loglikelihoods are the harness's disjoint windows of
 `max_length` tokens. Generation groups requests with equal generation arguments, stops at the model's EOS, and
-cuts the text at the first stop sequence (the decoder runs the whole `max_gen_toks`). `num_draft="auto"`
+cuts the text at the first stop sequence (the decoder runs the whole `max_gen_toks`). `draft="auto"`
 measures the candidates on the first batch and keeps its choice; `stats` holds, per task, what the drafts did.
 """
 
@@ -25,8 +25,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from mtpjax.decode import api
 from mtpjax.decode.cache import rows as rows_of
-from mtpjax.decode.host import shape_of
-from mtpjax.decode.tree import PLAIN, Auto, DraftSpec
+from mtpjax.decode.host import draft_of
+from mtpjax.drafts import PLAIN, Auto, Tree
 from mtpjax.errors import MtpjaxError
 from mtpjax.eval import verdict
 from mtpjax.nn.model import MTPTransformer
@@ -82,26 +82,24 @@ def pack(pairs, max_length: int, rows: int):
 class MtpjaxLM(TemplateLM):
     """lm-eval's LM interface over an MTPTransformer and its tokenizer (one device).
 
-    What generate_until drafts is `shape` (config.specs: a Tree, a Hybrid or Auto, measured), or spelled as
-    num_draft (0 plain, "auto") or tree (decode.py --tree's syntax), read once as generate reads them; proposer: mtp,
-    mtp1, ngram or model (draft_model drafting).
+    What generate_until drafts is `draft` (a mtpjax.drafts Tree or Auto, measured, or spelled as decode.draft is),
+    read once as generate reads it; proposer: mtp, mtp1, ngram or model (draft_model drafting).
     batch_size: rows per compiled batch. measure: time generation without compiles and, where it drafts, the
     same batches decoded plain (stats' plain_seconds).
     """
 
     def __init__(self, model: MTPTransformer, tokenizer, *, max_length: int, batch_size: int = 16,
-                 num_draft: int | str = 0, proposer: str = "mtp", tree: str | None = None, seed: int = 0,
-                 max_gen_toks: int = 256, draft_model: MTPTransformer | None = None, measure: bool = False,
-                 shape: DraftSpec | None = None):
+                 draft: Tree | Auto | str | int = PLAIN, proposer: str = "mtp", seed: int = 0,
+                 max_gen_toks: int = 256, draft_model: MTPTransformer | None = None, measure: bool = False):
         super().__init__()
         self.model, self.tok = model, tokenizer
         self._max_length, self.batch_size, self.max_gen_toks = int(max_length), int(batch_size), int(max_gen_toks)
-        self.shape, self.proposer, self.seed = shape_of(num_draft, tree) if shape is None else shape, proposer, seed
+        self.draft, self.proposer, self.seed = draft_of(draft, proposer), proposer, seed
         self._score = make_scorer(model)
         self.stats: dict[str, dict] = {}  # per task: what generation did (generate_until)
-        self.chosen: DraftSpec | None = None  # what Auto chose on its first batch
+        self.chosen: Tree | None = None  # what Auto chose on its first batch
         # why generation runs plain, where it does (stats' why_plain)
-        self.why_plain = "num_draft=0 was asked (decode.num_draft, --num-draft or model_args num_draft)"
+        self.why_plain = "draft=0 was asked (decode.draft, or the decode.py or model_args flags that spell it)"
         self.draft_model, self.measure, self._compiled = draft_model, measure, set()
 
     @property
@@ -166,36 +164,36 @@ class MtpjaxLM(TemplateLM):
         args = dict(max_new_tokens=max_new, proposer=self.proposer, seed=self.seed, eos_id=self.eot_token_id,
                     temperature=float(kw.get("temperature", 1.0)) if sample else 0.0,
                     top_k=kw.get("top_k") if sample else None, top_p=kw.get("top_p") if sample else None,
-                    draft=self.draft_model)
-        res, seconds = self._timed(rows, args, self.chosen or self.shape)
+                    draft_model=self.draft_model)
+        res, seconds = self._timed(rows, args, self.chosen or self.draft)
         t = self._record(task, res.stats, seconds, len(rows))
-        if self.measure and res.shape != PLAIN:  # the same batch decoded plain
+        if self.measure and res.draft != PLAIN:  # the same batch decoded plain
             t["plain_seconds"] += self._timed(rows, args, PLAIN)[1]
         return res.tokens[: len(prompts)]
 
-    def _timed(self, rows, args: dict, shape: DraftSpec):
-        """(api.generate's result, its seconds); with `measure`, after an untimed run of each new compiled shape.
+    def _timed(self, rows, args: dict, draft: Tree | Auto):
+        """(api.generate's result, its seconds); with `measure`, after an untimed run of each new compiled tree.
         A first Auto request is its calibration: the choice is kept and used from then on."""
-        if isinstance(shape, Auto):
-            first = api.generate(self.model, rows, **args, shape=shape)
-            self.chosen = shape = first.shape
+        if isinstance(draft, Auto):
+            first = api.generate(self.model, rows, **args, draft=draft)
+            self.chosen = draft = first.draft
             self.why_plain = "auto measured the drafts: " + (verdict.plain_reason(
                 first.stats["calibration"], self.proposer) or "no draft count or tree beat plain decoding")
         key = (rows_of(max(map(len, rows)), args["max_new_tokens"], 0).prompt_pad, args["max_new_tokens"],
-               len(rows), shape)
+               len(rows), draft)
         if self.measure and key not in self._compiled:
-            api.generate(self.model, rows, **args, shape=shape)
+            api.generate(self.model, rows, **args, draft=draft)
         self._compiled.add(key)
         t0 = time.perf_counter()
-        res = api.generate(self.model, rows, **args, shape=shape)
+        res = api.generate(self.model, rows, **args, draft=draft)
         return res, time.perf_counter() - t0
 
     def _record(self, task: str, s: dict, seconds: float, rows: int) -> dict:
         """Sum one batch's decode statistics into stats[task] (padding rows included); that entry."""
         t = self.stats.setdefault(task, {"rows": 0, "seconds": 0.0, "plain_seconds": 0.0, "rounds": 0,
                                          "generated": 0, "accepted": [], "reached": []})
-        t["draft"] = s.get("tree", s["num_draft"])
-        if not s["num_draft"]:
+        t["draft"] = s["draft"]
+        if not s["drafts"]:
             t["why_plain"] = self.why_plain
         t["rows"] += rows
         t["seconds"] += seconds

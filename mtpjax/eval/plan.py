@@ -13,14 +13,14 @@ from flax import nnx
 
 from mtpjax.config import Config, ModelConfig
 from mtpjax.decode.cache import AttentionCaches
-from mtpjax.decode.autodraft import TREES
-from mtpjax.decode.proposers import MTPProposer
-from mtpjax.decode.tree import Hybrid, Tree, chain_tree, parse_tree
+from mtpjax import drafts
+from mtpjax.decode.autodraft import PROBED_TREES
+from mtpjax.decode.proposers import make_proposer
+from mtpjax.drafts import Tree, chain
 from mtpjax.nn.flops import flops_per_token
 from mtpjax.nn.model import build_model, param_counts
+from mtpjax.nn.speed import ceiling, expected_tokens, floor_ratio, verify_cost_of, weight_ratio, work_ratio
 from mtpjax.parallel import pipeline
-from mtpjax.nn.speed import (ceiling, expected_tokens, floor_ratio, tree_ceiling, tree_expected_tokens,
-                             verify_cost_of, weight_ratio, work_ratio)
 
 
 def tree_bytes(tree) -> int:
@@ -31,7 +31,7 @@ def tree_bytes(tree) -> int:
 def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None, max_gamma: int | None = None,
                verify_cost: float | dict = 1.0, alpha_rank2: float | None = None) -> dict:
     """The plan as numbers: parameters, memory, FLOPs per token by depth, and the speculation ceiling per γ and per
-    draft tree (auto's shapes and `decode.tree`).
+    draft tree (auto's shapes and `decode.draft`'s).
 
     r is mtpjax.nn.speed's floor ratio of MTP drafting (the smaller of the FLOPs it computes, each module
     recomputing its window, and the weights it reads), unless `draft_cost` fixes it for every γ; v(γ+1), the
@@ -51,21 +51,21 @@ def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None,
     def ratios(g: int) -> dict:
         if draft_cost is not None:
             return {"work_ratio": draft_cost, "weight_ratio": draft_cost, "floor_ratio": draft_cost}
-        args = (MTPProposer(chain_tree(g)), cfg.model, cfg.data.seq_len)
+        args = (make_proposer("mtp", chain(g)), cfg.model, cfg.data.seq_len)
         return {"work_ratio": work_ratio(*args), "weight_ratio": weight_ratio(*args), "floor_ratio": floor_ratio(*args)}
 
     spec = []
     for g in range(1, max_gamma + 1) if draft_cost is not None or J else ():
         r, v = ratios(g), verify_cost_of(verify_cost, g + 1)
-        spec.append({"gamma": g, "tokens_per_round": expected_tokens([alpha], g), **r, "verify_cost": v,
-                     "speedup": ceiling([alpha], g, r["floor_ratio"], v)})
+        spec.append({"gamma": g, "tokens_per_round": expected_tokens(chain(g), [[alpha]]), **r, "verify_cost": v,
+                     "speedup": ceiling(chain(g), [[alpha]], r["floor_ratio"], v)})
     second = (1.0 - alpha) / 2 if alpha_rank2 is None else alpha_rank2
     trees = []
     for t in plan_trees(cfg) if spec and J else ():
         ranks = [alpha] + [second / 2 ** i for i in range(max(t.rank) if t.rank else 0)]
         a, v = [ranks] * t.max_depth, verify_cost_of(verify_cost, t.size + 1)
-        trees.append({"tree": t.name(), "nodes": t.size, "tokens_per_round": tree_expected_tokens(t, a),
-                      "verify_cost": v, "speedup": tree_ceiling(t, a, spec[0]["floor_ratio"], v)})
+        trees.append({"tree": t.name(), "nodes": t.size, "tokens_per_round": expected_tokens(t, a),
+                      "verify_cost": v, "speedup": ceiling(t, a, spec[0]["floor_ratio"], v)})
     blocks = tree_bytes(jax.tree.leaves(nnx.state(model.blocks, nnx.Param)))
     return {"params": counts, "param_bytes": tree_bytes(params), "optimizer_bytes": tree_bytes(opt_state),
             "blocks_bytes": blocks,
@@ -76,14 +76,15 @@ def build_plan(cfg: Config, alpha: float = 0.8, draft_cost: float | None = None,
 
 
 def plan_trees(cfg: Config) -> list[Tree]:
-    """The tree shapes the plan tabulates: those `--num-draft auto` probes at this depth, and `decode.tree`'s."""
-    shapes = [parse_tree(s) for s in TREES.get(min(cfg.model.mtp_depth, max(TREES)), ())]
-    given = cfg.decode.tree
-    base = given.tree if isinstance(given, Hybrid) else given  # an n-gram branch drafts for free
+    """The trees the plan tabulates: those `decode.draft=auto` probes at this depth, and decode.draft's if wider than a
+    chain (its MTP nodes: an n-gram branch drafts for free)."""
+    shapes = [drafts.parse(s) for s in PROBED_TREES.get(min(cfg.model.mtp_depth, max(PROBED_TREES)), ())]
+    given = cfg.decode.draft
+    base = given.part("mtp") if isinstance(given, Tree) and not given.is_chain() else None
     return shapes + ([base] if base is not None and base not in shapes else [])
 
 
-def _h(n: float) -> str:
+def _si(n: float) -> str:
     for unit, s in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= s:
             return f"{n / s:.3f}{unit}"
@@ -115,12 +116,12 @@ def format_plan(plan: dict, cfg: Config) -> str:
               f"decode cache per token ({m.attention_kind}, trunk layers + MTP modules, {m.dtype}): "
               f"{plan['cache_bytes_per_token']:,d} B",
               "FLOPs per token (matmuls 2mnk, full TxT attention; train = 3 x forward):",
-              f"  trunk fwd {_h(fl['trunk'])}  mtp module fwd {_h(fl['mtp_module'])}  head fwd {_h(fl['head'])}",
+              f"  trunk fwd {_si(fl['trunk'])}  mtp module fwd {_si(fl['mtp_module'])}  head fwd {_si(fl['head'])}",
               "  depth   forward      train        +train vs depth-1"]
     prev = None
     for k, f in enumerate(fl["forward_by_depth"]):
-        inc = "" if prev is None else f"+{_h(3 * (f - prev))} ({(f - prev) / prev:+.2%})"
-        lines.append(f"  {k:<5d}   {_h(f):<12} {_h(3 * f):<12} {inc}")
+        inc = "" if prev is None else f"+{_si(3 * (f - prev))} ({(f - prev) / prev:+.2%})"
+        lines.append(f"  {k:<5d}   {_si(f):<12} {_si(3 * f):<12} {inc}")
         prev = f
     return "\n".join(lines + _speculation_lines(plan, m))
 

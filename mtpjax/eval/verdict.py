@@ -15,7 +15,7 @@ def eval_line(d: dict, prefix: str = "", what: str = "MTP") -> str | None:
     speedup = d.get(f"{prefix}speedup")
     if speedup is None or speedup >= 1.0:
         return None
-    v, g = d["verify_cost_v"], d["num_draft"]
+    v, g = d["verify_cost_v"], d["gamma"]
     return (f"why {what} is slower here ({speedup:.2f}x): verifying {g + 1} tokens costs v={v:.2f} plain steps, a "
             f"draft c={d[f'{prefix}draft_cost_c']:.2f}, a round {d[f'{prefix}round_cost']:.2f} for "
             f"{d[f'{prefix}tokens_per_round']:.2f} tokens: {_regime(v, g)} (ceiling "
@@ -30,13 +30,13 @@ def stats_line(cal: dict, label: str) -> str | None:
 
 def plain_reason(cal: dict, label: str) -> str | None:
     """Why auto's measurement `cal` chose plain (the best chain's cost against its tokens); None if it drafted."""
-    chains = {g: c for g, c in cal["round_cost"].items() if isinstance(g, int) and g > 0}
-    if cal["num_draft"] != 0 or not chains:
+    chains = {name: c for name, c in cal["round_cost"].items() if name.isdigit() and int(name) > 0}
+    if cal["drafts"] != 0 or not chains:
         return None
     g = max(chains, key=lambda k: cal["expected_tokens"][k] / chains[k])
     e, cost = cal["expected_tokens"][g], chains[g]
-    return (f"a round of {label} num_draft={g} costs {cost:.2f} plain steps for {e:.2f} tokens "
-            f"({e / cost:.2f}x): {_regime(cost, g)} ({DOCS})")
+    return (f"a round of {label} draft={g} costs {cost:.2f} plain steps for {e:.2f} tokens "
+            f"({e / cost:.2f}x): {_regime(cost, int(g))} ({DOCS})")
 
 
 def _regime(cost: float, g: int) -> str:

@@ -114,7 +114,7 @@ class TokenFlops:
     mtp_depth: int  # MTP modules
 
     @classmethod
-    def of(cls, model_cfg: ModelConfig, seq_len: int) -> TokenFlops:
+    def per_token(cls, model_cfg: ModelConfig, seq_len: int) -> TokenFlops:
         """The record of flops_per_token's counts at this context length."""
         f = flops_per_token(model_cfg, seq_len)
         return cls(trunk=f["trunk"], trunk_matmul=f["trunk_matmul"], module=f["mtp_module"],

@@ -8,7 +8,8 @@ import optax
 
 from mtpjax.config import LambdaSchedule, LossConfig
 from mtpjax.nn.model import MTPOutput, MTPTransformer, shift_left
-from mtpjax.nn.speed import expected_tokens
+from mtpjax.drafts import chain
+from mtpjax.nn.speed import by_position, expected_tokens
 
 
 def lambda_schedule(lam: LambdaSchedule) -> optax.Schedule:
@@ -146,7 +147,7 @@ def per_position(model: MTPTransformer, hidden_MBTD, tgt_MBT, chunk_size: int = 
 
 def expected_accept_length(agreements) -> jax.Array:
     """E(γ) of mtpjax.nn.speed from the teacher-forced agreements: tokens per step if draft k is accepted w.p. a_k."""
-    return jnp.asarray(expected_tokens(list(agreements), len(agreements)), jnp.float32)
+    return jnp.asarray(expected_tokens(chain(len(agreements)), by_position(agreements)), jnp.float32)
 
 
 def add_expected_lengths(metrics: dict, depth: int) -> dict:

@@ -10,6 +10,9 @@ Measured against a plain decode step, a round costs v + γc (v: verifying γ+1 t
     predicted speedup = E(γ) / (v + γc)              (v + γc: the round's measured cost)
     ceiling           = E(γ) / (v(γ+1) + γr)         (c >= r; v(n): one forward of n rows over one row's)
 
+A tree generalizes both: E sums each node's chance of acceptance (by depth and rank), and its drafting costs one
+module call per depth, so its ceiling is E / (v(nodes+1) + depth·r), a chain's being the tree of width one.
+
 v(n) is measured (bench/cache_cliff.py --rows, decode.py --eval's verification round); where nothing was
 measured it is 1, the bound of free rows (`verify_cost`: a number, or a function of the rows verified).
 
@@ -27,13 +30,14 @@ from __future__ import annotations
 from typing import Protocol
 
 from mtpjax.config import ModelConfig
+from mtpjax.drafts import PLAIN, Tree, chain
 from mtpjax.nn.flops import TokenFlops
 
 
 class DraftCost(Protocol):
-    """What the arithmetic reads of a proposer (mtpjax.decode.protocol.Proposer): its γ and one round's draft work."""
+    """What the arithmetic reads of a proposer (mtpjax.decode.protocol.Proposer): its tree, one round's draft work."""
 
-    num_draft: int
+    tree: Tree
 
     def draft_flops(self, f_target: TokenFlops, f_draft: TokenFlops | None) -> float:
         """FLOPs one round of drafting computes, every row counted."""
@@ -42,46 +46,33 @@ class DraftCost(Protocol):
         """The weights one round of drafting reads, as matmul FLOPs of one row."""
 
 
-def expected_tokens(alpha_by_pos, gamma: int):
-    """E(γ): tokens per round with γ drafts when draft i is accepted (all before it accepted) with rate
-    alpha_by_pos[i]; past the list its last rate is reused ([α]: the constant-α case). Jittable."""
-    total, run = 1.0, 1.0
-    for i in range(gamma):
-        run = run * (alpha_by_pos[min(i, len(alpha_by_pos) - 1)] if len(alpha_by_pos) else 0.0)
-        total = total + run
-    return total
+def by_position(alpha_by_pos) -> list:
+    """A chain's acceptance as expected_tokens reads it, from α by draft position: one rank per depth."""
+    return [[a] for a in alpha_by_pos]
 
 
-class TreeShape(Protocol):
-    """What the arithmetic reads of a draft tree (mtpjax.decode.tree.Tree): each node's parent, depth and rank."""
-
-    parents: tuple[int, ...]
-    depth: tuple[int, ...]
-    rank: tuple[int, ...]
-
-
-def tree_expected_tokens(tree: TreeShape, accept_by_depth_rank) -> float:
+def expected_tokens(tree: Tree, acceptance) -> float:
     """Tokens per round of a draft tree: 1 + Σ over nodes of the chance the node is accepted, the product along its
     path of a[d][r], the chance that the rank-r child is the one accepted at depth d once its parent is (siblings
     are exclusive: Σ_r a[d][r] <= 1). Past a depth's or rank's list its last entry is reused, so a chain with
-    a[d] = [α_d] is E(γ)."""
-    a = accept_by_depth_rank
+    a[d] = [α_d] (by_position) is E(γ), and [[α]] the constant-α case. Jittable (the rates may be traced)."""
+    a = acceptance
 
-    def rate(d: int, r: int) -> float:
+    def rate(d: int, r: int):
         row = a[min(d, len(a)) - 1] if len(a) else []
         return row[min(r, len(row) - 1)] if len(row) else 0.0
 
-    reach: list[float] = []
+    reach: list = []
     for v, p in enumerate(tree.parents):
         reach.append((1.0 if p < 0 else reach[p]) * rate(tree.depth[v], tree.rank[v]))
     return 1.0 + sum(reach)
 
 
-def tree_ceiling(tree: TreeShape, accept_by_depth_rank, r: float, verify_cost: float = 1.0) -> float:
-    """A tree round's speedup bound: its expected tokens over the verification of its rows (`verify_cost`, v(n) in
-    plain steps, measured where it is known: it is not 1 past a few rows) plus its drafting, one module call per
-    depth at r each (r as in `ceiling`: a chain's draft; a level drafts all its nodes in one call)."""
-    return tree_expected_tokens(tree, accept_by_depth_rank) / (verify_cost + max(tree.depth, default=0) * r)
+def ceiling(tree: Tree, acceptance, r: float, verify_cost: float = 1.0) -> float:
+    """A round's speedup bound: its expected tokens over the verification of its rows (`verify_cost`, v(n) in plain
+    steps, measured where it is known: it is not 1 past a few rows) plus its drafting, one call per depth at r each
+    (r: a draft's floor_ratio; a level drafts all its nodes in one call, so a chain of γ pays γr)."""
+    return expected_tokens(tree, acceptance) / (verify_cost + tree.max_depth * r)
 
 
 def work_ratio(proposer: DraftCost, model_cfg: ModelConfig, context: int,
@@ -109,17 +100,13 @@ def floor_ratio(proposer: DraftCost, model_cfg: ModelConfig, context: int,
 
 
 def _flops(model_cfg: ModelConfig, context: int, draft_cfg: ModelConfig | None) -> tuple:
-    return TokenFlops.of(model_cfg, context), None if draft_cfg is None else TokenFlops.of(draft_cfg, context)
+    draft = None if draft_cfg is None else TokenFlops.per_token(draft_cfg, context)
+    return TokenFlops.per_token(model_cfg, context), draft
 
 
 def _per_draft(proposer: DraftCost, draft: float, plain: float) -> float:
-    G = proposer.num_draft
+    G = proposer.tree.size
     return draft / (G * plain) if G else 0.0
-
-
-def ceiling(alpha_by_pos, gamma: int, r: float, verify_cost: float = 1.0) -> float:
-    """E(γ) / (v + γr): the speedup with c = r and verifying the γ+1 rows costing v plain steps (1: free rows)."""
-    return expected_tokens(alpha_by_pos, gamma) / (verify_cost + gamma * r)
 
 
 def verify_cost_of(verify_cost, rows: int) -> float:
@@ -135,38 +122,24 @@ def verify_cost_of(verify_cost, rows: int) -> float:
 
 
 def speedup_ceiling(alpha_by_pos, work_ratio, max_gamma: int, verify_cost=1.0) -> dict:
-    """Best ceiling over γ <= max_gamma; `work_ratio` is r (a number) or a function γ -> r; `verify_cost` is v of
-    the γ+1 verified rows (verify_cost_of: a number, a function or a measured table; 1: free rows).
+    """Best ceiling over chains of γ <= max_gamma; `work_ratio` is r (a number) or a function γ -> r; `verify_cost`
+    is v of the γ+1 verified rows (verify_cost_of: a number, a function or a measured table; 1: free rows).
 
-    Returns {"by_gamma": {γ: bound}, "max": the best bound, "num_draft": its γ}; γ = 0 (plain) bounds at 1.
+    Returns {"by_gamma": {γ: bound}, "max": the best bound, "gamma": its γ}; γ = 0 (plain) bounds at 1.
     """
     r = work_ratio if callable(work_ratio) else (lambda g: work_ratio)
-    by = {g: ceiling(alpha_by_pos, g, r(g) if g else 0.0, verify_cost_of(verify_cost, g + 1))
-          for g in range(max_gamma + 1)}
+    a = by_position(alpha_by_pos)
+    by = {g: ceiling(chain(g), a, r(g) if g else 0.0, verify_cost_of(verify_cost, g + 1)) for g in range(max_gamma + 1)}
     best = max(by, key=lambda g: by[g])
-    return {"by_gamma": by, "max": by[best], "num_draft": best}
+    return {"by_gamma": by, "max": by[best], "gamma": best}
 
 
-def predicted_speedup(alpha_by_pos, gamma: int, round_cost: float) -> float:
-    """E(γ) over the measured cost of a round with γ drafts relative to a plain round (round_cost = v + γc)."""
-    return expected_tokens(alpha_by_pos, gamma) / round_cost
-
-
-def choose_num_draft(alpha_by_pos, round_cost: dict, margin: float = 1.0) -> int:
-    """The γ maximizing the predicted speedup E(γ) / cost(γ), where cost(γ) is the measured time of a round with
-    γ drafts relative to a plain round at the same batch size (cost(0) = 1: plain decoding, always a candidate).
-
-    Batched verification is compute-bound sooner, so at large batch cost(γ) grows and this picks fewer
-    drafts, down to 0: speculation is then never slower than plain decoding (up to measurement noise). A γ > 0
-    must beat plain and be predicted at least `margin` times as fast (decode.py asks for more than the noise).
-    """
-    costs = dict(sorted(round_cost.items()))  # of equal rates, the fewest drafts
-    return choose_fastest({g: expected_tokens(alpha_by_pos, g) for g in costs}, costs, margin)
-
-
-def choose_fastest(expected: dict, round_cost: dict, margin: float = 1.0):
-    """choose_num_draft over any candidates (a chain's γ, a tree's name): the key maximizing expected[k] / cost[k]
-    (the first of equals, in the dict's order), or 0 (plain) unless that beats plain and by `margin`."""
-    rates = {k: expected[k] / c for k, c in round_cost.items() if k != 0 and c > 0 and k in expected}
-    best = max(rates, key=lambda k: rates[k], default=0)
-    return best if best != 0 and rates[best] > 1.0 and rates[best] >= margin else 0
+def choose_fastest(expected: dict, round_cost: dict, margin: float = 1.0) -> Tree:
+    """The draft tree maximizing the predicted speedup expected[k] / round_cost[k] (the first of equals, in the dict's
+    order), where round_cost is a round's measured time over a plain round's at the same batch size; PLAIN unless
+    that beats plain and by `margin` (decode.py asks for more than the timing noise). Batched verification is
+    compute-bound sooner, so at large batch costs grow and this picks fewer drafts, down to plain: speculation is
+    then never slower than plain decoding (up to measurement noise)."""
+    rates = {k: expected[k] / c for k, c in round_cost.items() if k != PLAIN and c > 0 and k in expected}
+    best = max(rates, key=lambda k: rates[k], default=PLAIN)
+    return best if best != PLAIN and rates[best] > 1.0 and rates[best] >= margin else PLAIN

@@ -89,15 +89,15 @@ def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh
         axes = ("layers",) + axes  # scanned stack: the leading axis is not named in the metadata
     if len(axes) != len(shape):
         raise ValueError(f"logical axes {axes} do not match shape {tuple(shape)}")
-    spec, used = [], set()
+    spec, taken = [], set()
     for name, dim in zip(axes, shape):
         if name not in LOGICAL_RULES:
             raise ValueError(f"logical axis '{name}' has no sharding rule; add it to LOGICAL_RULES")
         mesh_axis = LOGICAL_RULES[name]
-        ok = mesh_axis in mesh.shape and mesh_axis not in used and dim % mesh.shape[mesh_axis] == 0
+        ok = mesh_axis in mesh.shape and mesh_axis not in taken and dim % mesh.shape[mesh_axis] == 0
         spec.append(mesh_axis if ok else None)
         if ok:
-            used.add(mesh_axis)
+            taken.add(mesh_axis)
     return P(*spec)
 
 

@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 from mtpjax.errors import MtpjaxError
+from mtpjax.parallel import jax_private
 
 SPECS = Path(__file__).resolve().parent / "gpu_specs"  # XLA's GPU target descriptions (Apache-2.0, LICENSE there)
 
@@ -72,9 +73,8 @@ def prepare_environment(platforms: str | None = None) -> None:
     if not on_gpu and importlib.util.find_spec("jax_cuda12_plugin") is not None:
         with plugin_noise_dropped():  # JAX loads the plugin as it starts, and the plugin logs that no driver is here
             import jax  # noqa: F401
-            from jax._src import xla_bridge
 
-            xla_bridge._discover_and_register_pjrt_plugins()  # what the first backend would do; starts none
+            jax_private.register_pjrt_plugins()  # what the first backend would do; starts none
 
 
 class TargetError(MtpjaxError, ValueError):

@@ -27,7 +27,8 @@ from mtpjax.errors import MtpjaxError
 from mtpjax.eval.plan import plan_trees
 from mtpjax.nn.flops import flops_per_token, routed_flops_per_token, train_flops_per_token
 from mtpjax.nn.model import MTP_SCOPE, build_model
-from mtpjax.nn.speed import expected_tokens, tree_expected_tokens
+from mtpjax.drafts import PLAIN, chain
+from mtpjax.nn.speed import expected_tokens
 from mtpjax.parallel import hlo
 from mtpjax.parallel import pipeline
 from mtpjax.parallel.sharding import make_mesh, placement, state_shardings
@@ -111,16 +112,16 @@ def _compile(lowered_fn, name: str, capacity: float, table_so_far, platform: str
     try:
         return lowered_fn().compile(compiler_options(platform)), time.perf_counter() - t0
     except Exception as e:  # XlaRuntimeError: a refusal for memory is the user's to fix, anything else a bug
-        used = refused_memory(str(e))
-        if used is None:
+        refused = refused_memory(str(e))
+        if refused is None:
             raise
-        gib = (used["total"] - capacity) / GiB
-        raise DoesNotFit(f"{name} does not fit: the compiler refused it ({used['total'] / GiB:.2f} GiB of "
-                         f"{used['available'] / GiB:.2f} GiB; over by {gib:.2f} GiB); try {KNOBS}",
-                         table_so_far(name, used)) from None
+        gib = (refused["total"] - capacity) / GiB
+        raise DoesNotFit(f"{name} does not fit: the compiler refused it ({refused['total'] / GiB:.2f} GiB of "
+                         f"{refused['available'] / GiB:.2f} GiB; over by {gib:.2f} GiB); try {KNOBS}",
+                         table_so_far(name, refused)) from None
 
 
-def train_programs(cfg: Config, target: Target, mesh, report: dict, table, eval_step: bool = True) -> None:
+def train_programs(cfg: Config, target: Target, mesh, report: dict, eval_step: bool = True) -> None:
     """Compile the train (and eval) steps on the config's mesh over the target's devices into report['programs']."""
     programs = make_programs(cfg, mesh)
     B, T = cfg.train.batch_size, cfg.data.seq_len
@@ -128,34 +129,33 @@ def train_programs(cfg: Config, target: Target, mesh, report: dict, table, eval_
     steps = (("train_step", programs.train_step),) + ((("eval_step", programs.eval_step),) if eval_step else ())
     for name, fn in steps:
         c, s = _compile(lambda fn=fn: fn.lower(programs.target, tok, tok), name, target.chip.hbm_bytes,
-                        lambda n, used: table(report, extra=(n, used)), target.platform)
+                        lambda n, refused: memory_table(report, extra=(n, refused)), target.platform)
         report["programs"].append(analyse(name, c, s, cfg))
-        check_fits(report, target, table)
+        check_fits(report, target)
 
 
-def check_fits(report: dict, target: Target, table) -> None:
-    """DoesNotFit when the last compiled program needs more than the chip's memory (GPU: the compiler does not
-    refuse)."""
+def check_fits(report: dict, target: Target) -> None:
+    """DoesNotFit, with the memory table so far, when the last compiled program needs more than the chip's memory
+    (GPU: the compiler does not refuse)."""
     p = report["programs"][-1]
     over = p["memory"]["total"] - target.chip.hbm_bytes
     if over > 0:
         raise DoesNotFit(f"{p['program']} does not fit on {target.chip.name} by {over / GiB:.2f} GiB per device; "
-                         f"try {KNOBS}", table(report))
+                         f"try {KNOBS}", memory_table(report))
 
 
 def decode_loops(cfg: Config, alpha: float) -> list[tuple[str, dict, float]]:
     """(name, make_loop's drafting arguments, expected tokens per round at α) of the loops compiled: plain, the MTP
     chain (γ = the model's depth) and the first draft tree the plan tabulates."""
     J = cfg.model.mtp_depth
-    loops = [("decode_plain", {"num_draft": 0}, 1.0)]
+    loops = [("decode_plain", {"draft": PLAIN}, 1.0)]
     if J:
-        loops.append((f"decode_chain_{J}", {"num_draft": J}, expected_tokens([alpha], J)))
+        loops.append((f"decode_chain_{J}", {"draft": chain(J)}, expected_tokens(chain(J), [[alpha]])))
         trees = plan_trees(cfg)
         if trees:
             t = trees[0]
             ranks = [alpha] + [(1 - alpha) / 2 / 2**i for i in range(max(t.rank) if t.rank else 0)]
-            loops.append((f"decode_tree_{t.name()}", {"num_draft": 0, "tree": t},
-                          tree_expected_tokens(t, [ranks] * t.max_depth)))
+            loops.append((f"decode_tree_{t.name()}", {"draft": t}, expected_tokens(t, [ranks] * t.max_depth)))
     return loops
 
 
@@ -234,7 +234,7 @@ def estimates(report: dict, cfg: Config, target: Target) -> None:
 
 
 def compile_report(cfg: Config, target: Target, *, alpha: float = 0.8, decode: bool = True, batch: int = 1,
-                   prompt: int = 128, new: int = 128, table=None, eval_step: bool = True) -> dict:
+                   prompt: int = 128, new: int = 128, eval_step: bool = True) -> dict:
     """Every program compiled for `target` and its numbers (JSON-ready but for each entry's `_program`)."""
     devices = topology_devices(target)
     report = {"target": target.name, "chip": dataclasses.asdict(target.chip), "devices": target.devices,
@@ -244,7 +244,7 @@ def compile_report(cfg: Config, target: Target, *, alpha: float = 0.8, decode: b
     if decode:
         check_mesh(cfg.model, mesh)
     check_parallelism(cfg, mesh)  # a batch the run would refuse is refused here too
-    train_programs(cfg, target, mesh, report, table, eval_step)
+    train_programs(cfg, target, mesh, report, eval_step)
     if decode:
         decode_programs(cfg, mesh, report, alpha, batch, min(prompt, cfg.data.seq_len), new)
     estimates(report, cfg, target)
@@ -254,7 +254,7 @@ def compile_report(cfg: Config, target: Target, *, alpha: float = 0.8, decode: b
     return report
 
 
-def _g(n: float) -> str:
+def _gib(n: float) -> str:
     return f"{n / GiB:8.2f}"
 
 
@@ -269,13 +269,13 @@ def memory_table(report: dict, extra: tuple | None = None) -> str:
         over = m["total"] - cap
         verdict = (f"does not fit by {over / GiB:.2f} GiB" if over > 0 else
                    f"fits ({-over / cap:.0%} headroom)")
-        parts = "".join(_g(m[k]) + " " if k in m else f"{'-':>8} " for k in
+        parts = "".join(_gib(m[k]) + " " if k in m else f"{'-':>8} " for k in
                         ("arguments", "outputs", "aliased", "temporaries", "generated_code"))
-        lines.append(f"  {name:<28} {parts}{_g(m['total'])}  {verdict}")
+        lines.append(f"  {name:<28} {parts}{_gib(m['total'])}  {verdict}")
     return "\n".join(lines)
 
 
-def _h(n: float) -> str:
+def _si(n: float) -> str:
     for unit, s in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= s:
             return f"{n / s:.3g}{unit}"
@@ -285,29 +285,29 @@ def _h(n: float) -> str:
 def _program_lines(p: dict) -> list[str]:
     r = p["roofline"]
     lines = [f"{p['program']} (compiled in {p['compile_seconds']} s):",
-             f"  FLOPs per device {_h(p['flops'])} (HLO, loop trip counts multiplied out; fused attention kernels "
-             f"{_h(p['attention_kernel_flops'])} from their shapes)"
-             + (f", plan {_h(p['analytic_flops'])} ({p['flops'] / p['analytic_flops']:.3f}x)"
+             f"  FLOPs per device {_si(p['flops'])} (HLO, loop trip counts multiplied out; fused attention kernels "
+             f"{_si(p['attention_kernel_flops'])} from their shapes)"
+             + (f", plan {_si(p['analytic_flops'])} ({p['flops'] / p['analytic_flops']:.3f}x)"
                 if p.get("analytic_flops") else "")]
     if p.get("mtp_share") and p["mtp_share"]["plan"] is not None:
         share = p["mtp_share"]
         lines.append(f"  MTP modules' share of FLOPs {share['compiled']:.1%} (plan {share['plan']:.1%}; module blocks, "
                      "head applications apart)")
-    lines.append(f"  HBM bytes (estimate: each unfused op reads its inputs, writes its output) {_h(p['hbm_bytes'])}B; "
-                 f"collectives {_h(p['collective_bytes'])}B = {p['collective_fraction']:.1%} of the bytes moved")
+    lines.append(f"  HBM bytes (estimate: each unfused op reads its inputs, writes its output) {_si(p['hbm_bytes'])}B; "
+                 f"collectives {_si(p['collective_bytes'])}B = {p['collective_fraction']:.1%} of the bytes moved")
     for kind, v in p["collectives"].items():
-        lines.append(f"    {kind:<20} x{v['count']:<8g} {_h(v['bytes'])}B")
+        lines.append(f"    {kind:<20} x{v['count']:<8g} {_si(v['bytes'])}B")
     if p["largest_collectives"]:
         lines.append("  largest collectives (bytes per step; the op, and its layer's name scope, that needs them):")
     for c in p["largest_collectives"]:
         name = c["op_name"] or "(no op name: made by XLA)"
-        lines.append(f"    {_h(c['bytes']):>6}B {c['kind']:<18} x{c['count']:<5g} {c['shape']:<34} {name}")
+        lines.append(f"    {_si(c['bytes']):>6}B {c['kind']:<18} x{c['count']:<5g} {c['shape']:<34} {name}")
     lines.append(f"  roofline ESTIMATE: compute {r['compute_s'] * 1e3:.2f} ms, HBM {r['hbm_s'] * 1e3:.2f} ms, "
                  f"collectives {r['collective_s'] * 1e3:.2f} ms -> {r['estimate_s'] * 1e3:.2f} ms ({r['bound']}-bound)"
                  + (f", MFU {p['mfu_estimate']:.1%}" if "mfu_estimate" in p else ""))
     if "round" in p:
         q = p["round"]
-        lines.append(f"  one round: {_h(q['flops'])} FLOPs, {_h(q['hbm_bytes'])}B read/written, "
+        lines.append(f"  one round: {_si(q['flops'])} FLOPs, {_si(q['hbm_bytes'])}B read/written, "
                      f"{q['roofline_s'] * 1e6:.1f} us; {q['tokens_per_round']:.3f} tokens/round at alpha -> "
                      f"speedup ESTIMATE {q['speedup_estimate']:.2f}x over plain")
     k = p["kernels"]
@@ -320,10 +320,10 @@ def _program_lines(p: dict) -> list[str]:
 def routed_line(routed: dict, kernel: str) -> str:
     """The routed experts' matmul FLOPs the grouped kernels ran beside what the tokens need (k experts per token, gate,
     up and down; 3x in a train step); a grouping other than the gmm kernels' is not told apart in the HLO."""
-    need = f"the tokens need {_h(routed['need'])}"
+    need = f"the tokens need {_si(routed['need'])}"
     if not routed["flops"]:
         return f"  routed expert matmuls: {need} (not told apart from the other dots: {kernel.split(' (')[0]})"
-    return (f"  routed expert matmuls {_h(routed['flops'])} FLOPs (grouped kernels), {need} "
+    return (f"  routed expert matmuls {_si(routed['flops'])} FLOPs (grouped kernels), {need} "
             f"({routed['flops'] / routed['need']:.2f}x)")
 
 
@@ -360,7 +360,7 @@ def bottom_line(report: dict) -> list[str]:
         return []
     step = p["roofline"]["estimate_s"]
     return [f"bottom line (train step ESTIMATE on {report['target']}): {step * 1e3:.1f} ms per step, "
-            f"{_h(report['tokens_per_step'] / step)} tokens/s, {_duration(report['steps'] * step)} for "
+            f"{_si(report['tokens_per_step'] / step)} tokens/s, {_duration(report['steps'] * step)} for "
             f"train.steps={report['steps']}, MFU {p['mfu_estimate']:.1%} ({p['roofline']['bound']}-bound)"]
 
 

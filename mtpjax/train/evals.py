@@ -50,7 +50,7 @@ def samples(progs, state, val: list, tokenizer, n: int) -> list[str]:
     model = _host_model(progs, state)
     if not distributed.is_primary():  # only process 0 writes them; its rows are the ones shown
         return []
-    out = generate(model, prompt_BP.tolist(), max_new_tokens=SAMPLE_TOKENS, num_draft=0).tokens
+    out = generate(model, prompt_BP.tolist(), max_new_tokens=SAMPLE_TOKENS).tokens
     return [tokenizer.decode(p.tolist()) + " ⟶ " + tokenizer.decode(o) for p, o in zip(prompt_BP, out)]
 
 

@@ -20,7 +20,7 @@ from mtpjax.train import setup, task_evals
 from mtpjax.train.evals import run_eval
 from mtpjax.train.goodput import Goodput
 from mtpjax.train.hooks import Hooks, Tick
-from mtpjax.train.metrics import Writer, measure_peak_flops
+from mtpjax.train.metrics import Writer, device_peak
 from mtpjax.train.report import Logger, banner, say, summary
 from mtpjax.train.setup import TrainError
 from mtpjax.train.step import Programs, make_programs
@@ -98,7 +98,11 @@ class _Report:
 
     def __init__(self, cfg: Config, writer: Writer, bar, n_devices: int):
         self.bar, self.guard = bar, NonFiniteGuard(cfg)
-        self.log = Logger(cfg, writer, bar, n_devices, cfg.train.peak_flops or measure_peak_flops())
+        peak = device_peak(cfg.train.peak_flops)
+        said = f"MFU against {peak.flops:.4g} FLOP/s per device: {peak.source}"
+        say(said)
+        writer.text(0, "mfu/peak", said)
+        self.log = Logger(cfg, writer, bar, n_devices, peak.flops)
         self.pending, self.seen = None, None
 
     def read(self, tick: Tick) -> None:

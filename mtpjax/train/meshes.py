@@ -91,8 +91,7 @@ def search(cfg: Config, target, limit: int, place=None) -> list[dict]:
     for mesh, a in candidates(cfg, target.devices, limit):
         row = {"mesh": describe(mesh), "micro_batches": a, "overrides": overrides(mesh, a)}
         try:
-            report = compile_report(place(row["overrides"]), target, decode=False, eval_step=False,
-                                    table=lambda report, extra=None: "")
+            report = compile_report(place(row["overrides"]), target, decode=False, eval_step=False)
             p = report["programs"][0]
             r = p["roofline"]
             row.update(memory=p["memory"]["total"], fits=True, estimate_s=r["estimate_s"], bound=r["bound"],

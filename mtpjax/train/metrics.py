@@ -1,14 +1,18 @@
-"""TensorBoard writing (process 0 only) and MFU: FLOPs/token from mtpjax.nn.flops against a peak FLOP/s."""
+"""TensorBoard writing (process 0 only) and MFU: FLOPs/token from mtpjax.nn.flops against a peak FLOP/s (device_peak:
+the chip's published peak wherever the platform is known, the measured matmul rate only on CPU)."""
 
 from __future__ import annotations
 
 import importlib.util
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from mtpjax.parallel.targets import published_peak
 
 
 def _rate(call, flops: float, seconds: float) -> float:
@@ -42,6 +46,30 @@ def measure_peak_flops(n: int = 1024, seconds: float = 1.0) -> float:
     """The best float32 matmul FLOP/s this machine reaches with any library here (matmul_rates), not XLA's alone:
     MFU then says how far the step is from what the hardware is known to do."""
     return max(matmul_rates(n, seconds).values())
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The per-device peak FLOP/s a run's MFU divides by, and where it came from (said in the log and TensorBoard)."""
+
+    flops: float
+    source: str
+
+
+def device_peak(configured: float = 0.0, device=None) -> Peak:
+    """train.peak_flops when set; else, on a GPU or TPU, the chip's published dense bf16 peak from
+    parallel.targets' table (the one a `compile` report divides by); the measured float32 matmul rate only on CPU,
+    or for an accelerator the table does not list (then said, with the fix)."""
+    if configured:
+        return Peak(configured, "train.peak_flops")
+    dev = device or jax.devices()[0]
+    if dev.platform == "cpu":
+        return Peak(measure_peak_flops(), "measured float32 matmul rate (CPU: no published peak)")
+    peak = published_peak(dev.device_kind)
+    if peak:
+        return Peak(peak, f"published dense bf16 peak of {dev.device_kind}")
+    return Peak(measure_peak_flops(), f"measured float32 matmul rate ({dev.device_kind} is not in parallel.targets' "
+                                      "chip table; set train.peak_flops to its peak)")
 
 
 def mfu(tokens_per_sec: float, flops_per_token: float, peak_flops_per_device: float, n_devices: int) -> float:

@@ -17,7 +17,7 @@ from mtpjax.train.metrics import Writer, mfu
 from mtpjax.nn.model import build_model, param_counts
 
 NEXT_PROMPT = "def fibonacci(n):"  # the prompt of the decode command the summary suggests
-# Sampled, not greedy: a young model's greedy text repeats one line. decode.py's default num_draft (auto) drafts
+# Sampled, not greedy: a young model's greedy text repeats one line. decode.py's default decode.draft (auto) drafts
 # from the first call on (its estimate from the run's own agreement), then measures what this machine prefers.
 NEXT_SAMPLING = ("--temperature", "0.7", "--top-k", "40")
 
