@@ -117,7 +117,8 @@ class MTPTransformer(nnx.Module):
         on = self.placement.constrain
         with jax.named_scope("embed"):
             x_BTD = jnp.take(on(self.embed[...], "vocab", "embed"), tokens_BT, axis=0).astype(dtype_of(self.cfg.dtype))
-            return on(x_BTD, "batch", "length", "embed")
+            # rows after any leading micro-batch axis (the pipeline embeds [A, B, T] at once)
+            return on(x_BTD, *(None,) * (x_BTD.ndim - 3), "batch", "length", "embed")
 
     def logits(self, h):
         """Shared output head on normed hidden states h ([..., D], any leading axes); float32 logits."""

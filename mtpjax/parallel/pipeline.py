@@ -100,7 +100,7 @@ def loss(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, graphd
         model = nnx.merge(graphdef, train, frozen)
         out = forward(model, tok_BT, seg_BT, loss_cfg, trunk=(h_BTD, rout))
         value, met = mtp_loss(model, out, tok_BT, seg_BT, step=step, cfg=loss_cfg, counts=counts, rows=rows)
-        return None, (value, met, {k: aux["load"] for k, aux in out.routing.items()})
+        return None, (value, met, {k: (aux["load"], aux["dropped"]) for k, aux in out.routing.items()})
 
     _, (values, mets, loads) = jax.lax.scan(tail, None, (tok_ABT, seg_ABT, h_ABTD, routing))
     return values.sum(), (mets, loads)
