@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mtpjax.config import DataConfig
+from mtpjax.config import ConfigError, DataConfig
 from mtpjax.data import (
     ByteTokenizer,
     DataError,
@@ -347,8 +347,12 @@ def test_missing_path(tmp_path):
 
 
 def test_unknown_source_and_empty_paths(tmp_path):
+    # The pydantic config refuses an unknown source when it is built (one line naming the choices); the data layer's
+    # own guard still holds for a config built without validation.
+    with pytest.raises(ConfigError, match="config key 'data.source' = 'web' is invalid: expected one of stdlib"):
+        _cfg(tmp_path, source="web")
     with pytest.raises(DataError, match="unknown data.source 'web'"):
-        prepare(_cfg(tmp_path, source="web"))
+        prepare(_cfg(tmp_path).model_copy(update={"source": "web"}))
     with pytest.raises(DataError, match="data.paths is empty"):
         prepare(_cfg(tmp_path, source="text"))
 
@@ -603,7 +607,7 @@ def test_failed_preparation_leaves_no_cache_entry(tmp_path, monkeypatch):
 
 def test_concurrent_preparations_agree(tmp_path):
     (tmp_path / "a.txt").write_text("shared text " * 2000)
-    code = ("import sys; from mtpjax.config import DataConfig; from mtpjax.data import prepare; "
+    code = ("import sys; from mtpjax.config import ConfigError, DataConfig; from mtpjax.data import prepare; "
             f"p = prepare(DataConfig(source='text', paths=({str(tmp_path / 'a.txt')!r},), "
             f"cache_dir={str(tmp_path / 'c')!r})); print(p.dir, len(p.train_tokens))")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -72,9 +72,9 @@ def trunk(model: MTPTransformer, tok_ABT, seg_ABT):
             y_BTD, _, aux = scan_blocks(gdef, st, x_BTD, pos_BT, seg_ABT[m], None, remat)
             return jax.lax.ppermute(y_BTD, axis, [(i, (i + 1) % S) for i in range(S)]), (y_BTD, aux)
 
-        _, (y_KBTD, aux) = jax.lax.scan(tick, jnp.zeros_like(x_ABTD[0]), jnp.arange(A + S - 1))
+        _, (y_ABTD, aux) = jax.lax.scan(tick, jnp.zeros_like(x_ABTD[0]), jnp.arange(A + S - 1))
         # The last stage finishes micro-batch a at tick a + S − 1; stage s's own ticks are s .. s + A − 1.
-        h_ABTD = jax.lax.psum(jnp.where(s == S - 1, y_KBTD[S - 1:], 0), axis)
+        h_ABTD = jax.lax.psum(jnp.where(s == S - 1, y_ABTD[S - 1:], 0), axis)
         aux = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, s, A), aux)
         return h_ABTD, aux
 
