@@ -83,7 +83,7 @@ WORK = {
 }
 ARGV = {
     "train": ["--config", TINY], "decode": ["--run-dir", "r", "--prompt", "x"], "plan": ["--config", "x.yaml"],
-    "compile": ["--config", TINY, "--target", "v5e-4"],
+    "compile": ["--config", TINY, "--target", "v5e-4", "mesh.fsdp=2", "mesh.tensor=2"],  # a mesh that fills it
     "convert": ["export", "--run-dir", "r", "--out", "o"], "data": ["prepare"], "distributed": [],
     "lm_eval": ["--model", "mtpjax", "--model_args", "run_dir=r", "--tasks", "mtpjax"],
 }
