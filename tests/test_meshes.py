@@ -71,3 +71,17 @@ def test_the_ranking_puts_what_does_not_fit_last_and_names_the_best():
     text = meshes.ranking(rows, "h100:8").splitlines()
     assert text[2].split()[:3] == ["1", "fsdp", "8"] and text[3].split()[0] == "-" and "does not fit" in text[3]
     assert text[-1] == "best: mesh.fsdp=8"
+
+
+def test_a_missing_compiler_stops_the_search_instead_of_ranking_nothing(monkeypatch):
+    """Every candidate would fail the same way: the search says why once (TargetError), not "no candidate fits"."""
+    from mtpjax.parallel.targets import TargetError
+    from mtpjax.train import aot
+
+    def no_compiler(*args, **kwargs):
+        raise TargetError("cannot describe target 'h100:8' (topology not implemented for cuda); install its compiler")
+
+    monkeypatch.setattr(aot, "compile_report", no_compiler)
+    cfg = _cfg("small")
+    with pytest.raises(TargetError, match="install its compiler"):
+        meshes.search(cfg, parse_target("h100:8"), 2, place=lambda o: cfg)

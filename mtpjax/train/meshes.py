@@ -85,6 +85,7 @@ def search(cfg: Config, target, limit: int, place=None) -> list[dict]:
     that fit, the roofline estimate; ranked fastest first, those that do not fit last. `place(overrides)` gives the
     config a candidate's overrides make."""
     from mtpjax.errors import MtpjaxError
+    from mtpjax.parallel.targets import TargetError
     from mtpjax.train.aot import DoesNotFit, compile_report  # the compilers load with it: only when searching
 
     rows = []
@@ -99,6 +100,8 @@ def search(cfg: Config, target, limit: int, place=None) -> list[dict]:
                        tokens_per_s=report["tokens_per_step"] / r["estimate_s"])
         except DoesNotFit as e:
             row.update(fits=False, why=str(e).split(";")[0])
+        except TargetError:  # the target's compiler is missing: no candidate can compile, so the search stops
+            raise
         except MtpjaxError as e:  # a candidate the compiler or the run refuses: said, not fatal to the search
             row.update(fits=False, why=str(e))
         rows.append(row)
