@@ -12,8 +12,9 @@ from flax import nnx
 
 from mtpjax.config import load_config
 from mtpjax.decode import host, loop as decode_loop
+from mtpjax.decode.cache import stacked, trunk_cache
 from mtpjax.nn.layers import RMSNorm
-from mtpjax.nn.model import MTPTransformer, build_model, for_decoding
+from mtpjax.nn.model import MTPTransformer, build_model, for_decoding, unstack_layers
 
 PROMPTS = [[1, 4, 13, 8, 25]]
 
@@ -125,3 +126,41 @@ def test_a_decode_round_reads_no_float32_weight():
     assert loop_carried_f32_weights(model, 0) == loop_carried_f32_weights(model, 1) == 0
     with mock.patch.object(decode_loop, "for_decoding", lambda m: m):
         assert loop_carried_f32_weights(model, 0) > 0
+
+
+@pytest.mark.slow
+def test_a_decode_round_copies_no_layer_s_weights():
+    """A scanned trunk's decode loop reads each layer's weights where they lie (unstack_layers sliced them once,
+    before it), plain or drafting; the companion, the loop on the stacked blocks, slices every layer's MLP weight
+    out of its [L, ...] stack every round (XLA's GPU compiler copies it: 2.4 GB of gpu_1b's 5.4 GB round)."""
+    model = build_model(_cfg(vocab_size=64, d_model=32, d_ff=48, n_layers=2, n_heads=2, n_kv_heads=1, mtp_depth=1,
+                             scan_layers=True), seed=0)
+    sliced = (" dynamic-slice(", " fusion(", " copy(", " slice(")
+    assert loop_body_moves(model, "f32[32,48]", ops=sliced) == loop_body_moves(model, "f32[32,48]", 1, sliced) == 0
+    with mock.patch.object(decode_loop, "unstack_layers", lambda m: m):
+        assert loop_body_moves(model, "f32[32,48]", ops=sliced) > 0
+
+
+def _cached_trunk(model, tok_BT):
+    """The trunk's hidden states and (stacked) cache, as the decode loop's prefill computes them."""
+    h_BTD, cache = model.trunk(tok_BT, cache=trunk_cache(model.cfg, tok_BT.shape[0], 16))
+    return h_BTD, stacked(cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [dict(), dict(attention_kind="mla", kv_lora_rank=16, mlp_kind="moe", moe_d_ff=16,
+                                             n_routed_experts=4)])
+def test_unstacked_layers_compute_the_scan_s_numbers(kw):
+    """unstack_layers' trunk, compiled (as the decode loop runs it), computes the scanned trunk's hidden states and
+    cache bit for bit; the companion, its layers' outputs not stored between them (XLA then keeps some in float32,
+    its excess precision, where the scan rounds them to bfloat16), does not."""
+    model = for_decoding(_bf16_model(vocab_size=64, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, mtp_depth=1,
+                                     scan_layers=True, **kw))
+    tok = jax.random.randint(jax.random.key(2), (2, 12), 0, 64)
+    want = nnx.jit(_cached_trunk)(model, tok)
+    view = unstack_layers(nnx.clone(model))
+    assert not view.cfg.scan_layers and len(view.blocks) == 3
+    assert all(jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(nnx.jit(_cached_trunk)(view, tok)),
+                                                   jax.tree.leaves(want)))
+    view.unstacked = False
+    assert not jnp.array_equal(nnx.jit(_cached_trunk)(view, tok)[0], want[0])

@@ -29,7 +29,7 @@ from mtpjax.decode.protocol import Context, Models, Proposer
 from mtpjax.decode.sampling import Sampler, choose, draw, probs, row_keys
 from mtpjax.drafts import Tree
 from mtpjax.nn.mla import decode_view
-from mtpjax.nn.model import for_decoding
+from mtpjax.nn.model import for_decoding, unstack_layers
 
 
 @struct.dataclass
@@ -204,8 +204,9 @@ class Loop:
 
 def run_loop(loop: Loop, graphs: tuple, params: tuple, req: Request) -> DecodeState:
     """The whole generation, from the split target (and draft) models; `execute` is this function jitted."""
-    # Views built before the loop: its steps then read MLA's weights as laid out here, once; MoE layers dropless.
-    models = Models(*(None if g is None else decode_view(for_decoding(nnx.merge(g, p)))
+    # Views built before the loop: its steps then read MLA's weights as laid out here, once, and each layer's weights
+    # where they lie; MoE layers dropless.
+    models = Models(*(None if g is None else decode_view(unstack_layers(for_decoding(nnx.merge(g, p))))
                       for g, p in zip(graphs, params)))
     return loop(models, req)
 

@@ -47,12 +47,16 @@ class Dense(nnx.Module):
         if bias:
             self.bias = nnx.Param(jnp.zeros((d_out,), dtype_of(cfg.param_dtype)), logical_axes=axes[1:])
         self.dtype = dtype_of(cfg.dtype)
+        # nn.model.for_decoding's float32: a 1-row product summed in float32 and rounded once, as a GEMM does; left
+        # to the compute dtype, XLA's GPU compiler computes it as a bf16 multiply written out, then a sum (3x the bytes)
+        self.accumulate = None
 
     def __call__(self, x):
         """x: [..., d_in] with any leading axes."""
         lead = x.shape[:-1]
         x_ID = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        y_ID = jnp.dot(x_ID, self.kernel[...].astype(self.dtype))
+        y_ID = jnp.dot(x_ID, self.kernel[...].astype(self.dtype), preferred_element_type=self.accumulate)
+        y_ID = y_ID.astype(self.dtype)
         if hasattr(self, "bias"):
             y_ID = y_ID + self.bias[...].astype(self.dtype)[None, :]
         return y_ID.reshape(*lead, y_ID.shape[-1])

@@ -108,6 +108,7 @@ class MTPTransformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = param(rngs, (d, V), cfg.init_std, ("embed", "vocab"), pdt)
         self.mtp = nnx.List([MTPModule(cfg, rngs, placement) for _ in range(cfg.mtp_depth)])
+        self.unstacked = False  # unstack_layers' copy of a scanned trunk: its layers round their outputs as the scan
 
     # ------------------------------------------------------------------ pieces shared with decoding
 
@@ -150,6 +151,8 @@ class MTPTransformer(nnx.Module):
         news, routing = [], {}
         for i, blk in enumerate(self.blocks):
             x, nkv, aux = _run_block(blk, x, pos_BT, seg_BT, None if cache is None else cache[i], remat)
+            if self.unstacked:  # stored, as a scan's step stores it: XLA may not keep it in excess precision
+                x = jax.lax.optimization_barrier(x)
             news.append(nkv)
             if aux:
                 routing[f"blocks.{i}"] = aux
@@ -270,18 +273,37 @@ def placed(model: MTPTransformer, placement: Placement) -> MTPTransformer:
 
 def for_decoding(model: MTPTransformer) -> MTPTransformer:
     """A copy of `model` as the decode loop runs it, built once per call before the loop: its MoE layers dropless
-    whatever `model.moe_buffer_factor` (a decoded token's output depends on no other token), and the weights its
-    modules read only cast to the compute dtype (their COMPUTE_WEIGHTS) cast to it here, so no round reads the float32
-    masters to cast them again. The same numbers: each matmul made that cast itself. The model is left as it was."""
+    whatever `model.moe_buffer_factor` (a decoded token's output depends on no other token), the weights its modules
+    read only cast to the compute dtype (their COMPUTE_WEIGHTS) cast to it here, so no round reads the float32 masters
+    to cast them again, and its projections' products summed in float32 (Dense.accumulate). The same numbers: each
+    matmul made that cast itself, and a bfloat16 dot is its float32 sum rounded once. The model is left as it was."""
     view, dt = nnx.clone(model), dtype_of(model.cfg.dtype)
     for _, m in nnx.iter_modules(view):
         if isinstance(m, MoE):
             m.buffer_factor = 0.0
+        if isinstance(m, Dense) and dt.itemsize < 4:
+            m.accumulate = jnp.float32
         for name in getattr(m, "COMPUTE_WEIGHTS", ()):
             w = getattr(m, name, None)
             if isinstance(w, nnx.Param) and w.get_value().dtype.itemsize > dt.itemsize:  # narrower only: bf16 of f32
                 w.set_value(w.get_value().astype(dt))
     return view
+
+
+def unstack_layers(model: MTPTransformer) -> MTPTransformer:
+    """`model` (in place) with a scanned trunk's stacked blocks made one block per layer, run as an unscanned trunk
+    is (a Python loop; its cache one KV per layer). The decode loop's, built before it: inside a scan, XLA's GPU
+    compiler copies each layer's MLP weights out of the stacked [L, ...] arrays before its GEMMs, every round (2.4 of
+    gpu_1b's 5.4 GB plain decode round); sliced here once, the rounds read them where they lie. Compiled, the layers
+    compute the scan's numbers bit for bit, each layer's output stored between them as the scan stores it (op by op,
+    eagerly, they would round differently)."""
+    if model.cfg.scan_layers:
+        model.unstacked = True
+        gdef, st = nnx.split(model.blocks)
+        model.blocks = nnx.List([nnx.merge(gdef, jax.tree.map(lambda x, i=i: x[i], st))
+                                 for i in range(model.cfg.n_layers)])
+        model.cfg = model.cfg.model_copy(update={"scan_layers": False})
+    return model
 
 
 def last_block_params(cfg: ModelConfig, params: dict) -> dict:
