@@ -10,7 +10,7 @@ import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, PlainSerializer, PlainValidator
+from pydantic import BeforeValidator, Field, PlainSerializer, PlainValidator
 
 from mtpjax.config.errors import fail
 
@@ -59,6 +59,12 @@ def listed(item: type) -> Any:
 def choice(*names: str) -> Any:
     """A field taking one of `names` (a Literal): a string, then one of them (the error lists them)."""
     return Annotated[Literal[names], _STR]
+
+
+def one_of(doc: str, runtime: bool = False, **meanings: str) -> Any:
+    """A choice field documented once: its doc, then each name (the first is the default) with what it means."""
+    extra = {"choices": meanings, "runtime": True} if runtime else {"choices": meanings}
+    return Annotated[choice(*meanings), Field(next(iter(meanings)), description=doc, json_schema_extra=extra)]
 
 
 def parsed(tp: Any, read: typing.Callable | None = None, write: typing.Callable = str) -> Any:
