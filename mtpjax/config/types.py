@@ -75,7 +75,7 @@ def parsed(tp: Any, read: typing.Callable | None = None, write: typing.Callable 
 
 
 _NUM = r"[-+.\deE]+"
-_RAMP = re.compile(rf"^(?P<a>{_NUM})->(?P<b>{_NUM})@(?P<n>\d+)$")
+_RAMP = re.compile(rf"^{_NUM}->{_NUM}@\d+$")
 _LAMBDA_RE = {"constant": re.compile(rf"^{_NUM}$"), "piecewise": re.compile(rf"^(?:{_NUM}@\d+,)+{_NUM}$"),
               "linear": _RAMP, "cosine": _RAMP}
 
@@ -98,15 +98,12 @@ class LambdaSchedule:
         bad = fail(key or cls.KEY, text, f"expected one of {cls.FORMS} (finite numbers, steps > 0)")
         kind, sep, body = text.replace(" ", "").partition(":")
         kind, body = (kind, body) if sep else ("constant", kind)
-        if kind not in _LAMBDA_RE or not (m := _LAMBDA_RE[kind].match(body)):
+        if kind not in _LAMBDA_RE or not _LAMBDA_RE[kind].match(body):
             raise bad
+        nums = re.split(r"->|@|,", body)  # piecewise: value@step,...,value; else the values, then the ramp's steps
+        values, steps = (nums[::2], nums[1::2]) if kind == "piecewise" else (nums[:2], nums[2:])
         try:
-            if kind == "piecewise":
-                *pieces, last = (p.split("@") for p in body.split(","))
-                values, steps = (*(float(p[0]) for p in pieces), float(last[0])), tuple(int(p[1]) for p in pieces)
-            else:
-                values, steps = ((float(body),), ()) if kind == "constant" else ((float(m["a"]), float(m["b"])),
-                                                                                 (int(m["n"]),))
+            values, steps = tuple(map(float, values)), tuple(map(int, steps))
         except ValueError:
             raise bad from None
         ramp_ok = kind not in ("linear", "cosine") or steps[0] > 0
