@@ -144,10 +144,8 @@ class TargetMix:
         if text in MTP_TARGETS:
             return cls(tuple(float(t == text) for t in MTP_TARGETS))
         bad, body = fail(key or cls.KEY, text, f"expected {cls.FORMS}"), text.replace(" ", "")
-        if m := re.fullmatch(rf"mix:({_WEIGHT})", body):
-            if not 0 <= float(m[1]) <= 1:
-                raise bad
-            return cls((1 - float(m[1]), float(m[1]), 0.0))
+        if re.fullmatch(rf"mix:{_WEIGHT}", body):  # mix:<w> is mix:data=<1-w>,self=<w> (w > 1: a negative weight)
+            body = f"mix:data={1 - float(body[4:])!r},self={body[4:]}"
         names = "|".join(MTP_TARGETS)
         if not re.fullmatch(rf"mix:(?:(?:{names})={_WEIGHT},)*(?:{names})={_WEIGHT}", body):
             raise bad
