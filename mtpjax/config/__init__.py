@@ -13,13 +13,11 @@ from mtpjax.config.errors import ConfigError
 from mtpjax.config.load import from_dict, load_config, replace
 from mtpjax.config.schema import (
     RUNTIME_KEYS, CheckpointConfig, Config, DataConfig, DecodeConfig, LossConfig, MeshConfig, MixtureSource,
-    ModelConfig, OptimConfig, Proposer, TrainConfig, choices, field_doc, identity)
-from mtpjax.config.types import MTP_TARGETS, DepthLambdas, LambdaSchedule, TargetMix, parse_profile
-from mtpjax.config.validate import validate
+    ModelConfig, OptimConfig, TrainConfig, choices, field_doc, identity)
+from mtpjax.config.types import DepthLambdas, LambdaSchedule, TargetMix, parse_profile
 
 __all__ = [
-    "RUNTIME_KEYS", "MTP_TARGETS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DecodeConfig",
-    "DepthLambdas", "LambdaSchedule", "LossConfig", "MeshConfig", "MixtureSource", "ModelConfig", "OptimConfig",
-    "Proposer", "TargetMix", "TrainConfig", "choices", "field_doc", "from_dict", "identity", "load_config",
-    "parse_profile", "replace", "validate",
+    "RUNTIME_KEYS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DecodeConfig", "DepthLambdas",
+    "LambdaSchedule", "LossConfig", "MeshConfig", "MixtureSource", "ModelConfig", "OptimConfig", "TargetMix",
+    "TrainConfig", "choices", "field_doc", "from_dict", "identity", "load_config", "parse_profile", "replace",
 ]

@@ -41,12 +41,6 @@ def _num(x: float) -> str:
     return str(int(x)) if math.isfinite(x) and x == int(x) else str(x)
 
 
-def _section(tp: Any) -> type[BaseModel] | None:
-    """The model a field of type `tp` holds: itself, or the items of a tuple of them."""
-    tp = typing.get_args(tp)[0] if typing.get_origin(tp) is tuple else tp
-    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
-
-
 def _place(raw: Any, loc: tuple) -> list[int]:
     """Where `loc` is written in the input `raw` (the place of each key or item), for reporting in reading order."""
     out = []
@@ -67,8 +61,9 @@ def one_line(e: ValidationError, root: type[BaseModel], prefix: str = "", raw: A
         return (0, _place(raw, x["loc"])) if wrong else (1, [])
     err = min(e.errors(), key=rank)
     loc, cls, f = err["loc"], root, None
-    for part in (p for p in loc[:-1] if isinstance(p, str)):
-        cls = _section(cls.model_fields[part].annotation)
+    for part in (p for p in loc[:-1] if isinstance(p, str)):  # the section (or a tuple's item section) it names
+        tp = cls.model_fields[part].annotation
+        cls = typing.get_args(tp)[0] if typing.get_origin(tp) is tuple else tp
     if loc and isinstance(loc[-1], str) and loc[-1] in cls.model_fields:
         f = cls.model_fields[loc[-1]]
     key = prefix + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")

@@ -29,25 +29,27 @@ def _yaml(text: str):
     return yaml.load(text, Loader=_Loader)
 
 
-def _override(raw: dict, item: str) -> None:
-    """Set `section.key=value` (the value read as YAML) in the nested dict `raw`."""
-    if "=" not in item:
-        raise ConfigError(f"override '{item}' is not of the form section.key=value (e.g. train.steps=100)")
-    key, text = item.split("=", 1)
-    *parts, last = key.strip().split(".")
-    if not all([*parts, last]):
-        raise ConfigError(f"override '{item}' has an empty key part; use section.key=value")
-    try:
-        value = _yaml(text) if text.strip() else ""
-    except yaml.YAMLError:
-        value = text
-    node = raw
-    for p in parts:
-        if node.get(p) is None:  # an empty YAML section (`model:`) reads as None
-            node[p] = {}
-        if not isinstance(node := node[p], dict):
-            raise ConfigError(f"override '{item}': '{p}' is a value, not a section")
-    node[last] = value
+def _overridden(raw: dict, overrides: typing.Iterable[str]) -> dict:
+    """`raw` with each `section.key=value` (the value read as YAML) set in it."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form section.key=value (e.g. train.steps=100)")
+        key, text = item.split("=", 1)
+        *parts, last = key.strip().split(".")
+        if not all([*parts, last]):
+            raise ConfigError(f"override '{item}' has an empty key part; use section.key=value")
+        try:
+            value = _yaml(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text
+        node = raw
+        for p in parts:
+            if node.get(p) is None:  # an empty YAML section (`model:`) reads as None
+                node[p] = {}
+            if not isinstance(node := node[p], dict):
+                raise ConfigError(f"override '{item}': '{p}' is a value, not a section")
+        node[last] = value
+    return raw
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
@@ -65,9 +67,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
             raise ConfigError(f"config file '{p}' is not valid YAML{where}; fix its syntax") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file '{p}' must hold a mapping of sections (model:, train:, ...)")
-    for item in overrides:
-        _override(raw, item)
-    return from_dict(raw)
+    return from_dict(_overridden(raw, overrides))
 
 
 def from_dict(raw: Any) -> Config:
@@ -80,7 +80,4 @@ def from_dict(raw: Any) -> Config:
 
 def replace(cfg: Config, overrides: typing.Iterable[str]) -> Config:
     """A copy of cfg with dotted overrides applied and validated."""
-    raw = cfg.to_dict()
-    for item in overrides:
-        _override(raw, item)
-    return from_dict(raw)
+    return from_dict(_overridden(cfg.to_dict(), overrides))

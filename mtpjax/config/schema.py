@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from mtpjax import drafts
 from mtpjax.config.errors import ConfigError, fail, one_line
 from mtpjax.config.types import (
-    Bool, DepthLambdas, Float, Int, LambdaSchedule, Str, Strs, TargetMix, choice, listed, parsed)
+    Bool, DepthLambdas, Float, Int, LambdaSchedule, Str, Strs, TargetMix, choice, listed, one_of, parsed)
 from mtpjax.config.validate import validate
 
 RUNTIME = {"runtime": True}  # how to compute, not what: a run resumes, and a checkpoint decodes, with another value
@@ -43,8 +43,6 @@ class Section(BaseModel, metaclass=_Validated):
         raise fail(None, raw, "expected a mapping of keys to values")
 
 
-Proposer = Literal["mtp", "mtp1", "ngram", "model"]
-
 
 class ModelConfig(Section):
     vocab_size: Int = Field(256, description="vocabulary size (≥ the tokenizer's)", gt=0)
@@ -55,10 +53,9 @@ class ModelConfig(Section):
     head_dim: Int = Field(0, description="per-head width (even: RoPE rotates pairs); 0 = `d_model / n_heads`", ge=0)
     d_ff: Int = Field(0, description="SwiGLU width; 0 = 8/3 · `d_model` rounded up to a multiple of 64", ge=0)
     rope_theta: Float = Field(10000.0, description="RoPE base", gt=0)
-    rope_scaling: choice("none", "llama3", "yarn") = Field("none", description="RoPE frequency scaling",
-        json_schema_extra={"choices": {"none": "plain RoPE", "llama3": "Llama 3.1's long-context rule, with the four "
-        "`rope_*` keys below", "yarn": "YaRN as DeepSeek-V3 defines it (`attention_kind: mla`): `rope_scaling_factor`, "
-        "`rope_original_max_len`, `rope_beta_*`, `rope_mscale*`"}})
+    rope_scaling: one_of("RoPE frequency scaling", none="plain RoPE", llama3="Llama 3.1's long-context rule, with the "
+        "four `rope_*` keys below", yarn="YaRN as DeepSeek-V3 defines it (`attention_kind: mla`): "
+        "`rope_scaling_factor`, `rope_original_max_len`, `rope_beta_*`, `rope_mscale*`")
     rope_scaling_factor: Float = Field(8.0, description="llama3: how much long wavelengths are slowed", ge=1)
     rope_low_freq_factor: Float = Field(1.0, description="llama3: wavelengths above `rope_original_max_len / low` are "
         "scaled by the factor", gt=0)
@@ -74,10 +71,9 @@ class ModelConfig(Section):
         "`rope_mscale_all_dim`), mscale(s, m) = 0.1·m·ln s + 1", ge=0)
     rope_mscale_all_dim: Float = Field(1.0, description="yarn: the softmax scale is multiplied by mscale(factor, "
         "this)² (0: not, and the cos/sin scale is mscale(factor, 1))", ge=0)
-    attention_kind: choice("gqa", "mla") = Field("gqa", description="what attention computes (trunk and MTP modules)",
-        json_schema_extra={"choices": {"gqa": "grouped-query attention (`n_kv_heads`, `head_dim`)",
-        "mla": "DeepSeek-V3's multi-head latent attention (`q_lora_rank`, `kv_lora_rank`, `qk_*_head_dim`, "
-        "`v_head_dim`); decoding caches the latent and the RoPE key"}})
+    attention_kind: one_of("what attention computes (trunk and MTP modules)", gqa="grouped-query attention "
+        "(`n_kv_heads`, `head_dim`)", mla="DeepSeek-V3's multi-head latent attention (`q_lora_rank`, `kv_lora_rank`, "
+        "`qk_*_head_dim`, `v_head_dim`); decoding caches the latent and the RoPE key")
     q_lora_rank: Int = Field(0, description="mla: query latent rank (≤ `d_model`); 0 = no query compression", ge=0)
     kv_lora_rank: Int = Field(64, description="mla: key/value latent rank, the cached numbers per token besides the "
         "RoPE key (≤ `d_model`)", gt=0)
@@ -89,27 +85,22 @@ class ModelConfig(Section):
     qkv_bias: Bool = Field(False, description="biases on the q/k/v projections (Qwen2), zero-initialised")
     tie_embeddings: Bool = Field(True, description="output head = embedding transposed")
     mtp_depth: Int = Field(1, description="D, the number of MTP modules (0 = plain LM)", ge=0)
-    mtp_kind: choice("sequential", "parallel") = Field("sequential", description="how the MTP modules are wired",
-        json_schema_extra={"choices": {"sequential": "the DeepSeek-V3 chain", "parallel": "independent heads on the "
-        "trunk, as in Gloeckle et al."}})
-    mtp_hidden: choice("raw", "normed") = Field("raw", description="the trunk state MTP module 1 reads (every module, "
-        "when parallel)", json_schema_extra={"choices": {"raw": "the residual stream before the trunk's final norm",
-        "normed": "after the trunk's final norm, as DeepSeek-V3's reference code, its engines and Megatron feed it "
-        "(needed by `convert export --format deepseek_v3`)"}})
-    mtp_init: choice("random", "last_block") = Field("random", description="MTP modules' initialization (on import, "
-        "from the imported trunk)", json_schema_extra={"choices": {"random": "fresh weights", "last_block": "each "
-        "module's block starts as a copy of the last trunk block; its norms and `eh_proj` fresh"}})
+    mtp_kind: one_of("how the MTP modules are wired", sequential="the DeepSeek-V3 chain", parallel="independent heads "
+        "on the trunk, as in Gloeckle et al.")
+    mtp_hidden: one_of("the trunk state MTP module 1 reads (every module, when parallel)", raw="the residual stream "
+        "before the trunk's final norm", normed="after the trunk's final norm, as DeepSeek-V3's reference code, its "
+        "engines and Megatron feed it (needed by `convert export --format deepseek_v3`)")
+    mtp_init: one_of("MTP modules' initialization (on import, from the imported trunk)", random="fresh weights",
+        last_block="each module's block starts as a copy of the last trunk block; its norms and `eh_proj` fresh")
     scan_layers: Bool = Field(False, description="`lax.scan` over a stacked trunk (faster compiles for deep models)")
-    remat: choice("none", "full", "dots") = Field("none", description="activation rematerialization per block",
-        json_schema_extra={"choices": {"none": "keep activations", "full": "recompute the block", "dots": "save only "
-        "matmul outputs"}})
+    remat: one_of("activation rematerialization per block", none="keep activations", full="recompute the block",
+        dots="save only matmul outputs")
     dtype: choice("float32", "bfloat16", "float16") = Field("float32", description="activation / compute dtype")
     param_dtype: choice("float32", "bfloat16") = Field("float32", description="parameter dtype")
     init_std: Float = Field(0.02, description="init standard deviation (output projections scaled by 1/√(2L))", gt=0)
-    mlp_kind: choice("dense", "moe") = Field("dense", description="the blocks' feed-forward (MTP modules' blocks "
-        "follow the trunk's)", json_schema_extra={"choices": {"dense": "one SwiGLU of width `d_ff`",
-        "moe": "DeepSeek-V3's mixture of experts: sigmoid-routed SwiGLU experts of width `moe_d_ff`, group-limited "
-        "top-k, shared experts, the first `first_k_dense_replace` trunk blocks dense"}})
+    mlp_kind: one_of("the blocks' feed-forward (MTP modules' blocks follow the trunk's)", dense="one SwiGLU of width "
+        "`d_ff`", moe="DeepSeek-V3's mixture of experts: sigmoid-routed SwiGLU experts of width `moe_d_ff`, "
+        "group-limited top-k, shared experts, the first `first_k_dense_replace` trunk blocks dense")
     n_routed_experts: Int = Field(8, description="moe: routed experts (E)", gt=0)
     num_experts_per_tok: Int = Field(2, description="moe: experts chosen per token (top-k; ≤ `n_routed_experts`)", gt=0)
     n_shared_experts: Int = Field(1, description="moe: shared experts every token passes through (one SwiGLU of "
@@ -126,10 +117,9 @@ class ModelConfig(Section):
         "many times its balanced share of token-slots (every device's N·k), the all-to-all moving ceil(factor · N·k / "
         "expert) rows per pair of shards; slots past that are dropped, counted (`moe/<layer>/dropped_fraction`), "
         "lowest routing weight first; 0 = the worst case, dropless (decoding is always dropless)", ge=0)
-    attention: choice("auto", "xla", "cudnn", "pallas", "splash") = Field("auto", description="how attention is "
-        "computed, not what", json_schema_extra={**RUNTIME, "choices": {"auto": "splash on TPU, Pallas on GPU with "
-        "bf16/fp16, else XLA (for the mesh's devices)", "xla": "the reference", "cudnn": "cuDNN's fused kernel (GPU)",
-        "pallas": "a Pallas kernel (GPU)", "splash": "splash attention (TPU)"}})
+    attention: one_of("how attention is computed, not what", runtime=True, auto="splash on TPU, Pallas on GPU with "
+        "bf16/fp16, else XLA (for the mesh's devices)", xla="the reference", cudnn="cuDNN's fused kernel (GPU)",
+        pallas="a Pallas kernel (GPU)", splash="splash attention (TPU)")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -169,9 +159,8 @@ class LossConfig(Section):
         "cross-entropy (scaled by its square)", gt=0)
     mtp_unroll: Int = Field(0, description="U: the module `mtp_unroll_module` names is also applied U more times, each "
         "on its own previous output and the next true token, each application scored as one more depth", ge=0)
-    mtp_unroll_module: choice("first", "last") = Field("first", description="which module `mtp_unroll` reuses",
-        json_schema_extra={"choices": {"first": "module 1 (the chain `decode.proposer=mtp1` and the engines run)",
-        "last": "module D (the chain `decode.proposer=mtp` runs beyond D)"}})
+    mtp_unroll_module: one_of("which module `mtp_unroll` reuses", first="module 1 (the chain `decode.proposer=mtp1` "
+        "and the engines run)", last="module D (the chain `decode.proposer=mtp` runs beyond D)")
     mtp_lambda_depths: parsed(DepthLambdas) = Field(DepthLambdas.parse(""), description="λ per scored application "
         "(depths 1..D, then the unrolled ones): empty = `mtp_lambda` for all; `forward:<n>[~<r>]` = application a gets "
         "`mtp_lambda` from step a·n on (ramped in over r steps); `reverse:<n>[~<r>]` = application a keeps it until "
@@ -181,7 +170,11 @@ class LossConfig(Section):
         "balance loss (summed over MoE layers, averaged over rows); 0 = bias balancing alone", ge=0)
 
 
-Source = choice("stdlib", "text", "array", "parquet", "arrow", "induction", "algorithmic")
+SOURCES = dict(  # data.source's choices, and what each reads
+    stdlib="the embedded corpus", text="`.txt`/`.md` files, `.jsonl` lines", array="`.npy` / `.bin` token ids",
+    parquet="`.parquet` files", arrow="Arrow IPC / Feather v2: `.arrow`, `.feather`, `.ipc`", induction="generated "
+    "stories whose invented names repeat (scored: the repeats' letters after the first)", algorithmic="generated sums "
+    "`a+b=c` (scored: exact match of `c` by greedy decoding)")
 
 
 class MixtureSource(Section):
@@ -189,18 +182,14 @@ class MixtureSource(Section):
 
     name: Str = Field("", description="the source's TensorBoard tag part (`eval/<name>/loss/main`): letters, digits, "
         "`_` `.` `-`, unique")
-    source: Source = Field("text", description="the source's kind (as `data.source`)")
+    source: choice(*SOURCES) = Field("text", description="the source's kind (as `data.source`)")
     paths: Strs = Field((), description="its files or directories")
     weight: Float = Field(1.0, description="share of training windows (weights are normalized)", gt=0)
     text_field: Str = Field("text", description="the text column (Parquet/Arrow) or JSON-lines field")
 
 
 class DataConfig(Section):
-    source: Source = Field("stdlib", description="where documents come from", json_schema_extra={"choices": {
-        "stdlib": "the embedded corpus", "text": "`.txt`/`.md` files, `.jsonl` lines", "array": "`.npy` / `.bin` token "
-        "ids", "parquet": "`.parquet` files", "arrow": "Arrow IPC / Feather v2: `.arrow`, `.feather`, `.ipc`",
-        "induction": "generated stories whose invented names repeat (scored: the repeats' letters after the first)",
-        "algorithmic": "generated sums `a+b=c` (scored: exact match of `c` by greedy decoding)"}})
+    source: one_of("where documents come from", **SOURCES)
     paths: Strs = Field((), description="files or directories for every source but `stdlib` (directories are walked "
         "for the source's suffixes)")
     text_field: Str = Field("text", description="the text column of Parquet/Arrow files and the field of JSON lines; "
@@ -256,8 +245,7 @@ class TrainConfig(Section):
         "TensorBoard as `tasks/<task>/<metric>` (the shipped ones: `mtpjax`; needs the `eval` extra); empty: none")
     eval_tasks_every: Int = Field(1000, description="steps between task evals (`eval_tasks`), and the last step", gt=0)
     eval_tasks_limit: Float = Field(0.0, description="documents per task in a task eval (0: all)", ge=0)
-    nan_policy: choice("stop", "skip") = Field("stop", description="on a non-finite loss or gradient",
-        json_schema_extra={"choices": {"stop": "stop the run", "skip": "skip the update"}})
+    nan_policy: one_of("on a non-finite loss or gradient", stop="stop the run", skip="skip the update")
     max_skipped_steps: Int = Field(10, description="`skip` policy: stop after this many skipped updates", ge=0)
     peak_flops: Float = Field(0.0, description="per-device peak FLOP/s for MFU; 0 = the chip's published dense bf16 "
         "peak on a GPU or TPU (the table `compile` reports use), and only on CPU the best float32 matmul rate of XLA, "
@@ -270,18 +258,16 @@ class TrainConfig(Section):
     init_from: Str = Field("", description="a run directory (or `convert import --out`) whose trunk, embedding and "
         "head start this new run (step 0); read only while `train.run_dir` has no checkpoint; the `model.*` keys of "
         "the trunk must match it")
-    freeze: choice("none", "trunk") = Field("none", description="what does not train", json_schema_extra={"choices": {
-        "none": "everything trains", "trunk": "only the MTP modules train and have optimizer state (needs "
-        "`train.init_from` and `model.mtp_depth` ≥ 1)"}})
+    freeze: one_of("what does not train", none="everything trains", trunk="only the MTP modules train and have "
+        "optimizer state (needs `train.init_from` and `model.mtp_depth` ≥ 1)")
     bias_update_speed: Float = Field(0.001, description="`model.mlp_kind=moe`: each step moves every expert's routing "
         "bias by ± this toward the mean load of the global batch (0: no balancing)", ge=0)
     keep_mtp: Bool = Field(False, description="with `train.init_from`: keep its MTP modules (same kind, at least as "
         "many) instead of fresh ones (`model.mtp_init`)")
-    own_text: choice("off", "greedy", "sample") = Field("off", description="post-training (`train.init_from`) on the "
-        "trunk's own text: the training sequences are the init_from trunk's continuations of corpus prompts, generated "
-        "once by the decoder in batches and cached in the run directory (`own_text/`)", json_schema_extra={"choices": {
-        "off": "train on the corpus", "greedy": "greedy continuations", "sample": "continuations sampled at "
-        "temperature 1 (seeded by `train.seed`)"}})
+    own_text: one_of("post-training (`train.init_from`) on the trunk's own text: the training sequences are the "
+        "init_from trunk's continuations of corpus prompts, generated once by the decoder in batches and cached in the "
+        "run directory (`own_text/`)", off="train on the corpus", greedy="greedy continuations", sample="continuations "
+        "sampled at temperature 1 (seeded by `train.seed`)")
     own_text_sequences: Int = Field(256, description="`own_text`: generated sequences of `data.seq_len` tokens (at "
         "least `train.batch_size`); training cycles through them", gt=0)
     own_text_prompt_len: Int = Field(32, description="`own_text`: corpus tokens each sequence starts from (the first "
@@ -327,10 +313,9 @@ class DecodeConfig(Section):
         "(timed per request among plain, chains and small trees), `0` (plain), `3` (a chain of 3), children per node "
         "at each depth (`2x2x1`) or each node's parent (`-1,-1,0,0`); `+ngramL` adds n-gram lookup's L drafts as one "
         "more branch (`2x2+ngram3`)", json_schema_extra={"forms": drafts.FORMS})
-    proposer: choice(*typing.get_args(Proposer)) = Field("mtp", description="what drafts (`decode.py --proposer`)",
-        json_schema_extra={"choices": {"mtp": "the run's MTP modules (module k drafts token k)", "mtp1": "MTP module 1 "
-        "drafts every token, fed its own output", "ngram": "prompt lookup", "model": "the `decode.py --draft-run-dir` "
-        "model"}})
+    proposer: one_of("what drafts (`decode.py --proposer`)", mtp="the run's MTP modules (module k drafts token k)",
+        mtp1="MTP module 1 drafts every token, fed its own output", ngram="prompt lookup", model="the "
+        "`decode.py --draft-run-dir` model")
     temperature: Float = Field(0.0, description="sampling temperature; 0 = greedy", ge=0)
     top_k: Int = Field(0, description="top-k filter (0 = off)", ge=0)
     top_p: Float = Field(1.0, description="nucleus filter (1 = off)", gt=0, le=1)

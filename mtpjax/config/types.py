@@ -10,7 +10,7 @@ import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, PlainSerializer, PlainValidator
+from pydantic import BeforeValidator, Field, PlainSerializer, PlainValidator
 
 from mtpjax.config.errors import fail
 
@@ -61,6 +61,12 @@ def choice(*names: str) -> Any:
     return Annotated[Literal[names], _STR]
 
 
+def one_of(doc: str, runtime: bool = False, **meanings: str) -> Any:
+    """A choice field documented once: its doc, then each name (the first is the default) with what it means."""
+    extra = {"choices": meanings, "runtime": True} if runtime else {"choices": meanings}
+    return Annotated[choice(*meanings), Field(next(iter(meanings)), description=doc, json_schema_extra=extra)]
+
+
 def parsed(tp: Any, read: typing.Callable | None = None, write: typing.Callable = str) -> Any:
     """A value written as one string: `read` (default tp.parse) at load, `write` back; a typed value passes."""
     def validate(v: Any) -> Any:
@@ -69,7 +75,7 @@ def parsed(tp: Any, read: typing.Callable | None = None, write: typing.Callable 
 
 
 _NUM = r"[-+.\deE]+"
-_RAMP = re.compile(rf"^(?P<a>{_NUM})->(?P<b>{_NUM})@(?P<n>\d+)$")
+_RAMP = re.compile(rf"^{_NUM}->{_NUM}@\d+$")
 _LAMBDA_RE = {"constant": re.compile(rf"^{_NUM}$"), "piecewise": re.compile(rf"^(?:{_NUM}@\d+,)+{_NUM}$"),
               "linear": _RAMP, "cosine": _RAMP}
 
@@ -92,15 +98,12 @@ class LambdaSchedule:
         bad = fail(key or cls.KEY, text, f"expected one of {cls.FORMS} (finite numbers, steps > 0)")
         kind, sep, body = text.replace(" ", "").partition(":")
         kind, body = (kind, body) if sep else ("constant", kind)
-        if kind not in _LAMBDA_RE or not (m := _LAMBDA_RE[kind].match(body)):
+        if kind not in _LAMBDA_RE or not _LAMBDA_RE[kind].match(body):
             raise bad
+        nums = re.split(r"->|@|,", body)  # piecewise: value@step,...,value; else the values, then the ramp's steps
+        values, steps = (nums[::2], nums[1::2]) if kind == "piecewise" else (nums[:2], nums[2:])
         try:
-            if kind == "piecewise":
-                *pieces, last = (p.split("@") for p in body.split(","))
-                values, steps = (*(float(p[0]) for p in pieces), float(last[0])), tuple(int(p[1]) for p in pieces)
-            else:
-                values, steps = ((float(body),), ()) if kind == "constant" else ((float(m["a"]), float(m["b"])),
-                                                                                 (int(m["n"]),))
+            values, steps = tuple(map(float, values)), tuple(map(int, steps))
         except ValueError:
             raise bad from None
         ramp_ok = kind not in ("linear", "cosine") or steps[0] > 0
@@ -141,10 +144,8 @@ class TargetMix:
         if text in MTP_TARGETS:
             return cls(tuple(float(t == text) for t in MTP_TARGETS))
         bad, body = fail(key or cls.KEY, text, f"expected {cls.FORMS}"), text.replace(" ", "")
-        if m := re.fullmatch(rf"mix:({_WEIGHT})", body):
-            if not 0 <= float(m[1]) <= 1:
-                raise bad
-            return cls((1 - float(m[1]), float(m[1]), 0.0))
+        if re.fullmatch(rf"mix:{_WEIGHT}", body):  # mix:<w> is mix:data=<1-w>,self=<w> (w > 1: a negative weight)
+            body = f"mix:data={1 - float(body[4:])!r},self={body[4:]}"
         names = "|".join(MTP_TARGETS)
         if not re.fullmatch(rf"mix:(?:(?:{names})={_WEIGHT},)*(?:{names})={_WEIGHT}", body):
             raise bad
