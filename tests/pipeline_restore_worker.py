@@ -17,7 +17,7 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_pipeline_restore import STAGED, resumable_copy, run_cfg  # noqa: E402
+from test_pipeline_restore import EVAL, STAGED, resumable_copy, run_cfg  # noqa: E402
 
 from mtpjax.eval.log import read_evals  # noqa: E402
 from mtpjax.train.loop import train  # noqa: E402
@@ -26,7 +26,7 @@ from mtpjax.train.loop import train  # noqa: E402
 def main_worker(inp: dict) -> dict:
     assert jax.device_count() == 2
     tmp, corpus = Path(inp["tmp"]), Path(inp["corpus"])
-    staged = train(run_cfg(tmp, corpus, "staged", *STAGED))
+    staged = train(run_cfg(tmp, corpus, "staged", *STAGED, *EVAL))
     # the unstaged run, cut back to its middle checkpoint, continued with stages
     cont = resumable_copy(Path(inp["unstaged"]), tmp / "unstaged-on-stages")
     resumed = train(run_cfg(tmp, corpus, cont.name, *STAGED))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from train_helpers import HANG, cli_args, spawn, tiny_cfg, wait_for, write_corpus
+from train_helpers import HANG, PATIENT_COLLECTIVES, cli_args, spawn, tiny_cfg, wait_for, write_corpus
 
 from mtpjax.cli.decode import main as decode_main
 from mtpjax.train import checkpoint
@@ -26,10 +26,10 @@ pytestmark = pytest.mark.slow
 
 STEPS, MID = 6, 4  # a run's length and the checkpoint a resumed copy continues from
 BASE = ["model.scan_layers=true", f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=3",
-        "checkpoint.async_save=false", f"train.eval_every={STEPS}", "train.eval_batches=2", "train.num_samples=0",
-        "train.micro_batches=2"]
-STAGED = ["mesh.stage=2"]
-TWO_DEVICES = "--xla_force_host_platform_device_count=2"
+        "checkpoint.async_save=false", f"train.eval_every={STEPS}", "train.eval_batches=0", "train.num_samples=0",
+        "train.micro_batches=2"]  # no eval: the staged run alone evaluates (EVAL), once, at its end
+STAGED, EVAL = ["mesh.stage=2"], ["train.eval_batches=2"]
+TWO_DEVICES = f"{PATIENT_COLLECTIVES} --xla_force_host_platform_device_count=2"
 METRIC_RTOL = 2e-6  # float32 rounding of one forward on another split (tests/test_pipeline.py's metrics tolerance)
 
 
@@ -53,11 +53,15 @@ def runs(tmp_path_factory):
     device; the worker trains the staged run and resumes the unstaged one with stages."""
     tmp = tmp_path_factory.mktemp("restore")
     corpus = write_corpus(tmp)
-    unstaged = train(run_cfg(tmp, corpus, "unstaged"))["history"]
+    jax.config.update("jax_disable_most_optimizations", True)  # as the tests compile (conftest), so they reuse it
+    try:
+        unstaged = train(run_cfg(tmp, corpus, "unstaged"))["history"]
+    finally:
+        jax.config.update("jax_disable_most_optimizations", False)
     inp = {"tmp": str(tmp), "corpus": str(corpus), "unstaged": str(tmp / "unstaged")}
     (tmp / "in.json").write_text(json.dumps(inp))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = PATIENT_COLLECTIVES  # the worker adds its 2 devices
     env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # as the kill test's runs compile (bitwise equal to them)
     proc = subprocess.run([sys.executable, str(Path(__file__).parent / "pipeline_restore_worker.py"),
                            str(tmp / "in.json"), str(tmp / "out.json")], env=env, capture_output=True, text=True,
