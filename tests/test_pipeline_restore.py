@@ -84,6 +84,23 @@ def test_a_staged_run_resumes_on_one_device(runs):
     np.testing.assert_allclose(losses_after(resumed, MID), losses_after(out["staged"], MID), rtol=1e-5)
 
 
+def test_companion_a_resume_with_the_stages_blocks_swapped_is_caught(runs, monkeypatch):
+    """A resume that read stage 1's blocks back first starts from other parameters: its first loss is told apart."""
+    tmp, corpus, _, out = runs
+    real = checkpoint.Checkpointer.restore_latest
+
+    def swapped(self, target):
+        step, state, data_state, meta = real(self, target)
+        state.params["blocks"] = jax.tree.map(lambda v: jnp.roll(v, 1, axis=0), state.params["blocks"])
+        return step, state, data_state, meta
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "restore_latest", swapped)
+    cont = resumable_copy(tmp / "staged", tmp / "staged-swapped")
+    first = train(run_cfg(tmp, corpus, cont.name))["history"][0][1]
+    expect = losses_after(out["staged"], MID)[0]
+    assert abs(first - expect) > 100 * METRIC_RTOL * expect
+
+
 def test_an_unstaged_run_resumes_with_stages(runs):
     _, _, unstaged, out = runs
     resumed = out["unstaged_resumed_on_stages"]
