@@ -40,19 +40,37 @@ CASES = [("dense_d1_s2", DENSE, 1, 4, S2), ("dense_d2_s2", DENSE, 2, 4, S2), ("d
          ("moe_d2_s2_e2", MLA_MOE, 2, 4, ["mesh.stage=2", "mesh.expert=2"])]
 
 
-def one_batch(cfg, batch) -> tuple[dict, dict]:
-    """(gradient as a pure dict of arrays, metrics and expert loads as floats) of one batch on cfg.mesh."""
+BATCH: list = []  # the one batch every case's gradient is taken on (set by main)
+_STATES: dict = {}  # the model config's repr -> its initial state on the host: each model initialized once
+
+
+def one_batch(cfg) -> tuple[dict, dict]:
+    """(gradient as a pure dict of arrays, metrics and expert loads as floats) of one batch on cfg.mesh, from the
+    model's initial state (computed on the first mesh that asks, then placed on each)."""
     m = cfg.mesh
     progs = make_programs(cfg, make_mesh(m, jax.devices()[:m.stage * m.data * m.fsdp * m.expert * m.tensor]))
-    state = progs.init()
+    if repr(cfg.model) not in _STATES:
+        _STATES[repr(cfg.model)] = jax.device_get(progs.init())
+    state = jax.device_put(_STATES[repr(cfg.model)], progs.shardings)
     train, frozen = split_trainable(state.params)
     f = jax.jit(functools.partial(backward, graphdef=progs.graphdef, loss_cfg=cfg.loss,
                                   micro_batches=cfg.train.micro_batches, batch_sharding=progs.batch_sharding))
     put = lambda x: jax.device_put(x, progs.batch_sharding)
-    out = f(train, frozen, put(batch[0]), put(batch[1]), state.step)
+    out = f(train, frozen, put(BATCH[0][0]), put(BATCH[0][1]), state.step)
     mets = {k: float(v) for k, v in out.metrics.items()}
     mets |= {f"load/{k}": np.asarray(v).tolist() for k, v in out.loads.items()}
     return jax.tree.map(np.asarray, nnx.to_pure_dict(out.grads)), mets
+
+
+_UNSTAGED: dict = {}
+
+
+def unstaged(base, trunk: list, depth: int, A: int) -> tuple[dict, dict]:
+    """one_batch on one device (no stages), once per configuration: the cases and the companion share it."""
+    key = (tuple(trunk), depth, A)
+    if key not in _UNSTAGED:
+        _UNSTAGED[key] = one_batch(replace(base, [*trunk, f"model.mtp_depth={depth}", f"train.micro_batches={A}"]))
+    return _UNSTAGED[key]
 
 
 def rel_diff(a: dict, b: dict) -> dict:
@@ -63,15 +81,14 @@ def rel_diff(a: dict, b: dict) -> dict:
             for (path, x), y in zip(pairs, flat_b)}
 
 
-def compare(base, name, trunk, depth, A, staged, batch) -> dict:
+def compare(base, name, trunk, depth, A, staged) -> dict:
     """One case: stage=1 on one device against the staged mesh."""
-    cfg = replace(base, [*trunk, f"model.mtp_depth={depth}", f"train.micro_batches={A}"])
-    g1, m1 = one_batch(cfg, batch)
-    g2, m2 = one_batch(replace(cfg, staged), batch)
+    g1, m1 = unstaged(base, trunk, depth, A)
+    g2, m2 = one_batch(replace(base, [*trunk, f"model.mtp_depth={depth}", f"train.micro_batches={A}", *staged]))
     return {"grad_rel": rel_diff(g1, g2), "single": m1, "staged": m2}
 
 
-def dropped_embedding_tail(base, batch) -> dict:
+def dropped_embedding_tail(base) -> dict:
     """The companion: a schedule whose last stage reads the embedding without its gradient (the MTP modules' and
     the tied head's uses lost): the embedding's gradient must differ."""
     real = pipeline.forward
@@ -81,11 +98,10 @@ def dropped_embedding_tail(base, batch) -> dict:
         model.embed.set_value(jax.lax.stop_gradient(model.embed.get_value()))
         return real(model, *a, **k)
 
-    cfg = replace(base, [*DENSE, "model.mtp_depth=2", "train.micro_batches=4"])
-    g1, _ = one_batch(cfg, batch)
+    g1, _ = unstaged(base, DENSE, 2, 4)
     pipeline.forward = forward
     try:
-        g2, _ = one_batch(replace(cfg, S2), batch)
+        g2, _ = one_batch(replace(base, [*DENSE, "model.mtp_depth=2", "train.micro_batches=4", *S2]))
     finally:
         pipeline.forward = real
     return rel_diff(g1, g2)
@@ -106,8 +122,9 @@ def main() -> None:
     corpus, tmp, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     base = tiny_cfg(tmp, corpus=corpus)
     batches = synthetic_batches(20, 8, 32)
-    res = {name: compare(base, name, *rest, batches[0]) for name, *rest in CASES}
-    res["dropped_embedding_tail"] = dropped_embedding_tail(base, batches[0])
+    BATCH.append(batches[0])
+    res = {name: compare(base, name, *rest) for name, *rest in CASES}
+    res["dropped_embedding_tail"] = dropped_embedding_tail(base)
     res["training"] = training(base, batches)
     out.write_text(json.dumps(res))
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from train_helpers import write_corpus
+from train_helpers import PATIENT_COLLECTIVES, write_corpus
 
 from mtpjax.config import ConfigError, load_config
 from mtpjax.parallel.pipeline import bubble
@@ -43,7 +43,8 @@ def staged(tmp_path_factory):
     """tests/pipeline_worker.py's results (4 CPU devices, one subprocess)."""
     tmp = tmp_path_factory.mktemp("stages")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = PATIENT_COLLECTIVES  # the worker adds its devices
+    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # as the slow tests compile (conftest): a quarter less time
     proc = subprocess.run([sys.executable, str(Path(__file__).parent / "pipeline_worker.py"), str(write_corpus(tmp)),
                            str(tmp), str(tmp / "out.json")], env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
