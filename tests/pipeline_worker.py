@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_helpers import step_losses, synthetic_batches, tiny_cfg  # noqa: E402
 
 from mtpjax.config import replace  # noqa: E402
-from mtpjax.parallel import pipeline  # noqa: E402
+from mtpjax.parallel import hlo, pipeline  # noqa: E402
 from mtpjax.parallel.sharding import make_mesh  # noqa: E402
 from mtpjax.train.step import backward, make_programs, split_trainable  # noqa: E402
 
@@ -91,11 +91,39 @@ def dropped_embedding_tail(base, batch) -> dict:
     return rel_diff(g1, g2)
 
 
+def head_flops(cfg, batch) -> float:
+    """The head's matmul FLOPs per device in cfg's compiled backward (loops multiplied out, scope `head`)."""
+    m = cfg.mesh
+    progs = make_programs(cfg, make_mesh(m, jax.devices()[:m.stage * m.data * m.fsdp * m.expert * m.tensor]))
+    state = progs.init()
+    train, frozen = split_trainable(state.params)
+    f = jax.jit(functools.partial(backward, graphdef=progs.graphdef, loss_cfg=cfg.loss,
+                                  micro_batches=cfg.train.micro_batches, batch_sharding=progs.batch_sharding))
+    put = lambda x: jax.device_put(x, progs.batch_sharding)
+    text = f.lower(train, frozen, put(batch[0]), put(batch[1]), state.step).compile().as_text()
+    return hlo.Program(text, "head").stats().scoped_flops
+
+
+def tail_split(base, batch) -> dict:
+    """The head's FLOPs per device: one device; 2 stages × data 2 (the tail's rows split over all 4); and the
+    companion, the same mesh with a tail every stage repeats (split over data alone)."""
+    cfg = replace(base, [*DENSE, "model.mtp_depth=2", "train.micro_batches=4"])
+    out = {"single": head_flops(cfg, batch), "staged": head_flops(replace(cfg, S2), batch)}
+    real = pipeline.tail_placement
+    pipeline.tail_placement = lambda model, rows: model.placement
+    try:
+        out["repeated"] = head_flops(replace(cfg, S2), batch)
+    finally:
+        pipeline.tail_placement = real
+    return out
+
+
 def training(base, batches) -> dict:
     """20 steps with stage=1 (one device) and stage=2 × data=2: final parameters' largest relative difference."""
     # optim.eps 1e-3: Adam divides by sqrt(v) + eps, and at 1e-8 it lifts the float32 rounding of near-zero
     # gradients to whole steps (tests/test_sharding.py sees ~1e-4 of one); at 1e-3 such noise stays noise.
-    cfg = replace(base, [*DENSE, "model.mtp_depth=2", "train.micro_batches=4", "train.steps=20", "optim.eps=1e-3"])
+    # micro-batches 2: 4 rows each, so the tail splits over stage × data (tail_split)
+    cfg = replace(base, [*DENSE, "model.mtp_depth=2", "train.micro_batches=2", "train.steps=20", "optim.eps=1e-3"])
     l1, s1 = step_losses(cfg, batches, jax.devices()[:1])
     l2, s2 = step_losses(replace(cfg, S2), batches)
     p1, p2 = (jax.tree.map(np.asarray, nnx.to_pure_dict(s.params)) for s in (s1, s2))
@@ -106,8 +134,12 @@ def main() -> None:
     corpus, tmp, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     base = tiny_cfg(tmp, corpus=corpus)
     batches = synthetic_batches(20, 8, 32)
-    res = {name: compare(base, name, *rest, batches[0]) for name, *rest in CASES}
-    res["dropped_embedding_tail"] = dropped_embedding_tail(base, batches[0])
+    # 16 rows: with 4 micro-batches, the 2-stage cases' tails split over stage × data (or expert); the 4-stage
+    # cases' micro-batches (2 rows) do not split over 4 and run the tail whole on every stage
+    wide = synthetic_batches(1, 16, 32, seed=1)[0]
+    res = {name: compare(base, name, *rest, wide) for name, *rest in CASES}
+    res["dropped_embedding_tail"] = dropped_embedding_tail(base, wide)
+    res["tail_split"] = tail_split(base, wide)
     res["training"] = training(base, batches)
     out.write_text(json.dumps(res))
 
