@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_helpers import step_losses, synthetic_batches, tiny_cfg  # noqa: E402
 
 from mtpjax.config import replace  # noqa: E402
-from mtpjax.parallel import pipeline  # noqa: E402
+from mtpjax.parallel import hlo, pipeline  # noqa: E402
 from mtpjax.parallel.sharding import make_mesh  # noqa: E402
 from mtpjax.train.step import backward, make_programs, split_trainable  # noqa: E402
 
@@ -44,9 +44,9 @@ BATCH: list = []  # the one batch every case's gradient is taken on (set by main
 _STATES: dict = {}  # the model config's repr -> its initial state on the host: each model initialized once
 
 
-def one_batch(cfg) -> tuple[dict, dict]:
-    """(gradient as a pure dict of arrays, metrics and expert loads as floats) of one batch on cfg.mesh, from the
-    model's initial state (computed on the first mesh that asks, then placed on each)."""
+def _step(cfg):
+    """cfg's jitted backward and its arguments on cfg.mesh, from the model's initial state (computed on the first
+    mesh that asks, then placed on each)."""
     m = cfg.mesh
     progs = make_programs(cfg, make_mesh(m, jax.devices()[:m.stage * m.data * m.fsdp * m.expert * m.tensor]))
     if repr(cfg.model) not in _STATES:
@@ -56,7 +56,13 @@ def one_batch(cfg) -> tuple[dict, dict]:
     f = jax.jit(functools.partial(backward, graphdef=progs.graphdef, loss_cfg=cfg.loss,
                                   micro_batches=cfg.train.micro_batches, batch_sharding=progs.batch_sharding))
     put = lambda x: jax.device_put(x, progs.batch_sharding)
-    out = f(train, frozen, put(BATCH[0][0]), put(BATCH[0][1]), state.step)
+    return f, (train, frozen, put(BATCH[0][0]), put(BATCH[0][1]), state.step)
+
+
+def one_batch(cfg) -> tuple[dict, dict]:
+    """(gradient as a pure dict of arrays, metrics and expert loads as floats) of one batch on cfg.mesh."""
+    f, args = _step(cfg)
+    out = f(*args)
     mets = {k: float(v) for k, v in out.metrics.items()}
     mets |= {f"load/{k}": np.asarray(v).tolist() for k, v in out.loads.items()}
     return jax.tree.map(np.asarray, nnx.to_pure_dict(out.grads)), mets
@@ -107,11 +113,32 @@ def dropped_embedding_tail(base) -> dict:
     return rel_diff(g1, g2)
 
 
+def head_flops(cfg) -> float:
+    """The head's matmul FLOPs per device in cfg's compiled backward (loops multiplied out, scope `head`)."""
+    f, args = _step(cfg)
+    return hlo.Program(f.lower(*args).compile().as_text(), "head").stats().scoped_flops
+
+
+def tail_split(base) -> dict:
+    """The head's FLOPs per device: one device; 2 stages × data 2 (the tail's rows split over all 4); and the
+    companion, the same mesh with a tail every stage repeats (split over data alone)."""
+    cfg = replace(base, [*DENSE, "model.mtp_depth=2", "train.micro_batches=4"])
+    out = {"single": head_flops(cfg), "staged": head_flops(replace(cfg, S2))}
+    real = pipeline.tail_placement
+    pipeline.tail_placement = lambda model, rows: model.placement
+    try:
+        out["repeated"] = head_flops(replace(cfg, S2))
+    finally:
+        pipeline.tail_placement = real
+    return out
+
+
 def training(base, batches) -> dict:
     """20 steps with stage=1 (one device) and stage=2 × data=2: final parameters' largest relative difference."""
     # optim.eps 1e-3: Adam divides by sqrt(v) + eps, and at 1e-8 it lifts the float32 rounding of near-zero
     # gradients to whole steps (tests/test_sharding.py sees ~1e-4 of one); at 1e-3 such noise stays noise.
-    cfg = replace(base, [*DENSE, "model.mtp_depth=2", "train.micro_batches=4", "train.steps=20", "optim.eps=1e-3"])
+    # micro-batches 2: 4 rows each, so the tail splits over stage × data (tail_split)
+    cfg = replace(base, [*DENSE, "model.mtp_depth=2", "train.micro_batches=2", "train.steps=20", "optim.eps=1e-3"])
     l1, s1 = step_losses(cfg, batches, jax.devices()[:1])
     l2, s2 = step_losses(replace(cfg, S2), batches)
     p1, p2 = (jax.tree.map(np.asarray, nnx.to_pure_dict(s.params)) for s in (s1, s2))
@@ -122,9 +149,12 @@ def main() -> None:
     corpus, tmp, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     base = tiny_cfg(tmp, corpus=corpus)
     batches = synthetic_batches(20, 8, 32)
-    BATCH.append(batches[0])
+    # 16 rows: with 4 micro-batches, the 2-stage cases' tails split over stage × data (or expert); the 4-stage
+    # cases' micro-batches (2 rows) do not split over 4 and run the tail whole on every stage
+    BATCH.append(synthetic_batches(1, 16, 32, seed=1)[0])
     res = {name: compare(base, name, *rest) for name, *rest in CASES}
     res["dropped_embedding_tail"] = dropped_embedding_tail(base)
+    res["tail_split"] = tail_split(base)
     res["training"] = training(base, batches)
     out.write_text(json.dumps(res))
 

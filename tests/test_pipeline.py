@@ -79,6 +79,16 @@ def test_companion_a_tail_without_the_embeddings_gradient_is_caught(staged):
 
 
 @pytest.mark.slow
+def test_the_tail_runs_on_each_stages_share_of_the_rows(staged):
+    """After the drain the head (and the MTP modules, the loss) run split over stage × data: each of 4 devices does
+    a quarter of the one-device head's matmuls; the companion, a tail every stage repeats, does a half."""
+    f = staged["tail_split"]
+    assert f["single"] > 0
+    assert f["staged"] == f["single"] / 4
+    assert f["repeated"] == f["single"] / 2
+
+
+@pytest.mark.slow
 def test_twenty_staged_steps_end_at_the_unstaged_parameters(staged):
     res = staged["training"]
     np.testing.assert_allclose(res["losses"][1], res["losses"][0], rtol=1e-5)

@@ -3,10 +3,13 @@
 
 Where each part lives (docs/scaling-out.md): the stacked blocks [L, ...] are split over `stage` by the sharding
 rules (stage s holds blocks s·L/S .. (s+1)·L/S − 1), so a checkpoint's layout does not depend on the stage count.
-The embedding is read on entry (the first stage's input); after the pipeline drains, the final norm, the MTP
-modules, the shared head and the loss run on the last stage's outputs one micro-batch at a time, as the unpipelined
-step runs them. The embedding (and a tied head) is one parameter read at both ends; autodiff sums the gradient of
-its uses: the pipeline input's cotangent (summed over stages by shard_map's transpose) and the modules' reads.
+The embedding is read on entry (the first stage's input); after the pipeline drains, the last stage's outputs are
+scattered by rows over the stages (a reduce-scatter), and the final norm, the MTP modules, the shared head and the
+loss run one micro-batch at a time as the unpipelined step runs them, each stage on its 1/S of the rows: in a GPipe
+schedule the tail runs after the drain, so the last stage alone would leave the others idle through it (and every
+stage repeating it would compute it S times). The embedding (and a tied head) is one parameter read at both ends;
+autodiff sums the gradient of its uses: the pipeline input's cotangent (summed over stages by shard_map's transpose)
+and the modules' reads (summed over the stages' rows).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from mtpjax.config import LossConfig
 from mtpjax.nn.loss import forward, mtp_loss
 from mtpjax.nn.model import MTPTransformer, placed, scan_blocks
+from mtpjax.nn.placement import Placement
 from mtpjax.parallel.sharding import micro_batches_of
 
 
@@ -32,7 +36,7 @@ def bubble(stages: int, micro_batches: int) -> float:
 def stage_lines(blocks_bytes: int, other_bytes: int, stages: int, micro_batches: int) -> list[str]:
     """What `plan` and `compile` say of a pipelined run: the bubble and the state (parameters and optimizer) one
     stage holds: its share of the trunk's blocks, and the parts every stage holds whole (embedding/head, final norm,
-    MTP modules: the tail runs after the drain, on every stage)."""
+    MTP modules: every stage runs the tail on its share of the rows)."""
     per = blocks_bytes / stages
     return [f"pipeline: mesh.stage={stages} x train.micro_batches={micro_batches} (GPipe), bubble (S-1)/(M+S-1) = "
             f"{bubble(stages, micro_batches):.1%}",
@@ -74,30 +78,51 @@ def trunk(model: MTPTransformer, tok_ABT, seg_ABT):
 
         _, (y_ABTD, aux) = jax.lax.scan(tick, jnp.zeros_like(x_ABTD[0]), jnp.arange(A + S - 1))
         # The last stage finishes micro-batch a at tick a + S − 1; stage s's own ticks are s .. s + A − 1.
-        h_ABTD = jax.lax.psum(jnp.where(s == S - 1, y_ABTD[S - 1:], 0), axis)
+        last_ABTD = jnp.where(s == S - 1, y_ABTD[S - 1:], 0)
+        h_ABTD = (jax.lax.psum_scatter(last_ABTD, axis, scatter_dimension=1, tiled=True) if split
+                  else jax.lax.psum(last_ABTD, axis))
         aux = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, s, A), aux)
         return h_ABTD, aux
 
     # Routing info is per layer: [A, L/S, ...] on each stage, [A, L, ...] together.
-    h_ABTD, aux = jax.shard_map(run, mesh=pl.mesh, in_specs=(P(axis), P(), P()), out_specs=(P(), P(None, axis)),
+    split = splits_tail(model, tok_ABT.shape[1])
+    h_ABTD, aux = jax.shard_map(run, mesh=pl.mesh, in_specs=(P(axis), P(), P()),
+                                out_specs=(P(None, axis) if split else P(), P(None, axis)),
                                 axis_names=frozenset({axis}), check_vma=False)(st, x_ABTD, seg_ABT)
     return h_ABTD, ({"blocks": aux} if aux else {})
 
 
+def splits_tail(model: MTPTransformer, rows: int) -> bool:
+    """Whether the tail's micro-batch of `rows` splits over the stages too (every batch axis's share divides)."""
+    pl = model.placement
+    return rows % (pl.size(pl.batch_axes) * stage_count(model)) == 0
+
+
+def tail_placement(model: MTPTransformer, rows: int) -> Placement:
+    """Where the tail runs: the stages are one more batch axis (the outermost, as the drain scatters rows) when the
+    micro-batch's rows split over them; otherwise every stage runs it whole."""
+    pl = model.placement
+    if not splits_tail(model, rows):
+        return pl
+    rules = tuple((k, (pl.stage_axis, *v) if k == "batch" else v) for k, v in pl.activation_rules)
+    return dataclasses.replace(pl, batch_axes=(pl.stage_axis, *pl.batch_axes), activation_rules=rules)
+
+
 def loss(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, graphdef, loss_cfg: LossConfig,
-         micro_batches: int, counts, batch_sharding=None):
+         micro_batches: int, counts):
     """(loss, (metrics stacked per micro-batch, expert loads)) of one batch through the pipeline: the trunk's stages
     over every micro-batch, then the MTP modules, head and loss per micro-batch (normalized by the whole batch's
     `counts`, so the parts sum to the batch's loss as the unpipelined step's do)."""
     tok_ABT, seg_ABT = micro_batches_of(tokens_BT, micro_batches), micro_batches_of(seg_BT, micro_batches)
-    h_ABTD, routing = trunk(nnx.merge(graphdef, train, frozen), tok_ABT, seg_ABT)
-    rows = tokens_BT.shape[0]
+    model = nnx.merge(graphdef, train, frozen)
+    h_ABTD, routing = trunk(model, tok_ABT, seg_ABT)
+    rows, where = tokens_BT.shape[0], tail_placement(model, tok_ABT.shape[1])
+    tail_graph = nnx.split(placed(model, where))[0]
 
     def tail(_, xs):
         tok_BT, seg_BT, h_BTD, rout = xs
-        if batch_sharding is not None:
-            tok_BT, seg_BT = (jax.lax.with_sharding_constraint(x, batch_sharding) for x in (tok_BT, seg_BT))
-        model = nnx.merge(graphdef, train, frozen)
+        tok_BT, seg_BT = (where.constrain(x, "batch", "length") for x in (tok_BT, seg_BT))
+        model = nnx.merge(tail_graph, train, frozen)
         out = forward(model, tok_BT, seg_BT, loss_cfg, trunk=(h_BTD, rout))
         value, met = mtp_loss(model, out, tok_BT, seg_BT, step=step, cfg=loss_cfg, counts=counts, rows=rows)
         return None, (value, met, {k: (aux["load"], aux["dropped"]) for k, aux in out.routing.items()})

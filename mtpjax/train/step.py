@@ -77,7 +77,7 @@ def backward(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, gr
     if pipeline.stage_count(model) > 1:  # the micro-batches flow through the stages together (parallel/pipeline.py)
         (_, (mets, loads)), grads = jax.value_and_grad(pipeline.loss, has_aux=True)(
             train, frozen, tokens_BT, seg_BT, step, graphdef=graphdef, loss_cfg=loss_cfg, micro_batches=A,
-            counts=counts, batch_sharding=batch_sharding)
+            counts=counts)
         return Backward(grads, _sum_micro_metrics(mets, depth), {k: v[0].sum(0) for k, v in loads.items()},
                         {k: v[1].sum(0) for k, v in loads.items()})
 
