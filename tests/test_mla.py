@@ -68,7 +68,7 @@ def test_yarn_changes_the_softmax_scale_and_the_frequencies():
     cfg = _cfg(**YARN).model
     assert mla.softmax_scale(cfg) == pytest.approx((0.1 * 0.8 * math.log(40) + 1) ** 2 / math.sqrt(14))
     plain = mla.rope_frequencies(6, cfg.rope_theta)
-    assert not np.allclose(mla.yarn_frequencies(6, cfg.rope_theta, cfg.yarn_rope), plain)
+    assert not np.allclose(mla.yarn_frequencies(6, cfg.rope_theta, mla.yarn_rope(cfg)), plain)
 
 
 # ---------------------------------------------------------------------------------------------- absorbed decode

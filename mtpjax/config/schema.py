@@ -129,22 +129,6 @@ class ModelConfig(Section):
     def resolved_d_ff(self) -> int:
         return self.d_ff or -(-(8 * self.d_model // 3) // 64) * 64
 
-    @property
-    def llama3_rope(self) -> tuple | None:
-        """(factor, low_freq_factor, high_freq_factor, original_max_len) when rope_scaling is llama3, else None."""
-        if self.rope_scaling != "llama3":
-            return None
-        return (self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
-                float(self.rope_original_max_len))
-
-    @property
-    def yarn_rope(self) -> tuple | None:
-        """(factor, original_max_len, beta_fast, beta_slow, mscale, mscale_all_dim) when rope_scaling is yarn."""
-        if self.rope_scaling != "yarn":
-            return None
-        return (self.rope_scaling_factor, float(self.rope_original_max_len), self.rope_beta_fast,
-                self.rope_beta_slow, self.rope_mscale, self.rope_mscale_all_dim)
-
 
 class LossConfig(Section):
     mtp_lambda: parsed(LambdaSchedule) = Field(LambdaSchedule.parse("constant:0.3"), description="λ(step), the MTP "

@@ -76,6 +76,14 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32)[(None,) * (y.ndim - 1)]).astype(self.dtype)
 
 
+def llama3_rope(cfg: ModelConfig) -> tuple | None:
+    """(factor, low_freq_factor, high_freq_factor, original_max_len) when rope_scaling is llama3, else None."""
+    if cfg.rope_scaling != "llama3":
+        return None
+    return (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+            float(cfg.rope_original_max_len))
+
+
 def rope_frequencies(head_dim: int, theta: float, llama3: tuple | None = None):
     """The H/2 rotation frequencies theta^(-i/(H/2)); `llama3` = (factor, low_freq_factor, high_freq_factor,
     original_max_len) applies Llama 3's long-context rule: long wavelengths slowed by `factor`, short ones kept,
@@ -327,7 +335,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, placement: Placement):
         d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
         self.n_heads, self.n_kv, self.head_dim, self.theta = h, kv, hd, cfg.rope_theta
-        self.llama3 = cfg.llama3_rope
+        self.llama3 = llama3_rope(cfg)
         self.attention, self.placement = cfg.attention, placement  # how, not what: no parameter depends on them
         out_std = cfg.init_std / math.sqrt(2 * max(1, cfg.n_layers))
         self.wq = Dense(d, h * hd, ("embed", "heads"), cfg, rngs, bias=cfg.qkv_bias)

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtpjax.config import ModelConfig
-from mtpjax.nn.layers import Dense, RMSNorm, apply_rope, dtype_of, new_rows_seen, param, rope_frequencies, \
-    rope_tables, self_attention
+from mtpjax.nn.layers import Dense, RMSNorm, apply_rope, dtype_of, llama3_rope, new_rows_seen, param, \
+    rope_frequencies, rope_tables, self_attention
 from mtpjax.nn.placement import Placement
 
 
@@ -45,6 +45,14 @@ def yarn_mscale(factor: float, m: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
+def yarn_rope(cfg: ModelConfig) -> tuple | None:
+    """(factor, original_max_len, beta_fast, beta_slow, mscale, mscale_all_dim) when rope_scaling is yarn."""
+    if cfg.rope_scaling != "yarn":
+        return None
+    return (cfg.rope_scaling_factor, float(cfg.rope_original_max_len), cfg.rope_beta_fast, cfg.rope_beta_slow,
+            cfg.rope_mscale, cfg.rope_mscale_all_dim)
+
+
 def yarn_frequencies(dim: int, theta: float, yarn: tuple):
     """YaRN's H/2 frequencies: kept above beta_fast rotations per original context, divided by the factor below
     beta_slow, linearly ramped between (correction range floored/ceiled, as DeepSeek-V3 does)."""
@@ -64,14 +72,14 @@ def yarn_frequencies(dim: int, theta: float, yarn: tuple):
 def softmax_scale(cfg: ModelConfig) -> float:
     """1/sqrt(qk_nope + qk_rope), times mscale(factor, mscale_all_dim)² under YaRN (DeepSeek-V3's)."""
     scale = 1 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-    if cfg.yarn_rope is not None and cfg.rope_mscale_all_dim:
+    if cfg.rope_scaling == "yarn" and cfg.rope_mscale_all_dim:
         scale *= yarn_mscale(cfg.rope_scaling_factor, cfg.rope_mscale_all_dim) ** 2
     return scale
 
 
 def rope_scale(cfg: ModelConfig) -> float:
     """The factor on YaRN's cos/sin (1 without YaRN)."""
-    if cfg.yarn_rope is None:
+    if cfg.rope_scaling != "yarn":
         return 1.0
     f = cfg.rope_scaling_factor
     if cfg.rope_mscale and cfg.rope_mscale_all_dim:
@@ -139,7 +147,7 @@ class MLAttention(nnx.Module):
         d, N = cfg.d_model, cfg.n_heads
         self.n_heads, self.nope, self.rope, self.v_dim = N, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.rank = cfg.kv_lora_rank
-        self.theta, self.llama3, self.yarn = cfg.rope_theta, cfg.llama3_rope, cfg.yarn_rope
+        self.theta, self.llama3, self.yarn = cfg.rope_theta, llama3_rope(cfg), yarn_rope(cfg)
         self.scale, self.cos_sin_scale = softmax_scale(cfg), rope_scale(cfg)
         qk = self.nope + self.rope
         self.attention = cfg.attention  # unequal q/k and v widths: the fused kernels pad v (layers.fused_attention)
