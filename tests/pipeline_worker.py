@@ -113,23 +113,47 @@ def dropped_embedding_tail(base) -> dict:
     return rel_diff(g1, g2)
 
 
-def head_flops(cfg) -> float:
-    """The head's matmul FLOPs per device in cfg's compiled backward (loops multiplied out, scope `head`)."""
+def compiled(cfg) -> hlo.Program:
+    """cfg's compiled backward, its head's FLOPs scoped (`head`)."""
     f, args = _step(cfg)
-    return hlo.Program(f.lower(*args).compile().as_text(), "head").stats().scoped_flops
+    return hlo.Program(f.lower(*args).compile().as_text(), "head")
+
+
+def oversized(prog: hlo.Program, cfg) -> list[str]:
+    """Collectives moving an array larger than the largest parameter or one device's rows of the float32 residual
+    stream (B / (data x fsdp x expert) rows: the stages split no input rows): an activation moved whole-batch."""
+    m, (B, T) = cfg.mesh, BATCH[0][0].shape
+    bound = max(max(int(np.prod(v.shape)) * 4 for v in jax.tree.leaves(_STATES[repr(cfg.model)].params)),
+                B // (m.data * m.fsdp * m.expert) * T * cfg.model.d_model * 4)
+    return [f"{c['kind']} {c['shape']} {c['op_name']}" for c in hlo.largest_collectives(prog.stats(), n=1000)
+            if c["largest_array_bytes"] > bound]
+
+
+def psum_drain(last, axis, split):
+    """The companion's drain: psum_scatter / psum over the stages (XLA gathers the batch shards first)."""
+    return (jax.lax.psum_scatter(last, axis, scatter_dimension=2, tiled=True) if split
+            else jax.lax.psum(last, axis))
 
 
 def tail_split(base) -> dict:
     """The head's FLOPs per device: one device; 2 stages × data 2 (the tail's rows split over all 4); and the
-    companion, the same mesh with a tail every stage repeats (split over data alone)."""
+    companion, the same mesh with a tail every stage repeats (split over data alone). With them, the staged
+    program's collectives larger than a device's rows (issue 49's boundary), and those of a psum drain."""
     cfg = replace(base, [*DENSE, "model.mtp_depth=2", "train.micro_batches=4"])
-    out = {"single": head_flops(cfg), "staged": head_flops(replace(cfg, S2))}
-    real = pipeline.tail_placement
+    staged = compiled(replace(cfg, S2))
+    out = {"single": compiled(cfg).stats().scoped_flops, "staged": staged.stats().scoped_flops,
+           "oversized": oversized(staged, replace(cfg, S2))}
+    real, real_drain = pipeline.tail_placement, pipeline.drain
     pipeline.tail_placement = lambda model, rows: model.placement
     try:
-        out["repeated"] = head_flops(replace(cfg, S2))
+        out["repeated"] = compiled(replace(cfg, S2)).stats().scoped_flops
     finally:
         pipeline.tail_placement = real
+    pipeline.drain = psum_drain
+    try:
+        out["oversized_psum_drain"] = oversized(compiled(replace(cfg, S2)), replace(cfg, S2))
+    finally:
+        pipeline.drain = real_drain
     return out
 
 

@@ -89,6 +89,19 @@ def test_the_tail_runs_on_each_stages_share_of_the_rows(staged):
 
 
 @pytest.mark.slow
+def test_the_pipeline_boundary_moves_a_device_s_rows_not_the_batch(staged):
+    """The drain (and its cotangent) moves each device's batch shard alone: on 2 stages × data 2 no collective of
+    the backward moves more than the largest parameter or one device's rows of the residual stream."""
+    assert staged["tail_split"]["oversized"] == []
+
+
+@pytest.mark.slow
+def test_companion_a_psum_drain_moves_the_whole_batch(staged):
+    """psum_scatter over the manual stage axis: XLA gathers the data shards first, the whole batch crosses."""
+    assert staged["tail_split"]["oversized_psum_drain"]
+
+
+@pytest.mark.slow
 def test_twenty_staged_steps_end_at_the_unstaged_parameters(staged):
     res = staged["training"]
     np.testing.assert_allclose(res["losses"][1], res["losses"][0], rtol=1e-5)

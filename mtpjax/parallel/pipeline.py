@@ -4,12 +4,12 @@
 Where each part lives (docs/scaling-out.md): the stacked blocks [L, ...] are split over `stage` by the sharding
 rules (stage s holds blocks s·L/S .. (s+1)·L/S − 1), so a checkpoint's layout does not depend on the stage count.
 The embedding is read on entry (the first stage's input); after the pipeline drains, the last stage's outputs are
-scattered by rows over the stages (a reduce-scatter), and the final norm, the MTP modules, the shared head and the
-loss run one micro-batch at a time as the unpipelined step runs them, each stage on its 1/S of the rows: in a GPipe
-schedule the tail runs after the drain, so the last stage alone would leave the others idle through it (and every
-stage repeating it would compute it S times). The embedding (and a tied head) is one parameter read at both ends;
-autodiff sums the gradient of its uses: the pipeline input's cotangent (summed over stages by shard_map's transpose)
-and the modules' reads (summed over the stages' rows).
+sent by rows to the stages (`drain`: each device sends its own batch shard's rows, never the whole batch), and the
+final norm, the MTP modules, the shared head and the loss run one micro-batch at a time as the unpipelined step runs
+them, each stage on its 1/S of the rows: in a GPipe schedule the tail runs after the drain, so the last stage alone
+would leave the others idle through it (and every stage repeating it would compute it S times). The embedding (and
+a tied head) is one parameter read at both ends; autodiff sums the gradient of its uses: the pipeline input's
+cotangent (summed over stages by shard_map's transpose) and the modules' reads (summed over the stages' rows).
 """
 
 from __future__ import annotations
@@ -60,7 +60,10 @@ def trunk(model: MTPTransformer, tok_ABT, seg_ABT):
     pl = model.placement
     axis, S, A = pl.stage_axis, stage_count(model), tok_ABT.shape[0]
     st = nnx.state(model.blocks)
-    x_ABTD = model.embed_tokens(tok_ABT)  # the first stage's input; the embedding's first use
+    # The first stage's input, the embedding's first use: held as the shard_map takes it (every stage, the batch
+    # axes' rows), so it needs no gather over the stages.
+    x_ABTD = pl.constrain(model.embed_tokens(pl.constrain(tok_ABT, None, "batch", "length")), None, "batch",
+                          "length", "embed")
     pos_BT = jnp.broadcast_to(jnp.arange(tok_ABT.shape[2], dtype=jnp.int32), tok_ABT.shape[1:])
     remat = model.cfg.remat
 
@@ -68,7 +71,8 @@ def trunk(model: MTPTransformer, tok_ABT, seg_ABT):
         s = jax.lax.axis_index(axis)
         # Inside, the blocks' own shard_maps (fused attention, expert parallelism) must name the mesh as this
         # context sees it (stage manual): the blocks are re-placed on it, their state unchanged.
-        gdef = nnx.split(placed(model, dataclasses.replace(pl, mesh=jax.sharding.get_abstract_mesh())).blocks)[0]
+        inner = dataclasses.replace(pl, mesh=jax.sharding.get_abstract_mesh())
+        gdef = nnx.split(placed(model, inner).blocks)[0]
 
         def tick(state_BTD, t):
             m = jnp.clip(t - s, 0, A - 1)  # this stage's micro-batch (clipped in the bubble)
@@ -78,18 +82,30 @@ def trunk(model: MTPTransformer, tok_ABT, seg_ABT):
 
         _, (y_ABTD, aux) = jax.lax.scan(tick, jnp.zeros_like(x_ABTD[0]), jnp.arange(A + S - 1))
         # The last stage finishes micro-batch a at tick a + S − 1; stage s's own ticks are s .. s + A − 1.
-        last_ABTD = jnp.where(s == S - 1, y_ABTD[S - 1:], 0)
-        h_ABTD = (jax.lax.psum_scatter(last_ABTD, axis, scatter_dimension=1, tiled=True) if split
-                  else jax.lax.psum(last_ABTD, axis))
+        h = drain(inner.constrain(by_shard(y_ABTD[S - 1:]), None, "batch", None, "length", "embed"), axis, split)
         aux = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, s, A), aux)
-        return h_ABTD, aux
+        return h, aux
 
     # Routing info is per layer: [A, L/S, ...] on each stage, [A, L, ...] together.
     split = splits_tail(model, tok_ABT.shape[1])
-    h_ABTD, aux = jax.shard_map(run, mesh=pl.mesh, in_specs=(P(axis), P(), P()),
-                                out_specs=(P(None, axis) if split else P(), P(None, axis)),
-                                axis_names=frozenset({axis}), check_vma=False)(st, x_ABTD, seg_ABT)
+    G = pl.size(pl.spec(("batch",), tok_ABT.shape[1:2])[0])  # the batch shards outside the stages
+    by_shard = lambda x: x.reshape(x.shape[0], G, x.shape[1] // G, *x.shape[2:])
+    h, aux = jax.shard_map(run, mesh=pl.mesh, in_specs=(P(axis), P(), P()),
+                           out_specs=(P(None, None, axis) if split else P(), P(None, axis)),
+                           axis_names=frozenset({axis}), check_vma=False)(st, x_ABTD, seg_ABT)
+    h_ABTD = tail_placement(model, tok_ABT.shape[1]).constrain(h.reshape(x_ABTD.shape), None, "batch", "length",
+                                                               "embed")
     return h_ABTD, ({"blocks": aux} if aux else {})
+
+
+def drain(last, axis: str, split: bool):
+    """The last stage's outputs [A, shards, rows/shards, T, D] sent on by ppermute, which moves each device's batch
+    shard alone (XLA's psum and psum_scatter over the manual stage axis gather the other batch axes' shards first):
+    to stage j its share j of each shard's rows when the tail splits (the tail's stage-innermost split), else all."""
+    S = jax.lax.axis_size(axis)
+    parts = jnp.split(last, S, axis=2) if split else [last] * S
+    mine = jnp.where(jax.lax.axis_index(axis) == S - 1, parts[S - 1], 0)
+    return sum((jax.lax.ppermute(parts[j], axis, [(S - 1, j)]) for j in range(S - 1)), mine)
 
 
 def splits_tail(model: MTPTransformer, rows: int) -> bool:
@@ -99,13 +115,13 @@ def splits_tail(model: MTPTransformer, rows: int) -> bool:
 
 
 def tail_placement(model: MTPTransformer, rows: int) -> Placement:
-    """Where the tail runs: the stages are one more batch axis (the outermost, as the drain scatters rows) when the
-    micro-batch's rows split over them; otherwise every stage runs it whole."""
+    """Where the tail runs: the stages are one more batch axis (the innermost, as `drain` splits each batch shard's
+    rows) when the micro-batch's rows split over them; otherwise every stage runs it whole."""
     pl = model.placement
     if not splits_tail(model, rows):
         return pl
-    rules = tuple((k, (pl.stage_axis, *v) if k == "batch" else v) for k, v in pl.activation_rules)
-    return dataclasses.replace(pl, batch_axes=(pl.stage_axis, *pl.batch_axes), activation_rules=rules)
+    rules = tuple((k, (*v, pl.stage_axis) if k == "batch" else v) for k, v in pl.activation_rules)
+    return dataclasses.replace(pl, batch_axes=(*pl.batch_axes, pl.stage_axis), activation_rules=rules)
 
 
 def loss(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, graphdef, loss_cfg: LossConfig,
