@@ -16,6 +16,7 @@ import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -33,11 +34,16 @@ MLA_MOE = DENSE + [
     "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.mlp_kind=moe",
     "model.n_routed_experts=4", "model.num_experts_per_tok=2", "model.n_group=2", "model.topk_group=1",
     "model.moe_d_ff=16", "loss.moe_seq_aux_loss=0.01", "model.tie_embeddings=false"]
+DENSE5 = ["model.n_layers=5", "model.scan_layers=true"]
 S2, S4 = ["mesh.stage=2", "mesh.data=2"], ["mesh.stage=4"]
 # (name, trunk, mtp depth, micro-batches, the staged mesh); expert 2: the MoE's own shard_map inside the stages'
 CASES = [("dense_d1_s2", DENSE, 1, 4, S2), ("dense_d2_s2", DENSE, 2, 4, S2), ("dense_d2_s4", DENSE, 2, 8, S4),
          ("dense_d1_s4", DENSE, 1, 8, S4), ("moe_d2_s2", MLA_MOE, 2, 4, S2), ("moe_d1_s4", MLA_MOE, 1, 8, S4),
-         ("moe_d2_s2_e2", MLA_MOE, 2, 4, ["mesh.stage=2", "mesh.expert=2"])]
+         ("moe_d2_s2_e2", MLA_MOE, 2, 4, ["mesh.stage=2", "mesh.expert=2"]),
+         # uneven splits (mesh.stage_layers): 5 blocks as 3 + 2 (the stack, 5 long, held whole on each stage) and
+         # the MoE trunk's 4 as 1 + 3 (held 2 + 2, each stage gathering its own)
+         ("dense_d1_s2_uneven", DENSE5, 1, 4, [*S2, "mesh.stage_layers=[3,2]"]),
+         ("moe_d2_s2_uneven", MLA_MOE, 2, 4, [*S2, "mesh.stage_layers=[1,3]"])]
 
 
 BATCH: list = []  # the one batch every case's gradient is taken on (set by main)
@@ -113,6 +119,21 @@ def dropped_embedding_tail(base) -> dict:
     return rel_diff(g1, g2)
 
 
+def unmasked_padding(base) -> dict:
+    """The companion of the uneven cases: a stage's padding applied as a block (its output kept): the loss moves."""
+    real = pipeline.stage_state
+
+    def stage_state(model):
+        st, keep_L, layout = real(model)
+        return st, jnp.ones_like(keep_L), layout
+
+    pipeline.stage_state = stage_state
+    try:
+        return compare(base, "", DENSE5, 1, 4, [*S2, "mesh.stage_layers=[3,2]"])
+    finally:
+        pipeline.stage_state = real
+
+
 def compiled(cfg) -> hlo.Program:
     """cfg's compiled backward, its head's FLOPs scoped (`head`)."""
     f, args = _step(cfg)
@@ -178,6 +199,7 @@ def main() -> None:
     BATCH.append(synthetic_batches(1, 16, 32, seed=1)[0])
     res = {name: compare(base, name, *rest) for name, *rest in CASES}
     res["dropped_embedding_tail"] = dropped_embedding_tail(base)
+    res["unmasked_padding"] = unmasked_padding(base)
     res["tail_split"] = tail_split(base)
     res["training"] = training(base, batches)
     out.write_text(json.dumps(res))

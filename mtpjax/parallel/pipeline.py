@@ -18,6 +18,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -33,17 +34,34 @@ def bubble(stages: int, micro_batches: int) -> float:
     return (stages - 1) / (micro_batches + stages - 1)
 
 
-def stage_lines(blocks_bytes: int, other_bytes: int, stages: int, micro_batches: int) -> list[str]:
-    """What `plan` and `compile` say of a pipelined run: the bubble and the state (parameters and optimizer) one
-    stage holds: its share of the trunk's blocks, and the parts every stage holds whole (embedding/head, final norm,
-    MTP modules: every stage runs the tail on its share of the rows)."""
-    per = blocks_bytes / stages
+def stage_lines(blocks_bytes: int, other_bytes: int, stages: int, micro_batches: int, n_layers: int,
+                stage_layers: tuple[int, ...] = ()) -> list[str]:
+    """What `plan` says of a pipelined run: the bubble and the state (parameters and optimizer) one stage holds: its
+    share of the trunk's stored blocks, and the parts every stage holds whole (embedding/head, final norm, MTP
+    modules: every stage runs the tail on its share of the rows); an uneven split's ticks and storage."""
+    held = stored_blocks(n_layers, stages)
+    per = blocks_bytes * held / n_layers
     return [f"pipeline: mesh.stage={stages} x train.micro_batches={micro_batches} (GPipe), bubble (S-1)/(M+S-1) = "
             f"{bubble(stages, micro_batches):.1%}",
             f"  state per stage (before the other mesh axes split it): {(per + other_bytes) / 2**30:.3f} GiB = "
             f"trunk blocks {per / 2**30:.3f} GiB "
-            f"(1/{stages} of {blocks_bytes / 2**30:.3f}) + embedding/head, final norm, MTP modules "
-            f"{other_bytes / 2**30:.3f} GiB (on every stage; {other_bytes / max(per, 1):.2f}x a stage's blocks)"]
+            f"({held} of {n_layers} blocks' {blocks_bytes / 2**30:.3f}) + embedding/head, final norm, MTP modules "
+            f"{other_bytes / 2**30:.3f} GiB (on every stage; {other_bytes / max(per, 1):.2f}x a stage's blocks)",
+            *([f"  {uneven_line(stage_layers, n_layers)}"] if len(set(stage_layers)) > 1 else [])]
+
+
+def stored_blocks(n_layers: int, stages: int) -> int:
+    """Blocks of the stacked trunk each stage stores: its even share, or all of them where the stages do not divide
+    the stack (the checkpoint's [L, ...] layout is kept; an uneven mesh.stage_layers gathers each stage's own)."""
+    return n_layers // stages if n_layers % stages == 0 else n_layers
+
+
+def uneven_line(stage_layers: tuple[int, ...], n_layers: int) -> str:
+    """What an uneven mesh.stage_layers costs: every tick runs the largest stage's count (the rest is padding)."""
+    S, top = len(stage_layers), max(stage_layers)
+    return (f"mesh.stage_layers={list(stage_layers)}: each tick runs {top} blocks on every stage ({top * S - n_layers} "
+            f"of the {top * S} padding, passed through: {1 - n_layers / (top * S):.1%} of the stages' block work); "
+            f"each stage stores {stored_blocks(n_layers, S)} of the {n_layers} blocks and gathers the {top} it runs")
 
 
 def stage_count(model: MTPTransformer) -> int:
@@ -59,7 +77,7 @@ def trunk(model: MTPTransformer, tok_ABT, seg_ABT):
     """
     pl = model.placement
     axis, S, A = pl.stage_axis, stage_count(model), tok_ABT.shape[0]
-    st = nnx.state(model.blocks)
+    st, keep_L, layout = stage_state(model)
     # The first stage's input, the embedding's first use: held as the shard_map takes it (every stage, the batch
     # axes' rows), so it needs no gather over the stages.
     x_ABTD = pl.constrain(model.embed_tokens(pl.constrain(tok_ABT, None, "batch", "length")), None, "batch",
@@ -67,7 +85,7 @@ def trunk(model: MTPTransformer, tok_ABT, seg_ABT):
     pos_BT = jnp.broadcast_to(jnp.arange(tok_ABT.shape[2], dtype=jnp.int32), tok_ABT.shape[1:])
     remat = model.cfg.remat
 
-    def run(st, x_ABTD, seg_ABT):
+    def run(st, keep_L, x_ABTD, seg_ABT):
         s = jax.lax.axis_index(axis)
         # Inside, the blocks' own shard_maps (fused attention, expert parallelism) must name the mesh as this
         # context sees it (stage manual): the blocks are re-placed on it, their state unchanged.
@@ -77,7 +95,7 @@ def trunk(model: MTPTransformer, tok_ABT, seg_ABT):
         def tick(state_BTD, t):
             m = jnp.clip(t - s, 0, A - 1)  # this stage's micro-batch (clipped in the bubble)
             x_BTD = jnp.where(s == 0, x_ABTD[jnp.minimum(t, A - 1)], state_BTD)
-            y_BTD, _, aux = scan_blocks(gdef, st, x_BTD, pos_BT, seg_ABT[m], None, remat)
+            y_BTD, _, aux = scan_blocks(gdef, st, x_BTD, pos_BT, seg_ABT[m], None, remat, keep_L if layout else None)
             return jax.lax.ppermute(y_BTD, axis, [(i, (i + 1) % S) for i in range(S)]), (y_BTD, aux)
 
         _, (y_ABTD, aux) = jax.lax.scan(tick, jnp.zeros_like(x_ABTD[0]), jnp.arange(A + S - 1))
@@ -90,12 +108,34 @@ def trunk(model: MTPTransformer, tok_ABT, seg_ABT):
     split = splits_tail(model, tok_ABT.shape[1])
     G = pl.size(pl.spec(("batch",), tok_ABT.shape[1:2])[0])  # the batch shards outside the stages
     by_shard = lambda x: x.reshape(x.shape[0], G, x.shape[1] // G, *x.shape[2:])
-    h, aux = jax.shard_map(run, mesh=pl.mesh, in_specs=(P(axis), P(), P()),
+    h, aux = jax.shard_map(run, mesh=pl.mesh, in_specs=(P(axis), P(axis), P(), P()),
                            out_specs=(P(None, None, axis) if split else P(), P(None, axis)),
-                           axis_names=frozenset({axis}), check_vma=False)(st, x_ABTD, seg_ABT)
+                           axis_names=frozenset({axis}), check_vma=False)(st, keep_L, x_ABTD, seg_ABT)
+    if layout:  # the padding's routing info dropped
+        aux = jax.tree.map(lambda v: v[:, np.flatnonzero(layout[1])], aux)
     h_ABTD = tail_placement(model, tok_ABT.shape[1]).constrain(h.reshape(x_ABTD.shape), None, "batch", "length",
                                                                "embed")
     return h_ABTD, ({"blocks": aux} if aux else {})
+
+
+def stage_state(model: MTPTransformer):
+    """(the blocks' state as the stages take it, which of its layers are real, the uneven layout or None): with
+    mesh.stage_layers uneven, each stage's blocks side by side, padded to the largest stage's count."""
+    st, layout = nnx.state(model.blocks), stage_blocks(model.placement)
+    if layout:
+        st = jax.tree.map(lambda v: v[np.asarray(layout[0])], st)
+    return st, jnp.asarray(layout[1] if layout else [True] * model.cfg.n_layers), layout
+
+
+def stage_blocks(pl: Placement) -> tuple[list[int], list[bool]] | None:
+    """An uneven mesh.stage_layers as the stacked blocks each stage runs, stage after stage, each padded to the
+    largest count (padding repeats the stage's last block), and which of them are real; None: an even split."""
+    counts = pl.stage_layers
+    if len(set(counts)) <= 1:
+        return None
+    top, starts = max(counts), np.cumsum((0, *counts[:-1]))
+    return ([int(b) + min(i, n - 1) for b, n in zip(starts, counts) for i in range(top)],
+            [i < n for n in counts for i in range(top)])
 
 
 def drain(last, axis: str, split: bool):
