@@ -2,7 +2,8 @@
 `jax.shard_map` over that axis with `ppermute` shifting each stage's activations to the next.
 
 Where each part lives (docs/scaling-out.md): the stacked blocks [L, ...] are split over `stage` by the sharding
-rules (stage s holds blocks s·L/S .. (s+1)·L/S − 1), so a checkpoint's layout does not depend on the stage count.
+rules (stage s holds blocks s·L/S .. (s+1)·L/S − 1), so a checkpoint's layout does not depend on the stage count;
+an uneven mesh.stage_layers gathers each stage's blocks and pads them to the largest count (`stage_blocks`).
 The embedding is read on entry (the first stage's input); after the pipeline drains, the last stage's outputs are
 sent by rows to the stages (`drain`: each device sends its own batch shard's rows, never the whole batch), and the
 final norm, the MTP modules, the shared head and the loss run one micro-batch at a time as the unpipelined step runs
@@ -104,7 +105,7 @@ def trunk(model: MTPTransformer, tok_ABT, seg_ABT):
         aux = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, s, A), aux)
         return h, aux
 
-    # Routing info is per layer: [A, L/S, ...] on each stage, [A, L, ...] together.
+    # Routing info is per layer: [A, L/S (an uneven split: its largest count), ...] on each stage, [A, L, ...] after.
     split = splits_tail(model, tok_ABT.shape[1])
     G = pl.size(pl.spec(("batch",), tok_ABT.shape[1:2])[0])  # the batch shards outside the stages
     by_shard = lambda x: x.reshape(x.shape[0], G, x.shape[1] // G, *x.shape[2:])
