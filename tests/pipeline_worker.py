@@ -16,6 +16,7 @@ import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -33,11 +34,16 @@ MLA_MOE = DENSE + [
     "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.mlp_kind=moe",
     "model.n_routed_experts=4", "model.num_experts_per_tok=2", "model.n_group=2", "model.topk_group=1",
     "model.moe_d_ff=16", "loss.moe_seq_aux_loss=0.01", "model.tie_embeddings=false"]
+DENSE5 = ["model.n_layers=5", "model.scan_layers=true"]
 S2, S4 = ["mesh.stage=2", "mesh.data=2"], ["mesh.stage=4"]
 # (name, trunk, mtp depth, micro-batches, the staged mesh); expert 2: the MoE's own shard_map inside the stages'
 CASES = [("dense_d1_s2", DENSE, 1, 4, S2), ("dense_d2_s2", DENSE, 2, 4, S2), ("dense_d2_s4", DENSE, 2, 8, S4),
          ("dense_d1_s4", DENSE, 1, 8, S4), ("moe_d2_s2", MLA_MOE, 2, 4, S2), ("moe_d1_s4", MLA_MOE, 1, 8, S4),
-         ("moe_d2_s2_e2", MLA_MOE, 2, 4, ["mesh.stage=2", "mesh.expert=2"])]
+         ("moe_d2_s2_e2", MLA_MOE, 2, 4, ["mesh.stage=2", "mesh.expert=2"]),
+         # uneven splits (mesh.stage_layers): 5 blocks as 3 + 2 (the stack, 5 long, held whole on each stage) and
+         # the MoE trunk's 4 as 1 + 3 (held 2 + 2, each stage gathering its own)
+         ("dense_d1_s2_uneven", DENSE5, 1, 4, [*S2, "mesh.stage_layers=[3,2]"]),
+         ("moe_d2_s2_uneven", MLA_MOE, 2, 4, [*S2, "mesh.stage_layers=[1,3]"])]
 
 
 BATCH: list = []  # the one batch every case's gradient is taken on (set by main)
@@ -113,23 +119,62 @@ def dropped_embedding_tail(base) -> dict:
     return rel_diff(g1, g2)
 
 
-def head_flops(cfg) -> float:
-    """The head's matmul FLOPs per device in cfg's compiled backward (loops multiplied out, scope `head`)."""
+def unmasked_padding(base) -> dict:
+    """The companion of the uneven cases: a stage's padding applied as a block (its output kept): the loss moves."""
+    real = pipeline.stage_state
+
+    def stage_state(model):
+        st, keep_L, layout = real(model)
+        return st, jnp.ones_like(keep_L), layout
+
+    pipeline.stage_state = stage_state
+    try:
+        return compare(base, "", DENSE5, 1, 4, [*S2, "mesh.stage_layers=[3,2]"])
+    finally:
+        pipeline.stage_state = real
+
+
+def compiled(cfg) -> hlo.Program:
+    """cfg's compiled backward, its head's FLOPs scoped (`head`)."""
     f, args = _step(cfg)
-    return hlo.Program(f.lower(*args).compile().as_text(), "head").stats().scoped_flops
+    return hlo.Program(f.lower(*args).compile().as_text(), "head")
+
+
+def oversized(prog: hlo.Program, cfg) -> list[str]:
+    """Collectives moving an array larger than the largest parameter or one device's rows of the float32 residual
+    stream (B / (data x fsdp x expert) rows: the stages split no input rows): an activation moved whole-batch."""
+    m, (B, T) = cfg.mesh, BATCH[0][0].shape
+    bound = max(max(int(np.prod(v.shape)) * 4 for v in jax.tree.leaves(_STATES[repr(cfg.model)].params)),
+                B // (m.data * m.fsdp * m.expert) * T * cfg.model.d_model * 4)
+    return [f"{c['kind']} {c['shape']} {c['op_name']}" for c in hlo.largest_collectives(prog.stats(), n=1000)
+            if c["largest_array_bytes"] > bound]
+
+
+def psum_drain(last, axis, split):
+    """The companion's drain: psum_scatter / psum over the stages (XLA gathers the batch shards first)."""
+    return (jax.lax.psum_scatter(last, axis, scatter_dimension=2, tiled=True) if split
+            else jax.lax.psum(last, axis))
 
 
 def tail_split(base) -> dict:
     """The head's FLOPs per device: one device; 2 stages × data 2 (the tail's rows split over all 4); and the
-    companion, the same mesh with a tail every stage repeats (split over data alone)."""
+    companion, the same mesh with a tail every stage repeats (split over data alone). With them, the staged
+    program's collectives larger than a device's rows (issue 49's boundary), and those of a psum drain."""
     cfg = replace(base, [*DENSE, "model.mtp_depth=2", "train.micro_batches=4"])
-    out = {"single": head_flops(cfg), "staged": head_flops(replace(cfg, S2))}
-    real = pipeline.tail_placement
+    staged = compiled(replace(cfg, S2))
+    out = {"single": compiled(cfg).stats().scoped_flops, "staged": staged.stats().scoped_flops,
+           "oversized": oversized(staged, replace(cfg, S2))}
+    real, real_drain = pipeline.tail_placement, pipeline.drain
     pipeline.tail_placement = lambda model, rows: model.placement
     try:
-        out["repeated"] = head_flops(replace(cfg, S2))
+        out["repeated"] = compiled(replace(cfg, S2)).stats().scoped_flops
     finally:
         pipeline.tail_placement = real
+    pipeline.drain = psum_drain
+    try:
+        out["oversized_psum_drain"] = oversized(compiled(replace(cfg, S2)), replace(cfg, S2))
+    finally:
+        pipeline.drain = real_drain
     return out
 
 
@@ -154,6 +199,7 @@ def main() -> None:
     BATCH.append(synthetic_batches(1, 16, 32, seed=1)[0])
     res = {name: compare(base, name, *rest) for name, *rest in CASES}
     res["dropped_embedding_tail"] = dropped_embedding_tail(base)
+    res["unmasked_padding"] = unmasked_padding(base)
     res["tail_split"] = tail_split(base)
     res["training"] = training(base, batches)
     out.write_text(json.dumps(res))

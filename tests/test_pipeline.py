@@ -12,7 +12,7 @@ import pytest
 from train_helpers import PATIENT_COLLECTIVES, write_corpus
 
 from mtpjax.config import ConfigError, load_config
-from mtpjax.parallel.pipeline import bubble
+from mtpjax.parallel.pipeline import bubble, stage_lines
 from mtpjax.parallel.sharding import MeshError, make_mesh
 
 GRAD_RTOL = 1e-5  # float32 rounding of sums taken in another order (measured: below 1e-6)
@@ -24,9 +24,23 @@ def test_bubble_is_idle_ticks_over_all_ticks():
     assert bubble(4, 8) == pytest.approx(3 / 11)
 
 
+def test_plan_says_what_an_uneven_split_stores_and_pads():
+    """18 blocks: 2 stages store 9 each; 4 stages ([5,5,4,4]) store all 18 (the stack's layout is the checkpoint's)
+    and run 5 per tick, 2 of them padding."""
+    even = stage_lines(18 * 2**30, 2**30, 2, 4, 18)
+    assert len(even) == 2 and "trunk blocks 9.000 GiB (9 of 18 blocks'" in even[1]
+    uneven = stage_lines(18 * 2**30, 2**30, 4, 4, 18, (5, 5, 4, 4))
+    assert "trunk blocks 18.000 GiB (18 of 18 blocks'" in uneven[1]
+    assert "each tick runs 5 blocks on every stage (2 of the 20 padding" in uneven[2]
+
+
 @pytest.mark.parametrize("overrides, match", [
     (["mesh.stage=2", "model.n_layers=4"], "mesh.stage.*model.scan_layers=true"),
     (["mesh.stage=3", "model.n_layers=4", "model.scan_layers=true"], "mesh.stage.*must divide model.n_layers=4"),
+    (["mesh.stage=2", "mesh.stage_layers=[1,2,1]", "model.scan_layers=true"], "stage_layers.*2 numbers"),
+    (["mesh.stage=2", "mesh.stage_layers=[3,2]", "model.scan_layers=true"], "stage_layers.*sum to model.n_layers=4"),
+    (["mesh.stage=2", "mesh.stage_layers=[4,0]", "model.scan_layers=true"], "stage_layers.*at least one block"),
+    (["mesh.stage=2", "mesh.stage_layers=[5,-1]", "model.scan_layers=true"], "stage_layers.*at least one block"),
 ])
 def test_a_split_the_trunk_cannot_take_names_the_fix(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -51,7 +65,8 @@ def staged(tmp_path_factory):
     return json.loads((tmp / "out.json").read_text())
 
 
-CASES = ["dense_d1_s2", "dense_d2_s2", "dense_d2_s4", "dense_d1_s4", "moe_d2_s2", "moe_d1_s4", "moe_d2_s2_e2"]
+CASES = ["dense_d1_s2", "dense_d2_s2", "dense_d2_s4", "dense_d1_s4", "moe_d2_s2", "moe_d1_s4", "moe_d2_s2_e2",
+         "dense_d1_s2_uneven", "moe_d2_s2_uneven"]
 
 
 @pytest.mark.slow
@@ -79,6 +94,14 @@ def test_companion_a_tail_without_the_embeddings_gradient_is_caught(staged):
 
 
 @pytest.mark.slow
+def test_companion_an_uneven_split_whose_padding_runs_as_a_block_is_caught(staged):
+    """mesh.stage_layers=[3,2] pads the second stage to 3 blocks; applied (not passed through), its padding repeats
+    that stage's last block: the blocks' gradients are another model's (measured: off by ~97% of their size)."""
+    worst = max(staged["unmasked_padding"]["grad_rel"].values())
+    assert worst > 100 * GRAD_RTOL
+
+
+@pytest.mark.slow
 def test_the_tail_runs_on_each_stages_share_of_the_rows(staged):
     """After the drain the head (and the MTP modules, the loss) run split over stage × data: each of 4 devices does
     a quarter of the one-device head's matmuls; the companion, a tail every stage repeats, does a half."""
@@ -86,6 +109,19 @@ def test_the_tail_runs_on_each_stages_share_of_the_rows(staged):
     assert f["single"] > 0
     assert f["staged"] == f["single"] / 4
     assert f["repeated"] == f["single"] / 2
+
+
+@pytest.mark.slow
+def test_the_pipeline_boundary_moves_a_device_s_rows_not_the_batch(staged):
+    """The drain (and its cotangent) moves each device's batch shard alone: on 2 stages × data 2 no collective of
+    the backward moves more than the largest parameter or one device's rows of the residual stream."""
+    assert staged["tail_split"]["oversized"] == []
+
+
+@pytest.mark.slow
+def test_companion_a_psum_drain_moves_the_whole_batch(staged):
+    """psum_scatter over the manual stage axis: XLA gathers the data shards first, the whole batch crosses."""
+    assert staged["tail_split"]["oversized_psum_drain"]
 
 
 @pytest.mark.slow

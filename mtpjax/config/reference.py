@@ -18,7 +18,9 @@ def _type(tp: Any, f: Any) -> str:
     if typing.get_origin(tp) is Literal:
         kind = "choice"
     elif typing.get_origin(tp) is tuple:
-        kind = "list of sources (below)" if typing.get_args(tp)[0] is MixtureSource else "list of strings"
+        item = typing.get_args(tp)[0]
+        item = typing.get_args(item)[0] if typing.get_origin(item) is typing.Annotated else item
+        kind = "list of sources (below)" if item is MixtureSource else f"list of {_TYPES[item]}s"
     else:
         kind = "string" if _forms(tp, f) else " ".join(filter(None, (_TYPES[tp], bounds(f))))
     return kind + (" (runtime-only)" if extra.get("runtime") else "")

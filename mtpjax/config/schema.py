@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from mtpjax import drafts
 from mtpjax.config.errors import ConfigError, fail, one_line
 from mtpjax.config.types import (
-    Bool, DepthLambdas, Float, Int, LambdaSchedule, Str, Strs, TargetMix, choice, listed, one_of, parsed)
+    Bool, DepthLambdas, Float, Int, Ints, LambdaSchedule, Str, Strs, TargetMix, choice, listed, one_of, parsed)
 from mtpjax.config.validate import validate
 
 RUNTIME = {"runtime": True}  # how to compute, not what: a run resumes, and a checkpoint decodes, with another value
@@ -268,7 +268,11 @@ class MeshConfig(Section):
     expert: Int = Field(1, description="expert-parallel axis: routed experts' weights split over it, the batch too "
         "(must divide `model.n_routed_experts`)", gt=0)
     stage: Int = Field(1, description="pipeline stages: the scanned trunk's blocks split over them (GPipe, "
-        "`train.micro_batches` micro-batches; must divide `model.n_layers`, needs `model.scan_layers`)", gt=0)
+        "`train.micro_batches` micro-batches; must divide `model.n_layers` unless `stage_layers` is set, needs "
+        "`model.scan_layers`)", gt=0)
+    stage_layers: Ints = Field((), description="trunk blocks per stage, first to last (e.g. [5, 5, 4, 4]: 18 over 4 "
+        "stages); one positive count per stage, summing to `model.n_layers`; empty = an even split. Every stage runs "
+        "as many ticks as the largest count (the others pass their padding through)")
 
 
 class CheckpointConfig(Section):

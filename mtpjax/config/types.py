@@ -49,6 +49,7 @@ Int = Annotated[int, _as(int, lambda v: _plain(v, int) or _plain(v, float) and v
 Bool = Annotated[bool, _as(bool, lambda v: isinstance(v, bool), "expected true or false")]
 Float = Annotated[float, BeforeValidator(_number)]
 Strs = Annotated[tuple[Str, ...], BeforeValidator(_list)]
+Ints = Annotated[tuple[Int, ...], BeforeValidator(lambda v: _list(v, int))]
 
 
 def listed(item: type) -> Any:

@@ -46,12 +46,23 @@ def _rules(cfg) -> Rules:
     yield from _train(cfg)
     if m.mlp_kind == "moe":
         yield from _moe(cfg)
-    if cfg.mesh.stage > 1:  # pipeline stages split a scanned trunk's stacked blocks evenly
-        yield "mesh.stage", m.scan_layers, "splits a stacked trunk; set model.scan_layers=true"
-        yield "mesh.stage", m.n_layers % cfg.mesh.stage == 0, f"must divide model.n_layers={m.n_layers}"
+    yield from _stages(cfg)
     gqa_ok = m.n_kv_heads % cfg.mesh.tensor == 0 or cfg.mesh.tensor % m.n_kv_heads == 0
     yield "mesh.tensor", m.attention_kind == "mla" or gqa_ok, \
         f"must divide model.n_kv_heads={m.n_kv_heads} (or be a multiple of it)"
+
+
+def _stages(cfg) -> Rules:
+    """Pipeline stages split a scanned trunk's stacked blocks: evenly, or as mesh.stage_layers says."""
+    m, S, counts = cfg.model, cfg.mesh.stage, cfg.mesh.stage_layers
+    if counts:
+        yield "mesh.stage_layers", len(counts) == S, f"needs one block count per stage: {S} numbers (mesh.stage={S})"
+        yield "mesh.stage_layers", min(counts) > 0, "every stage needs at least one block: make each count >= 1"
+        yield "mesh.stage_layers", sum(counts) == m.n_layers, f"must sum to model.n_layers={m.n_layers}"
+    if S > 1:
+        yield "mesh.stage", m.scan_layers, "splits a stacked trunk; set model.scan_layers=true"
+        yield "mesh.stage", bool(counts) or m.n_layers % S == 0, \
+            f"must divide model.n_layers={m.n_layers} (or set mesh.stage_layers, e.g. an uneven split)"
 
 
 def _train(cfg) -> Rules:

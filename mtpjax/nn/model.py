@@ -48,15 +48,16 @@ def _run_block(block: Block, x, pos, seg, kv, remat: str):
     return f(st, x, kv)
 
 
-def scan_blocks(gdef, st, x_BTD, pos_BT, seg_BT, cache, remat: str):
+def scan_blocks(gdef, st, x_BTD, pos_BT, seg_BT, cache, remat: str, keep_L=None):
     """A stacked trunk's blocks (graphdef, state with a leading layer axis) applied in turn by lax.scan: (x, caches,
-    routing info stacked over layers); the trunk's and a pipeline stage's share of it."""
+    routing info stacked over layers); the trunk's and a pipeline stage's share of it. Where `keep_L` is False the
+    layer passes x through (a stage's padding): its output, and so its parameters' gradient, is dropped."""
     def body(x, xs):
-        st_l, kv_l = xs
-        x, kv, aux = _run_block(nnx.merge(gdef, st_l), x, pos_BT, seg_BT, kv_l, remat)
-        return x, (kv, aux)
+        st_l, kv_l, keep = xs
+        y, kv, aux = _run_block(nnx.merge(gdef, st_l), x, pos_BT, seg_BT, kv_l, remat)
+        return (y if keep is None else jnp.where(keep, y, x)), (kv, aux)
 
-    x_BTD, (new, aux) = jax.lax.scan(body, x_BTD, (st, cache))
+    x_BTD, (new, aux) = jax.lax.scan(body, x_BTD, (st, cache, keep_L))
     return x_BTD, new, aux
 
 

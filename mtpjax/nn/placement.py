@@ -39,6 +39,7 @@ class Placement:
     # empty, no activation is constrained
     activation_rules: tuple[tuple[str, tuple[str, ...]], ...] = ()
     stage_axis: str | None = None  # mesh axis a scanned trunk's blocks are split over (pipeline stages)
+    stage_layers: tuple[int, ...] = ()  # the trunk's blocks each stage runs (mesh.stage_layers); empty: even
 
     def size(self, axis: str | tuple[str, ...] | None) -> int:
         """Devices along a mesh axis (or a tuple of axes); 1 off a mesh or for None."""

@@ -2,14 +2,15 @@
 `jax.shard_map` over that axis with `ppermute` shifting each stage's activations to the next.
 
 Where each part lives (docs/scaling-out.md): the stacked blocks [L, ...] are split over `stage` by the sharding
-rules (stage s holds blocks s·L/S .. (s+1)·L/S − 1), so a checkpoint's layout does not depend on the stage count.
+rules (stage s holds blocks s·L/S .. (s+1)·L/S − 1), so a checkpoint's layout does not depend on the stage count;
+an uneven mesh.stage_layers gathers each stage's blocks and pads them to the largest count (`stage_blocks`).
 The embedding is read on entry (the first stage's input); after the pipeline drains, the last stage's outputs are
-scattered by rows over the stages (a reduce-scatter), and the final norm, the MTP modules, the shared head and the
-loss run one micro-batch at a time as the unpipelined step runs them, each stage on its 1/S of the rows: in a GPipe
-schedule the tail runs after the drain, so the last stage alone would leave the others idle through it (and every
-stage repeating it would compute it S times). The embedding (and a tied head) is one parameter read at both ends;
-autodiff sums the gradient of its uses: the pipeline input's cotangent (summed over stages by shard_map's transpose)
-and the modules' reads (summed over the stages' rows).
+sent by rows to the stages (`drain`: each device sends its own batch shard's rows, never the whole batch), and the
+final norm, the MTP modules, the shared head and the loss run one micro-batch at a time as the unpipelined step runs
+them, each stage on its 1/S of the rows: in a GPipe schedule the tail runs after the drain, so the last stage alone
+would leave the others idle through it (and every stage repeating it would compute it S times). The embedding (and
+a tied head) is one parameter read at both ends; autodiff sums the gradient of its uses: the pipeline input's
+cotangent (summed over stages by shard_map's transpose) and the modules' reads (summed over the stages' rows).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -33,17 +35,34 @@ def bubble(stages: int, micro_batches: int) -> float:
     return (stages - 1) / (micro_batches + stages - 1)
 
 
-def stage_lines(blocks_bytes: int, other_bytes: int, stages: int, micro_batches: int) -> list[str]:
-    """What `plan` and `compile` say of a pipelined run: the bubble and the state (parameters and optimizer) one
-    stage holds: its share of the trunk's blocks, and the parts every stage holds whole (embedding/head, final norm,
-    MTP modules: every stage runs the tail on its share of the rows)."""
-    per = blocks_bytes / stages
+def stage_lines(blocks_bytes: int, other_bytes: int, stages: int, micro_batches: int, n_layers: int,
+                stage_layers: tuple[int, ...] = ()) -> list[str]:
+    """What `plan` says of a pipelined run: the bubble and the state (parameters and optimizer) one stage holds: its
+    share of the trunk's stored blocks, and the parts every stage holds whole (embedding/head, final norm, MTP
+    modules: every stage runs the tail on its share of the rows); an uneven split's ticks and storage."""
+    held = stored_blocks(n_layers, stages)
+    per = blocks_bytes * held / n_layers
     return [f"pipeline: mesh.stage={stages} x train.micro_batches={micro_batches} (GPipe), bubble (S-1)/(M+S-1) = "
             f"{bubble(stages, micro_batches):.1%}",
             f"  state per stage (before the other mesh axes split it): {(per + other_bytes) / 2**30:.3f} GiB = "
             f"trunk blocks {per / 2**30:.3f} GiB "
-            f"(1/{stages} of {blocks_bytes / 2**30:.3f}) + embedding/head, final norm, MTP modules "
-            f"{other_bytes / 2**30:.3f} GiB (on every stage; {other_bytes / max(per, 1):.2f}x a stage's blocks)"]
+            f"({held} of {n_layers} blocks' {blocks_bytes / 2**30:.3f}) + embedding/head, final norm, MTP modules "
+            f"{other_bytes / 2**30:.3f} GiB (on every stage; {other_bytes / max(per, 1):.2f}x a stage's blocks)",
+            *([f"  {uneven_line(stage_layers, n_layers)}"] if len(set(stage_layers)) > 1 else [])]
+
+
+def stored_blocks(n_layers: int, stages: int) -> int:
+    """Blocks of the stacked trunk each stage stores: its even share, or all of them where the stages do not divide
+    the stack (the checkpoint's [L, ...] layout is kept; an uneven mesh.stage_layers gathers each stage's own)."""
+    return n_layers // stages if n_layers % stages == 0 else n_layers
+
+
+def uneven_line(stage_layers: tuple[int, ...], n_layers: int) -> str:
+    """What an uneven mesh.stage_layers costs: every tick runs the largest stage's count (the rest is padding)."""
+    S, top = len(stage_layers), max(stage_layers)
+    return (f"mesh.stage_layers={list(stage_layers)}: each tick runs {top} blocks on every stage ({top * S - n_layers} "
+            f"of the {top * S} padding, passed through: {1 - n_layers / (top * S):.1%} of the stages' block work); "
+            f"each stage stores {stored_blocks(n_layers, S)} of the {n_layers} blocks and gathers the {top} it runs")
 
 
 def stage_count(model: MTPTransformer) -> int:
@@ -59,37 +78,75 @@ def trunk(model: MTPTransformer, tok_ABT, seg_ABT):
     """
     pl = model.placement
     axis, S, A = pl.stage_axis, stage_count(model), tok_ABT.shape[0]
-    st = nnx.state(model.blocks)
-    x_ABTD = model.embed_tokens(tok_ABT)  # the first stage's input; the embedding's first use
+    st, keep_L, layout = stage_state(model)
+    # The first stage's input, the embedding's first use: held as the shard_map takes it (every stage, the batch
+    # axes' rows), so it needs no gather over the stages.
+    x_ABTD = pl.constrain(model.embed_tokens(pl.constrain(tok_ABT, None, "batch", "length")), None, "batch",
+                          "length", "embed")
     pos_BT = jnp.broadcast_to(jnp.arange(tok_ABT.shape[2], dtype=jnp.int32), tok_ABT.shape[1:])
     remat = model.cfg.remat
 
-    def run(st, x_ABTD, seg_ABT):
+    def run(st, keep_L, x_ABTD, seg_ABT):
         s = jax.lax.axis_index(axis)
         # Inside, the blocks' own shard_maps (fused attention, expert parallelism) must name the mesh as this
         # context sees it (stage manual): the blocks are re-placed on it, their state unchanged.
-        gdef = nnx.split(placed(model, dataclasses.replace(pl, mesh=jax.sharding.get_abstract_mesh())).blocks)[0]
+        inner = dataclasses.replace(pl, mesh=jax.sharding.get_abstract_mesh())
+        gdef = nnx.split(placed(model, inner).blocks)[0]
 
         def tick(state_BTD, t):
             m = jnp.clip(t - s, 0, A - 1)  # this stage's micro-batch (clipped in the bubble)
             x_BTD = jnp.where(s == 0, x_ABTD[jnp.minimum(t, A - 1)], state_BTD)
-            y_BTD, _, aux = scan_blocks(gdef, st, x_BTD, pos_BT, seg_ABT[m], None, remat)
+            y_BTD, _, aux = scan_blocks(gdef, st, x_BTD, pos_BT, seg_ABT[m], None, remat, keep_L if layout else None)
             return jax.lax.ppermute(y_BTD, axis, [(i, (i + 1) % S) for i in range(S)]), (y_BTD, aux)
 
         _, (y_ABTD, aux) = jax.lax.scan(tick, jnp.zeros_like(x_ABTD[0]), jnp.arange(A + S - 1))
         # The last stage finishes micro-batch a at tick a + S − 1; stage s's own ticks are s .. s + A − 1.
-        last_ABTD = jnp.where(s == S - 1, y_ABTD[S - 1:], 0)
-        h_ABTD = (jax.lax.psum_scatter(last_ABTD, axis, scatter_dimension=1, tiled=True) if split
-                  else jax.lax.psum(last_ABTD, axis))
+        h = drain(inner.constrain(by_shard(y_ABTD[S - 1:]), None, "batch", None, "length", "embed"), axis, split)
         aux = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, s, A), aux)
-        return h_ABTD, aux
+        return h, aux
 
-    # Routing info is per layer: [A, L/S, ...] on each stage, [A, L, ...] together.
+    # Routing info is per layer: [A, L/S (an uneven split: its largest count), ...] on each stage, [A, L, ...] after.
     split = splits_tail(model, tok_ABT.shape[1])
-    h_ABTD, aux = jax.shard_map(run, mesh=pl.mesh, in_specs=(P(axis), P(), P()),
-                                out_specs=(P(None, axis) if split else P(), P(None, axis)),
-                                axis_names=frozenset({axis}), check_vma=False)(st, x_ABTD, seg_ABT)
+    G = pl.size(pl.spec(("batch",), tok_ABT.shape[1:2])[0])  # the batch shards outside the stages
+    by_shard = lambda x: x.reshape(x.shape[0], G, x.shape[1] // G, *x.shape[2:])
+    h, aux = jax.shard_map(run, mesh=pl.mesh, in_specs=(P(axis), P(axis), P(), P()),
+                           out_specs=(P(None, None, axis) if split else P(), P(None, axis)),
+                           axis_names=frozenset({axis}), check_vma=False)(st, keep_L, x_ABTD, seg_ABT)
+    if layout:  # the padding's routing info dropped
+        aux = jax.tree.map(lambda v: v[:, np.flatnonzero(layout[1])], aux)
+    h_ABTD = tail_placement(model, tok_ABT.shape[1]).constrain(h.reshape(x_ABTD.shape), None, "batch", "length",
+                                                               "embed")
     return h_ABTD, ({"blocks": aux} if aux else {})
+
+
+def stage_state(model: MTPTransformer):
+    """(the blocks' state as the stages take it, which of its layers are real, the uneven layout or None): with
+    mesh.stage_layers uneven, each stage's blocks side by side, padded to the largest stage's count."""
+    st, layout = nnx.state(model.blocks), stage_blocks(model.placement)
+    if layout:
+        st = jax.tree.map(lambda v: v[np.asarray(layout[0])], st)
+    return st, jnp.asarray(layout[1] if layout else [True] * model.cfg.n_layers), layout
+
+
+def stage_blocks(pl: Placement) -> tuple[list[int], list[bool]] | None:
+    """An uneven mesh.stage_layers as the stacked blocks each stage runs, stage after stage, each padded to the
+    largest count (padding repeats the stage's last block), and which of them are real; None: an even split."""
+    counts = pl.stage_layers
+    if len(set(counts)) <= 1:
+        return None
+    top, starts = max(counts), np.cumsum((0, *counts[:-1]))
+    return ([int(b) + min(i, n - 1) for b, n in zip(starts, counts) for i in range(top)],
+            [i < n for n in counts for i in range(top)])
+
+
+def drain(last, axis: str, split: bool):
+    """The last stage's outputs [A, shards, rows/shards, T, D] sent on by ppermute, which moves each device's batch
+    shard alone (XLA's psum and psum_scatter over the manual stage axis gather the other batch axes' shards first):
+    to stage j its share j of each shard's rows when the tail splits (the tail's stage-innermost split), else all."""
+    S = jax.lax.axis_size(axis)
+    parts = jnp.split(last, S, axis=2) if split else [last] * S
+    mine = jnp.where(jax.lax.axis_index(axis) == S - 1, parts[S - 1], 0)
+    return sum((jax.lax.ppermute(parts[j], axis, [(S - 1, j)]) for j in range(S - 1)), mine)
 
 
 def splits_tail(model: MTPTransformer, rows: int) -> bool:
@@ -99,13 +156,13 @@ def splits_tail(model: MTPTransformer, rows: int) -> bool:
 
 
 def tail_placement(model: MTPTransformer, rows: int) -> Placement:
-    """Where the tail runs: the stages are one more batch axis (the outermost, as the drain scatters rows) when the
-    micro-batch's rows split over them; otherwise every stage runs it whole."""
+    """Where the tail runs: the stages are one more batch axis (the innermost, as `drain` splits each batch shard's
+    rows) when the micro-batch's rows split over them; otherwise every stage runs it whole."""
     pl = model.placement
     if not splits_tail(model, rows):
         return pl
-    rules = tuple((k, (pl.stage_axis, *v) if k == "batch" else v) for k, v in pl.activation_rules)
-    return dataclasses.replace(pl, batch_axes=(pl.stage_axis, *pl.batch_axes), activation_rules=rules)
+    rules = tuple((k, (*v, pl.stage_axis) if k == "batch" else v) for k, v in pl.activation_rules)
+    return dataclasses.replace(pl, batch_axes=(*pl.batch_axes, pl.stage_axis), activation_rules=rules)
 
 
 def loss(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, graphdef, loss_cfg: LossConfig,

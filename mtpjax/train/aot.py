@@ -250,7 +250,8 @@ def compile_report(cfg: Config, target: Target, *, alpha: float = 0.8, decode: b
     estimates(report, cfg, target)
     if cfg.mesh.stage > 1:
         report["pipeline"] = {"stages": cfg.mesh.stage, "micro_batches": cfg.train.micro_batches,
-                              "bubble": pipeline.bubble(cfg.mesh.stage, cfg.train.micro_batches)}
+                              "bubble": pipeline.bubble(cfg.mesh.stage, cfg.train.micro_batches),
+                              "n_layers": cfg.model.n_layers, "stage_layers": list(cfg.mesh.stage_layers)}
     return report
 
 
@@ -338,6 +339,8 @@ def format_report(report: dict) -> str:
         lines.append(f"pipeline: {pp['stages']} stages x {pp['micro_batches']} micro-batches (GPipe), bubble "
                      f"(S-1)/(M+S-1) = {pp['bubble']:.1%}; every stage runs the same program (memory per device above "
                      "is each stage's), and the bubble's ticks are in its FLOPs")
+        if len(set(pp["stage_layers"])) > 1:
+            lines.append(f"  {pipeline.uneven_line(tuple(pp['stage_layers']), pp['n_layers'])}")
     for p in report["programs"]:
         lines += _program_lines(p)
     lines += [f"note: {n}" for n in report.get("notes", ())]
