@@ -133,6 +133,8 @@ def test_eval_report_json_and_tensorboard(runs, tmp_path, capsys):
     assert len(d["agreement_on_generated"]) == 2 and len(d["forced_acceptance_by_position"]) == 2
     # Walking held-out text, the decoder's depth-1 acceptance is the teacher-forced agreement on that text.
     assert abs(d["forced_acceptance_by_position"][0] - d["agreement_on_heldout"][0]) < 1e-6
+    # Decoding freely, its acceptance at both depths is the agreement at the positions its rounds start from.
+    assert d["acceptance_by_position"] == pytest.approx(d["agreement_at_round_starts"], rel=0, abs=1e-12)
     _check_speed_report(d, runs["mtp"])
     # --tree: the tree's E from its acceptance by depth and rank (test_trees checks its ceiling by hand)
     assert d["tree"] == "2x2" and len(d["tree_acceptance_depth1"]) == len(d["tree_acceptance_depth2"]) == 2

@@ -62,9 +62,11 @@ def test_readme_main_job_trains_and_speculates(quickstart_run, tmp_path):
     d, v = rep["decode"], rep["validation"]
     assert d["outputs_identical"]
     assert d["tokens_per_round"] > 1.5, d
-    # Decode-time depth-1 acceptance equals (up to which positions start a round) the teacher-forced
-    # agreement on the text it generated: the drafts see exactly the state training taught them.
-    assert abs(d["acceptance_by_position"][0] - d["agreement_on_generated"][0]) < 0.03, d
+    # Decode-time acceptance is the teacher-forced agreement on the text it generated at the positions its rounds
+    # start from, exactly: the drafts see the state training taught them. (This compared the agreement over all
+    # positions within 0.03; which positions start a round depends on the weights, and a rounding-level change to
+    # the loss's gradient moved the README run's gap from 0.013 to 0.086 - selection, not a wrong draft state.)
+    assert d["acceptance_by_position"] == pytest.approx(d["agreement_at_round_starts"], rel=0, abs=1e-12), d
     assert 0.0 < v["agreement/mtp_1"] <= 1.0
     # Free-running greedy text of the tiny model is repetitive, hence easier to draft than validation
     # text. Walking held-out validation text instead (teacher forcing, 32 texts x 128 positions), depth-1

@@ -41,24 +41,28 @@ def _readme_decode(run, prompt=None, seed=None) -> list[str]:
 
 @pytest.mark.slow
 def test_readme_quickstart_decode_prints_python_lines(quickstart_run):
-    """The README's decode command as written: the prompt, then lines that parse as Python, then its statistics."""
+    """The README's decode command as written: the prompt, a continuation, then speculative decoding's statistics.
+
+    What the text reads as is judged across prompts and seeds below, not on this one sample: this asked 5 statement
+    lines, 3 keyword lines and 2 keywords of it, which 31, 30 and 25 of 44 samples (4 prompts x the default seed
+    and seeds 0-9) met on three trainings of this config that differ only in rounding (main's loss; it scaled by
+    1 + 2^-22; the loss's gradient written out) - the last failed it here (8, 2, 1). The README says so: the same
+    seed gives other text where kernels round differently."""
     run, _ = quickstart_run
     argv = _readme_decode(run)
     prompt = argv[argv.index("--prompt") + 1]
     res = subprocess.run([sys.executable, "decode.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.startswith(prompt)
-    text = continuation(res.stdout, prompt)
-    rep = check_pythonish(text, prompt)
-    # the continuation contains Python: several lines parse as statements, several open with a keyword
-    assert rep.statement_lines >= 5 and rep.keyword_lines >= 3 and len(rep.keywords) >= 2, (rep, text)
+    assert continuation(res.stdout, prompt).strip()
     assert "acceptance=" in res.stderr and "draft=1" in res.stderr, res.stderr  # speculative decoding's stats
 
 
 @pytest.mark.slow
 def test_readme_sampling_reads_as_python_across_prompts_and_seeds(quickstart_run, capsys):
     """Not one lucky sample: the README's flags on 4 prompts x 10 seeds; the checker's full verdict passes for at
-    least a quarter of them (21 of 40 when measured; the byte-level model this config replaced passed 0 of 8)."""
+    least a quarter of them (21 of 40 when measured; 23, 15 and 16 on three trainings that differ only in rounding,
+    above; the byte-level model this config replaced passed 0 of 8)."""
     run, _ = quickstart_run
     spec = importlib.util.spec_from_file_location("decode_entry", ROOT / "decode.py")
     entry = importlib.util.module_from_spec(spec)

@@ -18,7 +18,7 @@ from mtpjax.decode.cache import layer, module_caches, stacked, trunk_cache
 from mtpjax.decode.loop import Loop, execute, run_loop
 from mtpjax.decode.sampling import make_sampler
 from mtpjax.drafts import PLAIN, chain, parse
-from mtpjax.eval.evaluate import argmax_by_depth, run_forced
+from mtpjax.eval.evaluate import agreement_at_round_starts, agreement_on, argmax_by_depth, run_forced
 from mtpjax.nn.loss import mtp_loss
 from mtpjax.nn.model import build_model
 from mtpjax.nn.speed import by_position, choose_fastest, expected_tokens
@@ -120,6 +120,19 @@ def test_mtp_drafts_are_accepted_on_a_trained_model(trained):
     assert abs(alpha[0] - metrics["agreement/mtp_1"]) < 0.2
 
 
+def test_acceptance_is_the_agreement_where_rounds_start(half_trained):
+    """Free-running acceptance by position is the teacher-forced agreement at the positions its rounds start from,
+    exactly (rows of several lengths, one cut by EOS); over all positions it is only near it (which positions start
+    a round depends on the weights)."""
+    model = half_trained
+    eos = generate(model, PROMPTS, max_new_tokens=24).tokens[0][9]
+    for kw in ({}, {"eos_id": eos}):
+        out = generate(model, PROMPTS, max_new_tokens=24, draft=2, **kw)
+        alpha = out.stats["acceptance_by_position"]
+        assert 0 < alpha[0] < 1 and alpha == agreement_at_round_starts(model, PROMPTS, out.tokens, 2), kw
+    assert alpha != agreement_on(model, PROMPTS, out.tokens, 2)
+
+
 class AcceptAll(Loop):
     """A broken acceptance rule: every draft is accepted unchecked."""
 
@@ -132,6 +145,13 @@ class AcceptAll(Loop):
 def as_loop(cls, loop):
     """The same loop as an instance of the subclass cls (a subclass compiles its own loop)."""
     return cls(**{f.name: getattr(loop, f.name) for f in dataclasses.fields(loop)})
+
+
+def test_companion_unchecked_drafts_are_not_the_agreement_where_rounds_start(half_trained):
+    model = half_trained
+    loop = make_loop(model, PROMPTS, max_new_tokens=24, draft=2, proposer="mtp", sampler=make_sampler())
+    out = summarize(run(model, PROMPTS, as_loop(AcceptAll, loop)), loop.tree)
+    assert out.stats["acceptance_by_position"] != agreement_at_round_starts(model, PROMPTS, out.tokens, 2)
 
 
 def test_companion_a_wrong_acceptance_rule_breaks_equality(half_trained):

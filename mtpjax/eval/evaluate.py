@@ -91,6 +91,33 @@ def agreement_on(model, prompts, outputs, depth: int) -> list[float]:
             for k in range(1, depth + 1)]
 
 
+def agreement_at_round_starts(model, prompts, outputs, gamma: int) -> list[float]:
+    """Teacher-forced agreement per depth at the positions where greedy chains of `gamma` drafts start their rounds
+    on their own output: the decoder's acceptance by position exactly, when its drafts see training's state.
+
+    The rounds are replayed from one full forward's argmaxes: a round drafting from position i accepts the leading
+    depths k whose prediction at i is the main head's at i + k, then commits them and the target's token. Which
+    positions start a round depends on the weights, so the agreement over all positions (agreement_on) only
+    approximates the acceptance; the replay equals it."""
+    L = max(map(len, prompts)) + max(map(len, outputs)) + gamma
+    seqs = [p + o for p, o in zip(prompts, outputs)]
+    for _ in range(gamma):  # past each output's end, as far as the last round's drafts reach: the greedy continuation
+        am_MBT = np.asarray(argmax_by_depth(model, jnp.asarray([s + [0] * (L - len(s)) for s in seqs], jnp.int32)))
+        seqs = [s + [int(am_MBT[0, b, len(s) - 1])] for b, s in enumerate(seqs)]
+    am_MBT = np.asarray(argmax_by_depth(model, jnp.asarray([s + [0] * (L - len(s)) for s in seqs], jnp.int32)))
+    accepted, reached = np.zeros(gamma), np.zeros(gamma)
+    for b, (p, o) in enumerate(zip(prompts, outputs)):
+        i, made = len(p) - 1, 1  # the prefill commits one token; the first drafts come from the prompt's end
+        while made < len(o):
+            a = 0
+            while a < gamma and am_MBT[a + 1, b, i] == am_MBT[0, b, i + a + 1]:
+                a += 1
+            reached[: a + 1] += 1
+            accepted[:a] += 1
+            i, made = i + a + 1, made + a + 1
+    return [float(x / r) if r else 0.0 for x, r in zip(accepted, reached[:gamma])]
+
+
 @nnx.jit
 def argmax_by_depth(model, toks_BT):
     """int[M, B, T]: each depth's greedy prediction at every position (one jitted full forward)."""
@@ -181,6 +208,8 @@ def speed_report(model, prompts, *, gamma: int, max_new: int, batch: int = 1, re
         # greedy: the speculative outputs are the plain ones (outputs_identical)
         depth = min(gamma, model.cfg.mtp_depth)
         rep["agreement_on_generated"] = agreement_on(model, prompts, plain["outputs"], depth)
+        if gamma <= model.cfg.mtp_depth:
+            rep["agreement_at_round_starts"] = agreement_at_round_starts(model, prompts, plain["outputs"], gamma)
     rep["outputs_identical"] = bool(exact)
     return rep
 
