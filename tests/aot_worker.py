@@ -32,7 +32,7 @@ def apply(patch: str) -> None:
         from mtpjax.parallel import sharding
 
         real = sharding.placement
-        sharding.placement = lambda mesh: dataclasses.replace(real(mesh), platform=jax.default_backend())
+        sharding.placement = lambda mesh, *a: dataclasses.replace(real(mesh, *a), platform=jax.default_backend())
     elif patch == "no_shard_map":
         from mtpjax.nn import kernels
 

@@ -100,7 +100,7 @@ def main() -> None:
     out["expert-parallel"] = collectives(meshes["data2-expert4"])
     right_placement = step.placement
     # the MoE left to GSPMD, as before expert parallelism: a placement without an expert axis
-    step.placement = lambda mesh: dataclasses.replace(right_placement(mesh), expert_axis=None)
+    step.placement = lambda mesh, *a: dataclasses.replace(right_placement(mesh, *a), expert_axis=None)
     out["gspmd"] = collectives(meshes["data2-expert4"])
     Path(sys.argv[2]).write_text(json.dumps(out))
 

@@ -126,11 +126,11 @@ def test_acceptance_is_the_agreement_where_rounds_start(half_trained):
     a round depends on the weights)."""
     model = half_trained
     eos = generate(model, PROMPTS, max_new_tokens=24).tokens[0][9]
-    for kw in ({}, {"eos_id": eos}):
+    for kw in ({"eos_id": eos}, {}):
         out = generate(model, PROMPTS, max_new_tokens=24, draft=2, **kw)
         alpha = out.stats["acceptance_by_position"]
         assert 0 < alpha[0] < 1 and alpha == agreement_at_round_starts(model, PROMPTS, out.tokens, 2), kw
-    assert alpha != agreement_on(model, PROMPTS, out.tokens, 2)
+    assert alpha != agreement_on(model, PROMPTS, out.tokens, 2)  # rows of equal length: all positions are scored
 
 
 class AcceptAll(Loop):

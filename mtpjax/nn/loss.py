@@ -105,32 +105,32 @@ def first_argmax(x, platform: str = "cpu"):
 
 
 @jax.custom_vjp
-def cross_entropy(logits_V, tgt):
+def cross_entropy(logits, tgt):
     """logsumexp(logits) − logits[tgt] along the last axis, its gradient written out as one pass (softmax − one-hot).
 
     Differentiated as written, take_along_axis's gradient is a scatter-add into a zero buffer the size of the logits;
     and any logits-sized array that depends on nothing in the chunk (an index iota, a broadcast zero) is hoisted out
     of the chunked loss's loop, held whole and read per chunk (8.6 GB of 68.5 GB per device of small's step on h100:8,
     with first_argmax's). Here the one-hot's iota lives inside the backward pass, fused with the softmax."""
-    return _cross_entropy_fwd(logits_V, tgt)[0]
+    return _cross_entropy_fwd(logits, tgt)[0]
 
 
-def _cross_entropy_fwd(logits_V, tgt):
+def _cross_entropy_fwd(logits, tgt):
     # jax.nn.logsumexp's own steps, kept (amax, sumexp) so that the backward pass below is its derivative bit for bit
-    amax = jax.lax.stop_gradient(logits_V.max(axis=-1, keepdims=True))
+    amax = jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))
     amax = jnp.where(jnp.isfinite(amax), amax, 0)
-    sumexp = jnp.exp(logits_V - amax).sum(axis=-1)
+    sumexp = jnp.exp(logits - amax).sum(axis=-1)
     lse = jnp.log(sumexp) + amax[..., 0]
-    return lse - jnp.take_along_axis(logits_V, tgt[..., None], axis=-1)[..., 0], (logits_V, tgt, amax, sumexp)
+    return lse - jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0], (logits, tgt, amax, sumexp)
 
 
 def _cross_entropy_bwd(res, g):
     # Autodiff's own result, in its order: logsumexp's gradient (g / sumexp) · exp(logits − amax), plus the
     # one-hot's −g where the take's transpose would scatter-add it into zeros (x + 0 = x: the same bits).
-    logits_V, tgt, amax, sumexp = res
-    hit = jax.lax.broadcasted_iota(jnp.int32, logits_V.shape, logits_V.ndim - 1) == tgt[..., None]
-    d_V = (g / sumexp)[..., None] * jnp.exp(logits_V - amax)
-    return (d_V + jnp.where(hit, -g[..., None], 0)).astype(logits_V.dtype), None
+    logits, tgt, amax, sumexp = res
+    hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == tgt[..., None]
+    d_logits = (g / sumexp)[..., None] * jnp.exp(logits - amax)
+    return (d_logits + jnp.where(hit, -g[..., None], 0)).astype(logits.dtype), None
 
 
 cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)

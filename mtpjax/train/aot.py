@@ -237,8 +237,9 @@ def compile_report(cfg: Config, target: Target, *, alpha: float = 0.8, decode: b
                    prompt: int = 128, new: int = 128, eval_step: bool = True) -> dict:
     """Every program compiled for `target` and its numbers (JSON-ready but for each entry's `_program`)."""
     devices = topology_devices(target)
+    mesh = cfg.mesh.model_dump(exclude=set() if cfg.mesh.stage_layers else {"stage_layers"})  # its axes, a split
     report = {"target": target.name, "chip": dataclasses.asdict(target.chip), "devices": target.devices,
-              "mesh": cfg.mesh.model_dump(), "alpha": alpha, "programs": [], "notes": [],
+              "mesh": mesh, "alpha": alpha, "programs": [], "notes": [],
               "tokens_per_step": cfg.train.batch_size * cfg.data.seq_len, "steps": cfg.train.steps}
     mesh = make_mesh(cfg.mesh, devices)
     if decode:
