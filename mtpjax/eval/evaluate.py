@@ -100,11 +100,13 @@ def agreement_at_round_starts(model, prompts, outputs, gamma: int) -> list[float
     positions start a round depends on the weights, so the agreement over all positions (agreement_on) only
     approximates the acceptance; the replay equals it."""
     L = max(map(len, prompts)) + max(map(len, outputs)) + gamma
+    forward = lambda seqs: np.asarray(argmax_by_depth(model, jnp.asarray([s + [0] * (L - len(s)) for s in seqs],
+                                                                         jnp.int32)))  # one shape: one compile
     seqs = [p + o for p, o in zip(prompts, outputs)]
     for _ in range(gamma):  # past each output's end, as far as the last round's drafts reach: the greedy continuation
-        am_MBT = np.asarray(argmax_by_depth(model, jnp.asarray([s + [0] * (L - len(s)) for s in seqs], jnp.int32)))
+        am_MBT = forward(seqs)
         seqs = [s + [int(am_MBT[0, b, len(s) - 1])] for b, s in enumerate(seqs)]
-    am_MBT = np.asarray(argmax_by_depth(model, jnp.asarray([s + [0] * (L - len(s)) for s in seqs], jnp.int32)))
+    am_MBT = forward(seqs)
     accepted, reached = np.zeros(gamma), np.zeros(gamma)
     for b, (p, o) in enumerate(zip(prompts, outputs)):
         i, made = len(p) - 1, 1  # the prefill commits one token; the first drafts come from the prompt's end
@@ -115,7 +117,7 @@ def agreement_at_round_starts(model, prompts, outputs, gamma: int) -> list[float
             reached[: a + 1] += 1
             accepted[:a] += 1
             i, made = i + a + 1, made + a + 1
-    return [float(x / r) if r else 0.0 for x, r in zip(accepted, reached[:gamma])]
+    return [float(x / r) if r else 0.0 for x, r in zip(accepted, reached)]
 
 
 @nnx.jit
