@@ -1,6 +1,7 @@
 """Accelerator check, one table: gpu_1b train-step MFU per attention backend, decode plain vs MTP, greedy equality.
 
     python bench/accelerator.py [--smoke] [--alpha 0.98,0.50] [--backends xla,cudnn,pallas] [--json out.json]
+        [--config configs/gpu_moe.yaml --set model.n_layers=4 --sections train]
 
 Rows (every one measured in this process, on this device):
 - train: one jitted train step of configs/gpu_1b.yaml (bf16 compute, float32 master weights and AdamW state,
@@ -275,6 +276,8 @@ def main(argv=None) -> int:
     ap.add_argument("--alpha", default=TINY_ALPHA, help="acceptance by draft position from a CPU-trained run")
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--budget", type=float, default=270.0, help="seconds; sections that would overrun are skipped")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides: model.n_layers=4")
+    ap.add_argument("--sections", default="equality,train,decode", help="which sections to run")
     ap.add_argument("--json", help="also write every number here")
     ap.add_argument("--estimate", help="a `python -m mtpjax compile --json` report of the same config: its roofline "
                     "rows go beside the measured ones")
@@ -291,12 +294,12 @@ def main(argv=None) -> int:
         source = "measured float32 matmul: no published peak"
     overrides = [f"train.batch_size={2 if args.smoke else args.train_batch}", "train.micro_batches=1"]
     batches = "1,4" if args.smoke and args.batches == "1,8,32" else args.batches
-    base = load_config(args.config, overrides + (SMOKE if args.smoke else []))
+    base = load_config(args.config, overrides + (SMOKE if args.smoke else []) + args.set)
     backends = (args.backends or DEFAULT_BACKENDS.get(platform, "xla")).split(",")
     budget = Budget(args.budget)
     res = {"device": {"platform": platform, "kind": dev.device_kind, "count": jax.device_count(), "peak": peak,
                       "peak_source": source, "jax": jax.__version__},
-           "train_config": {"name": Path(args.config).stem + (" (smoke)" if args.smoke else ""),
+           "train_config": {"name": " ".join([Path(args.config).stem, *args.set]) + (" (smoke)" if args.smoke else ""),
                             "params": _param_count(base), "batch": base.train.batch_size,
                             "seq_len": base.data.seq_len, "dtype": base.model.dtype}, "smoke": args.smoke}
     print(f"{platform} {dev.device_kind} x{jax.device_count()}, jax {jax.__version__}, peak {peak / 1e12:.3g} "
@@ -311,7 +314,7 @@ def main(argv=None) -> int:
     ]
     if args.estimate:
         res["estimate"] = estimate_rows(json.loads(Path(args.estimate).read_text()))
-    for name, fn in sections:
+    for name, fn in [(n, f) for n, f in sections if n in args.sections.split(",")]:
         t, cpu = time.perf_counter(), time.process_time()
         try:
             res[name] = fn()

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_helpers import step_losses, synthetic_batches, tiny_cfg  # noqa: E402
 
 from mtpjax.config import replace  # noqa: E402
+from mtpjax.eval import validation  # noqa: E402
 from mtpjax.parallel import hlo, pipeline  # noqa: E402
 from mtpjax.parallel.sharding import make_mesh  # noqa: E402
 from mtpjax.train.step import backward, make_programs, split_trainable  # noqa: E402
@@ -150,6 +151,28 @@ def oversized(prog: hlo.Program, cfg) -> list[str]:
             if c["largest_array_bytes"] > bound]
 
 
+def evaluation(base) -> dict:
+    """The eval step's metrics and per-device FLOPs: one device, 2 stages × data 2 (pipelined), and the companion,
+    the same mesh evaluated unpipelined (every device gathering and running every stage's blocks)."""
+    cfg = replace(base, [*DENSE, "model.mtp_depth=2", "train.micro_batches=4"])
+
+    def run(cfg):
+        progs = make_programs(cfg, make_mesh(cfg.mesh, jax.devices()[:cfg.mesh.stage * cfg.mesh.data]))
+        state = jax.device_put(_STATES.setdefault(repr(cfg.model), jax.device_get(progs.init())), progs.shardings)
+        args = (state, *(jax.device_put(x, progs.batch_sharding) for x in BATCH[0]))
+        mets = {k: float(v) for k, v in progs.eval_step(*args).items() if k != validation.COUNTS}
+        return mets, hlo.Program(progs.eval_step.lower(*args).compile().as_text()).stats().flops
+
+    out = {"single": run(cfg), "staged": run(replace(cfg, S2))}
+    real = pipeline.stage_count
+    pipeline.stage_count = lambda model: 1
+    try:
+        out["unpipelined"] = run(replace(cfg, S2))
+    finally:
+        pipeline.stage_count = real
+    return out
+
+
 def psum_drain(last, axis, split):
     """The companion's drain: psum_scatter / psum over the stages (XLA gathers the batch shards first)."""
     return (jax.lax.psum_scatter(last, axis, scatter_dimension=2, tiled=True) if split
@@ -201,6 +224,7 @@ def main() -> None:
     res["dropped_embedding_tail"] = dropped_embedding_tail(base)
     res["unmasked_padding"] = unmasked_padding(base)
     res["tail_split"] = tail_split(base)
+    res["evaluation"] = evaluation(base)
     res["training"] = training(base, batches)
     out.write_text(json.dumps(res))
 

@@ -62,3 +62,55 @@ def test_the_compiled_estimate_sits_beside_the_measured_rows():
     rows = [r for r in table(res).splitlines() if "compiled estimate" in r]
     assert rows == ["| train_step, compiled estimate | h100:1 (NVIDIA H100 SXM), mesh one device | 1.500 s/step "
                     "(compute-bound roofline), MFU 61.0%, memory 40.00 GiB (estimate, not measured) |"]
+
+
+@pytest.mark.slow
+def test_another_configs_train_step_alone(tmp_path):
+    """--config/--set/--sections: one section of another config, its overrides named in the table."""
+    from bench.accelerator import main
+
+    out = tmp_path / "moe.json"
+    assert main(["--smoke", "--config", "configs/moe_tiny.yaml", "--sections", "train", "--set", "model.n_layers=2",
+                 "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert "equality" not in res and "decode" not in res
+    assert res["train_config"]["name"] == "moe_tiny model.n_layers=2 (smoke)"
+    (train,) = res["train"]
+    assert train["tokens_per_sec"] > 0, train
+
+
+@pytest.fixture(scope="module")
+def gmm_smoke(tmp_path_factory):
+    from bench.gmm_gpu import main
+
+    out = tmp_path_factory.mktemp("gmm") / "gmm.json"
+    assert main(["--smoke", "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_gmm_check_measures_the_kernel_against_ragged_dot(gmm_smoke):
+    """bench/gmm_gpu.py --smoke: the Triton kernel (interpret mode) equals ragged_dot, forward and both gradients,
+    on groups with empty experts; both groupings timed forward and forward + backward."""
+    eq = gmm_smoke["equality"]
+    assert 0 in eq["group_sizes"] and sum(eq["group_sizes"]) < eq["shape"][0]
+    assert max(eq["forward"], eq["d_lhs"], eq["d_rhs"]) < 1e-6, eq
+    assert [r["grouping"] for r in gmm_smoke["speed"]] == ["kernel triton", "ragged_dot"]
+    for r in gmm_smoke["speed"]:
+        assert r["forward"]["ms"] > 0 and r["forward_backward"]["tflops"] > 0, r
+
+
+@pytest.mark.slow
+def test_companion_the_gmm_check_sees_a_kernel_that_skips_the_last_group(monkeypatch):
+    """A kernel that leaves the last group's rows out reads as a forward difference of the outputs' own size."""
+    from bench import gmm_gpu
+    from mtpjax.nn import gmm
+
+    real = gmm.grouped_matmul
+
+    def skips_last(x_ID, w_EDF, sizes_E, kernel):
+        return real(x_ID, w_EDF, sizes_E.at[-1].set(0), kernel)
+
+    monkeypatch.setattr(gmm, "grouped_matmul", skips_last)
+    eq = gmm_gpu.equality(gmm.Kernel("triton", interpret=True), 100, 48, 40, 5)
+    assert eq["forward"] > 0.1 and eq["d_rhs"] > 0.1, eq

@@ -21,6 +21,7 @@ from mtpjax.decode.mesh import batch_axes
 from mtpjax.eval.bpb import eval_bits_per_byte
 from mtpjax.nn.loss import add_expected_lengths, forward, mtp_loss, token_counts
 from mtpjax.nn.model import MTPTransformer
+from mtpjax.parallel import pipeline
 from mtpjax.parallel.sharding import micro_batches_of, replicated, state_shardings
 
 KEPT = ("loss/", "accuracy/", "agreement/", "accept_prob/")  # what a validation reports of mtp_loss's metrics
@@ -31,8 +32,14 @@ def batch_metrics(model: MTPTransformer, tokens_BT, seg_BT, *, step, loss_cfg: L
                   batch_sharding=None) -> dict:
     """One batch's validation metrics and its valid targets per depth (jittable; the training eval step), computed
     `micro_batches` parts at a time (the train step's split, and its memory): each part is normalized by the whole
-    batch's counts, as the train step's are, so the parts sum to the whole batch's metrics."""
+    batch's counts, as the train step's are, so the parts sum to the whole batch's metrics. On a mesh with pipeline
+    stages the parts flow through the stages as the train step's do (parallel/pipeline.py)."""
     B, counts = tokens_BT.shape[0], token_counts(tokens_BT, seg_BT, model.cfg.mtp_depth, loss_cfg)
+    if pipeline.stage_count(model) > 1:  # unpipelined, every device would gather and run every stage's blocks
+        graphdef, params = nnx.split(model)
+        per = pipeline.loss(params, nnx.State({}), tokens_BT, seg_BT, step, graphdef=graphdef, loss_cfg=loss_cfg,
+                            micro_batches=micro_batches, counts=counts, with_accept_prob=True)[1][0]
+        return {k: v.sum(0) for k, v in per.items() if k.startswith(KEPT)} | {COUNTS: counts}
 
     def part(xs):
         if batch_sharding is not None:

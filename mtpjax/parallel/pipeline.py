@@ -166,10 +166,11 @@ def tail_placement(model: MTPTransformer, rows: int) -> Placement:
 
 
 def loss(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, graphdef, loss_cfg: LossConfig,
-         micro_batches: int, counts):
+         micro_batches: int, counts, with_accept_prob: bool = False):
     """(loss, (metrics stacked per micro-batch, expert loads)) of one batch through the pipeline: the trunk's stages
     over every micro-batch, then the MTP modules, head and loss per micro-batch (normalized by the whole batch's
-    `counts`, so the parts sum to the batch's loss as the unpipelined step's do)."""
+    `counts`, so the parts sum to the batch's loss as the unpipelined step's do). The train step differentiates it;
+    the eval step (eval/validation.py) runs it as it is, `with_accept_prob`."""
     tok_ABT, seg_ABT = micro_batches_of(tokens_BT, micro_batches), micro_batches_of(seg_BT, micro_batches)
     model = nnx.merge(graphdef, train, frozen)
     h_ABTD, routing = trunk(model, tok_ABT, seg_ABT)
@@ -181,7 +182,8 @@ def loss(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, graphd
         tok_BT, seg_BT = (where.constrain(x, "batch", "length") for x in (tok_BT, seg_BT))
         model = nnx.merge(tail_graph, train, frozen)
         out = forward(model, tok_BT, seg_BT, loss_cfg, trunk=(h_BTD, rout))
-        value, met = mtp_loss(model, out, tok_BT, seg_BT, step=step, cfg=loss_cfg, counts=counts, rows=rows)
+        value, met = mtp_loss(model, out, tok_BT, seg_BT, step=step, cfg=loss_cfg, counts=counts, rows=rows,
+                              with_accept_prob=with_accept_prob)
         return None, (value, met, {k: (aux["load"], aux["dropped"]) for k, aux in out.routing.items()})
 
     _, (values, mets, loads) = jax.lax.scan(tail, None, (tok_ABT, seg_ABT, h_ABTD, routing))
