@@ -317,6 +317,38 @@ def test_companion_the_softmax_minus_one_hot_in_one_expression_is_not_bit_for_bi
     assert not np.array_equal(g, g_ref) and np.allclose(g, g_ref, rtol=0, atol=1e-6)
 
 
+def _vocab_reductions_recomputed() -> list[str]:
+    """The reductions over the vocabulary that the chunked loss's backward pass recomputes (inside its remat)."""
+    V, W = 16, jax.random.normal(jax.random.key(0), (4, 16))
+    model = types.SimpleNamespace(placement=Placement(platform="gpu"), logits=lambda h: h @ W)
+    h_MBTD, tgt_MBT = jax.random.normal(jax.random.key(1), (2, 2, 8, 4)), jnp.zeros((2, 2, 8), jnp.int32)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda h: loss.per_position(model, h, tgt_MBT, 4)[0].sum()))(h_MBTD).jaxpr
+    found = []
+
+    def walk(jx, in_remat):
+        for e in jx.eqns:
+            if in_remat and e.primitive.name.startswith(("reduce_", "arg")) and e.invars[0].aval.shape[-1:] == (V,):
+                found.append(e.primitive.name)
+            for p in e.params.values():
+                if isinstance(p, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
+                    walk(p.jaxpr if isinstance(p, jex_core.ClosedJaxpr) else p,
+                         in_remat or e.primitive.name.startswith(("remat", "checkpoint")))
+
+    walk(jaxpr, False)
+    return found
+
+
+def test_the_chunked_loss_backward_reads_its_logits_once():
+    """The backward pass recomputes a chunk's logits (never held whole) but keeps the softmax's row max and exp-sum
+    from the forward: no reduction over the vocabulary is recomputed (small on h100:8: 66.7 -> 62.4 GB a step)."""
+    assert _vocab_reductions_recomputed() == []
+
+
+def test_companion_untagged_softmax_stats_are_recomputed(monkeypatch):
+    monkeypatch.setattr(loss, "checkpoint_name", lambda x, name: x)
+    assert sorted(_vocab_reductions_recomputed()) == ["reduce_max", "reduce_sum"]
+
+
 def _logits_sized_outside_loops(platform: str) -> list[str]:
     """What the chunked loss's gradient computes whole outside its loops with the logits' shape (a loop invariant
     hoisted: held whole, read per chunk), and its scatter-adds (a logits-sized zero buffer written per chunk)."""

@@ -8,7 +8,9 @@ writes `known_trip_count` into the loop's backend_config), a conditional as its 
   the GPU's GEMM custom calls, with their operand shapes; elementwise work is not counted (the analytic count in
   mtpjax.nn.flops has the same convention). A fused attention kernel is a custom call whose FLOPs are not in the
   text: counted from its operands' shapes as 4·T·S·H per query head (full scores), times 2.5 for a backward kernel.
-- HBM bytes (an estimate): every unfused instruction reads its operands and writes its result once.
+- HBM bytes (an estimate): every unfused instruction reads its operands and writes its result once, except what
+  it never touches (an operand only sliced or gathered, an in-place update's buffer: `Program.traffic`) and a TPU
+  program's arrays in on-chip memory (`hbm_nbytes`).
 - Collectives: per kind, the larger of the bytes a device sends in and gets out, times how often they run.
 """
 
@@ -20,122 +22,16 @@ import json
 import math
 import re
 
-DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
-               "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+from mtpjax.parallel.hlo_text import (DTYPE_BYTES, Instr, _called, arrays, hbm_nbytes, in_hbm, laid_out,
+                                      nbytes, parse_module, trip_count)
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute",
                "collective-broadcast")
 # Custom calls that are attention kernels, by target: Mosaic (TPU Pallas: splash), Triton (GPU Pallas), cuDNN.
 ATTENTION_CALLS = {"tpu_custom_call": "splash (Mosaic)", "__gpu$xla.gpu.triton": "pallas (Triton)",
                    "__cudnn$fmha": "cudnn flash attention"}
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id", "replica-id",
-         "iota", "copy-done", "opt-barrier", "add-dependency"} | {c + "-done" for c in COLLECTIVES}
-_ARRAY = re.compile(r"([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-
-
-@dataclasses.dataclass
-class Instr:
-    """One HLO instruction: its name, result shape text, opcode, operand names and the attribute text."""
-
-    name: str
-    shape: str
-    op: str
-    operands: list
-    attrs: str
-    args: str = ""  # the text between the opcode's parentheses (a constant's value)
-
-
-def arrays(shape: str) -> list[tuple[str, tuple]]:
-    """(dtype, dims) of every array in a shape text (a tuple lists several); layouts `{...}` are dropped."""
-    return [(d, tuple(int(x) for x in dims.split(",") if x))
-            for d, dims in _ARRAY.findall(re.sub(r"\{[^}]*\}", "", shape))]
-
-
-def nbytes(shape: str) -> float:
-    """Bytes of every array in a shape text."""
-    return sum(DTYPE_BYTES.get(d, 4) * math.prod(dims) for d, dims in arrays(shape))
-
-
-def _matching(text: str, i: int) -> int:
-    """Index just past the bracket group opening at text[i]."""
-    depth, pairs = 0, {"(": ")", "{": "}", "[": "]"}
-    close = pairs[text[i]]
-    for j in range(i, len(text)):
-        if text[j] == text[i]:
-            depth += 1
-        elif text[j] == close:
-            depth -= 1
-            if depth == 0:
-                return j + 1
-    return len(text)
-
-
-def parse_instr(line: str) -> Instr | None:
-    """An instruction line `[ROOT] %name = SHAPE op(operands), attrs`; None for anything else."""
-    m = re.match(r"\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*", line)
-    if not m:
-        return None
-    rest = line[m.end():]
-    end = _matching(rest, 0) if rest.startswith("(") else rest.find(" ")
-    shape, rest = rest[:end], rest[end:].lstrip()
-    op_m = re.match(r"([a-z][a-z0-9\-]*)\(", rest)
-    if not op_m:
-        return None
-    close = _matching(rest, op_m.end() - 1)
-    args = rest[op_m.end():close - 1]
-    return Instr(m[1], shape, op_m[1], re.findall(r"%([^\s,()]+)", args), rest[close:], args)
-
-
-def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
-    """({computation name: its instructions}, the entry computation's name) of an HLO module's text. An instruction
-    may span lines (a Mosaic kernel's backend_config holds newlines): a line that starts no instruction continues
-    the one before."""
-    comps, entry, current, pending = {}, "", None, []
-
-    def flush():
-        if current is not None and pending and (ins := parse_instr(" ".join(pending))):
-            current.append(ins)
-        pending.clear()
-
-    for line in text.splitlines():
-        head = re.match(r"(ENTRY\s+)?%([^\s(]+)\s*\(.*\{\s*$", line)
-        if head and not line.startswith(" "):
-            flush()
-            current = comps.setdefault(head[2], [])
-            entry = head[2] if head[1] else entry
-        elif line.strip() == "}":
-            flush()
-            current = None
-        elif re.match(r"\s+(?:ROOT\s+)?%", line):
-            flush()
-            pending.append(line)
-        elif pending:
-            pending.append(line.strip())
-    flush()
-    return comps, entry
-
-
-def _called(ins: Instr) -> list[str]:
-    return re.findall(r"(?:calls|to_apply|body|true_computation|false_computation)=%([^\s,}]+)", ins.attrs) + [
-        n for grp in re.findall(r"(?:branch_computations|called_computations)=\{([^}]*)\}", ins.attrs)
-        for n in re.findall(r"%([^\s,]+)", grp)]
-
-
-def trip_count(ins: Instr, comps: dict | None = None) -> int | None:
-    """A while loop's trip count: XLA's `known_trip_count` (GPU, CPU), else read from its condition (TPU writes
-    none): `i < N` with a constant N, the counter starting at 0 (a scan's); None when neither says."""
-    m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
-    if m:
-        return int(m[1])
-    cond = re.search(r"condition=%([^\s,}]+)", ins.attrs)
-    body = (comps or {}).get(cond[1], []) if cond else []
-    consts = {i.name: i for i in body if i.op == "constant"}
-    for i in body:
-        if i.op == "compare" and "direction=LT" in i.attrs and len(i.operands) == 2 and i.operands[1] in consts:
-            value = consts[i.operands[1]].args.strip()
-            return int(value) if value.lstrip("-").isdigit() else None
-    return None
-
-
+         "iota", "copy-done", "slice-done", "opt-barrier", "add-dependency"} | {c + "-done" for c in COLLECTIVES}
 @dataclasses.dataclass
 class Stats:
     """What one execution of a computation does (loops multiplied out)."""
@@ -222,12 +118,15 @@ def dot_flops(ins: Instr, shapes: dict) -> float:
 
 
 def written_bytes(ins: Instr) -> float:
-    """Bytes an instruction writes: its result, less a GEMM custom call's workspace (the byte array that ends its
-    result tuple: scratch the library may use, not data the program moves)."""
-    out = arrays(ins.shape)
+    """HBM bytes an instruction writes: its result, less a GEMM custom call's workspace (the byte array that ends its
+    result tuple: scratch the library may use, not data the program moves), and less an async copy's or slice's
+    source, which its result tuple repeats first (`(source, destination, context)`)."""
+    out = laid_out(ins.shape)
     if ins.op == "custom-call" and len(out) > 1 and out[-1][0] in ("s8", "u8") and len(out[-1][1]) == 1:
         out = out[:-1]
-    return sum(DTYPE_BYTES.get(d, 4) * math.prod(dims) for d, dims in out)
+    if ins.op in ("copy-start", "slice-start") and len(out) >= 2:
+        out = out[1:2]
+    return sum(DTYPE_BYTES.get(d, 4) * math.prod(dims) for d, dims, layout in out if in_hbm(layout))
 
 
 _FLOATS = ("bf16", "f16", "f32", "f8e4m3fn", "f8e5m2")
@@ -288,6 +187,32 @@ def ragged_call_flops(ins: Instr, shapes: dict) -> float:
 def attention_kind(target: str) -> str | None:
     """The attention kernel a custom-call target is, or None."""
     return next((v for k, v in ATTENTION_CALLS.items() if target.startswith(k)), None)
+
+
+_PICKS = ("dynamic-slice", "slice", "gather", "slice-start")  # ops that read the parts of their operand 0 they return
+_REMAPS = ("bitcast", "transpose", "reshape", "copy")  # inside a fusion, index arithmetic: read only where used
+
+
+def _picked_bytes(u: Instr) -> float:
+    """Bytes a slice or gather reads of its operand: what it returns (an async slice: its result tuple's piece)."""
+    if u.op == "slice-start":
+        d, dims, _ = laid_out(u.shape)[1]
+        return DTYPE_BYTES.get(d, 4) * math.prod(dims)
+    return nbytes(u.shape)
+
+
+def _picks(name: str, users: dict) -> list[Instr] | None:
+    """The slices and gathers that are all a fusion's reads of `name` come to, through index remaps; None if any
+    read takes it whole (a reduction, an elementwise op, a matmul)."""
+    out = []
+    for u in users.get(name, []):
+        if not u.operands or u.operands[0] != name or u.op not in _PICKS + _REMAPS:
+            return None
+        deeper = [u] if u.op in _PICKS else _picks(u.name, users)
+        if deeper is None:
+            return None
+        out += deeper
+    return out or None
 
 
 class Program:
@@ -353,9 +278,10 @@ class Program:
 
     def traffic(self, ins: Instr) -> float:
         """HBM bytes an unfused instruction moves: its operands read and its result written, except the parts it
-        never touches: an operand only sliced (a layer of a scanned stack) reads its slices, and an in-place update
-        (dynamic-update-slice: a cache's new rows) reads and writes its update, not the whole buffer."""
-        reads = [nbytes(self.shapes.get(o, "")) for o in ins.operands]
+        never touches: an operand only sliced or gathered (a layer of a scanned stack; the target logit of each row)
+        reads its slices, and an in-place update (dynamic-update-slice: a cache's new rows) reads and writes its
+        update, not the whole buffer."""
+        reads = [hbm_nbytes(self.shapes.get(o, "")) for o in ins.operands]
         write = written_bytes(ins)
         body, params = [ins], {0: ins.operands[0]} if ins.operands else {}
         if ins.op == "fusion" and (called := re.search(r"calls=%([^\s,}]+)", ins.attrs)):
@@ -366,15 +292,14 @@ class Program:
             for o in i.operands:
                 users[o].append(i)
         for idx, name in params.items():
-            us = users.get(name, []) if ins.op == "fusion" else [ins]
-            if idx < len(reads) and us and all(u.op in ("dynamic-slice", "slice") and u.operands[0] == name
-                                               for u in us):
-                reads[idx] = sum(nbytes(u.shape) for u in us)
+            picks = _picks(name, users) if ins.op == "fusion" else [ins] if ins.op in _PICKS else None
+            if idx < len(reads) and picks and reads[idx]:
+                reads[idx] = sum(_picked_bytes(u) for u in picks)
         root = body[-1] if body else None
         if root is not None and root.op == "dynamic-update-slice" and len(root.operands) > 1:
             idx = next((i for i, n in params.items() if n == root.operands[0]), None)
             if idx is not None and idx < len(reads):
-                update = nbytes(self.shapes.get(root.operands[1], ""))
+                update = hbm_nbytes(self.shapes.get(root.operands[1], ""))
                 reads[idx], write = 0.0, update
         return write + sum(reads)
 

@@ -295,7 +295,8 @@ def _program_lines(p: dict) -> list[str]:
         share = p["mtp_share"]
         lines.append(f"  MTP modules' share of FLOPs {share['compiled']:.1%} (plan {share['plan']:.1%}; module blocks, "
                      "head applications apart)")
-    lines.append(f"  HBM bytes (estimate: each unfused op reads its inputs, writes its output) {_si(p['hbm_bytes'])}B; "
+    lines.append(f"  HBM bytes (estimate: each unfused op reads its inputs, writes its output, in HBM) "
+                 f"{_si(p['hbm_bytes'])}B; "
                  f"collectives {_si(p['collective_bytes'])}B = {p['collective_fraction']:.1%} of the bytes moved")
     for kind, v in p["collectives"].items():
         lines.append(f"    {kind:<20} x{v['count']:<8g} {_si(v['bytes'])}B")
