@@ -22,8 +22,8 @@ import json
 import math
 import re
 
-from mtpjax.parallel.hlo_text import (DTYPE_BYTES, Instr, _called, arrays, hbm_nbytes, in_hbm, laid_out,
-                                      nbytes, parse_module, trip_count)
+from mtpjax.parallel.hlo_text import (Instr, array_bytes, arrays, called, hbm_nbytes, in_hbm, laid_out, nbytes,
+                                      parse_module, trip_count)
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute",
                "collective-broadcast")
@@ -32,6 +32,8 @@ ATTENTION_CALLS = {"tpu_custom_call": "splash (Mosaic)", "__gpu$xla.gpu.triton":
                    "__cudnn$fmha": "cudnn flash attention"}
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id", "replica-id",
          "iota", "copy-done", "slice-done", "opt-barrier", "add-dependency"} | {c + "-done" for c in COLLECTIVES}
+
+
 @dataclasses.dataclass
 class Stats:
     """What one execution of a computation does (loops multiplied out)."""
@@ -126,7 +128,7 @@ def written_bytes(ins: Instr) -> float:
         out = out[:-1]
     if ins.op in ("copy-start", "slice-start") and len(out) >= 2:
         out = out[1:2]
-    return sum(DTYPE_BYTES.get(d, 4) * math.prod(dims) for d, dims, layout in out if in_hbm(layout))
+    return sum(array_bytes(d, dims) for d, dims, layout in out if in_hbm(layout))
 
 
 _FLOATS = ("bf16", "f16", "f32", "f8e4m3fn", "f8e5m2")
@@ -197,7 +199,7 @@ def _picked_bytes(u: Instr) -> float:
     """Bytes a slice or gather reads of its operand: what it returns (an async slice: its result tuple's piece)."""
     if u.op == "slice-start":
         d, dims, _ = laid_out(u.shape)[1]
-        return DTYPE_BYTES.get(d, 4) * math.prod(dims)
+        return array_bytes(d, dims)
     return nbytes(u.shape)
 
 
@@ -263,17 +265,17 @@ class Program:
                 table[key][1] += max(inb, outb)
         if not fused and ins.op not in _FREE and ins.op not in ("while", "conditional", "call"):
             s.hbm_bytes += self.traffic(ins)
-        called = _called(ins)
+        calls = called(ins)
         if ins.op == "while":
             body = re.search(r"body=%([^\s,}]+)", ins.attrs)
             n = trip_count(ins, self.comps) if trip_counts else 1
             s.add(self.stats(body[1], fused, trip_counts), n or 1)
         elif ins.op == "conditional":
-            branches = [self.stats(c, fused, trip_counts) for c in called]
+            branches = [self.stats(c, fused, trip_counts) for c in calls]
             if branches:
                 s.add(max(branches, key=lambda b: (b.flops, b.hbm_bytes)))
         else:
-            for c in called:
+            for c in calls:
                 s.add(self.stats(c, fused or ins.op == "fusion", trip_counts))
 
     def traffic(self, ins: Instr) -> float:
@@ -284,8 +286,8 @@ class Program:
         reads = [hbm_nbytes(self.shapes.get(o, "")) for o in ins.operands]
         write = written_bytes(ins)
         body, params = [ins], {0: ins.operands[0]} if ins.operands else {}
-        if ins.op == "fusion" and (called := re.search(r"calls=%([^\s,}]+)", ins.attrs)):
-            body = self.comps.get(called[1], [])
+        if ins.op == "fusion" and (fused_call := re.search(r"calls=%([^\s,}]+)", ins.attrs)):
+            body = self.comps.get(fused_call[1], [])
             params = {int(i.args): i.name for i in body if i.op == "parameter" and i.args.strip().isdigit()}
         users = collections.defaultdict(list)
         for i in body:
@@ -352,7 +354,7 @@ def op_name(ins: Instr) -> str:
 def _brief(shape: str, name: str) -> tuple[str, float, str]:
     """(shape, its largest array's bytes, op name) said briefly: XLA combines collectives into one of a tuple of
     arrays, whose op name joins theirs (`(a:b:...)`); the largest array and the distinct names stand for them."""
-    sizes = [(DTYPE_BYTES.get(d, 4) * math.prod(dims), f"{d}[{','.join(map(str, dims))}]") for d, dims in arrays(shape)]
+    sizes = [(array_bytes(d, dims), f"{d}[{','.join(map(str, dims))}]") for d, dims in arrays(shape)]
     big = max(sizes, default=(0, ""))
     if len(sizes) > 1:
         shape = f"{len(sizes)} arrays, largest {big[1]}"

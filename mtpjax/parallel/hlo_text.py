@@ -9,7 +9,6 @@ import re
 
 DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
                "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
-_ARRAY = re.compile(r"([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 
 
 @dataclasses.dataclass
@@ -24,24 +23,28 @@ class Instr:
     args: str = ""  # the text between the opcode's parentheses (a constant's value)
 
 
-def arrays(shape: str) -> list[tuple[str, tuple]]:
-    """(dtype, dims) of every array in a shape text (a tuple lists several); layouts `{...}` are dropped."""
-    return [(d, tuple(int(x) for x in dims.split(",") if x))
-            for d, dims in _ARRAY.findall(re.sub(r"\{[^}]*\}", "", shape))]
-
-
-def nbytes(shape: str) -> float:
-    """Bytes of every array in a shape text."""
-    return sum(DTYPE_BYTES.get(d, 4) * math.prod(dims) for d, dims in arrays(shape))
-
-
 _LAID_OUT = re.compile(r"([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
 _ON_CHIP = re.compile(r"S\([1-9][0-9]*\)")  # a layout's memory space other than 0 (TPU: S(1) VMEM, S(2) SMEM)
 
 
 def laid_out(shape: str) -> list[tuple[str, tuple, str]]:
-    """(dtype, dims, layout text) of every array in a shape text."""
+    """(dtype, dims, layout text) of every array in a shape text (a tuple lists several)."""
     return [(d, tuple(int(x) for x in dims.split(",") if x), layout) for d, dims, layout in _LAID_OUT.findall(shape)]
+
+
+def arrays(shape: str) -> list[tuple[str, tuple]]:
+    """(dtype, dims) of every array in a shape text."""
+    return [(d, dims) for d, dims, _ in laid_out(shape)]
+
+
+def array_bytes(dtype: str, dims: tuple) -> float:
+    """Bytes of one array."""
+    return DTYPE_BYTES.get(dtype, 4) * math.prod(dims)
+
+
+def nbytes(shape: str) -> float:
+    """Bytes of every array in a shape text."""
+    return sum(array_bytes(d, dims) for d, dims in arrays(shape))
 
 
 def in_hbm(layout: str) -> bool:
@@ -52,7 +55,7 @@ def in_hbm(layout: str) -> bool:
 
 def hbm_nbytes(shape: str) -> float:
     """Bytes of the arrays of a shape text that live in HBM."""
-    return sum(DTYPE_BYTES.get(d, 4) * math.prod(dims) for d, dims, layout in laid_out(shape) if in_hbm(layout))
+    return sum(array_bytes(d, dims) for d, dims, layout in laid_out(shape) if in_hbm(layout))
 
 
 def _matching(text: str, i: int) -> int:
@@ -114,7 +117,8 @@ def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
     return comps, entry
 
 
-def _called(ins: Instr) -> list[str]:
+def called(ins: Instr) -> list[str]:
+    """The computations an instruction calls (a fusion's, a loop's body, a conditional's branches, ...)."""
     return re.findall(r"(?:calls|to_apply|body|true_computation|false_computation)=%([^\s,}]+)", ins.attrs) + [
         n for grp in re.findall(r"(?:branch_computations|called_computations)=\{([^}]*)\}", ins.attrs)
         for n in re.findall(r"%([^\s,]+)", grp)]
