@@ -12,23 +12,7 @@
 # train.micro_batches=1 as accelerator.py's train rows run:
 #   python -m mtpjax compile --config configs/gpu_1b.yaml --target h200:1 --no-decode --json E/gpu_1b.h200_1.batch8.json
 #   python -m mtpjax compile --config configs/gpu_moe.yaml --target h200:1 --no-decode model.n_layers=4 --json ...
-set -u
-export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
-OUT=${OUT:-/tmp/lease}; mkdir -p "$OUT"
-date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
-lscpu | grep -E "Model name|L3"; nproc
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pydantic*.whl \
-  .whl/annotated*.whl .whl/typing_insp*.whl
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pin .whl/flax*.whl .whl/optax*.whl
-python3 -c "import jax, flax, optax; print('image: jax', jax.__version__, 'flax', flax.__version__, 'optax',
-optax.__version__, jax.devices())"
-probe='from mtpjax.config import ModelConfig; from mtpjax.nn.model import build_model; import mtpjax.train.step
-import mtpjax.decode, flax; build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2))
-print("mtpjax imports; flax", flax.__version__)'
-# Our pinned flax/optax first; the image's own if those do not import under the image's jax.
-if PYTHONPATH=/tmp/pin:/tmp/site python3 -c "$probe"; then export PYTHONPATH=/tmp/pin:/tmp/site
-elif PYTHONPATH=/tmp/site python3 -c "$probe"; then export PYTHONPATH=/tmp/site
-else echo "mtpjax does not import here"; exit 3; fi
+source bench/lease_env.sh
 E=bench/estimates
 echo "== accelerator.py (gpu_1b)"; date -u
 timeout 250 python3 bench/accelerator.py --json "$OUT/acc_1b.json" --estimate $E/gpu_1b.h200_1.batch8.json --budget 215

@@ -17,6 +17,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -45,13 +46,15 @@ def op_metadata(hlo_text: str) -> dict[str, tuple[str, str]]:
 def classify(name: str, shape: str, op: str, T: int, V: int) -> str:
     """'<part> <kind>': part attention / vocab (head, loss) / rest; kind dot / transpose-copy / elementwise-reduce."""
     # ynn_fusion: XLA CPU's YNNPACK fusion of a dot with what it could fuse around it (a max, a sum)
+    # GPU: cuBLAS products are custom-calls (a backward's named .../transpose), fused kernels pallas_call or cuDNN's
+    gemm = name.startswith(("ynn_fusion", "cublas", "gemm_fusion")) or (name.startswith("custom-call") and "sort" not in op)
     moves = op.endswith("transpose") or name.startswith(("copy", "transpose"))
-    kind = "dot" if op.endswith("dot_general") or name.startswith("ynn_fusion") else (
-        "transpose/copy" if moves else "elementwise/reduce")
+    kind = "kernel" if name.startswith(("pallas_call", "dot_product_attention")) else "dot" if (
+        op.endswith("dot_general") or gemm) else "transpose/copy" if moves else "elementwise/reduce"
     score = re.search(rf",{T}\]", shape) and shape.count(",") >= 3  # [B,K,(R,)T,S] scores
-    if ATTENTION_OP.search(op) or score:
+    if ATTENTION_OP.search(op) or score or "/attention/" in op:
         return f"attention {kind}"
-    if re.search(rf",{V}\]", shape) or "iota" in name:
+    if re.search(rf",{V}\]", shape) or "iota" in name or "/head/" in op:
         return f"vocab/loss {kind}"
     return f"rest {kind}"
 
@@ -65,13 +68,19 @@ def pin_threads(cpus: set[int]) -> None:
             pass
 
 
-def make_step(cfg):
-    """(a closure tracing `steps` train steps, the compiled program's op metadata); compiled and warmed up."""
+def make_step(cfg, save: str | None = None):
+    """(a closure tracing `steps` train steps, the compiled program's op metadata); compiled and warmed up.
+    With `save`, the compiled HLO text and the last trace are kept there (gzipped)."""
     step, compiled = compiled_step(cfg)
-    return (lambda steps: trace_steps(step, steps)), op_metadata(compiled.as_text())
+    text = compiled.as_text()
+    if save:
+        Path(save).mkdir(parents=True, exist_ok=True)
+        with gzip.open(Path(save) / "step.hlo.txt.gz", "wt") as f:
+            f.write(text)
+    return (lambda steps: trace_steps(step, steps, save)), op_metadata(text)
 
 
-def trace_steps(step, steps: int) -> tuple[collections.Counter, float]:
+def trace_steps(step, steps: int, save: str | None = None) -> tuple[collections.Counter, float]:
     """(self µs per op over `steps` traced steps, wall seconds per step from the step markers)."""
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
@@ -80,14 +89,16 @@ def trace_steps(step, steps: int) -> tuple[collections.Counter, float]:
                 step()
         jax.profiler.stop_trace()
         (trace,) = Path(d).glob("plugins/profile/*/*.trace.json.gz")
+        if save:
+            shutil.copy(trace, Path(save) / "step.trace.json.gz")
         events = json.load(gzip.open(trace))["traceEvents"]
     self_us = collections.Counter()
     step_us = []
     for e in events:
         if e.get("ph") != "X":
             continue
-        if "hlo_op" in e.get("args", {}):
-            self_us[e["name"]] += e["dur"]
+        if "hlo_op" in e.get("args", {}):  # a GPU kernel's name is the library's; its hlo_op is the instruction's
+            self_us[e["args"]["hlo_op"]] += e["dur"]
         elif e.get("name", "").startswith("train") and e.get("dur", 0) > 0 and "step_num" in str(e.get("args", {})):
             step_us.append(e["dur"])
     return self_us, float(np.median(step_us)) / 1e6 if step_us else float("nan")
@@ -123,10 +134,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--cores-split", action="store_true", help="also trace on one core; print each op's spread")
+    ap.add_argument("--save", help="keep the compiled HLO text and the trace (gzipped) in this folder")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)
-    run, meta = make_step(cfg)
+    run, meta = make_step(cfg, args.save)
     self_us, step_s = run(args.steps)
     total = sum(self_us.values())
     T, V = cfg.data.seq_len, cfg.model.vocab_size

@@ -48,6 +48,8 @@ KERNELS = {
     # the cuDNN adapter's exact call of jax.nn.dot_product_attention, run by its XLA implementation (no GPU here)
     "cudnn-call": (37, lambda q, k, v, s: kernels.cudnn_attention(q, k, v, s, implementation="xla")),
     "pallas": (37, lambda q, k, v, s: kernels.pallas_gpu_attention(q, k, v, s, interpret=True, block=16)),
+    "pallas-tiles": (37, lambda q, k, v, s: kernels.pallas_gpu_attention(q, k, v, s, interpret=True, block=32,
+                                                                         bwd_block=16)),  # backward's own tiles
     "splash": (150, lambda q, k, v, s: kernels.splash_attention(q, k, v, s, interpret=True, block=128)),
 }
 

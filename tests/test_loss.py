@@ -13,6 +13,7 @@ from jax.extend import core as jex_core
 from mtpjax.config import LambdaSchedule, LossConfig
 from mtpjax.nn import loss
 from mtpjax.nn.loss import cross_entropy, first_argmax, lambda_schedule, mtp_loss, token_counts
+from mtpjax.nn import model as model_mod
 from mtpjax.nn.model import build_model
 from mtpjax.nn.placement import Placement
 
@@ -379,3 +380,53 @@ def test_companion_differentiating_the_formula_scatter_adds_and_the_cpu_argmax_h
     assert any("int32" in f for f in _logits_sized_outside_loops("cpu"))  # first_argmax's index iota, on a CPU
     monkeypatch.setattr(loss, "cross_entropy", _plain_cross_entropy)
     assert "scatter-add" in _logits_sized_outside_loops("gpu")
+
+
+def _dot_operand_dtypes(f, *args, width: int) -> set[str]:
+    """The operand dtypes of every dot_general in f's jaxpr (nested ones too) with an operand `width` wide."""
+    found = set()
+
+    def walk(jx):
+        for e in jx.eqns:
+            if e.primitive.name == "dot_general" and any(width in v.aval.shape for v in e.invars):
+                found.update(str(v.aval.dtype) for v in e.invars)
+            for p in e.params.values():
+                if isinstance(p, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
+                    walk(p.jaxpr if isinstance(p, jex_core.ClosedJaxpr) else p)
+
+    walk(jax.make_jaxpr(f)(*args).jaxpr)
+    return found
+
+
+def _head_grad_dot_dtypes(model_cfg) -> set[str]:
+    """Operand dtypes of the head's products in a bf16 model's loss gradient (vocabulary 96, wider than the rest)."""
+    model = build_model(model_cfg(vocab_size=96, dtype="bfloat16", mtp_depth=1), seed=0)
+    toks, seg = (jnp.asarray(x) for x in packed_batch(96))
+    gdef, st = nnx.split(model)
+
+    def total(st):
+        m = nnx.merge(gdef, st)
+        return mtp_loss(m, m(toks, seg), toks, seg, step=0, cfg=LossConfig(chunk_size=4))[0]
+
+    return _dot_operand_dtypes(jax.grad(total), st, width=96)
+
+
+def test_a_bf16_models_head_gradients_multiply_bf16_operands(model_cfg):
+    """The head's backward takes the float32 logits' cotangent in the compute dtype: every product with the
+    vocabulary reads bf16 (on an H200 the float32 ones took 2.3x the forward's time: docs/accelerators.md)."""
+    assert _head_grad_dot_dtypes(model_cfg) == {"bfloat16"}
+
+
+def test_companion_autodiff_of_the_head_multiplies_in_float32(model_cfg, monkeypatch):
+    monkeypatch.setattr(model_mod, "head_product", lambda h, w: jnp.dot(h, w, preferred_element_type=jnp.float32))
+    assert "float32" in _head_grad_dot_dtypes(model_cfg)
+
+
+def test_head_product_in_float32_is_autodiff_of_the_product_bit_for_bit():
+    h, w, g = (jax.random.normal(jax.random.key(i), s) for i, s in enumerate([(6, 8), (8, 16), (6, 16)]))
+    plain = lambda h, w: jnp.dot(h, w, preferred_element_type=jnp.float32)
+    out, vjp = jax.vjp(model_mod.head_product, h, w)
+    ref, vjp_ref = jax.vjp(plain, h, w)
+    assert np.array_equal(out, ref)
+    for a, b in zip(vjp(g), vjp_ref(g)):
+        assert np.array_equal(a, b)

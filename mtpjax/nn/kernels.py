@@ -64,8 +64,10 @@ def cudnn_attention(q_BTKRH, k_BTKH, v_BTKH, seg_BT, *, implementation: str = "c
     return o[:, :T].reshape(B, T, K, R, H)
 
 
-def pallas_gpu_attention(q_BTKRH, k_BTKH, v_BTKH, seg_BT, *, interpret: bool = False, block: int = 128):
-    """The Pallas GPU (Triton) flash-attention kernel with segment ids; it wants as many KV heads as query heads."""
+def pallas_gpu_attention(q_BTKRH, k_BTKH, v_BTKH, seg_BT, *, interpret: bool = False, block: int = 128,
+                         bwd_block: int = 32, num_warps: int | None = None, num_stages: int = 2):
+    """The Pallas GPU (Triton) flash-attention kernel with segment ids; it wants as many KV heads as query heads.
+    Tiles: `block` for the forward's, `bwd_block` for the backward's (bench/attention_gpu.py times choices)."""
     from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 
     B, T, K, R, H = q_BTKRH.shape
@@ -74,10 +76,11 @@ def pallas_gpu_attention(q_BTKRH, k_BTKH, v_BTKH, seg_BT, *, interpret: bool = F
     q = _pad(q_BTKRH.reshape(B, T, K * R, H), T_pad)
     k, v = (_pad(jnp.repeat(x, R, axis=2), T_pad) for x in (k_BTKH, v_BTKH))  # head k*R + r reads KV head k
     seg = None if seg_BT is None else _pad(seg_BT, T_pad, PAD_SEGMENT)
-    bwd = min(32, block)
+    bwd = min(bwd_block, block)
     sizes = gpu_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=bwd, block_kv_dkv=bwd,
                                      block_q_dq=bwd, block_kv_dq=bwd)
-    o = gpu_attention.mha(q, k, v, seg, sm_scale=1.0, causal=True, block_sizes=sizes, interpret=interpret)
+    o = gpu_attention.mha(q, k, v, seg, sm_scale=1.0, causal=True, block_sizes=sizes, num_warps=num_warps,
+                          num_stages=num_stages, interpret=interpret)
     return o[:, :T].reshape(B, T, K, R, H)
 
 

@@ -242,8 +242,10 @@ def fused_attention(backend: str, interpret: bool, q_BTKRH, k_BTKH, v_BTKH, seg_
             kernels.note("cudnn: jax.nn.dot_product_attention takes no segment ids; packed documents are masked "
                          "with a dense [B,1,T,T] mask (exact, but T^2 values per row: compare model.attention=pallas)")
         fn = kernels.cudnn_attention
-    elif backend == "pallas":  # Triton keeps a block's q, k and v in shared memory: smaller blocks for wide heads
-        fn = functools.partial(kernels.pallas_gpu_attention, interpret=interpret, block=128 if width <= 128 else 64)
+    elif backend == "pallas":  # tiles measured on an H200 (bench/attention_gpu.py): a backward tile of 64 runs
+        # forward + backward 1.8x faster than 32 at width 128; wider heads need smaller tiles (shared memory)
+        block, bwd = (128, 64) if width <= 128 else (64, 32)
+        fn = functools.partial(kernels.pallas_gpu_attention, interpret=interpret, block=block, bwd_block=bwd)
     else:
         fn = functools.partial(kernels.splash_attention, interpret=interpret)
     return kernels.per_device(fn, placement.mesh, placement.batch_axes, placement.head_axis, q_BTKRH, k_BTKH, v_BTKH,
