@@ -1,5 +1,5 @@
 """Runs in a subprocess with 2 simulated CPU devices: a run trained with pipeline stages (mesh.stage=2), and a run
-trained without them (on one device, by the test) resumed here with stages.
+trained without them (on one device, by the test) resumed here with stages, and a run of 3 blocks staged 2 + 1.
 
 argv: <in.json> <out.json>; in.json names the tmp dir, the corpus and the unstaged run's directory. Writes each
 run's per-step losses and evals; the staged run's directory is left for the test to restore on one device.
@@ -17,7 +17,7 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_pipeline_restore import EVAL, STAGED, resumable_copy, run_cfg  # noqa: E402
+from test_pipeline_restore import EVAL, STAGED, UNEVEN, resumable_copy, run_cfg  # noqa: E402
 
 from mtpjax.eval.log import read_evals  # noqa: E402
 from mtpjax.train.loop import train  # noqa: E402
@@ -30,8 +30,9 @@ def main_worker(inp: dict) -> dict:
     # the unstaged run, cut back to its middle checkpoint, continued with stages
     cont = resumable_copy(Path(inp["unstaged"]), tmp / "unstaged-on-stages")
     resumed = train(run_cfg(tmp, corpus, cont.name, *STAGED))
+    uneven = train(run_cfg(tmp, corpus, "uneven", *STAGED, *UNEVEN, "mesh.stage_layers=[2,1]"))
     return {"staged": staged["history"], "staged_evals": read_evals(tmp / "staged"),
-            "unstaged_resumed_on_stages": resumed["history"]}
+            "unstaged_resumed_on_stages": resumed["history"], "uneven": uneven["history"]}
 
 
 if __name__ == "__main__":
