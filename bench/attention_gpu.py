@@ -80,9 +80,10 @@ def main(argv=None) -> int:
         impl = "xla" if args.smoke else "cudnn"
         pallas = [(f"pallas {p}", functools.partial(kernels.pallas_gpu_attention, block=p[0], bwd_block=p[1],
                      num_warps=p[2], num_stages=p[3], interpret=args.smoke)) for p in PALLAS]
-        variants = pallas[:4] + [("cudnn, dense mask", functools.partial(kernels.cudnn_attention, implementation=impl)),
-                     ("cudnn, causal only (not packed)",
-                      lambda q, k, v, s: kernels.cudnn_attention(q, k, v, None, implementation=impl))] + pallas[4:]
+        cudnn = [("cudnn, dense mask", functools.partial(kernels.cudnn_attention, implementation=impl)),
+                 ("cudnn, causal only (not packed)",
+                  lambda q, k, v, s, i=impl: kernels.cudnn_attention(q, k, v, None, implementation=i))]
+        variants = pallas[:4] + cudnn + pallas[4:]
         for name, f in variants:
             if time.perf_counter() - t0 > args.budget:
                 res["rows"].append({"shape": shape_name, "kernel": name, "skipped": "budget"})

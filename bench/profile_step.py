@@ -47,7 +47,8 @@ def classify(name: str, shape: str, op: str, T: int, V: int) -> str:
     """'<part> <kind>': part attention / vocab (head, loss) / rest; kind dot / transpose-copy / elementwise-reduce."""
     # ynn_fusion: XLA CPU's YNNPACK fusion of a dot with what it could fuse around it (a max, a sum)
     # GPU: cuBLAS products are custom-calls (a backward's named .../transpose), fused kernels pallas_call or cuDNN's
-    gemm = name.startswith(("ynn_fusion", "cublas", "gemm_fusion")) or (name.startswith("custom-call") and "sort" not in op)
+    gemm = name.startswith(("ynn_fusion", "cublas", "gemm_fusion")) or (
+        name.startswith("custom-call") and "sort" not in op)
     moves = op.endswith("transpose") or name.startswith(("copy", "transpose"))
     kind = "kernel" if name.startswith(("pallas_call", "dot_product_attention")) else "dot" if (
         op.endswith("dot_general") or gemm) else "transpose/copy" if moves else "elementwise/reduce"

@@ -1,7 +1,8 @@
 """Issue 49: a run trained with pipeline stages restores without them and the reverse. A staged run (mesh.stage=2,
 on 2 simulated devices in tests/pipeline_restore_worker.py) is evaluated by `decode.py --eval` on one device and
 resumed on one device, as is one of 3 blocks staged 2 + 1; a run trained on one device is resumed with stages; a
-staged run killed with -9 resumes bit-identically. Checkpoints hold the stacked blocks [L, ...] whole, whatever split trained them."""
+staged run killed with -9 resumes bit-identically. Checkpoints hold the stacked blocks [L, ...] whole, whatever
+split trained them."""
 
 import json
 import os
