@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from mtpjax.nn import kernels
-from mtpjax.nn.layers import INTERPRET_ENV, attention_backend, self_attention
+from mtpjax.nn.kernels import INTERPRET_ENV, attention_backend
+from mtpjax.nn.layers import self_attention
 from mtpjax.nn.placement import host_placement
 
 B, K, R, H = 2, 2, 2, 16  # grouped-query: 4 query heads over 2 key/value heads

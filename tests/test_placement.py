@@ -8,7 +8,7 @@ from jax.sharding import AbstractMesh
 
 from conftest import SMALL
 from mtpjax.config import ModelConfig
-from mtpjax.nn import gmm, layers, mla
+from mtpjax.nn import gmm, kernels, layers, mla
 from mtpjax.nn.model import build_model, moe_layers, placed
 from mtpjax.nn.placement import Placement, host_placement, platform_of
 from mtpjax.parallel.sharding import AXES, BATCH_AXES
@@ -28,7 +28,7 @@ def test_the_kernel_follows_the_placement_not_the_host():
     cfg = ModelConfig(**MOE, dtype="bfloat16")
     tpu = nnx.eval_shape(lambda: build_model(cfg, placement=Placement(platform="tpu")))
     host = nnx.eval_shape(lambda: build_model(cfg))
-    pick = lambda m: layers.attention_backend("auto", m.placement.platform, "bfloat16", 8, False)[0]
+    pick = lambda m: kernels.attention_backend("auto", m.placement.platform, "bfloat16", 8, False)[0]
     assert {pick(a) for a in _attentions(tpu)} == {"splash"}
     assert {pick(a) for a in _attentions(host)} == {"xla"}
     assert {m.grouping for m in moe_layers(tpu).values()} == {gmm.Kernel("megablox")}  # issue 47: Mosaic's gmm

@@ -1,4 +1,5 @@
-"""Fused attention kernels behind `model.attention` (layers.self_attention chooses): cuDNN, Pallas GPU, TPU splash.
+"""Fused attention kernels behind `model.attention`, and the choice among them (`attention_backend`, for the placement's
+platform; `layers.self_attention` calls it): cuDNN, Pallas GPU, TPU splash.
 
 Each adapter computes what `layers.attend` computes for the training forward — causal attention over positions
 0..T-1 (no cache), restricted to equal segment ids when they are given, grouped-query heads — from the same
@@ -14,6 +15,8 @@ import sys
 
 import jax
 import jax.numpy as jnp
+
+from mtpjax.nn.placement import Placement
 
 PAD_SEGMENT = -1  # data segment ids are >= 0 (0 = padding), so a padded position matches no real one
 
@@ -144,3 +147,68 @@ def per_device(kernel, mesh, batch_axes: tuple, head_axis: str | None, q_BTKRH, 
         args, specs = args + (seg_BT,), specs + (P(rows, None),)
     body = lambda q, k, v, *seg: kernel(q, k, v, seg[0] if seg else None)
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
+
+
+# ----------------------------------------------------------------------------- the choice
+
+
+KERNEL_PLATFORM = {"cudnn": "gpu", "pallas": "gpu", "splash": "tpu"}  # where each fused kernel compiles
+INTERPRET_ENV = "MTPJAX_ATTENTION_INTERPRET"  # "1": a Pallas kernel off its platform runs interpreted, not replaced
+
+
+def _cudnn_ok(dtype: str, head_dim: int) -> bool:
+    # cuDNN's flash attention takes bf16/fp16 with head dims that are multiples of 8 (<= 128 before Hopper).
+    return dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 128
+
+
+def _auto_attention(platform: str, dtype: str) -> str:
+    # GPU: Pallas (Triton), which takes segment ids natively where cuDNN's public call needs a dense [B,1,T,T] mask,
+    # and compiles without the cuDNN library (ahead of time included); a float32 model keeps the XLA reference.
+    return {"tpu": "splash", "gpu": "pallas" if dtype in ("bfloat16", "float16") else "xla"}.get(platform, "xla")
+
+
+@functools.cache
+def attention_backend(name: str, platform: str, dtype: str, head_dim: int, interpret_ok: bool) -> tuple[str, bool]:
+    """(backend, interpret) that `model.attention=name` runs as on `platform` (the mesh's devices'); every choice and
+    fallback is noted once.
+
+    auto: splash on TPU, Pallas on GPU (bf16/fp16), else the XLA reference. An explicit kernel off its platform
+    falls back to auto's choice, or runs in Pallas interpret mode when `interpret_ok` (pallas, splash; tests).
+    """
+    auto = _auto_attention(platform, dtype)
+    if name == "auto":
+        note(f"model.attention=auto runs {auto} on {platform} ({dtype}, head_dim {head_dim})")
+        return auto, False
+    if name == "xla" or (KERNEL_PLATFORM[name] == platform and (name != "cudnn" or _cudnn_ok(dtype, head_dim))):
+        return name, False
+    if interpret_ok and name != "cudnn":
+        note(f"model.attention={name} runs in Pallas interpret mode on {platform} (slow; for tests)")
+        return name, True
+    need = ("a GPU with bf16/fp16 compute and head_dim <= 128" if name == "cudnn" else
+            f"a {KERNEL_PLATFORM[name].upper()}")
+    note(f"model.attention={name} needs {need} (this is {platform}, {dtype}); using {auto}")
+    return auto, False
+
+
+def fused_attention(backend: str, interpret: bool, q_BTKRH, k_BTKH, v_BTKH, seg_BT, placement: Placement):
+    """A fused kernel's causal attention, run per device over the placement's batch and head axes
+    (per_device); values narrower than queries and keys (MLA) are zero-padded to their width and cut back."""
+    qk, hv = q_BTKRH.shape[-1], v_BTKH.shape[-1]
+    width = max(qk, hv)
+    if qk != hv:
+        note(f"{backend}: query/key width {qk} and value width {hv} differ; values zero-padded to {width} "
+                     f"(attention FLOPs x{2 * width / (qk + hv):.2f}, value reads x{width / hv:.2f})")
+        q_BTKRH, k_BTKH, v_BTKH = pad_heads(q_BTKRH, k_BTKH, v_BTKH, width)
+    if backend == "cudnn":
+        if seg_BT is not None:
+            note("cudnn: jax.nn.dot_product_attention takes no segment ids; packed documents are masked "
+                         "with a dense [B,1,T,T] mask (exact, but T^2 values per row: compare model.attention=pallas)")
+        fn = cudnn_attention
+    elif backend == "pallas":  # tiles measured on an H200 (bench/attention_gpu.py): a backward tile of 64 runs
+        # forward + backward 1.8x faster than 32 at width 128; wider heads need smaller tiles (shared memory)
+        block, bwd = (128, 64) if width <= 128 else (64, 32)
+        fn = functools.partial(pallas_gpu_attention, interpret=interpret, block=block, bwd_block=bwd)
+    else:
+        fn = functools.partial(splash_attention, interpret=interpret)
+    return per_device(fn, placement.mesh, placement.batch_axes, placement.head_axis, q_BTKRH, k_BTKH, v_BTKH,
+                              seg_BT)[..., :hv]

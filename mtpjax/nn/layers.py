@@ -7,7 +7,6 @@ Array names carry their axes as a suffix (`x_BTD`); the letters are mtpjax/nn/sh
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from typing import NamedTuple
@@ -190,68 +189,6 @@ def attend(q_BTKRH, k_BSKH, v_BSKH, bias_BTS, causal_blocks: int = 1):
     return o_BKRTH.transpose(0, 3, 1, 2, 4)
 
 
-KERNEL_PLATFORM = {"cudnn": "gpu", "pallas": "gpu", "splash": "tpu"}  # where each fused kernel compiles
-INTERPRET_ENV = "MTPJAX_ATTENTION_INTERPRET"  # "1": a Pallas kernel off its platform runs interpreted, not replaced
-
-
-def _cudnn_ok(dtype: str, head_dim: int) -> bool:
-    # cuDNN's flash attention takes bf16/fp16 with head dims that are multiples of 8 (<= 128 before Hopper).
-    return dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 128
-
-
-def _auto_attention(platform: str, dtype: str) -> str:
-    # GPU: Pallas (Triton), which takes segment ids natively where cuDNN's public call needs a dense [B,1,T,T] mask,
-    # and compiles without the cuDNN library (ahead of time included); a float32 model keeps the XLA reference.
-    return {"tpu": "splash", "gpu": "pallas" if dtype in ("bfloat16", "float16") else "xla"}.get(platform, "xla")
-
-
-@functools.cache
-def attention_backend(name: str, platform: str, dtype: str, head_dim: int, interpret_ok: bool) -> tuple[str, bool]:
-    """(backend, interpret) that `model.attention=name` runs as on `platform` (the mesh's devices'); every choice and
-    fallback is noted once.
-
-    auto: splash on TPU, Pallas on GPU (bf16/fp16), else the XLA reference. An explicit kernel off its platform
-    falls back to auto's choice, or runs in Pallas interpret mode when `interpret_ok` (pallas, splash; tests).
-    """
-    auto = _auto_attention(platform, dtype)
-    if name == "auto":
-        kernels.note(f"model.attention=auto runs {auto} on {platform} ({dtype}, head_dim {head_dim})")
-        return auto, False
-    if name == "xla" or (KERNEL_PLATFORM[name] == platform and (name != "cudnn" or _cudnn_ok(dtype, head_dim))):
-        return name, False
-    if interpret_ok and name != "cudnn":
-        kernels.note(f"model.attention={name} runs in Pallas interpret mode on {platform} (slow; for tests)")
-        return name, True
-    need = ("a GPU with bf16/fp16 compute and head_dim <= 128" if name == "cudnn" else
-            f"a {KERNEL_PLATFORM[name].upper()}")
-    kernels.note(f"model.attention={name} needs {need} (this is {platform}, {dtype}); using {auto}")
-    return auto, False
-
-
-def fused_attention(backend: str, interpret: bool, q_BTKRH, k_BTKH, v_BTKH, seg_BT, placement: Placement):
-    """A fused kernel's causal attention, run per device over the placement's batch and head axes
-    (kernels.per_device); values narrower than queries and keys (MLA) are zero-padded to their width and cut back."""
-    qk, hv = q_BTKRH.shape[-1], v_BTKH.shape[-1]
-    width = max(qk, hv)
-    if qk != hv:
-        kernels.note(f"{backend}: query/key width {qk} and value width {hv} differ; values zero-padded to {width} "
-                     f"(attention FLOPs x{2 * width / (qk + hv):.2f}, value reads x{width / hv:.2f})")
-        q_BTKRH, k_BTKH, v_BTKH = kernels.pad_heads(q_BTKRH, k_BTKH, v_BTKH, width)
-    if backend == "cudnn":
-        if seg_BT is not None:
-            kernels.note("cudnn: jax.nn.dot_product_attention takes no segment ids; packed documents are masked "
-                         "with a dense [B,1,T,T] mask (exact, but T^2 values per row: compare model.attention=pallas)")
-        fn = kernels.cudnn_attention
-    elif backend == "pallas":  # tiles measured on an H200 (bench/attention_gpu.py): a backward tile of 64 runs
-        # forward + backward 1.8x faster than 32 at width 128; wider heads need smaller tiles (shared memory)
-        block, bwd = (128, 64) if width <= 128 else (64, 32)
-        fn = functools.partial(kernels.pallas_gpu_attention, interpret=interpret, block=block, bwd_block=bwd)
-    else:
-        fn = functools.partial(kernels.splash_attention, interpret=interpret)
-    return kernels.per_device(fn, placement.mesh, placement.batch_axes, placement.head_axis, q_BTKRH, k_BTKH, v_BTKH,
-                              seg_BT)[..., :hv]
-
-
 def self_attention(q_BTKRH, k_BTKH, v_BTKH, pos_BT, seg_BT, name: str, placement: Placement):
     """Causal attention of T positions over themselves (segment-restricted), computed by `model.attention`.
 
@@ -260,10 +197,10 @@ def self_attention(q_BTKRH, k_BTKH, v_BTKH, pos_BT, seg_BT, name: str, placement
     placement's mesh. They take positions to be 0..T-1, as every caller without a cache has them; `attend` (xla) is
     the reference they are tested against.
     """
-    backend, interpret = attention_backend(name, placement.platform, jnp.dtype(q_BTKRH.dtype).name,
-                                           q_BTKRH.shape[-1], os.environ.get(INTERPRET_ENV) == "1")
+    backend, interpret = kernels.attention_backend(name, placement.platform, jnp.dtype(q_BTKRH.dtype).name,
+                                                   q_BTKRH.shape[-1], os.environ.get(kernels.INTERPRET_ENV) == "1")
     if backend != "xla":
-        return fused_attention(backend, interpret, q_BTKRH, k_BTKH, v_BTKH, seg_BT, placement)
+        return kernels.fused_attention(backend, interpret, q_BTKRH, k_BTKH, v_BTKH, seg_BT, placement)
     mask_BTS = pos_BT[:, None, :] <= pos_BT[:, :, None]
     if seg_BT is not None:
         mask_BTS &= seg_BT[:, None, :] == seg_BT[:, :, None]

@@ -150,7 +150,7 @@ class MLAttention(nnx.Module):
         self.theta, self.llama3, self.yarn = cfg.rope_theta, llama3_rope(cfg), yarn_rope(cfg)
         self.scale, self.cos_sin_scale = softmax_scale(cfg), rope_scale(cfg)
         qk = self.nope + self.rope
-        self.attention = cfg.attention  # unequal q/k and v widths: the fused kernels pad v (layers.fused_attention)
+        self.attention = cfg.attention  # unequal q/k and v widths: the fused kernels pad v (kernels.fused_attention)
         self.placement = placement
         self.layout = nnx.data(None)  # (W_k, W_v) per head on decode_view's copy only
         if cfg.q_lora_rank:
