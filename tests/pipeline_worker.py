@@ -210,7 +210,9 @@ def training(base, batches) -> dict:
     l1, s1 = step_losses(cfg, batches, jax.devices()[:1])
     l2, s2 = step_losses(replace(cfg, S2), batches)
     p1, p2 = (jax.tree.map(np.asarray, nnx.to_pure_dict(s.params)) for s in (s1, s2))
-    return {"losses": [l1, l2], "param_rel": rel_diff(p1, p2)}
+    a, b = (np.concatenate([x.ravel() for x in jax.tree.leaves(p)]) for p in (p1, p2))
+    return {"losses": [l1, l2], "param_rel": rel_diff(p1, p2),
+            "param_norm_rel": float(np.linalg.norm(a - b) / np.linalg.norm(a))}
 
 
 def main() -> None:
