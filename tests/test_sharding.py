@@ -148,3 +148,15 @@ def test_batch_split_message_names_the_expert_axis_when_it_splits(shape, named):
     with pytest.raises(TrainError) as e:
         check_parallelism(cfg, AbstractMesh(shape, AXES))
     assert f"train.batch_size=8 is not divisible by data parallelism {named} " in str(e.value)
+
+
+def test_a_mesh_the_torus_cannot_hold_whole_splits_physical_axes_and_says_so(monkeypatch, capfd):
+    """jax.make_mesh refuses a logical axis that is no product of whole physical axes (4 on a v5p-1024's 8x8x8);
+    the mesh is then laid out with physical axes split, in one line, not a traceback."""
+    def refuse(*a, **k):
+        raise NotImplementedError("Failed to find assignment for logical_axis_index 4 of size 4")
+
+    monkeypatch.setattr(jax, "make_mesh", refuse)
+    mesh = make_mesh(MeshConfig())
+    assert dict(mesh.shape) == {a: 1 for a in mesh.axis_names} and mesh.devices.size == 1
+    assert "mesh: the mesh 1x1x1x1 does not lay out on whole physical axes" in capfd.readouterr().err

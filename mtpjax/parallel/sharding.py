@@ -7,10 +7,12 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mtpjax.config import MeshConfig
 from mtpjax.errors import MtpjaxError
+from mtpjax.nn.kernels import note
 from mtpjax.nn.placement import Placement, platform_of
 
 AXES = ("data", "fsdp", "expert", "tensor")
@@ -69,7 +71,14 @@ def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None)
             f"mesh {'*'.join(names)} = {'*'.join(str(getattr(mesh_cfg, a)) for a in names)} = {n} but "
             f"{len(devices)} device(s) are available; set {'/'.join('mesh.' + a for a in names)} so their product "
             f"is {len(devices)}")
-    return jax.make_mesh(shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes), devices=devices)
+    types = (jax.sharding.AxisType.Auto,) * len(axes)
+    try:  # each logical axis on whole physical axes of the slice's torus, where its sizes allow
+        return jax.make_mesh(shape, axes, axis_types=types, devices=devices)
+    except NotImplementedError:  # e.g. 4 x 8 x 4 x 4 on a v5p-1024's 8 x 8 x 8: an axis of 4 splits a physical one
+        note(f"the mesh {'x'.join(map(str, shape))} does not lay out on whole physical axes of these "
+             f"{len(devices)} devices; some of its axes split one (their collectives share its links)", "mesh")
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        return Mesh(grid, axes, axis_types=types)
 
 
 def mesh_axes(mesh_cfg: MeshConfig) -> tuple[str, ...]:
