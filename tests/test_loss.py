@@ -418,15 +418,19 @@ def test_a_bf16_models_head_gradients_multiply_bf16_operands(model_cfg):
 
 
 def test_companion_autodiff_of_the_head_multiplies_in_float32(model_cfg, monkeypatch):
-    monkeypatch.setattr(model_mod, "head_product", lambda h, w: jnp.dot(h, w, preferred_element_type=jnp.float32))
+    monkeypatch.setattr(model_mod, "head_product", lambda h, w, vocab_first: jax.lax.dot_general(
+        h, w, (((1,), (int(vocab_first),)), ((), ())), preferred_element_type=jnp.float32))
     assert "float32" in _head_grad_dot_dtypes(model_cfg)
 
 
-def test_head_product_in_float32_is_autodiff_of_the_product_bit_for_bit():
+@pytest.mark.parametrize("vocab_first", [False, True], ids=["head", "tied-embedding"])
+def test_head_product_in_float32_is_autodiff_of_the_product_bit_for_bit(vocab_first):
     h, w, g = (jax.random.normal(jax.random.key(i), s) for i, s in enumerate([(6, 8), (8, 16), (6, 16)]))
-    plain = lambda h, w: jnp.dot(h, w, preferred_element_type=jnp.float32)
-    out, vjp = jax.vjp(model_mod.head_product, h, w)
+    w = w.T if vocab_first else w
+    dims = (((1,), (int(vocab_first),)), ((), ()))
+    plain = lambda h, w: jax.lax.dot_general(h, w, dims, preferred_element_type=jnp.float32)
+    out, vjp = jax.vjp(lambda h, w: model_mod.head_product(h, w, vocab_first), h, w)
     ref, vjp_ref = jax.vjp(plain, h, w)
     assert np.array_equal(out, ref)
     for a, b in zip(vjp(g), vjp_ref(g)):
-        assert np.array_equal(a, b)
+        assert a.shape == b.shape and np.array_equal(a, b)

@@ -8,6 +8,8 @@ below, so the convention cannot drift between them.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -61,23 +63,27 @@ def scan_blocks(gdef, st, x_BTD, pos_BT, seg_BT, cache, remat: str, keep_L=None)
     return x_BTD, new, aux
 
 
-@jax.custom_vjp
-def head_product(h_ID, w_DV):
-    """h @ w in float32 (logits); the backward's two products take the cotangent in h's dtype, accumulating in
-    float32: a bf16 model's head gradients run at the matrix units' bf16 rate over half the bytes (autodiff
-    would multiply the float32 cotangent in float32: on an H200 the head's backward took 2.3x its forward)."""
-    return jnp.dot(h_ID, w_DV, preferred_element_type=jnp.float32)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def head_product(h_ID, w, vocab_first: bool = False):
+    """h @ w in float32 (logits), w as [D,V] or, tied to the embedding, [V,D] (read in its own layout: no [D,V] copy
+    of it); the backward's two products take the cotangent in h's dtype, accumulating in float32: a bf16 model's
+    head gradients run at the matrix units' bf16 rate over half the bytes (autodiff would multiply the float32
+    cotangent in float32: on an H200 the head's backward took 2.3x its forward)."""
+    return jax.lax.dot_general(h_ID, w, (((1,), (int(vocab_first),)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _head_product_fwd(h_ID, w_DV):
-    return head_product(h_ID, w_DV), (h_ID, w_DV)
+def _head_product_fwd(h_ID, w, vocab_first):
+    return head_product(h_ID, w, vocab_first), (h_ID, w)
 
 
-def _head_product_bwd(res, g_IV):
-    h_ID, w_DV = res
+def _head_product_bwd(vocab_first, res, g_IV):
+    h_ID, w = res
     g_IV = g_IV.astype(h_ID.dtype)
-    return (jnp.dot(g_IV, w_DV.T, preferred_element_type=jnp.float32).astype(h_ID.dtype),
-            jnp.dot(h_ID.T, g_IV, preferred_element_type=jnp.float32).astype(w_DV.dtype))
+    f32 = jnp.float32
+    dh_ID = jax.lax.dot_general(g_IV, w, (((1,), (1 - int(vocab_first),)), ((), ())), preferred_element_type=f32)
+    rows = (((0,), (0,)), ((), ()))  # contract the rows: [V,D] from (g, h), [D,V] from (h, g)
+    dw = jax.lax.dot_general(*((g_IV, h_ID) if vocab_first else (h_ID, g_IV)), rows, preferred_element_type=f32)
+    return dh_ID.astype(h_ID.dtype), dw.astype(w.dtype)
 
 
 head_product.defvjp(_head_product_fwd, _head_product_bwd)
@@ -148,8 +154,8 @@ class MTPTransformer(nnx.Module):
         """Shared output head on normed hidden states h ([..., D], any leading axes); float32 logits."""
         lead = h.shape[:-1]
         h_ID = h.reshape(-1, h.shape[-1])
-        w_DV = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
-        out_IV = head_product(h_ID, w_DV.astype(h_ID.dtype))
+        tied = self.cfg.tie_embeddings
+        out_IV = head_product(h_ID, (self.embed if tied else self.head)[...].astype(h_ID.dtype), tied)
         return out_IV.reshape(*lead, out_IV.shape[-1])
 
     def head_norm(self, k: int, h_raw):
