@@ -197,12 +197,12 @@ def fused_attention(backend: str, interpret: bool, q_BTKRH, k_BTKH, v_BTKH, seg_
     width = max(qk, hv)
     if qk != hv:
         note(f"{backend}: query/key width {qk} and value width {hv} differ; values zero-padded to {width} "
-                     f"(attention FLOPs x{2 * width / (qk + hv):.2f}, value reads x{width / hv:.2f})")
+             f"(attention FLOPs x{2 * width / (qk + hv):.2f}, value reads x{width / hv:.2f})")
         q_BTKRH, k_BTKH, v_BTKH = pad_heads(q_BTKRH, k_BTKH, v_BTKH, width)
     if backend == "cudnn":
         if seg_BT is not None:
             note("cudnn: jax.nn.dot_product_attention takes no segment ids; packed documents are masked "
-                         "with a dense [B,1,T,T] mask (exact, but T^2 values per row: compare model.attention=pallas)")
+                 "with a dense [B,1,T,T] mask (exact, but T^2 values per row: compare model.attention=pallas)")
         fn = cudnn_attention
     elif backend == "pallas":  # tiles measured on an H200 (bench/attention_gpu.py): a backward tile of 64 runs
         # forward + backward 1.8x faster than 32 at width 128; wider heads need smaller tiles (shared memory)
@@ -211,4 +211,4 @@ def fused_attention(backend: str, interpret: bool, q_BTKRH, k_BTKH, v_BTKH, seg_
     else:
         fn = functools.partial(splash_attention, interpret=interpret)
     return per_device(fn, placement.mesh, placement.batch_axes, placement.head_axis, q_BTKRH, k_BTKH, v_BTKH,
-                              seg_BT)[..., :hv]
+                      seg_BT)[..., :hv]
