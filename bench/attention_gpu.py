@@ -70,6 +70,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="toy shape, Pallas in interpret mode, cuDNN's XLA path")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget", type=float, default=150.0)
+    ap.add_argument("--tiles", type=int, default=len(PALLAS), help="how many of the Pallas tile choices to time")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     t0, res = time.perf_counter(), {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": []}
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
         ref = None
         impl = "xla" if args.smoke else "cudnn"
         pallas = [(f"pallas {p}", functools.partial(kernels.pallas_gpu_attention, block=p[0], bwd_block=p[1],
-                     num_warps=p[2], num_stages=p[3], interpret=args.smoke)) for p in PALLAS]
+                     num_warps=p[2], num_stages=p[3], interpret=args.smoke)) for p in PALLAS[:args.tiles]]
         cudnn = [("cudnn, dense mask", functools.partial(kernels.cudnn_attention, implementation=impl)),
                  ("cudnn, causal only (not packed)",
                   lambda q, k, v, s, i=impl: kernels.cudnn_attention(q, k, v, None, implementation=i))]

@@ -120,10 +120,11 @@ def test_companion_the_gmm_check_sees_a_kernel_that_skips_the_last_group(monkeyp
 def test_attention_check_times_every_kernel_and_compares_each_to_the_first(tmp_path):
     """bench/attention_gpu.py --smoke: every Pallas tile choice and the cuDNN call (its XLA path here) runs, each
     timed, and each masked kernel's output and gradients equal the first's within float32-on-bf16 rounding."""
-    from bench.attention_gpu import PALLAS, main
+    from bench.attention_gpu import main
 
     out = tmp_path / "attn.json"
-    assert main(["--smoke", "--repeats", "1", "--json", str(out)]) == 0
+    assert main(["--smoke", "--repeats", "1", "--tiles", "2", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == len(PALLAS) + 2 and all(r["forward_backward_ms"] > 0 for r in rows)
+    assert [r["kernel"][:6] for r in rows] == ["pallas", "pallas", "cudnn,", "cudnn,"]
+    assert all(r["forward_backward_ms"] > 0 for r in rows)
     assert all(r["rel_diff"] < 2e-2 for r in rows[1:] if "causal only" not in r["kernel"])
