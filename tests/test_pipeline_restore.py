@@ -76,6 +76,19 @@ def losses_after(history, step: int) -> list[float]:
     return [loss for s, loss in history if s > step]
 
 
+def restore_blocks_rolled(monkeypatch) -> None:
+    """Every restore hands back the stacked blocks rolled by one (the last block first): a layout that depended on
+    the split that trained them."""
+    real = checkpoint.Checkpointer.restore_latest
+
+    def rolled(self, target):
+        step, state, data_state, meta = real(self, target)
+        state.params["blocks"] = jax.tree.map(lambda v: jnp.roll(v, 1, axis=0), state.params["blocks"])
+        return step, state, data_state, meta
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "restore_latest", rolled)
+
+
 def test_a_staged_run_resumes_on_one_device(runs):
     tmp, corpus, _, out = runs
     cont = resumable_copy(tmp / "staged", tmp / "staged-on-one-device")
@@ -89,14 +102,7 @@ def test_a_staged_run_resumes_on_one_device(runs):
 def test_companion_a_resume_with_the_stages_blocks_swapped_is_caught(runs, monkeypatch):
     """A resume that read stage 1's blocks back first starts from other parameters: its first loss is told apart."""
     tmp, corpus, _, out = runs
-    real = checkpoint.Checkpointer.restore_latest
-
-    def swapped(self, target):
-        step, state, data_state, meta = real(self, target)
-        state.params["blocks"] = jax.tree.map(lambda v: jnp.roll(v, 1, axis=0), state.params["blocks"])
-        return step, state, data_state, meta
-
-    monkeypatch.setattr(checkpoint.Checkpointer, "restore_latest", swapped)
+    restore_blocks_rolled(monkeypatch)
     cont = resumable_copy(tmp / "staged", tmp / "staged-swapped")
     first = train(run_cfg(tmp, corpus, cont.name))["history"][0][1]
     expect = losses_after(out["staged"], MID)[0]
@@ -117,14 +123,7 @@ def test_companion_an_uneven_resume_with_the_second_stages_block_first_is_caught
     """Had the checkpoint put the second stage's block (2) before the first stage's (0, 1), the first resumed loss
     is told apart."""
     tmp, corpus, _, out = runs
-    real = checkpoint.Checkpointer.restore_latest
-
-    def shifted(self, target):
-        step, state, data_state, meta = real(self, target)
-        state.params["blocks"] = jax.tree.map(lambda v: jnp.roll(v, 1, axis=0), state.params["blocks"])
-        return step, state, data_state, meta
-
-    monkeypatch.setattr(checkpoint.Checkpointer, "restore_latest", shifted)
+    restore_blocks_rolled(monkeypatch)
     cont = resumable_copy(tmp / "uneven", tmp / "uneven-shifted")
     first = train(run_cfg(tmp, corpus, cont.name, *UNEVEN))["history"][0][1]
     # the test's own check: at a loss near ln 256 the blocks move it little (8.8e-6 relative here, 0 when right)
