@@ -286,8 +286,8 @@ class Program:
         reads = [hbm_nbytes(self.shapes.get(o, "")) for o in ins.operands]
         write = written_bytes(ins)
         body, params = [ins], {0: ins.operands[0]} if ins.operands else {}
-        if ins.op == "fusion" and (fused_call := re.search(r"calls=%([^\s,}]+)", ins.attrs)):
-            body = self.comps.get(fused_call[1], [])
+        if ins.op == "fusion" and (calls := called(ins)):  # a fusion calls its fused computation alone
+            body = self.comps.get(calls[0], [])
             params = {int(i.args): i.name for i in body if i.op == "parameter" and i.args.strip().isdigit()}
         users = collections.defaultdict(list)
         for i in body:
