@@ -257,11 +257,23 @@ def dispatch_extra(depth: int, platform: str, kernel: bool = True) -> float:
     return (1 + depth) * (executed - needed)
 
 
+def head_recompute(depth: int) -> float:
+    """FLOPs per device of one more pass of the shared head than the plan counts: on a TPU the head is fused with its
+    cross-entropy (nn/head_ce.py), whose backward recomputes each tile of logits (the plan, with an unchunked loss,
+    counts the forward and the two gradient products). Rows: the batch over expert, every depth; the vocabulary
+    over tensor."""
+    rows = SMALL_BATCH * MOE["T"] // MOE["expert"] * (1 + depth)
+    return 2 * rows * MOE["D"] * 1024 // MOE["tensor"]  # configs/tiny.yaml's vocabulary
+
+
 def moe_flops(runs: dict, name: str) -> tuple[float, float, hlo.Program]:
-    """(the train step's counted FLOPs, the plan's plus dispatch_extra, its parsed HLO)."""
+    """(the train step's counted FLOPs, the plan's plus dispatch_extra and the fused head's recompute, its parsed
+    HLO)."""
     train = report_of(runs, name)["train_step"]
     prog = hlo.Program((runs[name][3] / "hlo" / "train_step.hlo.txt").read_text())
-    extra = dispatch_extra(2 if name.endswith("depth2") else 1, name.split("_")[0], not name.endswith("ragged"))
+    depth, platform = 2 if name.endswith("depth2") else 1, name.split("_")[0]
+    extra = dispatch_extra(depth, platform, not name.endswith("ragged"))
+    extra += head_recompute(depth) if platform == "tpu" else 0
     return train["flops"], train["analytic_flops"] + extra, prog
 
 

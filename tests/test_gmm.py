@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hlo_helpers import one_call
 from mtpjax.nn import gmm
 
 # 8 groups over 150 of 160 rows: empty groups first, in the middle and last-but-one, sizes off every tile (Triton's
@@ -134,11 +135,8 @@ def test_moe_layer_on_the_kernel_equals_today_s_layer(moe_layer, kernel):
 
 def _call(target: str, attrs: str) -> str:
     """A module whose one instruction is a grouped matmul's custom call: [256, 64] rows times [4, 64, 128] groups."""
-    return ("HloModule m\n\nENTRY %main (g: s32[7], a: bf16[256,64], b: bf16[4,64,128]) -> bf16[256,128] {\n"
-            "  %g = s32[7]{0} parameter(0)\n  %a = bf16[256,64]{1,0} parameter(1)\n"
-            "  %b = bf16[4,64,128]{2,1,0} parameter(2)\n"
-            f'  ROOT %pallas_call.2 = bf16[256,128]{{1,0}} custom-call(%g, %a, %b), custom_call_target="{target}", '
-            f"{attrs}\n}}\n")
+    params = {"g": "s32[7]{0}", "a": "bf16[256,64]{1,0}", "b": "bf16[4,64,128]{2,1,0}"}
+    return one_call(params, "bf16[256,128]{1,0}", target, attrs)
 
 
 TRITON = ("__gpu$xla.gpu.triton", 'backend_config={grid_x = 11 : i32, name = "mtpjax_gmm", num_stages = 3 : i32}')

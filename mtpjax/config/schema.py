@@ -152,6 +152,9 @@ class LossConfig(Section):
         "application separated by `;`")
     moe_seq_aux_loss: Float = Field(0.0, description="`model.mlp_kind=moe`: weight of DeepSeek-V3's sequence-wise "
         "balance loss (summed over MoE layers, averaged over rows); 0 = bias balancing alone", ge=0)
+    head_kernel: one_of("how the head's logits meet the cross-entropy", runtime=True, auto="on TPU one Pallas kernel "
+        "(`nn/head_ce.py`): logits made a tile at a time on chip, never written to HBM (the `self`/`tv` targets and "
+        "the eval's acceptance keep XLA's); elsewhere XLA", xla="XLA: the logits written to HBM, then read")
 
 
 SOURCES = dict(  # data.source's choices, and what each reads

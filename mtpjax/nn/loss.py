@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from mtpjax.config import LambdaSchedule, LossConfig
+from mtpjax.nn import head_ce
 from mtpjax.nn.model import MTPOutput, MTPTransformer, shift_left
 from mtpjax.drafts import chain
 from mtpjax.nn.speed import by_position, expected_tokens
@@ -165,14 +168,48 @@ def _ce_chunk(model: MTPTransformer, h_MBCD, tgt_MBC, teach_JBCD=None, temperatu
             mb(tv_BJC))
 
 
+def _fused_chunk(model: MTPTransformer, plan: head_ce.Plan, h_MBCD, tgt_MBC):
+    """_ce_chunk's (cross-entropy, argmax) from the fused head (nn/head_ce.py): no logits in HBM."""
+    on = model.placement.constrain
+    with jax.named_scope("head"):
+        h_BMCD = on(jnp.swapaxes(h_MBCD, 0, 1), "batch", None, "length", "embed")
+        ce_I, am_I = head_ce.head_cross_entropy(h_BMCD.reshape(-1, h_BMCD.shape[-1]),
+                                                model.head_weight(h_BMCD.dtype)[0], jnp.swapaxes(tgt_MBC, 0, 1).ravel(),
+                                                plan)
+    return tuple(jnp.swapaxes(x_I.reshape(h_BMCD.shape[:3]), 0, 1) for x_I in (ce_I, am_I))
+
+
+HEAD_INTERPRET_ENV = "MTPJAX_HEAD_INTERPRET"  # "1": off a TPU, the fused head runs in Pallas interpret mode (tests)
+
+
+def head_plan(model: MTPTransformer, cfg: LossConfig, B: int) -> head_ce.Plan | None:
+    """How the fused head runs for B rows on the model's placement; None: XLA's head (loss.head_kernel=xla, off a
+    TPU, or inside a pipeline's stages)."""
+    pl = model.placement
+    interpret = pl.platform != "tpu" and os.environ.get(HEAD_INTERPRET_ENV) == "1"
+    if cfg.head_kernel == "xla" or pl.stage_axis or not (pl.platform == "tpu" or interpret):
+        return None
+    mesh = pl.mesh if pl.mesh is not None and pl.mesh.size > 1 else None
+    rows, n = [], 1
+    for a in pl.batch_axes if mesh else ():  # the leading batch axes whose product divides B, as attention's
+        if B % (n * mesh.shape[a]) == 0:
+            rows.append(a)
+            n *= mesh.shape[a]
+    vocab = pl.head_axis if mesh and pl.head_axis and model.cfg.vocab_size % mesh.shape[pl.head_axis] == 0 else None
+    return head_ce.Plan(model.cfg.tie_embeddings, interpret, mesh=mesh, row_axes=tuple(rows) or None,
+                        vocab_axis=vocab)
+
+
 def per_position(model: MTPTransformer, hidden_MBTD, tgt_MBT, chunk_size: int = 0, teach_JBTD=None,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, fused: head_ce.Plan | None = None):
     """Cross-entropy and argmax per depth and position ([M,B,T] each), and with teacher hidden states ([J,B,T,D],
     for the last J of the M rows) also the soft cross-entropy, acceptance probability and TV distance of those
-    ([J,B,T] each); [M,B,T,V] logits are never all held at once."""
+    ([J,B,T] each); [M,B,T,V] logits are never all held at once (`fused`: never written at all, no teacher)."""
     M, B, T, D = hidden_MBTD.shape
     C = T if chunk_size in (0, T) else chunk_size
     chunk = lambda args: _ce_chunk(model, *args, temperature=temperature)
+    if fused is not None and teach_JBTD is None:
+        chunk = lambda args: _fused_chunk(model, fused, *args)
     args = (hidden_MBTD, tgt_MBT) if teach_JBTD is None else (hidden_MBTD, tgt_MBT, teach_JBTD)
     if C == T:
         return chunk(args)
@@ -183,7 +220,7 @@ def per_position(model: MTPTransformer, hidden_MBTD, tgt_MBT, chunk_size: int = 
     # and exp-sum ([B,M,C] each) are kept, so the backward reads the recomputed logits once (the softmax gradient)
     # where recomputing them would read them twice more (4.3 GB of small's 66.7 GB a device on h100:8).
     remat = jax.checkpoint(chunk, policy=jax.checkpoint_policies.save_only_these_names(SOFTMAX_STATS))
-    outs = jax.lax.map(remat, tuple(to_chunks(a) for a in args))
+    outs = jax.lax.map(chunk if fused is not None and teach_JBTD is None else remat, tuple(to_chunks(a) for a in args))
     return tuple(from_chunks(o) for o in outs)
 
 
@@ -280,11 +317,12 @@ def _per_application(model: MTPTransformer, out: MTPOutput, tgt, depths: tuple, 
     depth = out.hidden.shape[0] - 1
     h0_BTD = jax.lax.stop_gradient(out.hidden[0])
     shifted = lambda ks: jnp.stack([shift_left(h0_BTD, k) for k in ks]) if teach else None
+    fused = head_plan(model, cfg, tgt.shape[1])
     pers = [per_position(model, out.hidden, tgt[:depth + 1], cfg.chunk_size, shifted(depths[1:depth + 1]),
-                         cfg.distill_temperature)]
+                         cfg.distill_temperature, fused)]
     if out.unrolled is not None and out.unrolled.shape[0]:
         pers.append(per_position(model, out.unrolled, tgt[depth + 1:], cfg.chunk_size, shifted(depths[depth + 1:]),
-                                 cfg.distill_temperature))
+                                 cfg.distill_temperature, fused))
     return tuple(jnp.concatenate(x) for x in zip(*pers))
 
 

@@ -154,9 +154,13 @@ class MTPTransformer(nnx.Module):
         """Shared output head on normed hidden states h ([..., D], any leading axes); float32 logits."""
         lead = h.shape[:-1]
         h_ID = h.reshape(-1, h.shape[-1])
-        tied = self.cfg.tie_embeddings
-        out_IV = head_product(h_ID, (self.embed if tied else self.head)[...].astype(h_ID.dtype), tied)
+        out_IV = head_product(h_ID, *self.head_weight(h_ID.dtype))
         return out_IV.reshape(*lead, out_IV.shape[-1])
+
+    def head_weight(self, dtype):
+        """(the head's weight in `dtype`, whether it is [V,D]: the embedding itself when tied, else [D,V])."""
+        tied = self.cfg.tie_embeddings
+        return (self.embed if tied else self.head)[...].astype(dtype), tied
 
     def head_norm(self, k: int, h_raw):
         """Depth k's final norm (k=0: the trunk's), making h ready for the shared head."""

@@ -164,10 +164,31 @@ _MEGABLOX = re.compile(r"\bjit\(t?gmm\)")
 _TRITON_GMM = re.compile(r'name = \\?"mtpjax_t?gmm\\?"')
 
 
+# The head fused with its cross-entropy (mtpjax.nn.head_ce), by its kernels' names, which carry the row tile.
+HEAD_CALL = "head + cross-entropy (Mosaic)"
+_HEAD = re.compile(r"mtpjax_head_ce_(fwd|bwd)_tile(\d+)")
+
+
+def head_call(ins: Instr) -> tuple[float, int]:
+    """The fused head's (forward passes over the logits: 1 forward, 2 backward (recomputed, then multiplied into the
+    rows' gradient); its row tile)."""
+    m = _HEAD.search(ins.attrs)
+    return (1.0 if m[1] == "fwd" else 2.0), int(m[2])
+
+
+def head_call_flops(ins: Instr, shapes: dict) -> float:
+    """The fused head's FLOPs from its operands, rows [n, D] and the weight (either layout): 2·n·D·V per pass."""
+    h, w = (_dims_of(shapes, o) for o in ins.operands[:2])
+    return 2.0 * math.prod(h) * math.prod(w) / h[-1] * head_call(ins)[0]
+
+
 def call_name(ins: Instr) -> str | None:
-    """A custom call's target; the MoE's grouped matmuls (a TPU's Mosaic ragged_dot, the gmm kernels) named apart."""
+    """A custom call's target; the MoE's grouped matmuls (a TPU's Mosaic ragged_dot, the gmm kernels) and the fused
+    head named apart."""
     target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
     if target and target[1] == "tpu_custom_call":
+        if _HEAD.search(ins.attrs):
+            return HEAD_CALL
         if "ragged_dot_tiling" in ins.attrs:
             return RAGGED_CALL
         if _MEGABLOX.search(ins.attrs):
@@ -246,7 +267,9 @@ class Program:
             f = dot_flops(ins, self.shapes)
         if target:
             s.calls[target] += 1
-            if target == RAGGED_CALL or target in GMM_CALLS.values():
+            if target == HEAD_CALL:
+                f = head_call_flops(ins, self.shapes)
+            elif target == RAGGED_CALL or target in GMM_CALLS.values():
                 f = ragged_call_flops(ins, self.shapes)
                 s.grouped_flops += f if target != RAGGED_CALL else 0.0
             elif attention_kind(target):
@@ -281,8 +304,8 @@ class Program:
     def traffic(self, ins: Instr) -> float:
         """HBM bytes an unfused instruction moves: its operands read and its result written, except the parts it
         never touches: an operand only sliced or gathered (a layer of a scanned stack; the target logit of each row)
-        reads its slices, and an in-place update (dynamic-update-slice: a cache's new rows) reads and writes its
-        update, not the whole buffer."""
+        reads its slices, an in-place update (dynamic-update-slice: a cache's new rows) reads and writes its
+        update, not the whole buffer, and the fused head reads its weight once per tile of rows."""
         reads = [hbm_nbytes(self.shapes.get(o, "")) for o in ins.operands]
         write = written_bytes(ins)
         body, params = [ins], {0: ins.operands[0]} if ins.operands else {}
@@ -297,6 +320,8 @@ class Program:
             picks = _picks(name, users) if ins.op == "fusion" else [ins] if ins.op in _PICKS else None
             if idx < len(reads) and picks and reads[idx]:
                 reads[idx] = sum(_picked_bytes(u) for u in picks)
+        if ins.op == "custom-call" and call_name(ins) == HEAD_CALL and len(reads) > 1:  # the weight, once per row tile
+            reads[1] *= math.ceil(_dims_of(self.shapes, ins.operands[0])[0] / head_call(ins)[1])
         root = body[-1] if body else None
         if root is not None and root.op == "dynamic-update-slice" and len(root.operands) > 1:
             idx = next((i for i, n in params.items() if n == root.operands[0]), None)

@@ -88,7 +88,7 @@ def kernels_in(stats: hlo.Stats, cfg: Config, text: str = "") -> dict:
         else:
             grouped = "expert blocks (gathered weights)"
         moe = grouped + (", all-to-all dispatch" if "all-to-all" in stats.collectives else "")
-    return {"attention": attention, "moe": moe}
+    return {"attention": attention, "moe": moe, "head": hlo.HEAD_CALL if stats.calls.get(hlo.HEAD_CALL) else None}
 
 
 def analyse(name: str, compiled, seconds: float, cfg: Config) -> dict:
@@ -314,7 +314,8 @@ def _program_lines(p: dict) -> list[str]:
                      f"{q['roofline_s'] * 1e6:.1f} us; {q['tokens_per_round']:.3f} tokens/round at alpha -> "
                      f"speedup ESTIMATE {q['speedup_estimate']:.2f}x over plain")
     k = p["kernels"]
-    lines.append(f"  kernels: attention {', '.join(k['attention'])}" + (f"; MoE {k['moe']}" if k["moe"] else ""))
+    lines.append(f"  kernels: attention {', '.join(k['attention'])}" + (f"; MoE {k['moe']}" if k["moe"] else "")
+                 + (f"; {k['head']}" if k.get("head") else ""))
     if "routed" in p:
         lines.append(routed_line(p["routed"], k["moe"]))
     return lines
