@@ -216,6 +216,14 @@ def test_target_names():
     assert parse_target("v5e:2x2").devices == 4
 
 
+def test_a_one_chip_slice_is_described():
+    """v5e-1 and v6e-1 (one chip: less than a host's 2x2, which libtpu assumes unless told) have their one device."""
+    code = ("from mtpjax.parallel.targets import parse_target, topology_devices\n"
+            "print([len(topology_devices(parse_target(t))) for t in ('v5e-1', 'v6e-1', 'v6e-8')])\n")
+    p = _python(code, JAX_PLATFORMS="cpu")
+    assert p.returncode == 0 and p.stdout.split("\n")[-2] == "[1, 1, 8]", p.stderr[-2000:]
+
+
 def test_companion_kernel_chosen_from_the_host(runs):
     assert report_of(runs, "tpu_host_kernel")["train_step"]["kernels"]["attention"] == ["xla (einsum)"]
 

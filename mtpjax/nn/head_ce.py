@@ -103,12 +103,29 @@ def _lanes(x_I, rows: int):
     return jnp.broadcast_to(x_I[:, None], (rows, LANES))
 
 
+VMEM_LIMIT = 32 * 2**20  # the kernels' on-chip memory (every TPU generation has at least this much)
+
+
+def _vmem(tr: int, tv: int, D: int, item: int) -> int:
+    """Bytes a (tr, tv) tiling holds on chip: the blocks double-buffered (rows, the weight's tile, the rows' float32
+    gradient, the softmax gradient's tile, the per-row vectors) and the logits tile's float32 temporaries."""
+    return 2 * (tr * D * item + tv * D * item + tr * D * 4 + tr * tv * item + 5 * tr * LANES * 4) + 5 * tr * tv * 4
+
+
+def tiles(n: int, V: int, D: int, item: int, plan: Plan) -> tuple[int, int]:
+    """(row tile, vocabulary tile): the plan's, halved (the vocabulary's first, to 128; then the rows', to 8) until
+    they fit in three quarters of VMEM_LIMIT; no larger than the rows and the vocabulary need."""
+    tr, tv = min(plan.rows, _round_up(n, 8)), min(plan.vocab, _round_up(V, LANES))
+    while _vmem(tr, tv, D, item) > VMEM_LIMIT * 3 // 4 and (tv > LANES or tr > 8):
+        tv, tr = (tv // 2, tr) if tv > LANES else (tv, max(8, tr // 2))
+    return tr, tv
+
+
 def _call(kernel, h_ID, w, row_vecs, outs, plan: Plan, name: str):
     """`kernel` over a grid of (row tile, vocabulary tile), rows and vocabulary padded to whole tiles."""
     n, D = h_ID.shape
     V = w.shape[0] if plan.vocab_first else w.shape[1]
-    tr = min(plan.rows, _round_up(n, 8))
-    tv = min(plan.vocab, _round_up(V, LANES))
+    tr, tv = tiles(n, V, D, h_ID.dtype.itemsize, plan)
     Ip, Vp = _round_up(n, tr), _round_up(V, tv)
     h_ID = jnp.pad(h_ID, ((0, Ip - n), (0, 0)))
     w = jnp.pad(w, ((0, Vp - V), (0, 0)) if plan.vocab_first else ((0, 0), (0, Vp - V)))
@@ -125,7 +142,7 @@ def _call(kernel, h_ID, w, row_vecs, outs, plan: Plan, name: str):
         out_specs=[specs[k] for k, _ in outs],
         out_shape=[jax.ShapeDtypeStruct(shapes[k], dt) for k, dt in outs],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                             vmem_limit_bytes=48 * 2**20),
+                                             vmem_limit_bytes=VMEM_LIMIT),
         interpret=plan.interpret, name=f"{name}_tile{tr}",  # parallel.hlo reads the row tile from the name
     )(h_ID, w, *(_lanes(v, Ip) for v in row_vecs))
     return [o[:n, :V] if k == "g" else o[:n] if k == "dh" else o[:n, 0] for o, (k, _) in zip(out, outs)]

@@ -181,8 +181,11 @@ def topology_devices(target: Target) -> list:
     prepare_environment("cpu")
     try:
         if target.platform == "tpu":
+            dims = [int(d) for d in target.topology.partition(":")[2].split("x")]
+            # a slice smaller than a host's 2x2 chips (v5e-1, v6e-1) is one host of that many chips
+            small = {"chips_per_host_bounds": (dims + [1, 1])[:3]} if math.prod(dims) < 4 else {}
             topo = topologies.get_topology_desc(topology_name=target.topology, platform="tpu",
-                                                chip_config_name="default")
+                                                chip_config_name="default", **small)
         else:
             spec = (SPECS / target.chip.spec).read_text()
             topo = topologies.get_topology_desc(platform="cuda", topology_name="", target_config=spec,
