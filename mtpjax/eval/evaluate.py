@@ -173,8 +173,7 @@ def speed_report(model, prompts, *, gamma: int, max_new: int, batch: int = 1, re
            "ngram_tokens_per_sec": ngram["tokens_per_sec"],
            "ngram_speedup": ngram["tokens_per_sec"] / plain["tokens_per_sec"],
            "ngram_tokens_per_round": _per_round(ngram)}
-    t = plain["sec_per_round"]
-    v = ngram["sec_per_round"] / t
+    v = ngram["sec_per_round"] / plain["sec_per_round"]
     rep["verify_cost_v"] = v
     exact = ngram["outputs"] == plain["outputs"]
     context = decode_context(prompts, max_new)
@@ -182,28 +181,10 @@ def speed_report(model, prompts, *, gamma: int, max_new: int, batch: int = 1, re
     if draft_model is not None:
         proposers.append(("model_", "model", draft_model))
     for prefix, name, dm in proposers:
-        proposer = make_proposer(name, chain(gamma))
-        r = timed_decode(model, prompts, draft=gamma, proposer=name, draft_model=dm, **kw)
+        r, row = _chain_row(model, prompts, gamma, name, dm, plain, v, context, kw)
         exact &= r["outputs"] == plain["outputs"]
-        alpha_pos = (r["accepted"] / np.maximum(r["reached"], 1)).tolist()
-        cost, dcfg = r["sec_per_round"] / t, None if dm is None else dm.cfg
-        floor = floor_ratio(proposer, model.cfg, context, dcfg)
-        e = expected_tokens(chain(gamma), by_position(alpha_pos))
         rep[f"{name}_tokens_per_sec"] = r["tokens_per_sec"]
-        rep.update({f"{prefix}{k}": x for k, x in {
-            "speedup": r["tokens_per_sec"] / plain["tokens_per_sec"],
-            "acceptance_by_position": alpha_pos, "alpha": float(r["accepted"].sum() / max(r["reached"].sum(), 1)),
-            "tokens_per_round": _per_round(r), "expected_tokens_per_round": e,
-            "round_cost": cost, "draft_cost_c": max(0.0, (cost - v) / gamma), "predicted_speedup": e / cost,
-            "draft_time_fraction": max(0.0, cost - v) / cost,
-            "work_ratio_r": work_ratio(proposer, model.cfg, context, dcfg),
-            "weight_ratio_r": weight_ratio(proposer, model.cfg, context, dcfg),
-            # a bound: verifying the γ+1 rows costs at least one plain step, a draft at least its floor r
-            "speedup_ceiling": ceiling(chain(gamma), by_position(alpha_pos), floor),
-            # an estimate, not a bound: verification at the v measured on the n-gram round (drafting a lookup), whose
-            # own bookkeeping a measured speedup can beat
-            "floor_draft_speedup": ceiling(chain(gamma), by_position(alpha_pos), floor, max(1.0, v)),
-        }.items()})
+        rep.update({f"{prefix}{k}": x for k, x in row.items()})
     if wider is not None:
         exact &= _tree_report(rep, model, prompts, wider, plain, context, kw)
     if model.cfg.mtp_depth:
@@ -214,6 +195,31 @@ def speed_report(model, prompts, *, gamma: int, max_new: int, batch: int = 1, re
             rep["agreement_at_round_starts"] = agreement_at_round_starts(model, prompts, plain["outputs"], gamma)
     rep["outputs_identical"] = bool(exact)
     return rep
+
+
+def _chain_row(model, prompts, gamma: int, name: str, dm, plain: dict, v: float, context: int, kw: dict):
+    """(the timed decode of proposer `name` drafting chains of `gamma`, its speed report's entries against `plain`
+    and the n-gram round's verify cost `v`)."""
+    proposer = make_proposer(name, chain(gamma))
+    r = timed_decode(model, prompts, draft=gamma, proposer=name, draft_model=dm, **kw)
+    alpha_pos = (r["accepted"] / np.maximum(r["reached"], 1)).tolist()
+    cost, dcfg = r["sec_per_round"] / plain["sec_per_round"], None if dm is None else dm.cfg
+    floor = floor_ratio(proposer, model.cfg, context, dcfg)
+    e = expected_tokens(chain(gamma), by_position(alpha_pos))
+    return r, {
+        "speedup": r["tokens_per_sec"] / plain["tokens_per_sec"],
+        "acceptance_by_position": alpha_pos, "alpha": float(r["accepted"].sum() / max(r["reached"].sum(), 1)),
+        "tokens_per_round": _per_round(r), "expected_tokens_per_round": e,
+        "round_cost": cost, "draft_cost_c": max(0.0, (cost - v) / gamma), "predicted_speedup": e / cost,
+        "draft_time_fraction": max(0.0, cost - v) / cost,
+        "work_ratio_r": work_ratio(proposer, model.cfg, context, dcfg),
+        "weight_ratio_r": weight_ratio(proposer, model.cfg, context, dcfg),
+        # a bound: verifying the γ+1 rows costs at least one plain step, a draft at least its floor r
+        "speedup_ceiling": ceiling(chain(gamma), by_position(alpha_pos), floor),
+        # an estimate, not a bound: verification at the v measured on the n-gram round (drafting a lookup), whose
+        # own bookkeeping a measured speedup can beat
+        "floor_draft_speedup": ceiling(chain(gamma), by_position(alpha_pos), floor, max(1.0, v)),
+    }
 
 
 def _per_round(r: dict) -> float:
