@@ -36,7 +36,7 @@ def apply(patch: str) -> None:
     elif patch == "no_shard_map":
         from mtpjax.nn import kernels
 
-        kernels.per_device = lambda kernel, mesh, batch_axes, head_axis, q, k, v, seg: kernel(q, k, v, seg)
+        kernels.per_device = lambda kernel, placement, q, k, v, seg: kernel(q, k, v, seg)
     elif patch == "one_chip_decode":
         import numpy as np
         from jax.sharding import Mesh

@@ -122,22 +122,18 @@ def pad_heads(q_BTKRH, k_BTKH, v_BTKH, width: int):
     return pad(q_BTKRH), pad(k_BTKH), pad(v_BTKH)
 
 
-def per_device(kernel, mesh, batch_axes: tuple, head_axis: str | None, q_BTKRH, k_BTKH, v_BTKH, seg_BT):
-    """`kernel(q, k, v, seg)` run on each device's rows and heads (jax.shard_map): the batch split over `batch_axes`
-    (those whose product divides B), the KV heads over `head_axis` (else the query heads of each group, k and v
+def per_device(kernel, placement: Placement, q_BTKRH, k_BTKH, v_BTKH, seg_BT):
+    """`kernel(q, k, v, seg)` run on each device's rows and heads (jax.shard_map): the batch split over the
+    placement's batch axes (`rows_axes`), the KV heads over its head axis (else the query heads of each group, k and v
     then replicated), so a multi-device mesh neither gathers q/k/v around the kernel nor asks the compiler to
     partition it (Mosaic kernels cannot be). A mesh of one device calls the kernel directly."""
+    mesh, head_axis = placement.mesh, placement.head_axis
     if mesh is None or mesh.size == 1:
         return kernel(q_BTKRH, k_BTKH, v_BTKH, seg_BT)
     from jax.sharding import PartitionSpec as P
 
     B, _, K, R, _ = q_BTKRH.shape
-    rows, n = [], 1
-    for a in batch_axes:
-        if B % (n * mesh.shape[a]) == 0:
-            rows.append(a)
-            n *= mesh.shape[a]
-    rows = tuple(rows) or None
+    rows = placement.rows_axes(B) or None
     t = mesh.shape[head_axis] if head_axis else 1
     kv_h = head_axis if t > 1 and K % t == 0 else None
     q_h = head_axis if t > 1 and kv_h is None and R % t == 0 else None
@@ -210,5 +206,4 @@ def fused_attention(backend: str, interpret: bool, q_BTKRH, k_BTKH, v_BTKH, seg_
         fn = functools.partial(pallas_gpu_attention, interpret=interpret, block=block, bwd_block=bwd)
     else:
         fn = functools.partial(splash_attention, interpret=interpret)
-    return per_device(fn, placement.mesh, placement.batch_axes, placement.head_axis, q_BTKRH, k_BTKH, v_BTKH,
-                      seg_BT)[..., :hv]
+    return per_device(fn, placement, q_BTKRH, k_BTKH, v_BTKH, seg_BT)[..., :hv]

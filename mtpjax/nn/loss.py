@@ -190,14 +190,9 @@ def head_plan(model: MTPTransformer, cfg: LossConfig, B: int) -> head_ce.Plan | 
     if cfg.head_kernel == "xla" or pl.stage_axis or not (pl.platform == "tpu" or interpret):
         return None
     mesh = pl.mesh if pl.mesh is not None and pl.mesh.size > 1 else None
-    rows, n = [], 1
-    for a in pl.batch_axes if mesh else ():  # the leading batch axes whose product divides B, as attention's
-        if B % (n * mesh.shape[a]) == 0:
-            rows.append(a)
-            n *= mesh.shape[a]
     vocab = pl.head_axis if mesh and pl.head_axis and model.cfg.vocab_size % mesh.shape[pl.head_axis] == 0 else None
-    return head_ce.Plan(model.cfg.tie_embeddings, interpret, mesh=mesh, row_axes=tuple(rows) or None,
-                        vocab_axis=vocab)
+    return head_ce.Plan(model.cfg.tie_embeddings, interpret, mesh=mesh, row_axes=(pl.rows_axes(B) if mesh else ())
+                        or None, vocab_axis=vocab)
 
 
 def per_position(model: MTPTransformer, hidden_MBTD, tgt_MBT, chunk_size: int = 0, teach_JBTD=None,
@@ -207,8 +202,9 @@ def per_position(model: MTPTransformer, hidden_MBTD, tgt_MBT, chunk_size: int = 
     ([J,B,T] each); [M,B,T,V] logits are never all held at once (`fused`: never written at all, no teacher)."""
     M, B, T, D = hidden_MBTD.shape
     C = T if chunk_size in (0, T) else chunk_size
+    fused = fused if teach_JBTD is None else None
     chunk = lambda args: _ce_chunk(model, *args, temperature=temperature)
-    if fused is not None and teach_JBTD is None:
+    if fused is not None:
         chunk = lambda args: _fused_chunk(model, fused, *args)
     args = (hidden_MBTD, tgt_MBT) if teach_JBTD is None else (hidden_MBTD, tgt_MBT, teach_JBTD)
     if C == T:
@@ -220,7 +216,7 @@ def per_position(model: MTPTransformer, hidden_MBTD, tgt_MBT, chunk_size: int = 
     # and exp-sum ([B,M,C] each) are kept, so the backward reads the recomputed logits once (the softmax gradient)
     # where recomputing them would read them twice more (4.3 GB of small's 66.7 GB a device on h100:8).
     remat = jax.checkpoint(chunk, policy=jax.checkpoint_policies.save_only_these_names(SOFTMAX_STATS))
-    outs = jax.lax.map(chunk if fused is not None and teach_JBTD is None else remat, tuple(to_chunks(a) for a in args))
+    outs = jax.lax.map(remat if fused is None else chunk, tuple(to_chunks(a) for a in args))  # fused: no logits held
     return tuple(from_chunks(o) for o in outs)
 
 

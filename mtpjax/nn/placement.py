@@ -47,6 +47,16 @@ class Placement:
             return 1
         return math.prod(self.mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
 
+    def rows_axes(self, B: int) -> tuple[str, ...]:
+        """The batch axes, in order, each taken while the product so far divides B: those a kernel's shard_map splits
+        B rows over."""
+        rows, n = [], 1
+        for a in self.batch_axes if self.mesh is not None else ():
+            if B % (n * self.mesh.shape[a]) == 0:
+                rows.append(a)
+                n *= self.mesh.shape[a]
+        return tuple(rows)
+
     def spec(self, axes: tuple[str | None, ...], shape: tuple[int, ...]) -> PartitionSpec:
         """PartitionSpec of an activation with these logical axes (None: whole); each dim takes the leading mesh axes
         of its rule whose product divides it, an axis used once."""
