@@ -22,6 +22,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from mtpjax.nn.model import head_weight_grad
+
 LANES = 128  # a row's statistics are held as [rows, 128] (the lane width), as Pallas's TPU flash attention holds them
 NAME = "mtpjax_head_ce"  # the kernels' names (then _fwd or _bwd, _tile<rows>), which parallel.hlo reads
 
@@ -36,8 +38,12 @@ class Plan:
     rows: int = 1024
     vocab: int = 512
     mesh: Mesh | None = None
-    row_axes: tuple[str, ...] | str | None = None
+    row_axes: tuple[str, ...] | None = None
     vocab_axis: str | None = None
+
+    def vocab_size(self, w) -> int:
+        """The vocabulary `w` holds (a device's shard of it inside the shard_map)."""
+        return w.shape[0] if self.vocab_first else w.shape[1]
 
 
 def _round_up(x: int, m: int) -> int:
@@ -50,10 +56,14 @@ def _tile_logits(h_ref, w_ref, vocab_first: bool):
     return jax.lax.dot_general(h_ref[...], w_ref[...], dims, preferred_element_type=jnp.float32)
 
 
-def _columns(s, j: int, tv: int, V: int):
-    """The tile's vocabulary ids, and its logits with ids past V (padding) at -inf."""
+def _tile(h_ref, w_ref, t_ref, j, tv: int, V: int, vocab_first: bool):
+    """The tile's (vocabulary ids, logits with ids past V (padding) at -inf, where each row's target is, lanes a
+    per-row value repeats over to span the tile)."""
+    s = _tile_logits(h_ref, w_ref, vocab_first)
     col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) + j * tv
-    return col, (s if V % tv == 0 else jnp.where(col < V, s, -jnp.inf))
+    s = s if V % tv == 0 else jnp.where(col < V, s, -jnp.inf)
+    reps = tv // LANES
+    return col, s, col == jnp.tile(t_ref[...], (1, reps)), reps
 
 
 def _fwd_kernel(h_ref, w_ref, t_ref, m_ref, l_ref, tl_ref, av_ref, ai_ref, *, tv: int, V: int, vocab_first: bool):
@@ -64,9 +74,7 @@ def _fwd_kernel(h_ref, w_ref, t_ref, m_ref, l_ref, tl_ref, av_ref, ai_ref, *, tv
         for ref, v in ((m_ref, -jnp.inf), (l_ref, 0.0), (tl_ref, 0.0), (av_ref, -jnp.inf), (ai_ref, 0.0)):
             ref[...] = jnp.full(ref.shape, v, jnp.float32)
 
-    col, s = _columns(_tile_logits(h_ref, w_ref, vocab_first), j, tv, V)
-    reps = tv // LANES
-    hit = col == jnp.tile(t_ref[...], (1, reps))
+    col, s, hit, reps = _tile(h_ref, w_ref, t_ref, j, tv, V, vocab_first)
     tl_ref[...] += jnp.sum(jnp.where(hit, s, 0.0), axis=1)[:, None]
     smax = jnp.max(s, axis=1)[:, None]
     first = jnp.min(jnp.where(s == smax, col.astype(jnp.float32), float(V)), axis=1)[:, None]
@@ -87,9 +95,7 @@ def _bwd_kernel(h_ref, w_ref, t_ref, lse_ref, d_ref, dh_ref, g_ref, *, tv: int, 
     def _start():
         dh_ref[...] = jnp.zeros(dh_ref.shape, jnp.float32)
 
-    col, s = _columns(_tile_logits(h_ref, w_ref, vocab_first), j, tv, V)
-    reps = tv // LANES
-    hit = col == jnp.tile(t_ref[...], (1, reps))
+    _, s, hit, reps = _tile(h_ref, w_ref, t_ref, j, tv, V, vocab_first)
     p = jnp.exp(s - jnp.tile(lse_ref[...], (1, reps)))
     g = ((p - jnp.where(hit, 1.0, 0.0)) * jnp.tile(d_ref[...], (1, reps))).astype(g_ref.dtype)
     g_ref[...] = g
@@ -124,7 +130,7 @@ def tiles(n: int, V: int, D: int, item: int, plan: Plan) -> tuple[int, int]:
 def _call(kernel, h_ID, w, row_vecs, outs, plan: Plan, name: str):
     """`kernel` over a grid of (row tile, vocabulary tile), rows and vocabulary padded to whole tiles."""
     n, D = h_ID.shape
-    V = w.shape[0] if plan.vocab_first else w.shape[1]
+    V = plan.vocab_size(w)
     tr, tv = tiles(n, V, D, h_ID.dtype.itemsize, plan)
     Ip, Vp = _round_up(n, tr), _round_up(V, tv)
     h_ID = jnp.pad(h_ID, ((0, Ip - n), (0, 0)))
@@ -158,8 +164,7 @@ def _local(plan: Plan, tgt_I, V_local: int):
 def _fwd_local(plan: Plan, h_ID, w, tgt_I):
     """One device's (ce, first argmax, logsumexp) over its rows, its shard's statistics combined over the vocabulary
     axis."""
-    V = w.shape[0] if plan.vocab_first else w.shape[1]
-    t, off = _local(plan, tgt_I, V)
+    t, off = _local(plan, tgt_I, plan.vocab_size(w))
     mx, sumexp, picked, best, arg = _call(_fwd_kernel, h_ID, w, [t], [("row", jnp.float32)] * 5, plan, f"{NAME}_fwd")
     arg = arg.astype(jnp.int32) + off
     if plan.vocab_axis:  # the shards' logsumexp merged; the target's logit is one shard's; the first of the maxima
@@ -174,8 +179,7 @@ def _fwd_local(plan: Plan, h_ID, w, tgt_I):
 
 def _bwd_local(plan: Plan, h_ID, w, tgt_I, lse_I, d_I):
     """One device's (rows' gradient, its rows' × shard's softmax gradient in the compute dtype)."""
-    V = w.shape[0] if plan.vocab_first else w.shape[1]
-    t = _local(plan, tgt_I, V)[0]
+    t = _local(plan, tgt_I, plan.vocab_size(w))[0]
     dh, g = _call(_bwd_kernel, h_ID, w, [t, lse_I, d_I.astype(jnp.float32)],
                   [("dh", jnp.float32), ("g", h_ID.dtype)], plan, f"{NAME}_bwd")
     return (jax.lax.psum(dh, plan.vocab_axis) if plan.vocab_axis else dh), g
@@ -212,9 +216,7 @@ def _head_ce_bwd(plan: Plan, res, cot):
     h_spec, w_spec, r_spec, g_spec = _specs(plan)
     dh, g_IV = _per_device(plan, functools.partial(_bwd_local, plan), (h_ID, w, tgt_I, lse, cot[0]),
                            (h_spec, w_spec, r_spec, r_spec, r_spec), (h_spec, g_spec))
-    rows = (((0,), (0,)), ((), ()))  # the weight's gradient contracts the rows: [V,D] from (g, h), [D,V] from (h, g)
-    pair = (g_IV, h_ID) if plan.vocab_first else (h_ID, g_IV)
-    dw = jax.lax.dot_general(*pair, rows, preferred_element_type=jnp.float32)
+    dw = head_weight_grad(h_ID, g_IV, plan.vocab_first)
     return dh.astype(h_ID.dtype), dw.astype(w.dtype), None
 
 

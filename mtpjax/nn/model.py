@@ -76,14 +76,20 @@ def _head_product_fwd(h_ID, w, vocab_first):
     return head_product(h_ID, w, vocab_first), (h_ID, w)
 
 
+def head_weight_grad(h_ID, g_IV, vocab_first: bool):
+    """The head weight's gradient in float32, in the weight's layout: the rows contracted, [V,D] from (g, h), [D,V]
+    from (h, g) (head_product's backward, and the fused head's in nn/head_ce.py)."""
+    rows = (((0,), (0,)), ((), ()))
+    return jax.lax.dot_general(*((g_IV, h_ID) if vocab_first else (h_ID, g_IV)), rows,
+                               preferred_element_type=jnp.float32)
+
+
 def _head_product_bwd(vocab_first, res, g_IV):
     h_ID, w = res
     g_IV = g_IV.astype(h_ID.dtype)
-    f32 = jnp.float32
-    dh_ID = jax.lax.dot_general(g_IV, w, (((1,), (1 - int(vocab_first),)), ((), ())), preferred_element_type=f32)
-    rows = (((0,), (0,)), ((), ()))  # contract the rows: [V,D] from (g, h), [D,V] from (h, g)
-    dw = jax.lax.dot_general(*((g_IV, h_ID) if vocab_first else (h_ID, g_IV)), rows, preferred_element_type=f32)
-    return dh_ID.astype(h_ID.dtype), dw.astype(w.dtype)
+    dims = (((1,), (1 - int(vocab_first),)), ((), ()))
+    dh_ID = jax.lax.dot_general(g_IV, w, dims, preferred_element_type=jnp.float32)
+    return dh_ID.astype(h_ID.dtype), head_weight_grad(h_ID, g_IV, vocab_first).astype(w.dtype)
 
 
 head_product.defvjp(_head_product_fwd, _head_product_bwd)
