@@ -4,7 +4,8 @@ model.moe_buffer_factor against the dropless one and one device, and what it dro
 argv: <out.json>. out.json holds, per check, the numbers the test asserts on (and the broken variants' numbers, the
 companions): "layer" (an MoE layer's loss and gradients per factor), "overflow" (a hand-built routing's dropped
 count and output per factor), "decode" (greedy tokens of a model that drops in training), "step" (the train
-step's reported dropped fractions with every token forced onto one shard's experts).
+step's reported dropped fractions with every token forced onto one shard's experts), "scatters" (float row
+scatters in the dispatch's compiled gradient program).
 """
 
 import os
@@ -14,6 +15,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json  # noqa: E402
+import re  # noqa: E402
 from pathlib import Path  # noqa: E402
 from unittest import mock  # noqa: E402
 
@@ -167,6 +169,27 @@ def step_checks() -> dict:
     return out
 
 
+def row_scatters(mesh) -> dict:
+    """Scatters of float rows in the optimized program of the dispatch's loss and gradients (ragged_dot grouping, so
+    only the dispatch moves rows): the dispatch's gathers, and the companion where `move` is a plain gather, whose
+    gradient autodiff writes as a scatter-add."""
+    ep = moe.expert_parallel(placement(mesh))
+    rng = np.random.default_rng(5)
+    args = (jnp.asarray(rng.normal(size=(12, 8)), jnp.float32), jnp.asarray(IDX), jnp.asarray(W), jnp.asarray(REAL),
+            *(jnp.asarray(rng.normal(size=(4, 8, 8)), jnp.float32) for _ in range(3)))
+
+    def count() -> int:
+        loss = lambda x, *ws: moe.expert_parallel_routed(x, *args[1:4], *ws, ep, "ragged", 1.0)[0].sum()
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(args[0], *args[4:]).compile().as_text()
+        return len(re.findall(r"= f32\[\d+,\d+\]\S* scatter\(", text))
+
+    plain = lambda x, to, readers, fill=True: x.at[to].get(mode="fill", fill_value=0)
+    out = {"move": count()}
+    with mock.patch.object(moe, "move", plain):
+        out["plain_gather"] = count()
+    return out
+
+
 def decode_checks() -> dict:
     """Greedy tokens of a model whose buffer factor (0.1) drops most slots in training: speculative on the 2-device
     expert mesh and plain on one device (decoding runs dropless), and the companion: the mesh's loop on the model as
@@ -188,7 +211,7 @@ def decode_checks() -> dict:
 def main() -> None:
     mesh = make_mesh(load_config(None, MOE).mesh)
     out = {"decode": decode_checks(), "layer": layer_checks(mesh), "overflow": overflow_checks(mesh),
-           "step": step_checks()}
+           "step": step_checks(), "scatters": row_scatters(mesh)}
     Path(sys.argv[1]).write_text(json.dumps(out))
 
 

@@ -356,3 +356,21 @@ def test_bad_moe_setting_exits_2_from_train(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "model.num_experts_per_tok" in err
     assert not (tmp_path / "r").exists()
+
+
+def test_remat_save_experts_changes_nothing_and_reruns_no_routed_matmul(model_cfg):
+    """model.remat=save_experts: logits, loss and gradients of no remat, and a backward that recomputes the block
+    but not its routed experts: each MoE layer's 3 routed matmuls (gate, up, down) are not in the recompute that
+    remat full runs. Its companion is the count: remat full's program has them."""
+    from test_model import _grad_program, all_logits, batch, loss_and_grads
+
+    moe_cfg = dict(mlp_kind="moe", n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_d_ff=16,
+                   first_k_dense_replace=1, mtp_depth=1)
+    models = {r: build_model(model_cfg(**moe_cfg, remat=r), seed=6) for r in ("none", "full", "save_experts")}
+    toks, seg = batch(32)
+    np.testing.assert_array_equal(all_logits(models["save_experts"], toks, seg), all_logits(models["none"], toks, seg))
+    (l1, g1), (l2, g2) = (loss_and_grads(models[r], toks, seg) for r in ("none", "save_experts"))
+    np.testing.assert_allclose(l2, l1, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g2, g1)
+    dots = {r: _grad_program(m, toks, seg).count("dot_general") for r, m in models.items()}
+    assert dots["none"] < dots["save_experts"] == dots["full"] - 3 * len(moe_layers(models["none"])), dots

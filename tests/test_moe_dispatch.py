@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from mtpjax.nn.moe import capacity
+from mtpjax.nn.moe import capacity, inverse, move
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +107,54 @@ def test_greedy_speculative_on_the_expert_mesh_equals_plain_although_training_dr
     d = worker["decode"]
     assert d["mesh_speculative"] == d["one_plain"]
     assert d["mesh_as_built"] != d["one_plain"]
+
+
+@pytest.mark.slow  # the worker compiles a layer, a routing and two train steps on 2 devices
+def test_the_dispatch_moves_rows_by_gathers_both_ways(worker):
+    """The expert-parallel dispatch's loss and gradients compile with no scatter of float rows (XLA:GPU writes a
+    bf16 scatter as u32 copies and a non-unique one's JVP with masks over the whole buffer); the companion: the same
+    dispatch with plain gathers, whose gradients autodiff writes as scatter-adds."""
+    assert worker["scatters"]["move"] == 0 and worker["scatters"]["plain_gather"] > 0, worker["scatters"]
+
+
+def _cells():
+    """6 tokens of width 3 sent to 10 cells, k = 2 slots each, one slot dropped and two cells empty: (x, each cell's
+    token (6: empty), each token's 2 cells (10: dropped))."""
+    x = np.random.default_rng(7).normal(size=(6, 3)).astype(np.float32)
+    to = np.array([3, 0, 6, 5, 1, 4, 6, 2, 0, 5], np.int32)
+    back = np.full((6, 2), 10, np.int32)
+    for cell, tok in enumerate(to):
+        if tok < 6:
+            back[tok, list(back[tok]).index(10)] = cell
+    back[1, 0] = 10  # a slot past its buffer: its cell reads nothing (cell 4 made empty below)
+    to[4] = 6
+    return x, to, back
+
+
+@pytest.mark.parametrize("fill", [True, False])
+def test_move_and_its_gradient_equal_a_gather(fill):
+    """The dispatch's row mover: forward the gather x[to] (zeros for an empty cell), gradient what autodiff gives the
+    plain gather (its scatter-add), but computed by gathering each row's readers."""
+    if fill:
+        x, to, back = _cells()
+    else:
+        x = np.random.default_rng(8).normal(size=(7, 3)).astype(np.float32)
+        to = np.random.default_rng(9).permutation(7).astype(np.int32)
+        back = np.asarray(inverse(jnp.asarray(to)))[:, None]
+    dy = np.random.default_rng(10).normal(size=(len(to), 3)).astype(np.float32)
+    plain = lambda x: x.at[to].get(mode="fill", fill_value=0)
+    y, vjp = jax.vjp(lambda x: move(x, jnp.asarray(to), jnp.asarray(back), fill), jnp.asarray(x))
+    y_ref, vjp_ref = jax.vjp(plain, jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+    np.testing.assert_allclose(np.asarray(vjp(jnp.asarray(dy))[0]), np.asarray(vjp_ref(jnp.asarray(dy))[0]),
+                               rtol=1e-6, atol=1e-7)
+
+
+def test_companion_a_move_that_forgets_a_reader_has_the_wrong_gradient():
+    """The equality above can fail: a row's list of readers missing one loses that reader's gradient."""
+    x, to, back = _cells()
+    back[0, 0] = 10
+    dy = jnp.ones((len(to), 3), jnp.float32)
+    got = jax.vjp(lambda x: move(x, jnp.asarray(to), jnp.asarray(back)), jnp.asarray(x))[1](dy)[0]
+    want = jax.vjp(lambda x: x.at[to].get(mode="fill", fill_value=0), jnp.asarray(x))[1](dy)[0]
+    assert not np.allclose(np.asarray(got), np.asarray(want))

@@ -17,7 +17,7 @@ from flax import nnx, struct
 from mtpjax.config import Config, ModelConfig
 from mtpjax.nn.layers import KV, Block, Dense, RMSNorm, dtype_of, param
 from mtpjax.nn.mla import MLAttention
-from mtpjax.nn.moe import MoE
+from mtpjax.nn.moe import SAVED as MOE_SAVED, MoE
 from mtpjax.nn.placement import Placement, host_placement
 
 
@@ -35,6 +35,7 @@ MTP_SCOPE = "mtp_module"  # the name scope of the MTP modules' ops in a compiled
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
+    "save_experts": jax.checkpoint_policies.save_only_these_names(*MOE_SAVED),
 }
 
 

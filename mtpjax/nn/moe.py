@@ -27,6 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec as P
 
 from mtpjax.config import ModelConfig
@@ -62,6 +63,11 @@ def route(logits_IE, bias_E, *, k: int, n_group: int, topk_group: int, scale: fl
     return idx_IX, w_IX, s_IE
 
 
+# The values remat "save_experts" keeps (nn.model): the routed rows as the experts get them, their gate and up
+# products, and each token-slot's output, so a backward reruns no dispatch and no routed matmul.
+SAVED = ("moe_rows", "moe_hidden", "moe_out")
+
+
 def block_rows(n_slots: int, n_experts: int) -> int:
     """Rows per block of the CPU grouping: padding at most a quarter of the slots, 1 (no padding) for few rows."""
     b = n_slots // (4 * n_experts)
@@ -74,8 +80,8 @@ def grouped_swiglu(x_ID, e_I, counts_E, w_gate_EDF, w_up_EDF, w_down_EFD, groupi
     if grouping == "ragged" or isinstance(grouping, gmm.Kernel):
         gs = counts_E.astype(jnp.int32)
         mm = functools.partial(gmm.grouped_matmul, kernel=grouping) if grouping != "ragged" else jax.lax.ragged_dot
-        h_IF = jax.nn.silu(mm(x_ID, w_gate_EDF, gs)) * mm(x_ID, w_up_EDF, gs)
-        return mm(h_IF.astype(x_ID.dtype), w_down_EFD, gs)
+        g_IF, u_IF = (checkpoint_name(mm(x_ID, w, gs), SAVED[1]) for w in (w_gate_EDF, w_up_EDF))
+        return mm((jax.nn.silu(g_IF) * u_IF).astype(x_ID.dtype), w_down_EFD, gs)
     rows, D = x_ID.shape
     E = w_gate_EDF.shape[0]
     b = block_rows(rows, E)
@@ -90,8 +96,7 @@ def grouped_swiglu(x_ID, e_I, counts_E, w_gate_EDF, w_up_EDF, w_down_EFD, groupi
         pos_I = start_E[e_I] * b + jnp.arange(rows) - first_E[e_I]
         block_e = jnp.minimum(jnp.searchsorted(jnp.cumsum(nb_E), jnp.arange(blocks), side="right"), E - 1)
     xp = jnp.zeros((blocks * b, D), x_ID.dtype).at[pos_I].set(x_ID).reshape(blocks, b, D)  # padding rows: zeros
-    gate = jnp.einsum("nbd,ndf->nbf", xp, w_gate_EDF[block_e])
-    up = jnp.einsum("nbd,ndf->nbf", xp, w_up_EDF[block_e])
+    gate, up = (checkpoint_name(jnp.einsum("nbd,ndf->nbf", xp, w[block_e]), SAVED[1]) for w in (w_gate_EDF, w_up_EDF))
     y = jnp.einsum("nbf,nfd->nbd", (jax.nn.silu(gate) * up).astype(x_ID.dtype), w_down_EFD[block_e])
     return y.reshape(blocks * b, D)[pos_I]
 
@@ -137,32 +142,72 @@ def dispatch_positions(slot_e, slot_w, experts_per_shard: int, shards: int):
     return order, dest, jnp.arange(slot_e.shape[0]) - (jnp.cumsum(per_shard) - per_shard)[dest]
 
 
+def _rows(x, idx, fill: bool):
+    """x's rows at idx: zeros where idx is out of range (fill), or idx promised in range (a permutation's)."""
+    return x.at[idx].get(mode="fill", fill_value=0) if fill else x.at[idx].get(mode="promise_in_bounds")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def move(x, to, readers, fill: bool = True):
+    """Rows x[to] (`fill`: zeros where `to` is out of range; else a permutation): a gather whose gradient is a gather
+    too, so the dispatch has no scatter either way (XLA:GPU writes a bf16 scatter as u32 copies, and a scatter's JVP
+    with masks). `readers` [rows of x, j] lists for each row of x the rows of the result that read it (out of
+    range: none)."""
+    return _rows(x, to, fill)
+
+
+def _move_fwd(x, to, readers, fill):
+    return move(x, to, readers, fill), readers
+
+
+def _move_bwd(fill, readers, dy):
+    per_reader = _rows(dy, readers, fill)  # [rows of x, j, width]
+    dx = per_reader[:, 0] if readers.shape[1] == 1 else per_reader.sum(1, dtype=jnp.float32).astype(dy.dtype)
+    return dx, None, None
+
+
+move.defvjp(_move_fwd, _move_bwd)
+
+
+def inverse(perm):
+    """The inverse of a permutation of 0..n-1."""
+    return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype), unique_indices=True)
+
+
 def _routed_on_shard(x_ID, idx_IX, w_IX, real_I, w_gate, w_up, w_down, *, ep: ExpertParallel, grouping: str,
                      factor: float):
     """One device's (routed output, [its real token-slots dropped]): its slots all-to-all'd to their experts' shards in
     buffers of `capacity` rows per shard, multiplied there, sent back.
 
     A slot past its buffer is dropped: it reaches no expert and adds nothing to its token's output. At the worst-case
-    capacity (factor 0) none is. Padding rows are zeros, whose SwiGLU and gradients are zero.
+    capacity (factor 0) none is. Padding rows are zeros, whose SwiGLU and gradients are zero. Rows move by gathers
+    (`move`), each buffer cell reading its slot's token and each slot its cell.
     """
     (rows, D), k = x_ID.shape, idx_IX.shape[1]
     shards, E_l = ep.mesh.shape[ep.expert_axis], w_gate.shape[0]
-    cap = capacity(rows, k, E_l, shards, factor)
+    cap, slots = capacity(rows, k, E_l, shards, factor), rows * k
     slot_e = idx_IX.reshape(-1)
     order, dest, pos = dispatch_positions(slot_e, w_IX.reshape(-1), E_l, shards)
-    send_x = jnp.zeros((shards, cap, D), x_ID.dtype).at[dest, pos].set(x_ID[order // k], mode="drop")
-    send_e = jnp.full((shards, cap), E_l, jnp.int32).at[dest, pos].set(slot_e[order] % E_l, mode="drop")
+    kept = pos < cap
+    cell_of = jnp.where(kept, dest * cap + pos, shards * cap)  # each ordered slot's cell in the send buffers (or none)
+    slot_cell = jnp.zeros((slots,), jnp.int32).at[order].set(cell_of, unique_indices=True)  # by slot i*k + j
+    cell_slot = jnp.full((shards * cap,), slots, jnp.int32).at[cell_of].set(order, mode="drop")  # slots: an empty cell
+    filled = cell_slot < slots
+    send_x = move(x_ID, jnp.where(filled, cell_slot // k, rows), slot_cell.reshape(rows, k))
+    send_e = jnp.where(filled, slot_e[jnp.minimum(cell_slot, slots - 1)] % E_l, E_l)
     a2a = functools.partial(jax.lax.all_to_all, axis_name=ep.expert_axis, split_axis=0, concat_axis=0)
-    recv_e = a2a(send_e).reshape(-1)  # [shards·cap]: local expert of each received row, E_l for padding
+    recv_e = a2a(send_e.reshape(shards, cap)).reshape(-1)  # each received row's local expert, E_l: padding
     o = jnp.argsort(recv_e, stable=True)
+    inv_o = inverse(o)
     counts = jnp.bincount(recv_e, length=E_l + 1)
     counts = counts[:E_l].at[-1].add(counts[E_l])  # padding rides with the last expert: zeros in, zeros out
-    y = grouped_swiglu(a2a(send_x).reshape(shards * cap, D)[o], jnp.minimum(recv_e[o], E_l - 1), counts,
-                       w_gate, w_up, w_down, grouping)
-    back = a2a(jnp.zeros_like(y).at[o].set(y).reshape(shards, cap, D))
-    slot_y = jnp.zeros((rows * k, D), y.dtype).at[order].set(back.at[dest, pos].get(mode="fill", fill_value=0))
+    recv_x = a2a(send_x.reshape(shards, cap, D)).reshape(shards * cap, D)
+    rows_x = checkpoint_name(move(recv_x, o, inv_o[:, None], False), SAVED[0])
+    y = grouped_swiglu(rows_x, jnp.minimum(recv_e[o], E_l - 1), counts, w_gate, w_up, w_down, grouping)
+    back = a2a(move(y, inv_o, o[:, None], False).reshape(shards, cap, D)).reshape(shards * cap, D)
+    slot_y = checkpoint_name(move(back, slot_cell, cell_slot[:, None]), SAVED[2])
     y_ID = jnp.einsum("nxd,nx->nd", slot_y.reshape(rows, k, D).astype(jnp.float32), w_IX)
-    dropped = jnp.sum((pos >= cap) & real_I[order // k])
+    dropped = jnp.sum(~kept & real_I[order // k])
     return y_ID, dropped.astype(jnp.int32)[None]
 
 
@@ -245,9 +290,11 @@ class MoE(nnx.Module):
                                                    self.grouping, self.buffer_factor)
         else:
             order = jnp.argsort(slot_e, stable=True)
-            slot_y = grouped_swiglu(x_ID[order // k], slot_e[order], jnp.bincount(slot_e, length=E), *weights,
+            inv = inverse(order)
+            rows_x = checkpoint_name(move(x_ID, order // k, inv.reshape(B * T, k), False), SAVED[0])
+            slot_y = grouped_swiglu(rows_x, slot_e[order], jnp.bincount(slot_e, length=E), *weights,
                                     partitioned(self.grouping, self.devices))
-            y_IXD = jnp.zeros_like(slot_y).at[order].set(slot_y).reshape(B * T, k, D)
+            y_IXD = checkpoint_name(move(slot_y, inv, order[:, None], False), SAVED[2]).reshape(B * T, k, D)
             y_ID, dropped = jnp.einsum("nxd,nx->nd", y_IXD.astype(jnp.float32), w_IX), jnp.zeros((), jnp.int32)
         y_ID = y_ID.astype(self.dtype)
         if hasattr(self, "shared"):
