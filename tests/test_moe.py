@@ -358,19 +358,49 @@ def test_bad_moe_setting_exits_2_from_train(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
-def test_remat_save_experts_changes_nothing_and_reruns_no_routed_matmul(model_cfg):
-    """model.remat=save_experts: logits, loss and gradients of no remat, and a backward that recomputes the block
+def test_remat_save_kernels_changes_nothing_and_reruns_no_routed_matmul(model_cfg):
+    """model.remat=save_kernels: logits, loss and gradients of no remat, and a backward that recomputes the block
     but not its routed experts: each MoE layer's 3 routed matmuls (gate, up, down) are not in the recompute that
     remat full runs. Its companion is the count: remat full's program has them."""
     from test_model import _grad_program, all_logits, batch, loss_and_grads
 
     moe_cfg = dict(mlp_kind="moe", n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_d_ff=16,
                    first_k_dense_replace=1, mtp_depth=1)
-    models = {r: build_model(model_cfg(**moe_cfg, remat=r), seed=6) for r in ("none", "full", "save_experts")}
+    models = {r: build_model(model_cfg(**moe_cfg, remat=r), seed=6) for r in ("none", "full", "save_kernels")}
     toks, seg = batch(32)
-    np.testing.assert_array_equal(all_logits(models["save_experts"], toks, seg), all_logits(models["none"], toks, seg))
-    (l1, g1), (l2, g2) = (loss_and_grads(models[r], toks, seg) for r in ("none", "save_experts"))
+    np.testing.assert_array_equal(all_logits(models["save_kernels"], toks, seg), all_logits(models["none"], toks, seg))
+    (l1, g1), (l2, g2) = (loss_and_grads(models[r], toks, seg) for r in ("none", "save_kernels"))
     np.testing.assert_allclose(l2, l1, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g2, g1)
     dots = {r: _grad_program(m, toks, seg).count("dot_general") for r, m in models.items()}
-    assert dots["none"] < dots["save_experts"] == dots["full"] - 3 * len(moe_layers(models["none"])), dots
+    assert dots["none"] < dots["save_kernels"] == dots["full"] - 3 * len(moe_layers(models["none"])), dots
+
+
+def _pallas_calls(jaxpr, name: str) -> int:
+    """Pallas calls of kernel `name` a jaxpr runs, nested jaxprs included (each time it is written)."""
+    def nested(v):
+        if hasattr(v, "jaxpr") and hasattr(v, "consts"):
+            return [v.jaxpr]
+        if hasattr(v, "eqns"):
+            return [v]
+        return [j for x in v for j in nested(x)] if isinstance(v, (list, tuple)) else []
+    return sum((e.primitive.name == "pallas_call" and name in str(e.params.get("name", "")))
+               + sum(_pallas_calls(j, name) for v in e.params.values() for j in nested(v)) for e in jaxpr.eqns)
+
+
+def test_remat_save_kernels_reruns_no_attention_kernel(model_cfg, monkeypatch):
+    """With the Pallas attention kernel (interpreted here), remat save_kernels keeps its forward's output and row
+    statistics: the gradient's program runs the forward kernel once per block, where remat full runs it twice."""
+    from mtpjax.nn import kernels
+
+    monkeypatch.setenv(kernels.INTERPRET_ENV, "1")
+    toks, seg = jnp.zeros((1, 32), jnp.int32), jnp.ones((1, 32), jnp.int32)
+
+    def forward_kernels(remat: str) -> int:
+        model = build_model(model_cfg(attention="pallas", remat=remat, mtp_depth=1), seed=6)
+        gdef, state = nnx.split(model)
+        loss = lambda st: nnx.merge(gdef, st)(toks, seg).hidden.sum()
+        return _pallas_calls(jax.make_jaxpr(jax.grad(loss))(state).jaxpr, "mha_forward")
+
+    blocks = model_cfg().n_layers + 1  # the trunk's and the MTP module's
+    assert forward_kernels("save_kernels") == blocks and forward_kernels("full") == 2 * blocks

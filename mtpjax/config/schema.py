@@ -94,8 +94,8 @@ class ModelConfig(Section):
         last_block="each module's block starts as a copy of the last trunk block; its norms and `eh_proj` fresh")
     scan_layers: Bool = Field(False, description="`lax.scan` over a stacked trunk (faster compiles for deep models)")
     remat: one_of("activation rematerialization per block", none="keep activations", full="recompute the block",
-        dots="save only matmul outputs", save_experts="recompute the block but its routed experts: their "
-        "dispatched rows, gate and up products and outputs kept (no dispatch or routed matmul rerun)")
+        dots="save only matmul outputs", save_kernels="recompute the block but its kernels' work: attention's and "
+        "the grouped matmuls' outputs and the routed experts' rows kept (no kernel or dispatch rerun)")
     dtype: choice("float32", "bfloat16", "float16") = Field("float32", description="activation / compute dtype")
     param_dtype: choice("float32", "bfloat16") = Field("float32", description="parameter dtype")
     init_std: Float = Field(0.02, description="init standard deviation (output projections scaled by 1/√(2L))", gt=0)

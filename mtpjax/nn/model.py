@@ -32,10 +32,19 @@ class MTPOutput:
 
 MTP_SCOPE = "mtp_module"  # the name scope of the MTP modules' ops in a compiled program (jax.named_scope)
 
+
+
+def _kernel_outputs(prim, *_, **params) -> bool:
+    """Whether remat "save_kernels" keeps a value: what a Pallas kernel with its own gradient computed (attention's
+    output and row statistics, the grouped matmuls'). Remat sees such a kernel as one custom_vjp call."""
+    return prim.name == "custom_vjp_call" and "pallas_call" in str(params.get("call_jaxpr", ""))
+
+
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
-    "save_experts": jax.checkpoint_policies.save_only_these_names(*MOE_SAVED),
+    "save_kernels": jax.checkpoint_policies.save_from_both_policies(
+        _kernel_outputs, jax.checkpoint_policies.save_only_these_names(*MOE_SAVED)),
 }
 
 

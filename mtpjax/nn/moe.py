@@ -63,8 +63,8 @@ def route(logits_IE, bias_E, *, k: int, n_group: int, topk_group: int, scale: fl
     return idx_IX, w_IX, s_IE
 
 
-# The values remat "save_experts" keeps (nn.model): the routed rows as the experts get them, their gate and up
-# products, and each token-slot's output, so a backward reruns no dispatch and no routed matmul.
+# The values remat "save_kernels" keeps by name (nn.model): the routed rows as the experts get them, their gate and
+# up products, and each token-slot's output, so a backward reruns no dispatch and no routed matmul.
 SAVED = ("moe_rows", "moe_hidden", "moe_out")
 
 
