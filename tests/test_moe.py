@@ -358,6 +358,7 @@ def test_bad_moe_setting_exits_2_from_train(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow  # three MoE models traced, two compiled with gradients (~9 s)
 def test_remat_save_kernels_changes_nothing_and_reruns_no_routed_matmul(model_cfg):
     """model.remat=save_kernels: logits, loss and gradients of no remat, and a backward that recomputes the block
     but not its routed experts: each MoE layer's 3 routed matmuls (gate, up, down) are not in the recompute that
@@ -388,19 +389,21 @@ def _pallas_calls(jaxpr, name: str) -> int:
                + sum(_pallas_calls(j, name) for v in e.params.values() for j in nested(v)) for e in jaxpr.eqns)
 
 
-def test_remat_save_kernels_reruns_no_attention_kernel(model_cfg, monkeypatch):
-    """With the Pallas attention kernel (interpreted here), remat save_kernels keeps its forward's output and row
-    statistics: the gradient's program runs the forward kernel once per block, where remat full runs it twice."""
+@pytest.mark.parametrize("attention, forward", [("pallas", "mha_forward"), ("splash", "splash_mha_fwd")])
+def test_remat_save_kernels_reruns_no_attention_kernel(model_cfg, monkeypatch, attention, forward):
+    """With a Pallas attention kernel (interpreted here; Triton's a custom_vjp call to remat, splash's forward traced
+    inline), remat save_kernels keeps its forward's output and row statistics: the gradient's program runs the
+    forward kernel once per block, where remat full runs it twice."""
     from mtpjax.nn import kernels
 
     monkeypatch.setenv(kernels.INTERPRET_ENV, "1")
     toks, seg = jnp.zeros((1, 32), jnp.int32), jnp.ones((1, 32), jnp.int32)
 
     def forward_kernels(remat: str) -> int:
-        model = build_model(model_cfg(attention="pallas", remat=remat, mtp_depth=1), seed=6)
+        model = build_model(model_cfg(attention=attention, remat=remat, mtp_depth=1), seed=6)
         gdef, state = nnx.split(model)
         loss = lambda st: nnx.merge(gdef, st)(toks, seg).hidden.sum()
-        return _pallas_calls(jax.make_jaxpr(jax.grad(loss))(state).jaxpr, "mha_forward")
+        return _pallas_calls(jax.make_jaxpr(jax.grad(loss))(state).jaxpr, forward)
 
     blocks = model_cfg().n_layers + 1  # the trunk's and the MTP module's
     assert forward_kernels("save_kernels") == blocks and forward_kernels("full") == 2 * blocks

@@ -36,8 +36,10 @@ MTP_SCOPE = "mtp_module"  # the name scope of the MTP modules' ops in a compiled
 
 def _kernel_outputs(prim, *_, **params) -> bool:
     """Whether remat "save_kernels" keeps a value: what a Pallas kernel with its own gradient computed (attention's
-    output and row statistics, the grouped matmuls'). Remat sees such a kernel as one custom_vjp call."""
-    return prim.name == "custom_vjp_call" and "pallas_call" in str(params.get("call_jaxpr", ""))
+    output and row statistics, the grouped matmuls'). Remat sees such a kernel as one custom_vjp call (Triton's
+    attention, ours) or, where its forward rule was traced inline (splash), as the Pallas call itself."""
+    return prim.name == "pallas_call" or (prim.name == "custom_vjp_call"
+                                          and "pallas_call" in str(params.get("call_jaxpr", "")))
 
 
 _REMAT = {
