@@ -215,3 +215,15 @@ def test_unknown_attention_is_refused_in_one_line():
         load_config(None, ["model.attention=flash"])
     assert str(e.value) == ("config key 'model.attention' = 'flash' is invalid: expected one of auto, xla, cudnn, "
                             "pallas, splash")
+
+
+def test_a_splash_kernel_first_built_under_a_trace_serves_later_programs():
+    """The splash kernel is built once per shape and kept: built first while a program is traced (remat's, here),
+    it holds no value of that trace, so the next program using it compiles (it leaked a tracer when its mask
+    arrays were the trace's)."""
+    kernels._splash_kernel.cache_clear()
+    q, k, v = (jnp.ones(s, jnp.float32) for s in ((1, 37, 2, 1, 16), (1, 37, 2, 16), (1, 37, 2, 16)))
+    seg = jnp.ones((1, 37), jnp.int32)
+    f = lambda q, k, v: kernels.splash_attention(q, k, v, seg, interpret=True).sum()
+    jax.make_jaxpr(jax.grad(jax.checkpoint(f)))(q, k, v)
+    assert jax.jit(jax.grad(f))(q, k, v).shape == q.shape

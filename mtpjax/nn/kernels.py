@@ -95,7 +95,8 @@ def _splash_kernel(T_pad: int, n_heads: int, block: int, interpret: bool):
     mask = splash.MultiHeadMask([splash.CausalMask((T_pad, T_pad)) for _ in range(n_heads)])
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    with jax.ensure_compile_time_eval():  # its mask arrays concrete, never a trace's: the kernel outlives the trace
+        return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
 def splash_attention(q_BTKRH, k_BTKH, v_BTKH, seg_BT, *, interpret: bool = False, block: int | None = None):
