@@ -33,7 +33,6 @@ class MTPOutput:
 MTP_SCOPE = "mtp_module"  # the name scope of the MTP modules' ops in a compiled program (jax.named_scope)
 
 
-
 def _kernel_outputs(prim, *_, **params) -> bool:
     """Whether remat "save_kernels" keeps a value: what a Pallas kernel with its own gradient computed (attention's
     output and row statistics, the grouped matmuls'). Remat sees such a kernel as one custom_vjp call (Triton's
