@@ -7,6 +7,7 @@ imports). A package's `__main__` is an entry point and counts as the command she
     errors    MtpjaxError, the base of every error a command reports as one line (with its exit status)
     checksum  the one content hash (xxh3-128) of checkpoints, exported safetensors and the data cache
     drafts    the one draft type (a tree whose nodes say their source) and its spelling (`auto`, `3`, `2x2+ngram3`)
+    objective the objective's weights, each with its spelling and its value at a step: λ(step), λ per depth, targets
     config    the typed schema every layer reads its own section of
     nn        layers (the shape alphabet), model, kernels, loss, FLOPs, speculation arithmetic: pure, no I/O
     parallel  mesh and sharding rules, the multi-process runtime, compilation cache and profiler
@@ -25,8 +26,8 @@ answered before JAX loads. The Python API, with a runnable first example: docs/a
 
 __version__ = "0.1.0"
 
-LAYERS = ("errors", "checksum", "drafts", "config", "nn", "parallel", "data", "decode", "eval", "train", "convert",
-          "cli")
+LAYERS = ("errors", "checksum", "drafts", "objective", "config", "nn", "parallel", "data", "decode", "eval", "train",
+          "convert", "cli")
 
 # name -> (module, attribute or None for the module itself): what `mtpjax.NAME` loads on first use
 API = {

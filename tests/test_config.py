@@ -17,12 +17,10 @@ from mtpjax.config import (
     Config,
     ConfigError,
     DecodeConfig,
-    LambdaSchedule,
     LossConfig,
     MeshConfig,
     MixtureSource,
     ModelConfig,
-    TargetMix,
     choices,
     field_doc,
     from_dict,
@@ -34,8 +32,8 @@ from mtpjax.config.errors import bounds
 from mtpjax.config.reference import COMMAND, markdown
 from mtpjax.config.schema import Section, walk
 from mtpjax.config.types import Int, choice
-from mtpjax.nn.loss import lambda_schedule
 from mtpjax.nn.model import build_model, param_counts
+from mtpjax.objective import LambdaSchedule, TargetMix
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 TINY = CONFIGS[0].parent / "tiny.yaml"
@@ -351,7 +349,7 @@ def test_lambda_is_parsed_once_into_its_typed_value_and_saved_as_a_string(spec, 
     cfg = load_config(None, [f"loss.mtp_lambda={spec}"])
     assert cfg.loss.mtp_lambda == typed and str(typed) == saved
     assert cfg.to_dict()["loss"]["mtp_lambda"] == saved and from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
-    sched = lambda_schedule(cfg.loss.mtp_lambda)
+    sched = cfg.loss.mtp_lambda  # λ(step)
     for step, want in points.items():
         np.testing.assert_allclose(float(sched(step)), want, rtol=1e-6, atol=1e-7, err_msg=f"{spec} @ {step}")
 

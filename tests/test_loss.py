@@ -10,12 +10,13 @@ import pytest
 from flax import nnx
 from jax.extend import core as jex_core
 
-from mtpjax.config import LambdaSchedule, LossConfig
+from mtpjax.config import LossConfig
 from mtpjax.nn import loss
-from mtpjax.nn.loss import cross_entropy, first_argmax, lambda_schedule, mtp_loss, token_counts
+from mtpjax.nn.loss import cross_entropy, first_argmax, mtp_loss, token_counts
 from mtpjax.nn import model as model_mod
 from mtpjax.nn.model import build_model
 from mtpjax.nn.placement import Placement
+from mtpjax.objective import LambdaSchedule
 
 T = 12
 
@@ -241,7 +242,7 @@ def test_counts_let_micro_batches_sum_to_full_batch(model_cfg):
     ("cosine:0->0.1@100", {0: 0.0, 50: 0.05, 100: 0.1, 200: 0.1}),
 ])
 def test_lambda_schedule_values(spec, points):
-    sched = lambda_schedule(LambdaSchedule.parse(spec))
+    sched = LambdaSchedule.parse(spec)  # λ(step)
     jitted = jax.jit(sched)
     for step, want in points.items():
         np.testing.assert_allclose(float(sched(step)), want, rtol=1e-6, atol=1e-7, err_msg=f"{spec} @ {step}")

@@ -9,9 +9,10 @@ from test_loss import packed_batch
 from train_helpers import cli_args, one_line_error, tiny_cfg
 
 from mtpjax.cli.train import main
-from mtpjax.config import ConfigError, DepthLambdas, LossConfig, TargetMix, load_config
-from mtpjax.nn.loss import depth_lambdas, forward, mtp_loss, token_counts, tv_distance
+from mtpjax.config import ConfigError, LossConfig, load_config
+from mtpjax.nn.loss import forward, mtp_loss, token_counts, tv_distance
 from mtpjax.nn.model import build_model, shift_left
+from mtpjax.objective import DepthLambdas, LambdaSchedule, SpellingError, TargetMix
 from mtpjax.parallel.sharding import make_mesh
 from mtpjax.train.loop import train
 from mtpjax.train.report import Logger
@@ -182,6 +183,11 @@ def test_unrolled_tv_sends_no_gradient_into_the_main_head(model_cfg):
 # ----------------------------------------------------------------------------- λ per depth
 
 
+def lambdas_at(lc: LossConfig, step: int, apps: int):
+    """float32[apps]: λ of each scored application at `step` under the loss section `lc`."""
+    return lc.mtp_lambda_depths.at(jnp.int32(step), lc.mtp_lambda, apps)
+
+
 @pytest.mark.parametrize("spec, apps, points", [
     ("", 2, {0: [0.3, 0.3], 999: [0.3, 0.3]}),
     ("forward:10", 3, {0: [0, 0, 0], 9: [0, 0, 0], 10: [0.3, 0, 0], 19: [0.3, 0, 0], 20: [0.3, 0.3, 0],
@@ -194,14 +200,14 @@ def test_unrolled_tv_sends_no_gradient_into_the_main_head(model_cfg):
 def test_lambda_per_depth_at_chosen_steps(spec, apps, points):
     cfg = LossConfig("0.3", mtp_lambda_depths=spec)
     for step, want in points.items():
-        np.testing.assert_allclose(depth_lambdas(cfg, apps, jnp.int32(step)), want, rtol=1e-6, atol=1e-7,
+        np.testing.assert_allclose(lambdas_at(cfg, step, apps), want, rtol=1e-6, atol=1e-7,
                                    err_msg=f"{spec} @ {step}")
 
 
 def test_forward_curriculum_scales_the_base_schedule():
     cfg = LossConfig("piecewise:0.3@15,0.1", mtp_lambda_depths="forward:10")
-    np.testing.assert_allclose(depth_lambdas(cfg, 1, jnp.int32(12)), [0.3], rtol=1e-6)
-    np.testing.assert_allclose(depth_lambdas(cfg, 1, jnp.int32(15)), [0.1], rtol=1e-6)
+    np.testing.assert_allclose(lambdas_at(cfg, 12, 1), [0.3], rtol=1e-6)
+    np.testing.assert_allclose(lambdas_at(cfg, 15, 1), [0.1], rtol=1e-6)
 
 
 def test_a_zero_lambda_depth_adds_nothing_to_the_loss_but_is_still_logged(model_cfg):
@@ -220,6 +226,21 @@ def test_a_zero_lambda_depth_adds_nothing_to_the_loss_but_is_still_logged(model_
 def test_depth_lambdas_parse_and_save(spec, saved, kind):
     lam = DepthLambdas.parse(spec)
     assert lam.kind == kind and str(lam) == saved and DepthLambdas.parse(saved) == lam
+
+
+@pytest.mark.parametrize("kind, text, shown", [
+    (LambdaSchedule, "linear:0.3->0.1", "linear:0.3->0.1"), (TargetMix, "kl", "kl"),
+    (DepthLambdas, "forward:0", "forward:0"), (DepthLambdas, "0.3;sideways", "sideways")])
+def test_a_spelling_refused_alone_says_what_is_allowed_and_the_config_adds_its_key(kind, text, shown):
+    """Outside a config a bad spelling is a SpellingError (the part that is wrong, what is allowed); the config's
+    message is the same with the key in front."""
+    with pytest.raises(SpellingError) as e:
+        kind.parse(text)
+    assert e.value.value == shown and str(e.value).startswith("expected")
+    key = {LambdaSchedule: "mtp_lambda", TargetMix: "mtp_target", DepthLambdas: "mtp_lambda_depths"}[kind]
+    with pytest.raises(ConfigError) as c:
+        LossConfig(**{key: text})
+    assert str(c.value) == f"config key 'loss.{key}' = {shown!r} is invalid: {e.value}"
 
 
 @pytest.mark.parametrize("over, needle", [
@@ -265,7 +286,7 @@ def test_lambda_per_depth_continues_across_a_resume(tmp_path, monkeypatch):
     straight, resumed = seen[cfg_a.train.run_dir], seen[cfg_b.train.run_dir]
     assert [s for s, *_ in resumed] == list(range(1, 9)) and resumed == straight
     for step, *lams in straight:  # the step that logged `step` ran at counter step - 1
-        np.testing.assert_allclose(lams, depth_lambdas(cfg_a.loss, 2, jnp.int32(step - 1)), rtol=1e-6)
+        np.testing.assert_allclose(lams, lambdas_at(cfg_a.loss, step - 1, 2), rtol=1e-6)
     assert len({lam for _, lam, _ in straight}) == 4  # 0, then ramping in, then λ: the check is not vacuous
 
 
@@ -309,5 +330,5 @@ def test_lambda_per_depth_after_a_skipped_step(tmp_path, monkeypatch):
     logged = seen[cfg.train.run_dir]
     assert out["skipped_steps"] == 1 and [s for s, *_ in logged] == [1, 2, 3, 5, 6, 7, 8]
     for step, *lams in logged:  # the step that logged `step` ran at counter step - 1, the skip included
-        np.testing.assert_allclose(lams, depth_lambdas(cfg.loss, 2, jnp.int32(step - 1)), rtol=1e-6)
+        np.testing.assert_allclose(lams, lambdas_at(cfg.loss, step - 1, 2), rtol=1e-6)
     assert len({lam for _, _, lam in logged}) >= 3  # depth 2 at 0, ramping, then λ: the check is not vacuous

@@ -21,7 +21,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from mtpjax.config import Config, ConfigError, ModelConfig, TargetMix, choices, replace
+from mtpjax.config import Config, ConfigError, LossConfig, ModelConfig, choices, replace
 from mtpjax.nn.flops import train_flops_per_token
 
 KINDS = choices(ModelConfig, "mtp_kind")
@@ -122,7 +122,7 @@ def parse_targets(items: list[str], depths: list[int]) -> dict[str, list[int]]:
         missing = [d for d in ds if d not in depths or d == 0]
         if missing:
             raise ConfigError(f"--target '{item}': depth {missing[0]} is not one of the MTP depths in --depths")
-        TargetMix.parse(target)  # ConfigError naming loss.mtp_target
+        LossConfig(mtp_target=target)  # ConfigError naming loss.mtp_target
         out[target] = ds
     return out
 

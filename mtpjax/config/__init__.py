@@ -1,8 +1,9 @@
 """One config schema: frozen pydantic models loaded from YAML plus dotted overrides, validated early.
 
     errors     ConfigError, the one-line message form, pydantic's errors read into it
-    types      the value types: YAML scalars as written, and the values parsed from one string (the λ schedule, the
-               MTP target mix, the per-depth λ, the profile window; decode.draft, read by mtpjax.drafts)
+    types      the value types: YAML scalars as written, values parsed from one string by their home (the λ schedule,
+               the per-depth λ and the MTP target mix by mtpjax.objective, decode.draft by mtpjax.drafts), the
+               profile window
     schema     the sections: each key's type, bounds, doc and choices as its `Field`
     validate   the rules that tie fields together
     load       YAML and dotted overrides
@@ -14,10 +15,10 @@ from mtpjax.config.load import from_dict, load_config, replace
 from mtpjax.config.schema import (
     RUNTIME_KEYS, CheckpointConfig, Config, DataConfig, DecodeConfig, LossConfig, MeshConfig, MixtureSource,
     ModelConfig, OptimConfig, TrainConfig, choices, field_doc, identity)
-from mtpjax.config.types import DepthLambdas, LambdaSchedule, TargetMix, parse_profile
+from mtpjax.config.types import parse_profile
 
 __all__ = [
-    "RUNTIME_KEYS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DecodeConfig", "DepthLambdas",
-    "LambdaSchedule", "LossConfig", "MeshConfig", "MixtureSource", "ModelConfig", "OptimConfig", "TargetMix",
-    "TrainConfig", "choices", "field_doc", "from_dict", "identity", "load_config", "parse_profile", "replace",
+    "RUNTIME_KEYS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DecodeConfig", "LossConfig",
+    "MeshConfig", "MixtureSource", "ModelConfig", "OptimConfig", "TrainConfig", "choices", "field_doc", "from_dict",
+    "identity", "load_config", "parse_profile", "replace",
 ]

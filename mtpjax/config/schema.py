@@ -8,8 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from mtpjax import drafts
 from mtpjax.config.errors import ConfigError, fail, one_line
-from mtpjax.config.types import (
-    Bool, DepthLambdas, Float, Int, Ints, LambdaSchedule, Str, Strs, TargetMix, choice, listed, one_of, parsed)
+from mtpjax.config.types import Bool, Float, Int, Ints, Str, Strs, choice, listed, one_of, parsed
+from mtpjax.objective import DepthLambdas, LambdaSchedule, TargetMix
 from mtpjax.config.validate import validate
 
 RUNTIME = {"runtime": True}  # how to compute, not what: a run resumes, and a checkpoint decodes, with another value

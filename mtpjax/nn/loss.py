@@ -6,28 +6,13 @@ import os
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.ad_checkpoint import checkpoint_name
 
-from mtpjax.config import LambdaSchedule, LossConfig
+from mtpjax.config import LossConfig
 from mtpjax.nn import head_ce
 from mtpjax.nn.model import MTPOutput, MTPTransformer, shift_left
 from mtpjax.drafts import chain
 from mtpjax.nn.speed import by_position, expected_tokens
-
-
-def lambda_schedule(lam: LambdaSchedule) -> optax.Schedule:
-    """The MTP weight lambda(step) as an optax schedule, from the parsed `loss.mtp_lambda`."""
-    if lam.kind == "constant":
-        return optax.constant_schedule(lam.values[0])
-    if lam.kind == "piecewise":
-        vals, bounds = lam.values, lam.steps
-        return lambda step: jnp.asarray(vals, jnp.float32)[jnp.searchsorted(jnp.asarray(bounds), step, side="right")]
-    (a, b), (n,) = lam.values, lam.steps
-    if lam.kind == "linear":
-        return optax.linear_schedule(a, b, n)
-    # Written out rather than optax.cosine_decay_schedule, whose end value is init*alpha (wrong for init=0).
-    return lambda step: b + (a - b) * 0.5 * (1 + jnp.cos(jnp.pi * jnp.minimum(step, n) / n))
 
 
 def depth_masks(tokens_BT, segment_ids_BT, depths):
@@ -237,23 +222,6 @@ def add_expected_lengths(metrics: dict, depth: int) -> dict:
     return metrics
 
 
-def depth_lambdas(cfg: LossConfig, apps: int, step) -> jax.Array:
-    """float32[apps]: λ of each scored application at `step` (loss.mtp_lambda_depths over loss.mtp_lambda)."""
-    lam = cfg.mtp_lambda_depths
-    if not apps:
-        return jnp.zeros((0,), jnp.float32)
-    if lam.kind == "each":
-        return jnp.stack([jnp.asarray(lambda_schedule(x)(step), jnp.float32) for x in lam.each])
-    base = jnp.asarray(lambda_schedule(cfg.mtp_lambda)(step), jnp.float32)
-    if lam.kind == "same":
-        return jnp.broadcast_to(base, (apps,))
-    at = jnp.asarray(lam.switch_steps(apps), jnp.float32)
-    # forward: off before the switch, then (ramping to) on; reverse: on, then (ramping to) off at the switch.
-    ahead = (step - at) if lam.kind == "forward" else (at - step)
-    gate = jnp.clip(ahead / lam.ramp, 0, 1) if lam.ramp else (ahead >= 0 if lam.kind == "forward" else ahead > 0)
-    return base * gate.astype(jnp.float32)
-
-
 def _names(depth: int, apps: int) -> list[str]:
     """Metric names of the scored applications: mtp_k for depth k, unroll_u for the u-th reuse."""
     return [f"mtp_{k}" for k in range(1, depth + 1)] + [f"unroll_{u}" for u in range(1, apps - depth + 1)]
@@ -286,8 +254,8 @@ def mtp_loss(model: MTPTransformer, out: MTPOutput, tokens_BT, segment_ids_BT=No
     depth_mean = lambda x, valid: (x * valid).sum(axis=(1, 2)) / denom[-x.shape[0]:]
     teacher_means = [depth_mean(t, valid[1:]) for t in teacher_terms]  # self, accept_prob, tv: [apps] each
     losses = _target_mix(depth_mean(ce, valid), teacher_means, weights)
-    lam = jnp.asarray(lambda_schedule(cfg.mtp_lambda)(step), jnp.float32)
-    lams = depth_lambdas(cfg, apps, step)
+    lam = cfg.mtp_lambda(step)
+    lams = cfg.mtp_lambda_depths.at(step, cfg.mtp_lambda, apps)
     if cfg.mtp_lambda_depths.kind == "same":  # this order keeps a run without a curriculum's loss bit for bit
         loss = losses[0] + (lam / apps) * losses[1:].sum() if apps else losses[0]
     else:
