@@ -28,7 +28,8 @@ from flax import nnx  # noqa: E402
 from bench import peer as peer_mod  # noqa: E402
 from bench.common import interleave, load, log, median_ratio  # noqa: E402
 from mtpjax.decode import MTPProposer, make_loop, run, summarize  # noqa: E402
-from mtpjax.decode.proposers import NgramProposer, make_proposer  # noqa: E402
+from mtpjax.decode.ngram import NgramProposer  # noqa: E402
+from mtpjax.decode.proposers import make_proposer  # noqa: E402
 from mtpjax.decode.tree import acceptance_by_depth_rank  # noqa: E402
 from mtpjax.eval.evaluate import decode_context  # noqa: E402
 from mtpjax.eval.plan import tree_bytes  # noqa: E402

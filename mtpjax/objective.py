@@ -14,13 +14,12 @@ import math
 import re
 import typing
 from dataclasses import dataclass
-from typing import Any, Literal
-
-import jax
-import jax.numpy as jnp
-import optax
+from typing import TYPE_CHECKING, Any, Literal
 
 from mtpjax.errors import MtpjaxError
+
+if TYPE_CHECKING:
+    import jax
 
 
 class SpellingError(MtpjaxError, ValueError):
@@ -77,6 +76,9 @@ class LambdaSchedule:
 
     def __call__(self, step) -> jax.Array:
         """λ at `step` (float32; traceable)."""
+        import jax.numpy as jnp  # here: a config (and a command's bad input) loads without JAX
+        import optax
+
         v = self.values
         if self.kind == "constant":
             return jnp.asarray(optax.constant_schedule(v[0])(step), jnp.float32)
@@ -130,6 +132,8 @@ class DepthLambdas:
 
     def at(self, step, base: LambdaSchedule, apps: int) -> jax.Array:
         """float32[apps]: λ of each scored application at `step`, over the shared schedule `base` (loss.mtp_lambda)."""
+        import jax.numpy as jnp  # here: a config loads without JAX
+
         if not apps:
             return jnp.zeros((0,), jnp.float32)
         if self.kind == "each":

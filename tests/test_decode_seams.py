@@ -9,7 +9,8 @@ from flax import nnx
 
 from mtpjax.decode.cache import AttentionCaches, cache_bytes, rows
 from mtpjax.decode.host import make_loop, request
-from mtpjax.decode.proposers import DRAFTERS, MTPChainProposer, Plain
+from mtpjax.decode.mtp_proposers import MTPChainProposer
+from mtpjax.decode.proposers import DRAFTERS, Plain
 from mtpjax.decode.protocol import Models, Proposer
 from mtpjax.drafts import chain
 from mtpjax.nn.flops import TokenFlops, flops_per_token

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from mtpjax.decode.sampling import Sampler
 from mtpjax.drafts import Tree
@@ -44,6 +45,11 @@ class Draft(NamedTuple):
 
     tokens_BG: jax.Array
     q_BGV: jax.Array | None  # the exact distributions the drafts were drawn from (None when greedy)
+
+    @classmethod
+    def stacked(cls, tokens: list, qs: list) -> Draft:
+        """The draft of per-node tokens_B (and q_BV, or Nones when greedy), node i in column i."""
+        return cls(jnp.stack(tokens, 1), None if qs[0] is None else jnp.stack(qs, 1))
 
 
 class Proposer(DraftCost, Protocol):
