@@ -29,9 +29,9 @@ REPEATS = {
     ("mtpjax/nn/layers.py", "RTT"): "the causal mask of those R*T query rows over the same T keys",
     ("mtpjax/nn/layers.py", "BTT"): "a tree round's which-row-sees-which mask: this call's T rows over the same T rows",
     ("mtpjax/nn/mla.py", "BTT"): "the same tree mask, passed to MLA's cached attention",
-    ("mtpjax/decode/proposers.py", "BTT"): "the tree mask a module's window of T rows is drafted under",
-    ("mtpjax/decode/proposers.py", "WW"): "the causal part of that mask over the module's W recomputed rows",
-    ("mtpjax/decode/proposers.py", "OO"): "which of a level's O node rows sees which (its ancestors)",
+    ("mtpjax/decode/mtp_proposers.py", "BTT"): "the tree mask a module's window of T rows is drafted under",
+    ("mtpjax/decode/mtp_proposers.py", "WW"): "the causal part of that mask over the module's W recomputed rows",
+    ("mtpjax/decode/mtp_proposers.py", "OO"): "which of a level's O node rows sees which (its ancestors)",
     ("mtpjax/decode/loop.py", "YY"): "the tree mask over the Y verified rows (each row sees its ancestors)",
 }
 # (file, rule) still broken and awaiting a rename on another branch (none now: decode/ was the last). Each entry
