@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import pytest
 
 from mtpjax.cli.compile import main as compile_main
-from mtpjax.parallel import hlo, hlo_text
+from mtpjax.parallel import hlo, hlo_calls, hlo_text
 from mtpjax.parallel.targets import TargetError, parse_target
 from mtpjax.train.aot import memory_of
 
@@ -120,7 +120,7 @@ def activation_gathers(hlo_dir: Path, program: str, platform: str) -> list[str]:
     backward outputs' rows for the FSDP weight gradients of the q/k/v projections at these tiny shapes, where they
     are smaller than the weights: docs/accelerators.md.)"""
     prog = hlo.Program((hlo_dir / f"{program}.hlo.txt").read_text())
-    is_kernel = lambda i: i.op == "custom-call" and hlo.attention_kind(i.attrs.split('custom_call_target="')[-1])
+    is_kernel = lambda i: i.op == "custom-call" and hlo_calls.attention_kind(i.attrs.split('custom_call_target="')[-1])
     out = []
     for n, idx in hlo.gathers_around(prog, is_kernel, hops=8, after=False):
         flows = hlo.arrays(prog.shapes[n]) if idx is None else hlo.arrays(prog.shapes[n])[idx:idx + 1]
@@ -285,9 +285,9 @@ def moe_flops(runs: dict, name: str) -> tuple[float, float, hlo.Program]:
     return train["flops"], train["analytic_flops"] + extra, prog
 
 
-@pytest.mark.parametrize("name, kernel", [("tpu_moe", hlo.GMM_CALLS["megablox"]),
-                                          ("tpu_moe_depth2", hlo.GMM_CALLS["megablox"]),
-                                          ("tpu_moe_ragged", hlo.RAGGED_CALL)])
+@pytest.mark.parametrize("name, kernel", [("tpu_moe", hlo_calls.GMM_CALLS["megablox"]),
+                                          ("tpu_moe_depth2", hlo_calls.GMM_CALLS["megablox"]),
+                                          ("tpu_moe_ragged", hlo_calls.RAGGED_CALL)])
 def test_mla_moe_flops_match_the_plan_with_the_dispatch_at_two_depths(runs, name, kernel):
     """Issue 47's megablox kernels, and XLA's ragged_dot (Mosaic; its weight gradients convolutions) before them."""
     counted, expected, prog = moe_flops(runs, name)
@@ -304,7 +304,7 @@ def test_mla_moe_compiles_for_gpus_and_its_flops_match_the_plan_with_the_dispatc
     counted, expected, _ = moe_flops(runs, "gpu_moe")
     assert abs(counted / expected - 1) < 0.15, counted / expected
     train = report_of(runs, "gpu_moe")["train_step"]
-    assert train["kernels"]["moe"].startswith(hlo.GMM_CALLS["triton"])
+    assert train["kernels"]["moe"].startswith(hlo_calls.GMM_CALLS["triton"])
     E_l, N = MOE["E"] // MOE["expert"], SMALL_BATCH * MOE["T"] // MOE["expert"]
     received = MOE["expert"] * min(MOE["k"], E_l) * N
     assert train["routed"]["flops"] / train["routed"]["need"] == pytest.approx(received / (MOE["k"] * N))

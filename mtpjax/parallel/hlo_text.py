@@ -138,3 +138,9 @@ def trip_count(ins: Instr, comps: dict | None = None) -> int | None:
             value = consts[i.operands[1]].args.strip()
             return int(value) if value.lstrip("-").isdigit() else None
     return None
+
+
+def dims_of(shapes: dict, name: str) -> tuple:
+    """The dimensions of the first array of instruction `name`'s shape (() if unknown)."""
+    a = arrays(shapes.get(name, ""))
+    return a[0][1] if a else ()

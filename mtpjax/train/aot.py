@@ -31,6 +31,7 @@ from mtpjax.drafts import PLAIN, chain
 from mtpjax.nn.speed import expected_tokens
 from mtpjax.parallel import hlo
 from mtpjax.parallel import pipeline
+from mtpjax.parallel.hlo_calls import GMM_CALLS, HEAD_CALL, RAGGED_CALL, attention_kind
 from mtpjax.parallel.sharding import make_mesh, placement, state_shardings
 from mtpjax.parallel.targets import Target, topology_devices
 from mtpjax.train.setup import check_parallelism
@@ -73,13 +74,13 @@ def refused_memory(message: str) -> dict | None:
 def kernels_in(stats: hlo.Stats, cfg: Config, text: str = "") -> dict:
     """Which attention and MoE kernels a program contains (`text`: its HLO, whose op names say where a ragged_dot
     became plain dots)."""
-    attention = sorted({hlo.attention_kind(t) for t in stats.calls if hlo.attention_kind(t)}) or ["xla (einsum)"]
+    attention = sorted({attention_kind(t) for t in stats.calls if attention_kind(t)}) or ["xla (einsum)"]
     moe = None
     if cfg.model.mlp_kind == "moe":
-        gmm = [name for name in hlo.GMM_CALLS.values() if stats.calls.get(name)]
+        gmm = [name for name in GMM_CALLS.values() if stats.calls.get(name)]
         if gmm:  # mtpjax.nn.gmm: a train step's forward, input and weight gradients all grouped
             grouped = gmm[0]
-        elif stats.calls.get(hlo.RAGGED_CALL):  # TPU: its weight gradient is a convolution over every local expert
+        elif stats.calls.get(RAGGED_CALL):  # TPU: its weight gradient is a convolution over every local expert
             grouped = "ragged_dot (Mosaic; weight gradients: every local expert over every received row)"
         elif stats.ops.get("ragged-dot"):
             grouped = "ragged_dot"
@@ -88,7 +89,7 @@ def kernels_in(stats: hlo.Stats, cfg: Config, text: str = "") -> dict:
         else:
             grouped = "expert blocks (gathered weights)"
         moe = grouped + (", all-to-all dispatch" if "all-to-all" in stats.collectives else "")
-    return {"attention": attention, "moe": moe, "head": hlo.HEAD_CALL if stats.calls.get(hlo.HEAD_CALL) else None}
+    return {"attention": attention, "moe": moe, "head": HEAD_CALL if stats.calls.get(HEAD_CALL) else None}
 
 
 def analyse(name: str, compiled, seconds: float, cfg: Config) -> dict:
