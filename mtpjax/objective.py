@@ -81,7 +81,7 @@ class LambdaSchedule:
 
         v = self.values
         if self.kind == "constant":
-            return jnp.asarray(optax.constant_schedule(v[0])(step), jnp.float32)
+            return jnp.asarray(v[0], jnp.float32)
         if self.kind == "piecewise":
             return jnp.asarray(v, jnp.float32)[jnp.searchsorted(jnp.asarray(self.steps), step, side="right")]
         (a, b), (n,) = v, self.steps
