@@ -173,26 +173,31 @@ def evaluation(base) -> dict:
     return out
 
 
-def psum_drain(last, axis, split):
+def psum_drain(last, axis, layout):
     """The companion's drain: psum_scatter / psum over the stages (XLA gathers the batch shards first)."""
-    return (jax.lax.psum_scatter(last, axis, scatter_dimension=2, tiled=True) if split
+    return (jax.lax.psum_scatter(last, axis, scatter_dimension=2, tiled=True) if layout == "rows"
             else jax.lax.psum(last, axis))
 
 
 def tail_split(base) -> dict:
     """The head's FLOPs per device: one device; 2 stages × data 2 (the tail's rows split over all 4); and the
-    companion, the same mesh with a tail every stage repeats (split over data alone). With them, the staged
-    program's collectives larger than a device's rows (issue 49's boundary), and those of a psum drain."""
+    companion, the same mesh with a tail every stage repeats (split over data alone). Then 4 stages, whose micro-
+    batches (2 rows) do not split over them: one device, the stages taking every 4th micro-batch, and the companion
+    repeating the tail on every stage. With them, the staged program's collectives larger than a device's rows
+    (issue 49's boundary), and those of a psum drain."""
     cfg = replace(base, [*DENSE, "model.mtp_depth=2", "train.micro_batches=4"])
+    cfg4 = replace(base, [*DENSE, "model.mtp_depth=2", "train.micro_batches=8"])
     staged = compiled(replace(cfg, S2))
     out = {"single": compiled(cfg).stats().scoped_flops, "staged": staged.stats().scoped_flops,
-           "oversized": oversized(staged, replace(cfg, S2))}
-    real, real_drain = pipeline.tail_placement, pipeline.drain
-    pipeline.tail_placement = lambda model, rows: model.placement
+           "oversized": oversized(staged, replace(cfg, S2)), "single_s4": compiled(cfg4).stats().scoped_flops,
+           "staged_s4": compiled(replace(cfg4, S4)).stats().scoped_flops}
+    real, real_drain = pipeline.tail_layout, pipeline.drain
+    pipeline.tail_layout = lambda model, rows, micro_batches: ""
     try:
         out["repeated"] = compiled(replace(cfg, S2)).stats().scoped_flops
+        out["repeated_s4"] = compiled(replace(cfg4, S4)).stats().scoped_flops
     finally:
-        pipeline.tail_placement = real
+        pipeline.tail_layout = real
     pipeline.drain = psum_drain
     try:
         out["oversized_psum_drain"] = oversized(compiled(replace(cfg, S2)), replace(cfg, S2))
@@ -220,7 +225,7 @@ def main() -> None:
     base = tiny_cfg(tmp, corpus=corpus)
     batches = synthetic_batches(20, 8, 32)
     # 16 rows: with 4 micro-batches, the 2-stage cases' tails split over stage × data (or expert); the 4-stage
-    # cases' micro-batches (2 rows) do not split over 4 and run the tail whole on every stage
+    # cases' micro-batches (2 rows) do not split over 4: each stage runs the tail of every 4th micro-batch
     BATCH.append(synthetic_batches(1, 16, 32, seed=1)[0])
     res = {name: compare(base, name, *rest) for name, *rest in CASES}
     res["dropped_embedding_tail"] = dropped_embedding_tail(base)

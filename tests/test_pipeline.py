@@ -113,6 +113,17 @@ def test_the_tail_runs_on_each_stages_share_of_the_rows(staged):
 
 
 @pytest.mark.slow
+def test_where_a_micro_batch_s_rows_do_not_split_each_stage_runs_every_sth_micro_batch_s_tail(staged):
+    """4 stages, 8 micro-batches of 2 rows: the rows do not split over the stages, so each stage runs the tail of
+    micro-batches s, s + 4 (a quarter of the one-device head's matmuls); the companion, repeated on every stage,
+    runs all of them. The 4-stage equality cases above hold the numbers."""
+    f = staged["tail_split"]
+    assert f["single_s4"] > 0
+    assert f["staged_s4"] == f["single_s4"] / 4
+    assert f["repeated_s4"] == f["single_s4"]
+
+
+@pytest.mark.slow
 def test_the_pipeline_boundary_moves_a_device_s_rows_not_the_batch(staged):
     """The drain (and its cotangent) moves each device's batch shard alone: on 2 stages × data 2 no collective of
     the backward moves more than the largest parameter or one device's rows of the residual stream."""

@@ -7,8 +7,9 @@ an uneven mesh.stage_layers gathers each stage's blocks and pads them to the lar
 The embedding is read on entry (the first stage's input); after the pipeline drains, the last stage's outputs are
 sent by rows to the stages (`drain`: each device sends its own batch shard's rows, never the whole batch), and the
 final norm, the MTP modules, the shared head and the loss run one micro-batch at a time as the unpipelined step runs
-them, each stage on its 1/S of the rows: in a GPipe schedule the tail runs after the drain, so the last stage alone
-would leave the others idle through it (and every stage repeating it would compute it S times). The embedding (and
+them, each stage on its 1/S of the rows (or, where a micro-batch's rows do not divide over the stages, on every S-th
+micro-batch: `tail_layout`): in a GPipe schedule the tail runs after the drain, so the last stage alone would leave
+the others idle through it (and every stage repeating it would compute it S times). The embedding (and
 a tied head) is one parameter read at both ends; autodiff sums the gradient of its uses: the pipeline input's
 cotangent (summed over stages by shard_map's transpose) and the modules' reads (summed over the stages' rows).
 """
@@ -71,14 +72,15 @@ def stage_count(model: MTPTransformer) -> int:
 
 
 def trunk(model: MTPTransformer, tok_ABT, seg_ABT):
-    """The trunk over A micro-batches through the stages: (raw hidden [A,B,T,D], routing info stacked [A, ...]).
+    """The trunk over A micro-batches through the stages: (raw hidden [A,B,T,D], routing info stacked [A, ...]); with
+    the "micro-batches" tail layout the hidden states come as the tail takes them, [A/S, S·B, T, D] (side_by_side).
 
     Stage s works on micro-batch t − s at tick t of A + S − 1; a tick outside its micro-batches (the bubble) computes
     on a finite stand-in whose results are dropped, so neither values nor gradients reach the loss from it.
     """
     pl = model.placement
     axis, S, A = pl.stage_axis, stage_count(model), tok_ABT.shape[0]
-    st, keep_L, layout = stage_state(model)
+    st, keep_L, uneven = stage_state(model)
     # The first stage's input, the embedding's first use: held as the shard_map takes it (every stage, the batch
     # axes' rows), so it needs no gather over the stages.
     x_ABTD = pl.constrain(model.embed_tokens(pl.constrain(tok_ABT, None, "batch", "length")), None, "batch",
@@ -96,26 +98,27 @@ def trunk(model: MTPTransformer, tok_ABT, seg_ABT):
         def tick(state_BTD, t):
             m = jnp.clip(t - s, 0, A - 1)  # this stage's micro-batch (clipped in the bubble)
             x_BTD = jnp.where(s == 0, x_ABTD[jnp.minimum(t, A - 1)], state_BTD)
-            y_BTD, _, aux = scan_blocks(gdef, st, x_BTD, pos_BT, seg_ABT[m], None, remat, keep_L if layout else None)
+            y_BTD, _, aux = scan_blocks(gdef, st, x_BTD, pos_BT, seg_ABT[m], None, remat, keep_L if uneven else None)
             return jax.lax.ppermute(y_BTD, axis, [(i, (i + 1) % S) for i in range(S)]), (y_BTD, aux)
 
         _, (y_ABTD, aux) = jax.lax.scan(tick, jnp.zeros_like(x_ABTD[0]), jnp.arange(A + S - 1))
         # The last stage finishes micro-batch a at tick a + S − 1; stage s's own ticks are s .. s + A − 1.
-        h = drain(inner.constrain(by_shard(y_ABTD[S - 1:]), None, "batch", None, "length", "embed"), axis, split)
+        h = drain(inner.constrain(by_shard(y_ABTD[S - 1:]), None, "batch", None, "length", "embed"), axis, layout)
         aux = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, s, A), aux)
         return h, aux
 
     # Routing info is per layer: [A, L/S (an uneven split: its largest count), ...] on each stage, [A, L, ...] after.
-    split = splits_tail(model, tok_ABT.shape[1])
+    layout = tail_layout(model, tok_ABT.shape[1], A)
     G = pl.size(pl.spec(("batch",), tok_ABT.shape[1:2])[0])  # the batch shards outside the stages
     by_shard = lambda x: x.reshape(x.shape[0], G, x.shape[1] // G, *x.shape[2:])
     h, aux = jax.shard_map(run, mesh=pl.mesh, in_specs=(P(axis), P(axis), P(), P()),
-                           out_specs=(P(None, None, axis) if split else P(), P(None, axis)),
+                           out_specs=(P(None, None, axis) if layout else P(), P(None, axis)),
                            axis_names=frozenset({axis}), check_vma=False)(st, keep_L, x_ABTD, seg_ABT)
-    if layout:  # the padding's routing info dropped
-        aux = jax.tree.map(lambda v: v[:, np.flatnonzero(layout[1])], aux)
-    h_ABTD = tail_placement(model, tok_ABT.shape[1]).constrain(h.reshape(x_ABTD.shape), None, "batch", "length",
-                                                               "embed")
+    if uneven:  # the padding's routing info dropped
+        aux = jax.tree.map(lambda v: v[:, np.flatnonzero(uneven[1])], aux)
+    # [A, B, T, D]; "micro-batches": [A/S, S·B, T, D], rows ordered (shard, stage, row), as side_by_side's
+    h_ABTD = tail_placement(model, layout).constrain(h.reshape(h.shape[0], -1, *h.shape[-2:]), None, "batch", "length",
+                                                     "embed")
     return h_ABTD, ({"blocks": aux} if aux else {})
 
 
@@ -139,30 +142,44 @@ def stage_blocks(pl: Placement) -> tuple[list[int], list[bool]] | None:
             [i < n for n in counts for i in range(top)])
 
 
-def drain(last, axis: str, split: bool):
+def drain(last, axis: str, layout: str):
     """The last stage's outputs [A, shards, rows/shards, T, D] sent on by ppermute, which moves each device's batch
     shard alone (XLA's psum and psum_scatter over the manual stage axis gather the other batch axes' shards first):
-    to stage j its share j of each shard's rows when the tail splits (the tail's stage-innermost split), else all."""
+    to stage j its share j of each shard's rows ("rows"), or micro-batches j, j+S, ... ("micro-batches"), or all."""
     S = jax.lax.axis_size(axis)
-    parts = jnp.split(last, S, axis=2) if split else [last] * S
+    parts = {"rows": lambda: jnp.split(last, S, axis=2), "micro-batches": lambda: [last[j::S] for j in range(S)],
+             "": lambda: [last] * S}[layout]()
     mine = jnp.where(jax.lax.axis_index(axis) == S - 1, parts[S - 1], 0)
     return sum((jax.lax.ppermute(parts[j], axis, [(S - 1, j)]) for j in range(S - 1)), mine)
 
 
-def splits_tail(model: MTPTransformer, rows: int) -> bool:
-    """Whether the tail's micro-batch of `rows` splits over the stages too (every batch axis's share divides)."""
-    pl = model.placement
-    return rows % (pl.size(pl.batch_axes) * stage_count(model)) == 0
+def tail_layout(model: MTPTransformer, rows: int, micro_batches: int) -> str:
+    """How the tail's work splits over the stages: "rows" (stage s takes share s of each micro-batch's rows: they
+    divide over every batch axis and the stages), "micro-batches" (they do not, as at scale with a row or two per
+    device: S micro-batches run side by side as one batch, stage s taking micro-batch s of each S), or "" (neither
+    divides: every stage runs the whole tail)."""
+    pl, S = model.placement, stage_count(model)
+    if rows % (pl.size(pl.batch_axes) * S) == 0:
+        return "rows"
+    return "micro-batches" if rows % pl.size(pl.batch_axes) == 0 and micro_batches % S == 0 else ""
 
 
-def tail_placement(model: MTPTransformer, rows: int) -> Placement:
-    """Where the tail runs: the stages are one more batch axis (the innermost, as `drain` splits each batch shard's
-    rows) when the micro-batch's rows split over them; otherwise every stage runs it whole."""
+def tail_placement(model: MTPTransformer, layout: str) -> Placement:
+    """Where the tail runs: with a layout, the stages are one more batch axis (the innermost, as `drain` hands each
+    batch shard's rows on); without, every stage runs it whole."""
     pl = model.placement
-    if not splits_tail(model, rows):
+    if not layout:
         return pl
     rules = tuple((k, (*v, pl.stage_axis) if k == "batch" else v) for k, v in pl.activation_rules)
     return dataclasses.replace(pl, batch_axes=(*pl.batch_axes, pl.stage_axis), activation_rules=rules)
+
+
+def side_by_side(x_A, stages: int, shards: int):
+    """[A, B, ...] as [A/S, S·B, ...]: micro-batches s of each S side by side, rows ordered (shard, stage, row) as
+    the "micro-batches" tail holds them."""
+    A, B = x_A.shape[:2]
+    x = x_A.reshape(A // stages, stages, shards, B // shards, *x_A.shape[2:])
+    return jnp.swapaxes(x, 1, 2).reshape(A // stages, stages * B, *x_A.shape[2:])
 
 
 def loss(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, graphdef, loss_cfg: LossConfig,
@@ -174,7 +191,12 @@ def loss(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, graphd
     tok_ABT, seg_ABT = micro_batches_of(tokens_BT, micro_batches), micro_batches_of(seg_BT, micro_batches)
     model = nnx.merge(graphdef, train, frozen)
     h_ABTD, routing = trunk(model, tok_ABT, seg_ABT)
-    rows, where = tokens_BT.shape[0], tail_placement(model, tok_ABT.shape[1])
+    layout = tail_layout(model, tok_ABT.shape[1], micro_batches)
+    if layout == "micro-batches":  # the tokens as the drain laid the states out; routing info is summed over rows
+        S, pl = stage_count(model), model.placement
+        tok_ABT, seg_ABT = (side_by_side(x, S, pl.size(pl.batch_axes)) for x in (tok_ABT, seg_ABT))
+        routing = jax.tree.map(lambda v: v.reshape(v.shape[0] // S, S, *v.shape[1:]).sum(1), routing)
+    rows, where = tokens_BT.shape[0], tail_placement(model, layout)
     tail_graph = nnx.split(placed(model, where))[0]
 
     def tail(_, xs):
