@@ -153,8 +153,10 @@ def oversized(prog: hlo.Program, cfg) -> list[str]:
 
 def evaluation(base) -> dict:
     """The eval step's metrics and per-device FLOPs: one device, 2 stages × data 2 (pipelined), and the companion,
-    the same mesh evaluated unpipelined (every device gathering and running every stage's blocks)."""
+    the same mesh evaluated unpipelined (every device gathering and running every stage's blocks); then 4 stages
+    whose micro-batches (2 rows) do not split over them, against one device."""
     cfg = replace(base, [*DENSE, "model.mtp_depth=2", "train.micro_batches=4"])
+    cfg8 = replace(cfg, ["train.micro_batches=8"])
 
     def run(cfg):
         progs = make_programs(cfg, make_mesh(cfg.mesh, jax.devices()[:cfg.mesh.stage * cfg.mesh.data]))
@@ -164,6 +166,7 @@ def evaluation(base) -> dict:
         return mets, hlo.Program(progs.eval_step.lower(*args).compile().as_text()).stats().flops
 
     out = {"single": run(cfg), "staged": run(replace(cfg, S2))}
+    out |= {"single_8": run(cfg8), "staged_s4": run(replace(cfg8, S4))}
     real = pipeline.stage_count
     pipeline.stage_count = lambda model: 1
     try:

@@ -149,6 +149,15 @@ def test_the_eval_step_runs_through_the_stages(staged):
 
 
 @pytest.mark.slow
+def test_the_eval_step_on_four_stages_with_micro_batches_side_by_side_gives_one_device_s_metrics(staged):
+    """8 micro-batches of 2 rows on 4 stages (the tail of every 4th micro-batch on each stage): one device's metrics."""
+    (single, _), (stag, _) = staged["evaluation"]["single_8"], staged["evaluation"]["staged_s4"]
+    assert set(stag) == set(single) and any(k.startswith("accept_prob/") for k in single)
+    for k, v in single.items():
+        assert stag[k] == pytest.approx(v, rel=METRIC_RTOL, abs=1e-7), k
+
+
+@pytest.mark.slow
 def test_companion_an_unpipelined_eval_on_the_staged_mesh_runs_every_block(staged):
     """Unpipelined on the same mesh (the stages' blocks gathered), each device runs every block on its data shard."""
     (single, f1), (mets, f3) = staged["evaluation"]["single"], staged["evaluation"]["unpipelined"]
