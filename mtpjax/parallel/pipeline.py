@@ -71,9 +71,10 @@ def stage_count(model: MTPTransformer) -> int:
     return model.placement.size(model.placement.stage_axis)
 
 
-def trunk(model: MTPTransformer, tok_ABT, seg_ABT):
-    """The trunk over A micro-batches through the stages: (raw hidden [A,B,T,D], routing info stacked [A, ...]); with
-    the "micro-batches" tail layout the hidden states come as the tail takes them, [A/S, S·B, T, D] (side_by_side).
+def trunk(model: MTPTransformer, tok_ABT, seg_ABT, layout: str):
+    """The trunk over A micro-batches through the stages: (raw hidden [A,B,T,D], routing info stacked [A, ...]),
+    drained for the tail's `layout` (tail_layout); "micro-batches" gives the hidden states as that tail takes them,
+    [A/S, S·B, T, D] (side_by_side).
 
     Stage s works on micro-batch t − s at tick t of A + S − 1; a tick outside its micro-batches (the bubble) computes
     on a finite stand-in whose results are dropped, so neither values nor gradients reach the loss from it.
@@ -108,7 +109,6 @@ def trunk(model: MTPTransformer, tok_ABT, seg_ABT):
         return h, aux
 
     # Routing info is per layer: [A, L/S (an uneven split: its largest count), ...] on each stage, [A, L, ...] after.
-    layout = tail_layout(model, tok_ABT.shape[1], A)
     G = pl.size(pl.spec(("batch",), tok_ABT.shape[1:2])[0])  # the batch shards outside the stages
     by_shard = lambda x: x.reshape(x.shape[0], G, x.shape[1] // G, *x.shape[2:])
     h, aux = jax.shard_map(run, mesh=pl.mesh, in_specs=(P(axis), P(axis), P(), P()),
@@ -190,8 +190,8 @@ def loss(train: nnx.State, frozen: nnx.State, tokens_BT, seg_BT, step, *, graphd
     the eval step (eval/validation.py) runs it as it is, `with_accept_prob`."""
     tok_ABT, seg_ABT = micro_batches_of(tokens_BT, micro_batches), micro_batches_of(seg_BT, micro_batches)
     model = nnx.merge(graphdef, train, frozen)
-    h_ABTD, routing = trunk(model, tok_ABT, seg_ABT)
     layout = tail_layout(model, tok_ABT.shape[1], micro_batches)
+    h_ABTD, routing = trunk(model, tok_ABT, seg_ABT, layout)
     if layout == "micro-batches":  # the tokens as the drain laid the states out; routing info is summed over rows
         S, pl = stage_count(model), model.placement
         tok_ABT, seg_ABT = (side_by_side(x, S, pl.size(pl.batch_axes)) for x in (tok_ABT, seg_ABT))
