@@ -15,15 +15,15 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from mtpjax.errors import MtpjaxError
+from mtpjax.errors import SpellingError
 
 Source = Literal["mtp", "ngram", "model"]
 MAX_NODES = 64  # verifying more rows than this per round never pays; the drafting loop is unrolled per node
 FORMS = "auto | 0 (plain) | 3 (a chain of 3) | 2x2x1 | -1,-1,0,0 | 2x2+ngram3"
 
 
-class DraftError(MtpjaxError, ValueError):
-    """A draft that cannot be built (one line naming the problem and the fix)."""
+class DraftError(SpellingError):
+    """A draft that cannot be built: `value` the spelling, the message one line naming the problem and the fix."""
 
 
 @dataclass(frozen=True)
@@ -136,11 +136,11 @@ def parse(text: str | int) -> Tree | Auto:
         return tree
     n = tail.strip().removeprefix("ngram")
     if not n.isdigit() or not 0 < int(n) <= MAX_NODES - tree.size:
-        raise DraftError(f"draft {spec!r}: the n-gram branch is +ngramL with L in 1..{MAX_NODES - tree.size} "
-                         "n-gram drafts, e.g. 2x2+ngram3")
+        raise DraftError(spec, f"draft {spec!r}: the n-gram branch is +ngramL with L in 1..{MAX_NODES - tree.size} "
+                               "n-gram drafts, e.g. 2x2+ngram3")
     if not tree.size:
-        raise DraftError(f"draft {spec!r}: an n-gram branch goes beside the MTP tree; for n-gram drafts alone give "
-                         f"their count ({n}) with proposer ngram")
+        raise DraftError(spec, f"draft {spec!r}: an n-gram branch goes beside the MTP tree; for n-gram drafts alone "
+                               f"give their count ({n}) with proposer ngram")
     G, L = tree.size, int(n)
     return Tree(tree.parents + tuple(-1 if i == 0 else G + i - 1 for i in range(L)), tree.sources + ("ngram",) * L)
 
@@ -156,14 +156,14 @@ def _shape(spec: str, whole: str) -> Tree:
             parents = tuple(int(x) for x in spec.split(","))
             bad = [i for i, p in enumerate(parents) if not -1 <= p < i]
             if bad:
-                raise DraftError(f"draft {whole!r}: node {bad[0]}'s parent {parents[bad[0]]} is not an earlier node "
-                                 "or -1 (the root); list each node's parent, parents first, e.g. -1,-1,0,0")
+                raise DraftError(whole, f"draft {whole!r}: node {bad[0]}'s parent {parents[bad[0]]} is not an earlier "
+                                        "node or -1 (the root); list each node's parent, parents first, e.g. -1,-1,0,0")
         else:
             parents = _branching_parents(whole, tuple(int(x) for x in spec.split("x")))
     except ValueError as e:
         if isinstance(e, DraftError):
             raise
-        raise DraftError(f"draft {whole!r} is not one of {FORMS}") from None
+        raise DraftError(whole, f"draft {whole!r} is not one of {FORMS}") from None
     if not 0 < len(parents) <= MAX_NODES:
         raise _too_many(whole, len(parents))
     return Tree(parents, ("mtp",) * len(parents))
@@ -189,4 +189,4 @@ def _branching_parents(spec: str, branching: tuple[int, ...]) -> tuple[int, ...]
 
 
 def _too_many(spec: str, nodes: int) -> DraftError:
-    return DraftError(f"draft {spec!r} has {nodes} nodes; use 0..{MAX_NODES} (e.g. 2x2x1, 6 nodes)")
+    return DraftError(spec, f"draft {spec!r} has {nodes} nodes; use 0..{MAX_NODES} (e.g. 2x2x1, 6 nodes)")

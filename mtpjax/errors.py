@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class MtpjaxError(Exception):
     """A problem the user can fix; the message is one line naming the problem and the fix."""
 
     exit_status = 2  # the command's exit status: bad input (a divergence, NonFiniteError, is 1)
+
+
+class SpellingError(MtpjaxError, ValueError):
+    """`value` is none of its type's spellings; the message is what is allowed (the config adds the key)."""
+
+    def __init__(self, value: Any, allowed: str):
+        super().__init__(allowed)
+        self.value = value
 
 
 def first_line(e: BaseException, *, typed: bool = False) -> str:

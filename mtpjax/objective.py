@@ -14,20 +14,12 @@ import math
 import re
 import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from mtpjax.errors import MtpjaxError
+from mtpjax.errors import SpellingError
 
 if TYPE_CHECKING:
     import jax
-
-
-class SpellingError(MtpjaxError, ValueError):
-    """`value` is none of its type's spellings; the message is what is allowed (the config adds the key)."""
-
-    def __init__(self, value: Any, allowed: str):
-        super().__init__(allowed)
-        self.value = value
 
 
 _NUM = r"[-+.\deE]+"

@@ -12,7 +12,8 @@ from mtpjax.cli.train import main
 from mtpjax.config import ConfigError, LossConfig, load_config
 from mtpjax.nn.loss import forward, mtp_loss, token_counts, tv_distance
 from mtpjax.nn.model import build_model, shift_left
-from mtpjax.objective import DepthLambdas, LambdaSchedule, SpellingError, TargetMix
+from mtpjax.errors import SpellingError
+from mtpjax.objective import DepthLambdas, LambdaSchedule, TargetMix
 from mtpjax.parallel.sharding import make_mesh
 from mtpjax.train.loop import train
 from mtpjax.train.report import Logger

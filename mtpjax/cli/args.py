@@ -78,7 +78,7 @@ def draft_flag(num_draft: str | None, tree: str | None):
     if num_draft is not None and tree is not None:
         raise UsageError(f"--num-draft {num_draft} and --tree {tree} both say what to draft (decode.draft); give one "
                          "of them")
-    from mtpjax.config.schema import read_draft  # here: a command's bad flags are answered before the config loads
+    from mtpjax.config import DecodeConfig  # here: a command's bad flags are answered before the config loads
 
     given = tree if tree is not None else num_draft
-    return None if given is None else read_draft(str(given))
+    return None if given is None else DecodeConfig(draft=str(given)).draft

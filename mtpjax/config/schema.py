@@ -288,15 +288,7 @@ class CheckpointConfig(Section):
         "for speed")
 
 
-def read_draft(text: str, key: str = "decode.draft") -> drafts.Tree | drafts.Auto:
-    """decode.draft's value (mtpjax.drafts' one spelling); ConfigError naming the key otherwise."""
-    try:
-        return drafts.parse(text)
-    except drafts.DraftError as e:
-        raise fail(key, text, str(e)) from None
-
-
-Draft = parsed(drafts.Tree | drafts.Auto, read_draft, lambda d: d.name())
+Draft = parsed(drafts.Tree | drafts.Auto, drafts.parse, lambda d: d.name())  # a DraftError is a SpellingError
 
 
 class DecodeConfig(Section):

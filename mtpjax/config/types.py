@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, PlainSerializer, PlainValidator
 
 from mtpjax.config.errors import fail
-from mtpjax.objective import SpellingError
+from mtpjax.errors import SpellingError
 
 
 def _plain(v: Any, *types: type) -> bool:
