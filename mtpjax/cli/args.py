@@ -40,11 +40,11 @@ def takes_overrides(p: argparse.ArgumentParser) -> bool:
 
 def override_hint(message: str, argv: list[str]) -> str:
     """`train.steps=10` for an unrecognized `--steps 10` (or `--steps=10`) that names a config key; else ''."""
-    from mtpjax.config import field_doc
+    from mtpjax.config import KEYS
 
     if not message.startswith("unrecognized arguments: "):
         return ""
-    keys = [k for k, _ in field_doc()]
+    keys = list(KEYS)
     hints = []
     for flag in message.removeprefix("unrecognized arguments: ").split():
         name, eq, value = flag.removeprefix("--").partition("=")

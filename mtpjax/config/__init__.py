@@ -13,12 +13,12 @@
 from mtpjax.config.errors import ConfigError
 from mtpjax.config.load import from_dict, load_config, replace
 from mtpjax.config.schema import (
-    RUNTIME_KEYS, CheckpointConfig, Config, DataConfig, DecodeConfig, LossConfig, MeshConfig, MixtureSource,
-    ModelConfig, OptimConfig, TrainConfig, choices, field_doc, identity)
+    KEYS, RUNTIME_KEYS, CheckpointConfig, Config, DataConfig, DecodeConfig, LossConfig, MeshConfig, MixtureSource,
+    ModelConfig, OptimConfig, TrainConfig, choices, identity)
 from mtpjax.config.types import parse_profile
 
 __all__ = [
-    "RUNTIME_KEYS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DecodeConfig", "LossConfig",
-    "MeshConfig", "MixtureSource", "ModelConfig", "OptimConfig", "TrainConfig", "choices", "field_doc", "from_dict",
+    "KEYS", "RUNTIME_KEYS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DecodeConfig", "LossConfig",
+    "MeshConfig", "MixtureSource", "ModelConfig", "OptimConfig", "TrainConfig", "choices", "from_dict",
     "identity", "load_config", "parse_profile", "replace",
 ]

@@ -354,11 +354,7 @@ def walk(cls: type[Section] = Config, prefix: str = "") -> list[tuple[str, Any, 
     return out
 
 
-def field_doc() -> list[tuple[str, Any]]:
-    """(dotted key, default) for every key, in schema order (for docs and tests)."""
-    return [(k, f.default) for k, f, _ in walk()]
-
-
+KEYS = tuple(k for k, _, _ in walk())  # every dotted key, in schema order
 # Keys that change neither the weights nor the prepared tokens and their stream (a backend, worker counts, a cache
 # location): a run resumes, and a checkpoint decodes, with other values.
 RUNTIME_KEYS = frozenset(k for k, f, _ in walk() if (f.json_schema_extra or {}).get("runtime"))
