@@ -36,7 +36,7 @@ MLA_MOE = DENSE + [
     "model.n_routed_experts=4", "model.num_experts_per_tok=2", "model.n_group=2", "model.topk_group=1",
     "model.moe_d_ff=16", "loss.moe_seq_aux_loss=0.01", "model.tie_embeddings=false"]
 DENSE5 = ["model.n_layers=5", "model.scan_layers=true"]
-S2, S4 = ["mesh.stage=2", "mesh.data=2"], ["mesh.stage=4"]
+S2, S4, R2 = ["mesh.stage=2", "mesh.data=2"], ["mesh.stage=4"], ["mesh.stage_repeats=2"]
 # (name, trunk, mtp depth, micro-batches, the staged mesh); expert 2: the MoE's own shard_map inside the stages'
 CASES = [("dense_d1_s2", DENSE, 1, 4, S2), ("dense_d2_s2", DENSE, 2, 4, S2), ("dense_d2_s4", DENSE, 2, 8, S4),
          ("dense_d1_s4", DENSE, 1, 8, S4), ("moe_d2_s2", MLA_MOE, 2, 4, S2), ("moe_d1_s4", MLA_MOE, 1, 8, S4),
@@ -44,7 +44,11 @@ CASES = [("dense_d1_s2", DENSE, 1, 4, S2), ("dense_d2_s2", DENSE, 2, 4, S2), ("d
          # uneven splits (mesh.stage_layers): 5 blocks as 3 + 2 (the stack, 5 long, held whole on each stage) and
          # the MoE trunk's 4 as 1 + 3 (held 2 + 2, each stage gathering its own)
          ("dense_d1_s2_uneven", DENSE5, 1, 4, [*S2, "mesh.stage_layers=[3,2]"]),
-         ("moe_d2_s2_uneven", MLA_MOE, 2, 4, [*S2, "mesh.stage_layers=[1,3]"])]
+         ("moe_d2_s2_uneven", MLA_MOE, 2, 4, [*S2, "mesh.stage_layers=[1,3]"]),
+         # circular (mesh.stage_repeats=2): stage s runs blocks s and s + 2 in turn; with 2 micro-batches on 2 stages
+         # a micro-batch's second pass starts the tick the last stage sends it
+         ("dense_d2_s2_r2", DENSE, 2, 4, [*S2, *R2]), ("dense_d1_s2_r2_m2", DENSE, 1, 2, ["mesh.stage=2", *R2]),
+         ("moe_d1_s2_r2", MLA_MOE, 1, 4, [*S2, *R2])]
 
 
 BATCH: list = []  # the one batch every case's gradient is taken on (set by main)
@@ -135,10 +139,33 @@ def unmasked_padding(base) -> dict:
         pipeline.stage_state = real
 
 
+def circular_out_of_order(base) -> dict:
+    """The companion of the circular cases: each stage's contiguous blocks cut into its chunks (stage s running
+    blocks 2s, 2s + 1 as its passes 1 and 2), so the blocks run out of order: the gradient moves."""
+    real = pipeline.stage_blocks
+    pipeline.stage_blocks = lambda pl, n_layers: None
+    try:
+        return compare(base, "", DENSE, 2, 4, [*S2, *R2])
+    finally:
+        pipeline.stage_blocks = real
+
+
+def circular_flops(base) -> dict:
+    """The trunk's MLP FLOPs per device (mtp_depth 0: no other MLP) on 2 stages × data 2 with 4 micro-batches:
+    GPipe, then circular with 2 repeats."""
+    cfg = replace(base, [*DENSE, "model.mtp_depth=0", "train.micro_batches=4", *S2])
+    flops = lambda cfg: hlo.Program(_compiled_text(cfg), "mlp").stats().scoped_flops
+    return {"gpipe": flops(cfg), "circular": flops(replace(cfg, R2))}
+
+
+def _compiled_text(cfg) -> str:
+    f, args = _step(cfg)
+    return f.lower(*args).compile().as_text()
+
+
 def compiled(cfg) -> hlo.Program:
     """cfg's compiled backward, its head's FLOPs scoped (`head`)."""
-    f, args = _step(cfg)
-    return hlo.Program(f.lower(*args).compile().as_text(), "head")
+    return hlo.Program(_compiled_text(cfg), "head")
 
 
 def oversized(prog: hlo.Program, cfg) -> list[str]:
@@ -233,6 +260,8 @@ def main() -> None:
     res = {name: compare(base, name, *rest) for name, *rest in CASES}
     res["dropped_embedding_tail"] = dropped_embedding_tail(base)
     res["unmasked_padding"] = unmasked_padding(base)
+    res["circular_out_of_order"] = circular_out_of_order(base)
+    res["circular_flops"] = circular_flops(base)
     res["tail_split"] = tail_split(base)
     res["evaluation"] = evaluation(base)
     res["training"] = training(base, batches)

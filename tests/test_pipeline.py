@@ -23,16 +23,20 @@ def test_bubble_is_idle_ticks_over_all_ticks():
     assert bubble(1, 8) == 0.0
     assert bubble(2, 4) == pytest.approx(1 / 5)
     assert bubble(4, 8) == pytest.approx(3 / 11)
+    assert bubble(4, 8, repeats=4) == pytest.approx(3 / 35)  # a circular pipeline: R·M passes a stage
 
 
 def test_plan_says_what_an_uneven_split_stores_and_pads():
     """18 blocks: 2 stages store 9 each; 4 stages ([5,5,4,4]) store all 18 (the stack's layout is the checkpoint's)
-    and run 5 per tick, 2 of them padding."""
+    and run 5 per tick, 2 of them padding; 2 stages circling 3 times gather 3 chunks of 3."""
     even = stage_lines(18 * 2**30, 2**30, 2, 4, 18)
     assert len(even) == 2 and "trunk blocks 9.000 GiB (9 of 18 blocks'" in even[1]
     uneven = stage_lines(18 * 2**30, 2**30, 4, 4, 18, (5, 5, 4, 4))
     assert "trunk blocks 18.000 GiB (18 of 18 blocks'" in uneven[1]
     assert "each tick runs 5 blocks on every stage (2 of the 20 padding" in uneven[2]
+    circular = stage_lines(18 * 2**30, 2**30, 2, 4, 18, repeats=3)
+    assert "(circular, mesh.stage_repeats=3), bubble (S-1)/(R·M+S-1) = 7.7%" in circular[0]  # 1 / (3·4 + 1)
+    assert "stores its 9 contiguous blocks and gathers the 3 chunks of 3 it runs" in circular[2]
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -42,6 +46,14 @@ def test_plan_says_what_an_uneven_split_stores_and_pads():
     (["mesh.stage=2", "mesh.stage_layers=[3,2]", "model.scan_layers=true"], "stage_layers.*sum to model.n_layers=4"),
     (["mesh.stage=2", "mesh.stage_layers=[4,0]", "model.scan_layers=true"], "stage_layers.*at least one block"),
     (["mesh.stage=2", "mesh.stage_layers=[5,-1]", "model.scan_layers=true"], "stage_layers.*at least one block"),
+    (["mesh.stage_repeats=2", "model.scan_layers=true"], "stage_repeats.*set mesh.stage >= 2"),
+    (["mesh.stage=2", "mesh.stage_layers=[1,3]", "mesh.stage_repeats=2", "model.scan_layers=true"],
+     "stage_repeats.*leave mesh.stage_layers empty"),
+    (["mesh.stage=2", "mesh.stage_repeats=3", "model.n_layers=4", "model.scan_layers=true", "train.micro_batches=2"],
+     r"stage_repeats' = 3 is invalid: must divide model.n_layers / mesh.stage = 2"),
+    (["mesh.stage=2", "mesh.stage_repeats=2", "model.n_layers=4", "model.scan_layers=true"],
+     "stage_repeats.*needs train.micro_batches >= mesh.stage=2"),
+    (["mesh.stage_repeats=0"], "stage_repeats' = 0 is invalid: must be > 0"),
 ])
 def test_a_split_the_trunk_cannot_take_names_the_fix(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -67,7 +79,7 @@ def staged(tmp_path_factory):
 
 
 CASES = ["dense_d1_s2", "dense_d2_s2", "dense_d2_s4", "dense_d1_s4", "moe_d2_s2", "moe_d1_s4", "moe_d2_s2_e2",
-         "dense_d1_s2_uneven", "moe_d2_s2_uneven"]
+         "dense_d1_s2_uneven", "moe_d2_s2_uneven", "dense_d2_s2_r2", "dense_d1_s2_r2_m2", "moe_d1_s2_r2"]
 
 
 @pytest.mark.slow
@@ -100,6 +112,24 @@ def test_companion_an_uneven_split_whose_padding_runs_as_a_block_is_caught(stage
     that stage's last block: the blocks' gradients are another model's (measured: off by ~97% of their size)."""
     worst = max(staged["unmasked_padding"]["grad_rel"].values())
     assert worst > 100 * GRAD_RTOL
+
+
+@pytest.mark.slow
+def test_companion_a_circular_pipeline_over_contiguous_chunks_is_caught(staged):
+    """mesh.stage_repeats=2 with each stage's own contiguous blocks as its chunks runs blocks 0, 2, 1, 3: another
+    model, which the circular cases' equality tells apart."""
+    worst = max(staged["circular_out_of_order"]["grad_rel"].values())
+    assert worst > 100 * GRAD_RTOL
+
+
+@pytest.mark.slow
+def test_a_circular_pipeline_idles_for_the_ticks_its_bubble_says(staged):
+    """2 stages, 4 micro-batches, 4 blocks: GPipe runs 5 ticks of 2 blocks, 2 repeats run 9 ticks of one; every tick
+    computes (the bubble's on stand-ins), so the trunk's MLP FLOPs per device fall by (R·M + S − 1) / (R·(M + S − 1))
+    = 9/10, the bubble from 1/5 to 1/9."""
+    f = staged["circular_flops"]
+    assert f["gpipe"] > 0 and f["circular"] * 10 == f["gpipe"] * 9
+    assert (bubble(2, 4), bubble(2, 4, repeats=2)) == pytest.approx((1 / 5, 1 / 9))
 
 
 @pytest.mark.slow

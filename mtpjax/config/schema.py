@@ -277,6 +277,10 @@ class MeshConfig(Section):
     stage_layers: Ints = Field((), description="trunk blocks per stage, first to last (e.g. [5, 5, 4, 4]: 18 over 4 "
         "stages); one positive count per stage, summing to `model.n_layers`; empty = an even split. Every stage runs "
         "as many ticks as the largest count (the others pass their padding through)")
+    stage_repeats: Int = Field(1, description="R, a circular pipeline: the trunk in S·R chunks, stage s running chunks "
+        "s, s + S, ... (each its turn), so a micro-batch passes the stages R times and the bubble falls to "
+        "(S−1)/(R·M+S−1); each stage gathers its chunks' blocks every step (must divide `model.n_layers` / "
+        "`mesh.stage`; needs `train.micro_batches` ≥ `mesh.stage` and an even split)", gt=0)
 
 
 class CheckpointConfig(Section):

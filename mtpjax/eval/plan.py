@@ -133,7 +133,8 @@ def _stage_lines(plan: dict, cfg: Config) -> list[str]:
     scale = 1 + plan["optimizer_bytes"] / plan["param_bytes"]
     blocks = plan["blocks_bytes"] * scale
     return pipeline.stage_lines(int(blocks), int((plan["param_bytes"] + plan["optimizer_bytes"]) - blocks),
-                                cfg.mesh.stage, cfg.train.micro_batches, cfg.model.n_layers, cfg.mesh.stage_layers)
+                                cfg.mesh.stage, cfg.train.micro_batches, cfg.model.n_layers, cfg.mesh.stage_layers,
+                                cfg.mesh.stage_repeats)
 
 
 def _speculation_lines(plan: dict, m: ModelConfig) -> list[str]:

@@ -40,6 +40,7 @@ class Placement:
     activation_rules: tuple[tuple[str, tuple[str, ...]], ...] = ()
     stage_axis: str | None = None  # mesh axis a scanned trunk's blocks are split over (pipeline stages)
     stage_layers: tuple[int, ...] = ()  # the trunk's blocks each stage runs (mesh.stage_layers); empty: even
+    stage_repeats: int = 1  # the chunks of blocks each stage runs in turn (mesh.stage_repeats): a circular pipeline
 
     def size(self, axis: str | tuple[str, ...] | None) -> int:
         """Devices along a mesh axis (or a tuple of axes); 1 off a mesh or for None."""

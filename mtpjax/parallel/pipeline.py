@@ -17,6 +17,7 @@ cotangent (summed over stages by shard_map's transpose) and the modules' reads (
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,25 +32,35 @@ from mtpjax.nn.placement import Placement
 from mtpjax.parallel.sharding import micro_batches_of
 
 
-def bubble(stages: int, micro_batches: int) -> float:
-    """GPipe's idle fraction of each stage: (S − 1) / (M + S − 1)."""
-    return (stages - 1) / (micro_batches + stages - 1)
+def bubble(stages: int, micro_batches: int, repeats: int = 1) -> float:
+    """The idle fraction of each stage: (S − 1) / (R·M + S − 1) ticks (R = 1: GPipe; R > 1: a circular pipeline)."""
+    return (stages - 1) / (repeats * micro_batches + stages - 1)
+
+
+def schedule_line(stages: int, micro_batches: int, repeats: int = 1) -> str:
+    """The schedule and its bubble, as `plan` and `compile` name them."""
+    kind, R = ("GPipe", "") if repeats == 1 else (f"circular, mesh.stage_repeats={repeats}", "R·")
+    return (f"mesh.stage={stages} x train.micro_batches={micro_batches} ({kind}), bubble (S-1)/({R}M+S-1) = "
+            f"{bubble(stages, micro_batches, repeats):.1%}")
 
 
 def stage_lines(blocks_bytes: int, other_bytes: int, stages: int, micro_batches: int, n_layers: int,
-                stage_layers: tuple[int, ...] = ()) -> list[str]:
-    """What `plan` says of a pipelined run: the bubble and the state (parameters and optimizer) one stage holds: its
-    share of the trunk's stored blocks, and the parts every stage holds whole (embedding/head, final norm, MTP
-    modules: every stage runs the tail on its share of the rows); an uneven split's ticks and storage."""
+                stage_layers: tuple[int, ...] = (), repeats: int = 1) -> list[str]:
+    """What `plan` says of a pipelined run: the schedule's bubble and the state (parameters and optimizer) one stage
+    holds: its share of the trunk's stored blocks, and the parts every stage holds whole (embedding/head, final norm,
+    MTP modules: every stage runs the tail on its share of the rows); an uneven split's ticks and storage, or the
+    chunks a circular pipeline gathers."""
     held = stored_blocks(n_layers, stages)
     per = blocks_bytes * held / n_layers
-    return [f"pipeline: mesh.stage={stages} x train.micro_batches={micro_batches} (GPipe), bubble (S-1)/(M+S-1) = "
-            f"{bubble(stages, micro_batches):.1%}",
+    circular = (f"  each stage stores its {held} contiguous blocks and gathers the {repeats} chunks of "
+                f"{n_layers // (stages * repeats)} it runs (stage s: chunks s, s+{stages}, ...) every step")
+    return [f"pipeline: {schedule_line(stages, micro_batches, repeats)}",
             f"  state per stage (before the other mesh axes split it): {(per + other_bytes) / 2**30:.3f} GiB = "
             f"trunk blocks {per / 2**30:.3f} GiB "
             f"({held} of {n_layers} blocks' {blocks_bytes / 2**30:.3f}) + embedding/head, final norm, MTP modules "
             f"{other_bytes / 2**30:.3f} GiB (on every stage; {other_bytes / max(per, 1):.2f}x a stage's blocks)",
-            *([f"  {uneven_line(stage_layers, n_layers)}"] if len(set(stage_layers)) > 1 else [])]
+            *([f"  {uneven_line(stage_layers, n_layers)}"] if len(set(stage_layers)) > 1 else []),
+            *([circular] if repeats > 1 else [])]
 
 
 def stored_blocks(n_layers: int, stages: int) -> int:
@@ -74,67 +85,88 @@ def stage_count(model: MTPTransformer) -> int:
 def trunk(model: MTPTransformer, tok_ABT, seg_ABT, layout: str):
     """The trunk over A micro-batches through the stages: (raw hidden [A,B,T,D], routing info stacked [A, ...]),
     drained for the tail's `layout` (tail_layout); "micro-batches" gives the hidden states as that tail takes them,
-    [A/S, S·B, T, D] (side_by_side).
-
-    Stage s works on micro-batch t − s at tick t of A + S − 1; a tick outside its micro-batches (the bubble) computes
-    on a finite stand-in whose results are dropped, so neither values nor gradients reach the loss from it.
-    """
+    [A/S, S·B, T, D] (side_by_side). The schedule is `run_stages`'."""
     pl = model.placement
-    axis, S, A = pl.stage_axis, stage_count(model), tok_ABT.shape[0]
-    st, keep_L, uneven = stage_state(model)
+    st, keep_L, runs = stage_state(model)
     # The first stage's input, the embedding's first use: held as the shard_map takes it (every stage, the batch
     # axes' rows), so it needs no gather over the stages.
     x_ABTD = pl.constrain(model.embed_tokens(pl.constrain(tok_ABT, None, "batch", "length")), None, "batch",
                           "length", "embed")
-    pos_BT = jnp.broadcast_to(jnp.arange(tok_ABT.shape[2], dtype=jnp.int32), tok_ABT.shape[1:])
-    remat = model.cfg.remat
-
-    def run(st, keep_L, x_ABTD, seg_ABT):
-        s = jax.lax.axis_index(axis)
-        # Inside, the blocks' own shard_maps (fused attention, expert parallelism) must name the mesh as this
-        # context sees it (stage manual): the blocks are re-placed on it, their state unchanged.
-        inner = dataclasses.replace(pl, mesh=jax.sharding.get_abstract_mesh())
-        gdef = nnx.split(placed(model, inner).blocks)[0]
-
-        def tick(state_BTD, t):
-            m = jnp.clip(t - s, 0, A - 1)  # this stage's micro-batch (clipped in the bubble)
-            x_BTD = jnp.where(s == 0, x_ABTD[jnp.minimum(t, A - 1)], state_BTD)
-            y_BTD, _, aux = scan_blocks(gdef, st, x_BTD, pos_BT, seg_ABT[m], None, remat, keep_L if uneven else None)
-            return jax.lax.ppermute(y_BTD, axis, [(i, (i + 1) % S) for i in range(S)]), (y_BTD, aux)
-
-        _, (y_ABTD, aux) = jax.lax.scan(tick, jnp.zeros_like(x_ABTD[0]), jnp.arange(A + S - 1))
-        # The last stage finishes micro-batch a at tick a + S − 1; stage s's own ticks are s .. s + A − 1.
-        h = drain(inner.constrain(by_shard(y_ABTD[S - 1:]), None, "batch", None, "length", "embed"), axis, layout)
-        aux = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, s, A), aux)
-        return h, aux
-
-    # Routing info is per layer: [A, L/S (an uneven split: its largest count), ...] on each stage, [A, L, ...] after.
     G = pl.size(pl.spec(("batch",), tok_ABT.shape[1:2])[0])  # the batch shards outside the stages
-    by_shard = lambda x: x.reshape(x.shape[0], G, x.shape[1] // G, *x.shape[2:])
-    h, aux = jax.shard_map(run, mesh=pl.mesh, in_specs=(P(axis), P(axis), P(), P()),
-                           out_specs=(P(None, None, axis) if layout else P(), P(None, axis)),
-                           axis_names=frozenset({axis}), check_vma=False)(st, keep_L, x_ABTD, seg_ABT)
-    if uneven:  # the padding's routing info dropped
-        aux = jax.tree.map(lambda v: v[:, np.flatnonzero(uneven[1])], aux)
+    padded = runs is not None and not all(runs[1])
+    run = functools.partial(run_stages, model, layout=layout, shards=G, padded=padded)
+    h, aux = jax.shard_map(run, mesh=pl.mesh, in_specs=(P(pl.stage_axis), P(pl.stage_axis), P(), P()),
+                           out_specs=(P(None, None, pl.stage_axis) if layout else P(), P(None, pl.stage_axis)),
+                           axis_names=frozenset({pl.stage_axis}), check_vma=False)(st, keep_L, x_ABTD, seg_ABT)
+    if runs:  # routing info [A, the blocks the stages ran, ...] put in block order, the padding's dropped
+        order = [p for p in np.argsort(runs[0], kind="stable") if runs[1][p]]
+        aux = jax.tree.map(lambda v: v[:, np.asarray(order)], aux)
     # [A, B, T, D]; "micro-batches": [A/S, S·B, T, D], rows ordered (shard, stage, row), as side_by_side's
-    h_ABTD = tail_placement(model, layout).constrain(h.reshape(h.shape[0], -1, *h.shape[-2:]), None, "batch", "length",
-                                                     "embed")
+    h_ABTD = tail_placement(model, layout).constrain(h.reshape(h.shape[0], -1, *h.shape[-2:]), None, "batch",
+                                                      "length", "embed")
     return h_ABTD, ({"blocks": aux} if aux else {})
 
 
+def run_stages(model: MTPTransformer, st, keep_L, x_ABTD, seg_ABT, *, layout: str, shards: int, padded: bool):
+    """One stage's ticks (inside the shard_map over the stages): (its share of the drained hidden states, its
+    blocks' routing info [A, blocks it ran, ...]).
+
+    At tick t of R·A + S − 1, stage s makes pass t − s: chunk r = (t − s) // A of its R on micro-batch (t − s) mod
+    A (R = mesh.stage_repeats; 1 is GPipe). The first stage takes a micro-batch's embedding on its first pass and,
+    on a later one, what the last stage sent it A − S ticks before. A tick outside its passes (the bubble) computes
+    on a finite stand-in whose results are dropped, so neither values nor gradients reach the loss from it."""
+    pl = model.placement
+    axis, S, A, R = pl.stage_axis, stage_count(model), x_ABTD.shape[0], pl.stage_repeats
+    s, K = jax.lax.axis_index(axis), keep_L.shape[0] // R  # K: blocks per chunk
+    pos_BT = jnp.broadcast_to(jnp.arange(x_ABTD.shape[2], dtype=jnp.int32), x_ABTD.shape[1:3])
+    # Inside, the blocks' own shard_maps (fused attention, expert parallelism) must name the mesh as this context
+    # sees it (stage manual): the blocks are re-placed on it, their state unchanged.
+    inner = dataclasses.replace(pl, mesh=jax.sharding.get_abstract_mesh())
+    gdef = nnx.split(placed(model, inner).blocks)[0]
+
+    def tick(carry, t):
+        state_BTD, loop_ABTD = carry
+        n = jnp.clip(t - s, 0, A * R - 1)  # this stage's pass (clipped in the bubble)
+        r, m = n // A, n % A
+        x_BTD = x_ABTD[m]
+        if R > 1:  # the first stage keeps what the last sent (micro-batch t − S) until that one's next pass
+            j = (t - S) % A
+            loop_ABTD = loop_ABTD.at[j].set(jnp.where(t >= S, state_BTD, loop_ABTD[j]))
+            x_BTD = jnp.where(r == 0, x_BTD, loop_ABTD[m])
+        chunk, keep = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, r * K, K), (st, keep_L))
+        y_BTD, _, aux = scan_blocks(gdef, chunk, jnp.where(s == 0, x_BTD, state_BTD), pos_BT, seg_ABT[m], None,
+                                    model.cfg.remat, keep if padded else None)
+        return (jax.lax.ppermute(y_BTD, axis, [(i, (i + 1) % S) for i in range(S)]), loop_ABTD), (y_BTD, aux)
+
+    loop = jnp.zeros_like(x_ABTD) if R > 1 else None
+    _, (y_ABTD, aux) = jax.lax.scan(tick, (jnp.zeros_like(x_ABTD[0]), loop), jnp.arange(A * R + S - 1))
+    # The last stage ends micro-batch a's last pass at tick (R − 1)·A + a + S − 1; stage s's own are s .. s + R·A − 1.
+    last = y_ABTD[(R - 1) * A + S - 1:]
+    last = last.reshape(A, shards, last.shape[1] // shards, *last.shape[2:])
+    h = drain(inner.constrain(last, None, "batch", None, "length", "embed"), axis, layout)
+    aux = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, s, A * R), aux)
+    return h, jax.tree.map(lambda v: jnp.swapaxes(v.reshape(R, A, *v.shape[1:]), 0, 1).reshape(
+        A, R * v.shape[1], *v.shape[2:]), aux)
+
+
 def stage_state(model: MTPTransformer):
-    """(the blocks' state as the stages take it, which of its layers are real, the uneven layout or None): with
-    mesh.stage_layers uneven, each stage's blocks side by side, padded to the largest stage's count."""
-    st, layout = nnx.state(model.blocks), stage_blocks(model.placement)
+    """(the blocks' state as the stages take it, which of its layers are real, stage_blocks' layout or None): each
+    stage's blocks side by side where they are not its contiguous share."""
+    st, layout = nnx.state(model.blocks), stage_blocks(model.placement, model.cfg.n_layers)
     if layout:
         st = jax.tree.map(lambda v: v[np.asarray(layout[0])], st)
     return st, jnp.asarray(layout[1] if layout else [True] * model.cfg.n_layers), layout
 
 
-def stage_blocks(pl: Placement) -> tuple[list[int], list[bool]] | None:
-    """An uneven mesh.stage_layers as the stacked blocks each stage runs, stage after stage, each padded to the
-    largest count (padding repeats the stage's last block), and which of them are real; None: an even split."""
-    counts = pl.stage_layers
+def stage_blocks(pl: Placement, n_layers: int) -> tuple[list[int], list[bool]] | None:
+    """The stacked blocks each stage runs, stage after stage, and which of them are real; None where each runs its
+    contiguous share once. An uneven mesh.stage_layers pads each stage to the largest count (padding repeats the
+    stage's last block); a circular pipeline (mesh.stage_repeats R) gives stage s chunks s, s + S, ... of L/(S·R)."""
+    counts, R = pl.stage_layers, pl.stage_repeats
+    if R > 1:
+        S = pl.size(pl.stage_axis)
+        K = n_layers // (S * R)
+        return [(r * S + s) * K + k for s in range(S) for r in range(R) for k in range(K)], [True] * n_layers
     if len(set(counts)) <= 1:
         return None
     top, starts = max(counts), np.cumsum((0, *counts[:-1]))

@@ -149,10 +149,11 @@ def data_parallelism(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
 
 
-def placement(mesh: Mesh, stage_layers: tuple[int, ...] = ()) -> Placement:
+def placement(mesh: Mesh, stage_layers: tuple[int, ...] = (), stage_repeats: int = 1) -> Placement:
     """What a model built for `mesh` is told: its devices' platform, the batch axes, heads over `tensor`, routed
     experts over `expert` (expert-parallel when that axis has more than one device), the stages' blocks."""
     return Placement(platform=platform_of(mesh.devices.flat[0]), mesh=mesh, batch_axes=BATCH_AXES,
                      head_axis="tensor", expert_axis="expert", activation_rules=tuple(ACTIVATION_RULES.items()),
                      stage_axis=STAGE if stages(mesh) > 1 else None,
-                     stage_layers=tuple(stage_layers) if stages(mesh) > 1 else ())
+                     stage_layers=tuple(stage_layers) if stages(mesh) > 1 else (),
+                     stage_repeats=stage_repeats if stages(mesh) > 1 else 1)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mtpjax.config import Config
+from mtpjax.config import Config, MeshConfig
 from mtpjax.decode.host import make_loop, request
 from mtpjax.decode.loop import execute
 from mtpjax.decode.mesh import check_mesh, specs
@@ -238,7 +238,8 @@ def compile_report(cfg: Config, target: Target, *, alpha: float = 0.8, decode: b
                    prompt: int = 128, new: int = 128, eval_step: bool = True) -> dict:
     """Every program compiled for `target` and its numbers (JSON-ready but for each entry's `_program`)."""
     devices = topology_devices(target)
-    mesh = cfg.mesh.model_dump(exclude=set() if cfg.mesh.stage_layers else {"stage_layers"})  # its axes, a split
+    mesh = {k: v for k, v in cfg.mesh.model_dump().items()  # its axes, and a split or repeats where set
+            if k not in ("stage_layers", "stage_repeats") or v != MeshConfig.model_fields[k].default}
     report = {"target": target.name, "chip": dataclasses.asdict(target.chip), "devices": target.devices,
               "mesh": mesh, "alpha": alpha, "programs": [], "notes": [],
               "tokens_per_step": cfg.train.batch_size * cfg.data.seq_len, "steps": cfg.train.steps}
@@ -251,9 +252,10 @@ def compile_report(cfg: Config, target: Target, *, alpha: float = 0.8, decode: b
         decode_programs(cfg, mesh, report, alpha, batch, min(prompt, cfg.data.seq_len), new)
     estimates(report, cfg, target)
     if cfg.mesh.stage > 1:
-        report["pipeline"] = {"stages": cfg.mesh.stage, "micro_batches": cfg.train.micro_batches,
-                              "bubble": pipeline.bubble(cfg.mesh.stage, cfg.train.micro_batches),
-                              "n_layers": cfg.model.n_layers, "stage_layers": list(cfg.mesh.stage_layers)}
+        m = cfg.mesh
+        report["pipeline"] = {"stages": m.stage, "micro_batches": cfg.train.micro_batches, "repeats": m.stage_repeats,
+                              "bubble": pipeline.bubble(m.stage, cfg.train.micro_batches, m.stage_repeats),
+                              "n_layers": cfg.model.n_layers, "stage_layers": list(m.stage_layers)}
     return report
 
 
@@ -340,9 +342,9 @@ def format_report(report: dict) -> str:
              f"TB/s, link {c['link_bw'] / 1e9:.0f} GB/s; mesh {report['mesh']}; decode alpha {report['alpha']}"]
     if "pipeline" in report:
         pp = report["pipeline"]
-        lines.append(f"pipeline: {pp['stages']} stages x {pp['micro_batches']} micro-batches (GPipe), bubble "
-                     f"(S-1)/(M+S-1) = {pp['bubble']:.1%}; every stage runs the same program (memory per device above "
-                     "is each stage's), and the bubble's ticks are in its FLOPs")
+        lines.append(f"pipeline: {pipeline.schedule_line(pp['stages'], pp['micro_batches'], pp.get('repeats', 1))}; "
+                     "every stage runs the same program (memory per device above is each stage's), and the bubble's "
+                     "ticks are in its FLOPs")
         if len(set(pp["stage_layers"])) > 1:
             lines.append(f"  {pipeline.uneven_line(tuple(pp['stage_layers']), pp['n_layers'])}")
     for p in report["programs"]:

@@ -182,7 +182,7 @@ class Programs:
 def make_programs(cfg: Config, mesh: Mesh) -> Programs:
     """Trace the state abstractly (nothing allocated), then jit init, train and eval steps with their shardings."""
     # Built for the mesh: the kernels its platform has, expert parallelism on an expert axis (nn/placement.py).
-    where = placement(mesh, cfg.mesh.stage_layers)
+    where = placement(mesh, cfg.mesh.stage_layers, cfg.mesh.stage_repeats)
     abstract = nnx.eval_shape(lambda: build_model(cfg, seed=cfg.train.seed, placement=where))
     graphdef, abs_params = nnx.split(abstract)
     what = trainable(cfg.train)
