@@ -25,6 +25,7 @@ from train_helpers import step_losses, synthetic_batches, tiny_cfg  # noqa: E402
 
 from mtpjax.config import replace  # noqa: E402
 from mtpjax.eval import validation  # noqa: E402
+from mtpjax.nn import model as model_lib  # noqa: E402
 from mtpjax.parallel import hlo, pipeline  # noqa: E402
 from mtpjax.parallel.sharding import make_mesh  # noqa: E402
 from mtpjax.train.step import backward, make_programs, split_trainable  # noqa: E402
@@ -158,9 +159,37 @@ def circular_flops(base) -> dict:
     return {"gpipe": flops(cfg), "circular": flops(replace(cfg, R2))}
 
 
-def _compiled_text(cfg) -> str:
+def circular_memory(base) -> dict:
+    """Temporaries of the backward (remat full) on 2 stages × data 2 with 4 micro-batches: GPipe, circular with 2
+    repeats, and the companion, circular with each tick's block read outside its remat (a copy kept per tick); with
+    one block's parameter bytes and the circular schedule's ticks."""
+    cfg = replace(base, [*DENSE, "model.mtp_depth=0", "train.micro_batches=4", *S2, "model.remat=full"])
+    temps = lambda cfg: _compiled(cfg).memory_analysis().temp_size_in_bytes
+    out = {"gpipe": temps(cfg), "circular": temps(replace(cfg, R2)), "ticks": 2 * 4 + 2 - 1}
+    real = model_lib._run_block
+
+    def read_outside(gdef, st, x, pos, seg, kv, remat, layer=None):
+        if layer is not None:
+            st = jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, layer, 0, False), st)
+        return real(gdef, st, x, pos, seg, kv, remat)
+
+    model_lib._run_block = read_outside
+    try:
+        out["copied"] = temps(replace(cfg, R2))
+    finally:
+        model_lib._run_block = real
+    blocks = nnx.to_pure_dict(_STATES[repr(cfg.model)].params)["blocks"]
+    out["block_bytes"] = sum(v.nbytes for v in jax.tree.leaves(blocks)) // cfg.model.n_layers
+    return out
+
+
+def _compiled(cfg):
     f, args = _step(cfg)
-    return f.lower(*args).compile().as_text()
+    return f.lower(*args).compile()
+
+
+def _compiled_text(cfg) -> str:
+    return _compiled(cfg).as_text()
 
 
 def compiled(cfg) -> hlo.Program:
@@ -262,6 +291,7 @@ def main() -> None:
     res["unmasked_padding"] = unmasked_padding(base)
     res["circular_out_of_order"] = circular_out_of_order(base)
     res["circular_flops"] = circular_flops(base)
+    res["circular_memory"] = circular_memory(base)
     res["tail_split"] = tail_split(base)
     res["evaluation"] = evaluation(base)
     res["training"] = training(base, batches)

@@ -216,8 +216,8 @@ def test_companion_a_remat_that_drops_the_segment_ids_is_told_apart(model_cfg, m
     import mtpjax.nn.model as model_module
 
     real = model_module._run_block
-    monkeypatch.setattr(model_module, "_run_block", lambda blk, x, pos, seg, kv, remat: real(
-        blk, x, pos, seg if remat == "none" else None, kv, remat))
+    monkeypatch.setattr(model_module, "_run_block", lambda gdef, st, x, pos, seg, kv, remat, layer=None: real(
+        gdef, st, x, pos, seg if remat == "none" else None, kv, remat, layer))
     toks, seg = batch(32)
     ref = build_model(model_cfg(n_layers=3, mtp_depth=1), seed=6)  # 3 layers: not the programs traced above
     rem = build_model(model_cfg(n_layers=3, mtp_depth=1, remat="full"), seed=6)

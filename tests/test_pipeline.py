@@ -133,6 +133,15 @@ def test_a_circular_pipeline_idles_for_the_ticks_its_bubble_says(staged):
 
 
 @pytest.mark.slow
+def test_a_circular_pipeline_reads_its_chunks_weights_again_rather_than_keeping_a_copy_per_tick(staged):
+    """With remat, each tick's block is read from the stage's stack inside the block's remat, so the backward keeps
+    the stack once; the companion, reading it outside, keeps a copy per tick (measured: 9 ticks × one block's bytes
+    more, 335 KB). At DeepSeek-V3's width that copy was 6 GiB a chip (docs/scaling-out.md)."""
+    f = staged["circular_memory"]
+    assert f["block_bytes"] > 0 and f["copied"] - f["circular"] >= (f["ticks"] - 1) * f["block_bytes"]
+
+
+@pytest.mark.slow
 def test_the_tail_runs_on_each_stages_share_of_the_rows(staged):
     """After the drain the head (and the MTP modules, the loss) run split over stage × data: each of 4 devices does
     a quarter of the one-device head's matmuls; the companion, a tail every stage repeats, does a half."""

@@ -271,9 +271,9 @@ class MeshConfig(Section):
     # axis order is parallel.sharding.AXES
     expert: Int = Field(1, description="expert-parallel axis: routed experts' weights split over it, the batch too "
         "(must divide `model.n_routed_experts`)", gt=0)
-    stage: Int = Field(1, description="pipeline stages: the scanned trunk's blocks split over them (GPipe, "
-        "`train.micro_batches` micro-batches; must divide `model.n_layers` unless `stage_layers` is set, needs "
-        "`model.scan_layers`)", gt=0)
+    stage: Int = Field(1, description="pipeline stages: the scanned trunk's blocks split over them (GPipe, or "
+        "circular with `stage_repeats`; `train.micro_batches` micro-batches; must divide `model.n_layers` unless "
+        "`stage_layers` is set, needs `model.scan_layers`)", gt=0)
     stage_layers: Ints = Field((), description="trunk blocks per stage, first to last (e.g. [5, 5, 4, 4]: 18 over 4 "
         "stages); one positive count per stage, summing to `model.n_layers`; empty = an even split. Every stage runs "
         "as many ticks as the largest count (the others pass their padding through)")

@@ -49,11 +49,13 @@ _REMAT = {
 }
 
 
-def _run_block(block: Block, x, pos, seg, kv, remat: str):
-    """Apply one block functionally, rematerialized if configured: (x, cache, routing info)."""
-    gdef, st = nnx.split(block)
-
+def _run_block(gdef, st, x, pos, seg, kv, remat: str, layer=None):
+    """Apply one block (graphdef, state) functionally, rematerialized if configured: (x, cache, routing info). With
+    `layer`, st is a stack and the block its layer `layer`, read inside the remat: the backward reads it again rather
+    than keeping a copy per use (a circular pipeline's chunk, one per tick; with remat none the copies are kept)."""
     def f(st, x, kv):
+        if layer is not None:
+            st = jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, layer, 0, False), st)
         return nnx.merge(gdef, st)(x, pos, seg, kv)
 
     if remat != "none":
@@ -61,16 +63,18 @@ def _run_block(block: Block, x, pos, seg, kv, remat: str):
     return f(st, x, kv)
 
 
-def scan_blocks(gdef, st, x_BTD, pos_BT, seg_BT, cache, remat: str, keep_L=None):
+def scan_blocks(gdef, st, x_BTD, pos_BT, seg_BT, cache, remat: str, keep_L=None, layers=None):
     """A stacked trunk's blocks (graphdef, state with a leading layer axis) applied in turn by lax.scan: (x, caches,
     routing info stacked over layers); the trunk's and a pipeline stage's share of it. Where `keep_L` is False the
-    layer passes x through (a stage's padding): its output, and so its parameters' gradient, is dropped."""
+    layer passes x through (a stage's padding): its output, and so its parameters' gradient, is dropped. With
+    `layers` (indices into st) only those run, each taken inside its remat (_run_block)."""
     def body(x, xs):
-        st_l, kv_l, keep = xs
-        y, kv, aux = _run_block(nnx.merge(gdef, st_l), x, pos_BT, seg_BT, kv_l, remat)
+        one, kv_l, keep = xs  # a layer's state, or its index
+        st_l, layer = (one, None) if layers is None else (st, one)
+        y, kv, aux = _run_block(gdef, st_l, x, pos_BT, seg_BT, kv_l, remat, layer)
         return (y if keep is None else jnp.where(keep, y, x)), (kv, aux)
 
-    x_BTD, (new, aux) = jax.lax.scan(body, x_BTD, (st, cache, keep_L))
+    x_BTD, (new, aux) = jax.lax.scan(body, x_BTD, (st if layers is None else layers, cache, keep_L))
     return x_BTD, new, aux
 
 
@@ -126,7 +130,7 @@ class MTPModule(nnx.Module):
         if self.sequential:
             on = lambda x: self.placement.constrain(x, "batch", "length", "embed")
             x = on(self.eh_proj(on(jnp.concatenate([self.enorm(emb_next_BTD), self.hnorm(h_prev_BTD)], axis=-1))))
-        return _run_block(self.block, x, pos_BT, seg_BT, kv, remat)
+        return _run_block(*nnx.split(self.block), x, pos_BT, seg_BT, kv, remat)
 
 
 class MTPTransformer(nnx.Module):
@@ -197,7 +201,7 @@ class MTPTransformer(nnx.Module):
             return x, new, {"blocks": aux} if aux else {}
         news, routing = [], {}
         for i, blk in enumerate(self.blocks):
-            x, nkv, aux = _run_block(blk, x, pos_BT, seg_BT, None if cache is None else cache[i], remat)
+            x, nkv, aux = _run_block(*nnx.split(blk), x, pos_BT, seg_BT, None if cache is None else cache[i], remat)
             if self.unstacked:  # stored, as a scan's step stores it: XLA may not keep it in excess precision
                 x = jax.lax.optimization_barrier(x)
             news.append(nkv)

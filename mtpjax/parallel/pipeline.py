@@ -1,9 +1,11 @@
-"""Pipeline parallelism over the `stage` mesh axis: a GPipe schedule of the scanned trunk's blocks, written as one
-`jax.shard_map` over that axis with `ppermute` shifting each stage's activations to the next.
+"""Pipeline parallelism over the `stage` mesh axis: a GPipe or circular (mesh.stage_repeats) schedule of the scanned
+trunk's blocks, written as one `jax.shard_map` over that axis with `ppermute` shifting each stage's activations to
+the next (`run_stages`).
 
 Where each part lives (docs/scaling-out.md): the stacked blocks [L, ...] are split over `stage` by the sharding
 rules (stage s holds blocks s·L/S .. (s+1)·L/S − 1), so a checkpoint's layout does not depend on the stage count;
-an uneven mesh.stage_layers gathers each stage's blocks and pads them to the largest count (`stage_blocks`).
+an uneven mesh.stage_layers gathers each stage's blocks and pads them to the largest count, and a circular schedule
+fetches the chunks each stage runs (`stage_blocks`).
 The embedding is read on entry (the first stage's input); after the pipeline drains, the last stage's outputs are
 sent by rows to the stages (`drain`: each device sends its own batch shard's rows, never the whole batch), and the
 final norm, the MTP modules, the shared head and the loss run one micro-batch at a time as the unpipelined step runs
@@ -125,24 +127,28 @@ def run_stages(model: MTPTransformer, st, keep_L, x_ABTD, seg_ABT, *, layout: st
     gdef = nnx.split(placed(model, inner).blocks)[0]
 
     def tick(carry, t):
-        state_BTD, loop_ABTD = carry
+        state_BTD, loop_ABTD, out_ABTD = carry
         n = jnp.clip(t - s, 0, A * R - 1)  # this stage's pass (clipped in the bubble)
         r, m = n // A, n % A
         x_BTD = x_ABTD[m]
-        if R > 1:  # the first stage keeps what the last sent (micro-batch t − S) until that one's next pass
-            j = (t - S) % A
-            loop_ABTD = loop_ABTD.at[j].set(jnp.where(t >= S, state_BTD, loop_ABTD[j]))
+        if R > 1:  # the first stage keeps what the last sent (micro-batch t − S; before tick S, nothing: slot A)
+            j = jnp.where(t >= S, (t - S) % A, A)  # until that micro-batch's next pass
+            loop_ABTD = jax.lax.dynamic_update_index_in_dim(loop_ABTD, state_BTD, j, 0)
             x_BTD = jnp.where(r == 0, x_BTD, loop_ABTD[m])
-        chunk, keep = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, r * K, K), (st, keep_L))
-        y_BTD, _, aux = scan_blocks(gdef, chunk, jnp.where(s == 0, x_BTD, state_BTD), pos_BT, seg_ABT[m], None,
-                                    model.cfg.remat, keep if padded else None)
-        return (jax.lax.ppermute(y_BTD, axis, [(i, (i + 1) % S) for i in range(S)]), loop_ABTD), (y_BTD, aux)
+        layers = None if R == 1 else r * K + jnp.arange(K)  # chunk r's blocks, each read inside its remat
+        y_BTD, _, aux = scan_blocks(gdef, st, jnp.where(s == 0, x_BTD, state_BTD), pos_BT, seg_ABT[m], None,
+                                    model.cfg.remat, keep_L if padded else None, layers)
+        # the trunk's output, the last stage's last pass of micro-batch m, kept (not stacked over every tick; any
+        # other tick's goes to slot A)
+        done = (s == S - 1) & (t - s >= (R - 1) * A)
+        out_ABTD = jax.lax.dynamic_update_index_in_dim(out_ABTD, y_BTD, jnp.where(done, m, A), 0)
+        ring = jax.lax.ppermute(y_BTD, axis, [(i, (i + 1) % S) for i in range(S)])
+        return (ring, loop_ABTD, out_ABTD), aux
 
-    loop = jnp.zeros_like(x_ABTD) if R > 1 else None
-    _, (y_ABTD, aux) = jax.lax.scan(tick, (jnp.zeros_like(x_ABTD[0]), loop), jnp.arange(A * R + S - 1))
-    # The last stage ends micro-batch a's last pass at tick (R − 1)·A + a + S − 1; stage s's own are s .. s + R·A − 1.
-    last = y_ABTD[(R - 1) * A + S - 1:]
-    last = last.reshape(A, shards, last.shape[1] // shards, *last.shape[2:])
+    spare = jnp.zeros((A + 1, *x_ABTD.shape[1:]), x_ABTD.dtype)  # A micro-batches' slots and one for the rest
+    (_, _, last), aux = jax.lax.scan(tick, (spare[0], spare if R > 1 else None, spare), jnp.arange(A * R + S - 1))
+    last = last[:A].reshape(A, shards, x_ABTD.shape[1] // shards, *x_ABTD.shape[2:])
+    # stage s's own ticks are s .. s + R·A − 1
     h = drain(inner.constrain(last, None, "batch", None, "length", "embed"), axis, layout)
     aux = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, s, A * R), aux)
     return h, jax.tree.map(lambda v: jnp.swapaxes(v.reshape(R, A, *v.shape[1:]), 0, 1).reshape(
@@ -153,7 +159,10 @@ def stage_state(model: MTPTransformer):
     """(the blocks' state as the stages take it, which of its layers are real, stage_blocks' layout or None): each
     stage's blocks side by side where they are not its contiguous share."""
     st, layout = nnx.state(model.blocks), stage_blocks(model.placement, model.cfg.n_layers)
-    if layout:
+    R, S = model.placement.stage_repeats, stage_count(model)
+    if layout and R > 1:  # stage_blocks' order as a transpose of [R, S, K] (XLA moves it by all-to-all, not a gather)
+        st = jax.tree.map(lambda v: jnp.swapaxes(v.reshape(R, S, -1, *v.shape[1:]), 0, 1).reshape(v.shape), st)
+    elif layout:
         st = jax.tree.map(lambda v: v[np.asarray(layout[0])], st)
     return st, jnp.asarray(layout[1] if layout else [True] * model.cfg.n_layers), layout
 
