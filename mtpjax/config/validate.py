@@ -64,7 +64,7 @@ def _stages(cfg) -> Rules:
         yield "mesh.stage", bool(counts) or m.n_layers % S == 0, \
             f"must divide model.n_layers={m.n_layers} (or set mesh.stage_layers, e.g. an uneven split)"
     if (R := cfg.mesh.stage_repeats) > 1:
-        yield "mesh.stage_repeats", S > 1 and not counts, "circles pipeline stages split evenly: set mesh.stage >= 2 " \
+        yield "mesh.stage_repeats", S > 1 and not counts, "needs pipeline stages split evenly: set mesh.stage >= 2 " \
             "and leave mesh.stage_layers empty"
         yield "mesh.stage_repeats", m.n_layers % (S * R) == 0, f"must divide model.n_layers / mesh.stage = " \
             f"{m.n_layers / S:g} (the blocks of a stage's chunks)"
