@@ -148,9 +148,8 @@ def run_stages(model: MTPTransformer, st, keep_L, x_ABTD, seg_ABT, *, layout: st
     spare = jnp.zeros((A + 1, *x_ABTD.shape[1:]), x_ABTD.dtype)  # A micro-batches' slots and one for the rest
     (_, _, last), aux = jax.lax.scan(tick, (spare[0], spare if R > 1 else None, spare), jnp.arange(A * R + S - 1))
     last = last[:A].reshape(A, shards, x_ABTD.shape[1] // shards, *x_ABTD.shape[2:])
-    # stage s's own ticks are s .. s + R·A − 1
     h = drain(inner.constrain(last, None, "batch", None, "length", "embed"), axis, layout)
-    aux = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, s, A * R), aux)
+    aux = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, s, A * R), aux)  # stage s's ticks s .. s + R·A − 1
     return h, jax.tree.map(lambda v: jnp.swapaxes(v.reshape(R, A, *v.shape[1:]), 0, 1).reshape(
         A, R * v.shape[1], *v.shape[2:]), aux)
 
