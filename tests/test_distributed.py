@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -143,13 +144,17 @@ def test_the_jax_internals_we_use_are_where_we_expect_them():
 
 def join(pid: int, n: int, port: int, timeout: int = 3, **kw) -> subprocess.Popen:
     env = sub_env(MTPJAX_COORDINATOR=f"127.0.0.1:{port}", MTPJAX_NUM_PROCESSES=n, MTPJAX_PROCESS_ID=pid,
-                  MTPJAX_LOCAL_DEVICES=2, MTPJAX_INIT_TIMEOUT=timeout, **kw)
+                  MTPJAX_LOCAL_DEVICES=2, MTPJAX_INIT_TIMEOUT=timeout, PYTHONFAULTHANDLER=1, **kw)
     return subprocess.Popen([sys.executable, "-m", "mtpjax", "distributed"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
 def finish(p: subprocess.Popen) -> tuple[int, str, list[str]]:
-    out, err = p.communicate(timeout=120)
+    try:
+        out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # a stuck process: its threads' stacks (PYTHONFAULTHANDLER) say where
+        p.send_signal(signal.SIGABRT)
+        pytest.fail(f"the process did not end within 120 s; where its threads were:\n{p.communicate()[1][-6000:]}")
     return p.returncode, out, our_lines(err)
 
 
