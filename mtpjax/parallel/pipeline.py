@@ -159,8 +159,8 @@ def stage_state(model: MTPTransformer):
     stage's blocks side by side where they are not its contiguous share."""
     st, layout = nnx.state(model.blocks), stage_blocks(model.placement, model.cfg.n_layers)
     R, S = model.placement.stage_repeats, stage_count(model)
-    if layout and R > 1:  # stage_blocks' order as a transpose of [R, S, K] (XLA moves it by all-to-all, not a gather)
-        st = jax.tree.map(lambda v: jnp.swapaxes(v.reshape(R, S, -1, *v.shape[1:]), 0, 1).reshape(v.shape), st)
+    if layout and R > 1:  # a transpose, not stage_blocks' index gather: XLA gathers the whole stack for that
+        st = jax.tree.map(lambda v: circular(v, S, R), st)
     elif layout:
         st = jax.tree.map(lambda v: v[np.asarray(layout[0])], st)
     return st, jnp.asarray(layout[1] if layout else [True] * model.cfg.n_layers), layout
@@ -172,14 +172,17 @@ def stage_blocks(pl: Placement, n_layers: int) -> tuple[list[int], list[bool]] |
     stage's last block); a circular pipeline (mesh.stage_repeats R) gives stage s chunks s, s + S, ... of L/(S·R)."""
     counts, R = pl.stage_layers, pl.stage_repeats
     if R > 1:
-        S = pl.size(pl.stage_axis)
-        K = n_layers // (S * R)
-        return [(r * S + s) * K + k for s in range(S) for r in range(R) for k in range(K)], [True] * n_layers
+        return circular(np.arange(n_layers), pl.size(pl.stage_axis), R).tolist(), [True] * n_layers
     if len(set(counts)) <= 1:
         return None
     top, starts = max(counts), np.cumsum((0, *counts[:-1]))
     return ([int(b) + min(i, n - 1) for b, n in zip(starts, counts) for i in range(top)],
             [i < n for n in counts for i in range(top)])
+
+
+def circular(v, S: int, R: int):
+    """A stacked [L, ...] in circular order: each stage's chunks s, s + S, ... side by side ([R, S, K] as [S, R, K])."""
+    return v.reshape(R, S, -1, *v.shape[1:]).swapaxes(0, 1).reshape(v.shape)
 
 
 def drain(last, axis: str, layout: str):
