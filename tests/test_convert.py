@@ -513,8 +513,39 @@ def _edit_config(d: Path, **changes) -> None:
     (d / "config.json").write_text(json.dumps(cfg))
 
 
+def _redeclare(d: Path, name: str, **info) -> None:
+    """model.safetensors with tensor `name`'s header entry updated by `info` (the data bytes as they were)."""
+    f = d / "model.safetensors"
+    raw, head = f.read_bytes(), _header(f)
+    head[name].update(info)
+    new = json.dumps(head, separators=(",", ":")).encode()
+    new += b" " * (-len(new) % 8)
+    f.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + int.from_bytes(raw[:8], "little"):])
+
+
+def _retyped(**info):
+    """An edit of the embedding's (float32) header entry."""
+    return lambda d: _redeclare(d, "model.embed_tokens.weight", **info)
+
+
+def _index(d: Path, text: str) -> None:
+    (d / "model.safetensors.index.json").write_text(text)
+
+
 @pytest.mark.parametrize("edit, needle", [
     (lambda d: (d / "config.json").unlink(), "no config.json"),
+    (lambda d: (d / "config.json").write_text("[1, 2]"), "must hold a JSON object"),
+    (lambda d: _edit_config(d, partial_rotary_factor=0.5), "partial_rotary_factor"),
+    (lambda d: _edit_config(d, model_type="llama", mlp_bias=True), "mlp_bias=true"),
+    (lambda d: _edit_config(d, model_type="llama", attention_bias=False), "config.json says attention_bias=false"),
+    (lambda d: (d / "model.safetensors").write_bytes(b"\0" * 4), "not a readable safetensors file"),
+    (lambda d: (d / "model.safetensors").write_bytes((2**40).to_bytes(8, "little")), "header length is implausible"),
+    (_retyped(dtype="C64"), "unsupported dtype C64"),
+    (_retyped(dtype="F8_E5M2"), "float8 other than e4m3"),
+    (_retyped(shape=[1]), "offsets that do not match its shape"),
+    (_retyped(dtype="I32"), "is int32; import takes float checkpoints"),
+    (lambda d: _index(d, "{nope"), "is not a valid safetensors index"),
+    (lambda d: _index(d, '{"weight_map": {"lm_head.weight": "model-2.safetensors"}}'), "names model-2.safetensors"),
     (lambda d: (d / "model.safetensors").unlink(), "no model.safetensors"),
     (lambda d: (d / "tokenizer.json").unlink(), "no usable tokenizer"),
     (lambda d: _edit_config(d, model_type="qwen3", architectures=["Qwen3ForCausalLM"]), "q/k RMSNorms"),
@@ -555,6 +586,8 @@ def test_import_refuses_output_bias_and_bad_overrides(tmp_path, capsys, hf_dir):
     assert cli("import", "--hf", d, "--out", run) == 0  # a zero o_proj bias computes nothing
     capsys.readouterr()
     assert "already exists" in _bad_existing(capsys, run, "import", "--hf", d, "--out", run)
+    assert "is not a directory" in _bad(capsys, tmp_path / "new", "import", "--hf", d / "config.json", "--out",
+                                        tmp_path / "new")
 
 
 def test_export_bad_input(tmp_path, capsys):

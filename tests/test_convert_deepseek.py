@@ -20,6 +20,7 @@ from test_convert import (
     _assert_same_params,
     _bad,
     _header,
+    _redeclare,
     _module1_with_engine_inputs,
     _tokenizer_json,
     batch,
@@ -285,15 +286,9 @@ def _edit(d: Path, **changes) -> None:
 
 def _fp8(d: Path) -> None:
     """One tensor re-declared as float8_e4m3 (same bytes), as DeepSeek's FP8 releases store weights."""
-    raw = (d / "model.safetensors").read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    head = json.loads(raw[8:8 + n])
     name = "model.layers.0.self_attn.o_proj.weight"
-    begin, end = head[name]["data_offsets"]
-    head[name] = {"dtype": "F8_E4M3", "shape": [end - begin], "data_offsets": [begin, end]}
-    new = json.dumps(head, separators=(",", ":")).encode()
-    new += b" " * (-len(new) % 8)
-    (d / "model.safetensors").write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n:])
+    begin, end = _header(d / "model.safetensors")[name]["data_offsets"]
+    _redeclare(d, name, dtype="F8_E4M3", shape=[end - begin])
 
 
 @pytest.mark.parametrize("edit, needle", [
