@@ -1,11 +1,14 @@
-"""The meshes `python -m mtpjax compile` chooses: one that fills a target, and the candidates `--search` ranks."""
+"""The targets `python -m mtpjax compile` accepts and the meshes it chooses: one that fills a target, and the candidates
+`--search` ranks."""
+
+import re
 
 import pytest
 
 from mtpjax.cli.compile import on_target
 from mtpjax.config import MeshConfig, load_config
 from mtpjax.parallel.sharding import MeshError
-from mtpjax.parallel.targets import parse_target
+from mtpjax.parallel.targets import TargetError, parse_target
 from mtpjax.train import meshes
 
 
@@ -85,3 +88,14 @@ def test_a_missing_compiler_stops_the_search_instead_of_ranking_nothing(monkeypa
     cfg = _cfg("small")
     with pytest.raises(TargetError, match="install its compiler"):
         meshes.search(cfg, parse_target("h100:8"), 2, place=lambda o: cfg)
+
+
+@pytest.mark.parametrize("name, says", [
+    ("v5p-6", "v5p-6 is not a slice size; use one of v5p-8, "),  # v5p counts TensorCores, two a chip
+    ("v5e-3", "v5e-3 is not a slice size; use one of v5e-1, "),
+    ("h100:9", "a GPU host holds 1 to 8 GPUs; write hosts x GPUs, e.g. h100:2x8"),
+    ("h100:0x8", "a GPU host holds 1 to 8 GPUs"),
+])
+def test_an_impossible_slice_or_host_names_the_sizes_there_are(name, says):
+    with pytest.raises(TargetError, match=re.escape(f"target '{name}': {says}")):
+        parse_target(name)
