@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from mtpjax.cli.decode import main as decode_main
 from mtpjax.cli.train import main as train_main
+from mtpjax.data import ByteTokenizer
 from mtpjax.decode.prompts import PromptError, check_token_prompts
 from mtpjax.eval import verdict
 from mtpjax.parallel import console
@@ -74,8 +75,9 @@ def test_companion_token_id_batches_pass_the_prompt_check():
 def test_a_generator_takes_text_and_refuses_token_ids():
     from mtpjax import Generator
 
-    gen = Generator(model=None, tokenizer=None)
-    for bad, words in (([[1, 2]], "takes text"), ([], "non-empty list of strings"), (3, "non-empty list")):
+    gen = Generator(model=None, tokenizer=ByteTokenizer())
+    for bad, words in (([[1, 2]], "takes text"), ([], "non-empty list of strings"), (3, "non-empty list"),
+                       (["x", ""], "empty prompt: give at least one character of text")):
         with pytest.raises(PromptError, match=words):
             gen(bad)
 

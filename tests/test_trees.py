@@ -164,6 +164,11 @@ def test_bad_tree_specs_are_one_line_errors():
         make_loop(model, PROMPTS, max_new_tokens=4, proposer="ngram", draft="2x2")
     with pytest.raises(DecodeError, match="draft '2x0'"):
         make_loop(model, PROMPTS, max_new_tokens=4, draft="2x0")
+    for bad in (2.5, True, None):  # a spelling is a string or an int; a bool is no count
+        with pytest.raises(DecodeError, match=f"^draft={bad!r} is not a draft; give one of "):
+            make_loop(model, PROMPTS, max_new_tokens=4, draft=bad)
+    with pytest.raises(DecodeError, match="^a loop drafts a fixed tree; draft='auto' is generate's"):
+        make_loop(model, PROMPTS, max_new_tokens=4, draft="auto")
 
 
 @pytest.mark.slow
