@@ -210,6 +210,14 @@ def _cli(tmp_path, *overrides):
                            *overrides], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120, check=False)
 
 
+def _damaged_pages(t: Path) -> None:
+    """A Parquet file whose footer reads but whose first data pages are overwritten: it fails while being read."""
+    pq.write_table(pa.table({"text": [f"document {i} " * 20 for i in range(200)]}), t / "a.parquet")
+    raw = bytearray((t / "a.parquet").read_bytes())
+    raw[4:200] = b"\xff" * 196
+    (t / "a.parquet").write_bytes(raw)
+
+
 @pytest.mark.parametrize("make, overrides, message", [
     (lambda t: pq.write_table(pa.table({"id": [1], "body": ["x"]}), t / "a.parquet"), [],
      "has no column 'text' (columns: id, body); set data.text_field to its text column"),
@@ -222,6 +230,7 @@ def _cli(tmp_path, *overrides):
     (lambda t: (t / "a.parquet").mkdir(), [], "has no .parquet files; fix data.paths"),
     (lambda t: (t / "a.parquet").write_bytes(b"junk"), ["data.source=arrow"],
      "is not a readable Arrow IPC / Feather v2 file"),
+    (_damaged_pages, [], "error: '{t}/a.parquet' could not be read ("),
 ])
 def test_bad_tables_are_one_line_exit_2_and_leave_no_cache(tmp_path, make, overrides, message):
     make(tmp_path)

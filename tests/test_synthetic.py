@@ -1,6 +1,6 @@
 """Synthetic task sources (data.source induction / algorithmic) and their task metrics: determinism by seed, exact
 mid-stream resume, held-out instances disjoint from training, the metrics against a hand count, greedy decoding.
-Only the metrics' hand counts run in the default tier (milliseconds); the rest is slow (CI)."""
+Only the metrics' hand counts and a refusal run in the default tier (milliseconds); the rest is slow (CI)."""
 
 import json
 
@@ -88,6 +88,14 @@ def test_held_out_instances_never_occur_in_training(tmp_path):
     held = {ByteTokenizer().decode(r) for r in batch.tokens_BT}
     assert held and held <= set(_docs(p.tokens("val"))) and not held & set(_docs(p.tokens("train")))
     assert len(held) == len(batch.tokens_BT)  # distinct instances
+
+
+def test_too_few_instances_for_both_splits_are_refused(tmp_path):
+    """Cutting a stream of instances into train and val would put training instances into validation."""
+    with pytest.raises(DataError, match="^the algorithmic corpus of 2 instances left the val split empty; raise "
+                                        "data.synthetic_instances$"):
+        prepare(_cfg(tmp_path, "algorithmic", synthetic_instances=2))
+    assert not list((tmp_path / "cache").rglob("*.npy"))  # nothing half-written is left as a corpus
 
 
 @pytest.mark.slow
