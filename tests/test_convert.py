@@ -33,6 +33,7 @@ from transformers import (
 from mtpjax.train.checkpoint import load_model
 from mtpjax.config import load_config
 from mtpjax.convert import layout
+from mtpjax.convert.errors import ConvertError
 from mtpjax.cli.convert import main
 from mtpjax.convert.hf_tokenizer import export_tokenizer
 from mtpjax.convert.importer import lazy_tree, save_model_checkpoint
@@ -612,6 +613,26 @@ def test_export_bad_input(tmp_path, capsys):
     # a run without MTP modules exports its trunk by default
     assert cli("export", "--run-dir", plain, "--out", tmp_path / "trunk") == 0
     assert json.loads((tmp_path / "trunk" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+
+
+def test_export_refuses_a_bad_out_or_format_and_a_full_disk_leaves_nothing(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from mtpjax.convert import export as export_mod
+
+    run, out = make_run(tmp_path, "run"), tmp_path / "hf"
+    (tmp_path / "a_file").write_text("")
+    assert "the parent of --out" in _bad(capsys, tmp_path / "a_file" / "hf", "export", "--run-dir", run, "--out",
+                                         tmp_path / "a_file" / "hf")
+    with pytest.raises(ConvertError, match="^--format gpt2 is unknown; use one of "):
+        export_mod.export_run(run, out, fmt="gpt2")
+
+    def full(*args, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(export_mod, "write_checkpoint", full)
+    assert f"writing {out} failed (No space left on device); nothing was written" in _bad(
+        capsys, out, "export", "--run-dir", run, "--out", out)
 
 
 def _bad_existing(capsys, out: Path, *argv) -> str:
