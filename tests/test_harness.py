@@ -263,3 +263,12 @@ def test_an_unknown_training_task_stops_the_run_before_its_first_step(tmp_path):
     with pytest.raises(tasks.TaskError, match="unknown task"):
         harness().train(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_a_continuation_longer_than_the_window_is_refused_and_one_that_fits_is_scored_whole():
+    from mtpjax.eval.harness import HarnessError, pack
+
+    with pytest.raises(HarnessError, match="^a continuation of 5 tokens is longer than max_length=4; raise max_length"):
+        pack([([1, 2], [3, 4, 5, 6, 7])], max_length=4, rows=1)
+    tokens_BT, targets_BT, mask_BT = pack([([1, 2], [3, 4, 5, 6])], max_length=4, rows=2)
+    assert targets_BT[0][mask_BT[0]].tolist() == [3, 4, 5, 6] and not mask_BT[1].any()  # the context cut, not it
