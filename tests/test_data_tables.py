@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from pyarrow import feather
-from train_helpers import WORKER_LOG, started_worker
+from train_helpers import WORKER_LOG, dying_worker, started_worker
 
 from mtpjax.config import DataConfig
 from mtpjax.data import DataError, cache_path, encode, prepare, sources, train_bpe
@@ -179,6 +179,17 @@ def _files(cfg):
     from mtpjax.data.corpus import _files
 
     return _files(cfg)
+
+
+def test_a_worker_process_that_dies_is_one_line_and_leaves_no_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(encode, "_init_worker", dying_worker)
+    monkeypatch.setattr(encode, "TASK_BYTES", 10)  # more than one task: the work goes to the worker processes
+    (tmp_path / "a.txt").write_text("some text " * 5)
+    (tmp_path / "b.txt").write_text("more text " * 5)
+    with pytest.raises(DataError, match="^a data.prepare_workers process died .*; lower data.prepare_workers or set "
+                                        "it to 0$"):
+        prepare(_cfg(tmp_path, source="text", paths=(str(tmp_path),), prepare_workers=2))
+    assert _entries(tmp_path) == []
 
 
 def test_worker_error_is_the_same_one_line(tmp_path, monkeypatch):
