@@ -231,7 +231,8 @@ def test_depth_lambdas_parse_and_save(spec, saved, kind):
 
 @pytest.mark.parametrize("kind, text, shown", [
     (LambdaSchedule, "linear:0.3->0.1", "linear:0.3->0.1"), (TargetMix, "kl", "kl"),
-    (DepthLambdas, "forward:0", "forward:0"), (DepthLambdas, "0.3;sideways", "sideways")])
+    (DepthLambdas, "forward:0", "forward:0"), (DepthLambdas, "forward:ten", "forward:ten"),
+    (DepthLambdas, "0.3;sideways", "sideways")])
 def test_a_spelling_refused_alone_says_what_is_allowed_and_the_config_adds_its_key(kind, text, shown):
     """Outside a config a bad spelling is a SpellingError (the part that is wrong, what is allowed); the config's
     message is the same with the key in front."""

@@ -159,6 +159,9 @@ def test_bad_tree_specs_are_one_line_errors():
         with pytest.raises(DraftError) as e:
             parse(spec)
         assert "\n" not in str(e.value) and spec in str(e.value)
+    for spec in ["65", "-1" + ",-1" * 64]:  # a chain's length and a parent list: each counted against the limit
+        with pytest.raises(DraftError, match="has 65 nodes; use 0..64"):
+            parse(spec)
     model = build_model(_cfg(), seed=0)
     with pytest.raises(DecodeError, match="proposer mtp or mtp1"):
         make_loop(model, PROMPTS, max_new_tokens=4, proposer="ngram", draft="2x2")
