@@ -599,6 +599,7 @@ def test_export_bad_input(tmp_path, capsys):
     cases = [
         ((plain, "--mtp-modules", "1"), "more MTP modules than the run has"),
         ((seq, "--mtp-modules", "3"), "more MTP modules than the run has"),
+        ((seq, "--mtp-modules", "-1"), "--mtp-modules -1 must be >= 0"),
         ((parallel, "--mtp-modules", "1"), "mtp_kind=parallel"),
         ((seq, "--format", "llama", "--mtp-modules", "1"), "trunk only"),
         ((seq, "--step", "7"), "no checkpoint at step 7"),

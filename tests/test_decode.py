@@ -196,6 +196,7 @@ def _check_speed_report(d: dict, run) -> None:
     ("missing file", ["--run-dir", "{mtp}", "--prompts-file", "{tmp}/none.txt"], "does not exist"),
     ("bad step", ["--run-dir", "{mtp}", "--prompt", "x", "--step", "7"], "no checkpoint at step 7"),
     ("bad num-draft", ["--run-dir", "{mtp}", "--prompt", "x", "--num-draft", "many"], "auto or an integer"),
+    ("long chain", ["--run-dir", "{mtp}", "--prompt", "x", "--num-draft", "17"], "--num-draft 17 is above 16; use at"),
     ("auto without mtp", ["--run-dir", "{plain}", "--prompt", "x", "--proposer", "mtp"], "no MTP modules"),
     ("model without draft", ["--run-dir", "{mtp}", "--prompt", "x", "--proposer", "model"], "needs --draft-run-dir"),
     ("draft and ngram", ["--run-dir", "{mtp}", "--prompt", "x", "--draft-run-dir", "{plain}", "--proposer", "ngram"],

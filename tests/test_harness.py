@@ -230,6 +230,8 @@ def test_the_training_hook_logs_task_scores(run):
     (["--tasks", "arc_easy"], "cannot be read here"),  # a hub dataset, offline
     (["--tasks", " , "], "names no task"),
     (["--tasks", "mtpjax", "--limit", "0"], "--limit 0.0 must be > 0"),
+    (["--tasks", "mtpjax", "--num-fewshot", "-1"], "--num-fewshot -1 must be >= 0"),
+    (["--tasks", "mtpjax", "--batch-size", "0"], "--batch-size 0 must be >= 1"),
     (["--tasks", "mtpjax"], "is not a run directory"),
 ])
 def test_decode_tasks_bad_input_is_one_line_exit_2(run, capsys, argv, words):
@@ -245,6 +247,7 @@ def test_decode_tasks_bad_input_is_one_line_exit_2(run, capsys, argv, words):
     (["--model", "mtpjax", "--model_args", "step=1", "--tasks", "mtpjax"], "needs model_args run_dir"),
     (["--model", "mtpjax", "--model_args", "run_dir=RUN,colour=red", "--tasks", "mtpjax"], "colour unknown"),
     (["--model", "mtpjax", "--model_args", "run_dir=RUN", "--tasks", "no_such_task"], "unknown task"),
+    (["--model", "mtpjax", "--model_args", "run_dir=RUN"], "give --tasks NAMES"),
     (["--model", "mtpjax", "--model_args", "run_dir=RUN", "--tasks", "mtpjax", "--include_path", "/no/such/dir"],
      "--include_path /no/such/dir is not a directory"),
     (["--model", "mtpjax", "--model_args", "run_dir=RUN", "--tasks", "mtpjax", "--include_path"],
