@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_convert import _assert_same_params, _bad, cli
+from test_convert import _assert_same_params, _bad, _header, _redeclare, cli
 from test_convert_deepseek import _hf_deepseek, export, make_ds_run, state_of
 
 from mtpjax.convert import fp8, importer
@@ -153,6 +153,14 @@ def _drop(name: str):
     return edit
 
 
+def _flattened(name: str):
+    """The float8 weight `name` declared 1-D (the same bytes)."""
+    def edit(d: Path):
+        rows, cols = _header(d / "model.safetensors")[name]["shape"]
+        _redeclare(d, name, shape=[rows * cols])
+    return edit
+
+
 def _config(**changes):
     def edit(d: Path):
         c = json.loads((d / "config.json").read_text())
@@ -168,6 +176,7 @@ def _config(**changes):
     (_config(quantization_config=None), "float8 but config.json has no quantization_config"),
     (_config(quantization_config={"quant_method": "awq", "bits": 4}), "quantized as awq"),
     (_drop("model.layers.1.self_attn.o_proj.weight"), "not float8"),
+    (_flattened("model.layers.1.self_attn.o_proj.weight"), "is float8 of shape [1024]; only 2-D block-scaled weights"),
 ])
 def test_import_bad_fp8_input(tmp_path, capsys, small_fp8, edit, needle):
     d = tmp_path / "in"
