@@ -38,6 +38,10 @@ def test_round_trip_of_state_data_state_and_meta(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "4").iterdir() if p.is_dir()) == \
         ["data", "digests", "meta", "model", "train"]
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "4" / "train")  # an item lost: one line that says the way out
+    with pytest.raises(CheckpointError, match=r"^checkpoint 4 in .* could not be restored \(.*\); use --fresh to "
+                                              r"start over$"):
+        ck.restore(4, progs.target)
 
 
 def test_keep_every_and_load_model(tiny_run):
