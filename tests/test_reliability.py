@@ -344,20 +344,25 @@ def test_nan_skip_policy_stops_past_the_limit(at_step_4, monkeypatch):
 # ----------------------------------------------------------------------------- a full disk
 
 
-@pytest.mark.parametrize("async_save", [True, False])
-def test_disk_full_during_a_save_is_a_clear_error_and_keeps_the_previous_checkpoint(at_step_4, monkeypatch, capsys,
-                                                                                     async_save):
+def _full_disk_at(monkeypatch, step: int) -> None:
+    """Committing checkpoint `step` fails as a full disk does (its data is already in the temporary directory)."""
     from orbax.checkpoint._src.path import atomicity
 
-    cfg, run = at_step_4
     real = atomicity.AtomicRenameTemporaryPath.finalize
 
-    async def full(self, *a, **kw):  # the data is written to the temporary directory; committing it fails
-        if self.get_final().name == "6":
+    async def full(self, *a, **kw):
+        if self.get_final().name == str(step):
             raise OSError(errno.ENOSPC, "No space left on device")
         return await real(self, *a, **kw)
 
     monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", full)
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_disk_full_during_a_save_is_a_clear_error_and_keeps_the_previous_checkpoint(at_step_4, monkeypatch, capsys,
+                                                                                     async_save):
+    cfg, run = at_step_4
+    _full_disk_at(monkeypatch, 6)
     before = tree_hash(run / "checkpoints")
     capsys.readouterr()
     assert main(cli_args(cfg, f"checkpoint.async_save={str(async_save).lower()}", "train.steps=8")) == 2
@@ -368,6 +373,17 @@ def test_disk_full_during_a_save_is_a_clear_error_and_keeps_the_previous_checkpo
     monkeypatch.undo()
     out = train(cfg)  # the failed save's temporary directory is never taken for a checkpoint
     assert [s for s, _ in out["history"]] == [5, 6, 7] and complete_steps(run) == [4, 6, 7]
+
+
+def test_a_last_asynchronous_save_that_fails_is_reported_when_the_run_waits_for_it(at_step_4, monkeypatch, capsys):
+    """No later save reports it: the run's final wait for the background save does, and exits 2."""
+    cfg, run = at_step_4
+    _full_disk_at(monkeypatch, 6)
+    capsys.readouterr()
+    assert main(cli_args(cfg, "checkpoint.async_save=true", "train.steps=6")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: saving a checkpoint") and "No space left on device" in err[-1], err
+    assert complete_steps(run) == [4]
 
 
 # ----------------------------------------------------------------------------- nothing executes code on load
