@@ -55,6 +55,26 @@ def test_keep_every_and_load_model(tiny_run):
         load_model(run, step=2)
 
 
+def test_a_saved_config_that_is_invalid_or_missing_is_skipped_by_name(tiny_run, tmp_path, capsys):
+    """Checkpoints without digests (written before them): a meta whose config does not validate, or that has none,
+    is passed over with a line naming it, and the newest readable checkpoint loads."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run[1], run)
+    for step, edit in ((7, lambda m: m["config"]["model"].update(d_model=-1)), (6, lambda m: m.pop("config"))):
+        shutil.rmtree(run / "checkpoints" / str(step) / "digests")
+        meta = run / "checkpoints" / str(step) / "meta" / "metadata"
+        m = json.loads(meta.read_text())
+        edit(m)
+        meta.write_text(json.dumps(m))
+    capsys.readouterr()
+    _, model, _ = load_model(run)
+    err = capsys.readouterr().err
+    assert "checkpoint 7 of" in err and "has an invalid config (config key 'model.d_model' = -1 is invalid: must " \
+        "be > 0)" in err
+    assert "checkpoint 6 of" in err and "is unreadable (KeyError: 'config')" in err
+    np.testing.assert_array_equal(np.asarray(model.embed[...]), np.asarray(load_model(run, step=4)[1].embed[...]))
+
+
 def test_load_model_errors_are_one_line(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist") as e:
         load_model(tmp_path / "missing")
