@@ -482,55 +482,49 @@ def test_missing_tokenizer_file(tmp_path):
         load_tokenizer(str(tmp_path / "nope.json"))
 
 
-def test_sentencepiece_model_needs_the_package_or_a_valid_file(tmp_path):
+SP_LINES = [f"the cat {i} sat on the mat and looked at the dog number {i % 7}" for i in range(200)]
+
+
+def _sp_model(path: Path, **kw) -> Path:
+    """A sentencepiece model of 40 pieces trained here on SP_LINES (unk 0, bos 1, eos 2 unless `kw` says)."""
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(SP_LINES), model_prefix=str(path.with_suffix("")),
+                                   vocab_size=40, minloglevel=2, **kw)
+    return path
+
+
+def test_sentencepiece_model_needs_the_package_and_a_valid_file(tmp_path, monkeypatch):
     (tmp_path / "sp.model").write_bytes(b"\x00garbage")
-    try:
-        import sentencepiece  # noqa: F401
-        match = "does not parse as a sentencepiece model"
-    except ImportError:
-        match = "pip install sentencepiece"
-    with pytest.raises(DataError, match=match):
+    with pytest.raises(DataError, match=r"sp.model' does not parse as a sentencepiece model \(.*\); pass a valid "):
+        load_tokenizer(DataConfig(tokenizer=str(tmp_path / "sp.model")))
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)  # the optional package absent: import fails
+    with pytest.raises(DataError, match="is a sentencepiece model but the package is not installed; run `pip install "
+                                        "sentencepiece`"):
         load_tokenizer(DataConfig(tokenizer=str(tmp_path / "sp.model")))
 
 
-class _FakeSentencePiece:
-    """Stands in for the optional package: ids are characters a..z (3..28), eos 2."""
-
-    class SentencePieceProcessor:
-        def __init__(self, model_file):
-            assert Path(model_file).read_bytes() == b"fake sp model"
-
-        def get_piece_size(self):
-            return 29
-
-        def eos_id(self):
-            return 2
-
-        def encode(self, text):
-            return [ord(c) - 94 for c in text]
-
-        def decode(self, ids):
-            return "".join(chr(i + 94) for i in ids)
+def test_sentencepiece_tokenizer_prepares_decodes_and_travels_with_the_run(tmp_path):
+    model = _sp_model(tmp_path / "m.model")
+    text = "\n".join(SP_LINES[:40])
+    (tmp_path / "t.txt").write_text(text)
+    p = prepare(_cfg(tmp_path, source="text", paths=(str(tmp_path / "t.txt"),), tokenizer=str(model)))
+    tok = p.tokenizer
+    assert p.meta["tokenizer_kind"] == "sentencepiece" and (tok.vocab_size, tok.eos_id) == (40, 2)
+    ids = np.concatenate([p.train_tokens, p.val_tokens]).tolist()
+    assert ids[-1] == 2 and ids.count(2) == 1 and tok.decode(ids) == tok.decode(tok.encode(text))
+    assert tok.decode(tok.encode("the cat sat")) == "the cat sat"
+    cat = tok.encode("cat")
+    assert tok.decode([*cat, 2, 99, *cat]) == "cat\ufffdcat"  # EOS dropped, an id past the vocabulary replaced
+    again = tokenizer_from_dir(tok.save(tmp_path / "run"))
+    assert (tmp_path / "run" / "tokenizer.model").read_bytes() == model.read_bytes()
+    assert again.encode("the dog number 3") == tok.encode("the dog number 3")
 
 
-def test_sentencepiece_wrapper(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "sentencepiece", _FakeSentencePiece)
-    (tmp_path / "m.model").write_bytes(b"fake sp model")
-    (tmp_path / "t.txt").write_text("abcabc" * 20)
-    p = prepare(_cfg(tmp_path, source="text", paths=(str(tmp_path / "t.txt"),), tokenizer=str(tmp_path / "m.model")))
-    assert p.meta["tokenizer_kind"] == "sentencepiece" and p.tokenizer.vocab_size == 29 and p.tokenizer.eos_id == 2
-    np.testing.assert_array_equal(np.concatenate([p.train_tokens, p.val_tokens]), [3, 4, 5] * 40 + [2])
-    assert p.tokenizer.decode([3, 2, 4, 99, 5]) == "ab\ufffdc"
-    again = tokenizer_from_dir(p.tokenizer.save(tmp_path / "run"))
-    assert (tmp_path / "run" / "tokenizer.model").read_bytes() == b"fake sp model" and again.encode("cab") == [5, 3, 4]
-
-
-def test_sentencepiece_without_eos_or_file(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "sentencepiece", _FakeSentencePiece)
-    monkeypatch.setattr(_FakeSentencePiece.SentencePieceProcessor, "eos_id", lambda self: -1)
-    (tmp_path / "m.model").write_bytes(b"fake sp model")
+def test_sentencepiece_without_eos_or_file(tmp_path):
+    model = _sp_model(tmp_path / "m.model", eos_id=-1)
     with pytest.raises(DataError, match="has no EOS id"):
-        load_tokenizer(str(tmp_path / "m.model"))
+        load_tokenizer(str(model))
     with pytest.raises(DataError, match="does not exist"):
         load_tokenizer(str(tmp_path / "other.model"))
 
