@@ -509,9 +509,9 @@ def hf_dir(tmp_path):
 
 
 def _edit_config(d: Path, **changes) -> None:
-    cfg = json.loads((d / "config.json").read_text())
-    cfg.update(changes)
-    (d / "config.json").write_text(json.dumps(cfg))
+    """config.json with `changes` set in it (a change to None removes the key)."""
+    cfg = json.loads((d / "config.json").read_text()) | changes
+    (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
 
 
 def _redeclare(d: Path, name: str, **info) -> None:

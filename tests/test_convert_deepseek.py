@@ -19,6 +19,7 @@ from test_convert import (
     TOL,
     _assert_same_params,
     _bad,
+    _edit_config,
     _header,
     _redeclare,
     _module1_with_engine_inputs,
@@ -278,12 +279,6 @@ def test_import_transformers_deepseek(tmp_path, capsys):
 # ----------------------------------------------------------------------------- bad input
 
 
-def _edit(d: Path, **changes) -> None:
-    c = json.loads((d / "config.json").read_text())
-    c.update(changes)
-    (d / "config.json").write_text(json.dumps(c))
-
-
 def _fp8(d: Path) -> None:
     """One tensor re-declared as float8_e4m3 (same bytes), as DeepSeek's FP8 releases store weights."""
     name = "model.layers.0.self_attn.o_proj.weight"
@@ -292,16 +287,17 @@ def _fp8(d: Path) -> None:
 
 
 @pytest.mark.parametrize("edit, needle", [
-    (lambda d: _edit(d, scoring_func="softmax"), "scoring_func='softmax'"),
-    (lambda d: _edit(d, topk_method="greedy"), "topk_method='greedy'"),
-    (lambda d: _edit(d, norm_topk_prob=False), "norm_topk_prob=False"),
-    (lambda d: _edit(d, moe_layer_freq=2), "moe_layer_freq=2"),
-    (lambda d: _edit(d, moe_intermediate_size=8), "does not match its config.json"),
-    (lambda d: _edit(d, kv_lora_rank=8), "does not match its config.json"),
-    (lambda d: _edit(d, first_k_dense_replace=2), "MTP layers are MoE (first_k_dense_replace=2) but its trunk is"),
+    (lambda d: _edit_config(d, scoring_func="softmax"), "scoring_func='softmax'"),
+    (lambda d: _edit_config(d, topk_method="greedy"), "topk_method='greedy'"),
+    (lambda d: _edit_config(d, norm_topk_prob=False), "norm_topk_prob=False"),
+    (lambda d: _edit_config(d, moe_layer_freq=2), "moe_layer_freq=2"),
+    (lambda d: _edit_config(d, moe_intermediate_size=8), "does not match its config.json"),
+    (lambda d: _edit_config(d, kv_lora_rank=8), "does not match its config.json"),
+    (lambda d: _edit_config(d, first_k_dense_replace=2),
+     "MTP layers are MoE (first_k_dense_replace=2) but its trunk is"),
     # issue 50: DeepSeek-V3's fp8 block-scaled checkpoints import now (tests/test_convert_fp8.py), so an fp8
     # quantization_config is accepted; other quantizations, and float8 tensors without block scales, are refused
-    (lambda d: _edit(d, quantization_config={"quant_method": "gptq", "bits": 4}), "dequantize it to bfloat16"),
+    (lambda d: _edit_config(d, quantization_config={"quant_method": "gptq", "bits": 4}), "dequantize it to bfloat16"),
     (_fp8, "float8 but config.json has no quantization_config"),
 ])
 def test_import_bad_deepseek_input(tmp_path, capsys, edit, needle):

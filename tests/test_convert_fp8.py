@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_convert import _assert_same_params, _bad, _header, _redeclare, cli
+from test_convert import _assert_same_params, _bad, _edit_config, _header, _redeclare, cli
 from test_convert_deepseek import _hf_deepseek, export, make_ds_run, state_of
 
 from mtpjax.convert import fp8, importer
@@ -162,10 +162,7 @@ def _flattened(name: str):
 
 
 def _config(**changes):
-    def edit(d: Path):
-        c = json.loads((d / "config.json").read_text())
-        (d / "config.json").write_text(json.dumps({k: v for k, v in (c | changes).items() if v is not None}))
-    return edit
+    return lambda d: _edit_config(d, **changes)
 
 
 @pytest.mark.parametrize("edit, needle", [
