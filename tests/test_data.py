@@ -102,6 +102,18 @@ def test_same_seed_same_batches_and_each_epoch_is_a_new_permutation():
     assert epoch1 != epoch2 and epoch1 != list(range(40))
 
 
+def test_eval_batches_read_each_validation_window_once():
+    """first_batches stops at the end of the validation split (10 windows: 3 batches of 3, the last window left out)
+    rather than counting windows twice; a split long enough gives the n asked, in window order."""
+    from mtpjax.data import first_batches
+
+    val = np.repeat(np.arange(1, 11), 4)  # window w holds the token w+1
+    kw = {"seq_len": 4, "batch_size": 3, "seed": 0}
+    short = first_batches(_prepared([1] * 8, val=val), 5, **kw)
+    assert [_window_ids(b) for b in short] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert [_window_ids(b) for b in first_batches(_prepared([1] * 8, val=val), 2, **kw)] == [[0, 1, 2], [3, 4, 5]]
+
+
 def test_processes_read_their_rows_of_the_same_global_batches():
     kw = {"split": "train", "seq_len": 4, "batch_size": 6, "seed": 3, "num_epochs": 2}
     whole = list(make_iterator(_numbered(42), **kw))
@@ -145,7 +157,8 @@ def test_prefetch_threads_do_not_change_batches_or_state():
 def test_state_from_other_settings_is_refused():
     state = make_iterator(_numbered(12), split="train", seq_len=4, batch_size=4, seed=1).get_state()
     other = make_iterator(_numbered(12), split="train", seq_len=4, batch_size=2, seed=1)
-    with pytest.raises(DataError, match="batch_size=4"):
+    with pytest.raises(DataError, match=r"saved with batch_size=4 \(now 2\); resume with the same data and batch "
+                                        r"settings, or pass --fresh \(or set another train.run_dir\) to start over"):
         other.set_state(state)
 
 
@@ -288,6 +301,31 @@ def test_a_damaged_cache_entry_is_refused_by_name(tmp_path, recorded):
     del meta["digests"]
     (p.dir / "meta.json").write_text(json.dumps(meta))
     assert (np.asarray(prepare(cfg).train_tokens) != before).sum() == 1
+
+
+@pytest.mark.parametrize("meta", [b'{"content_hash": "ab', b"[]", b"\xff\xfe"])
+def test_a_damaged_meta_json_is_refused_by_name(tmp_path, meta):
+    """meta.json is the one file of an entry its digests do not cover: cut short, not an object or not text, it is
+    refused with the same line as a damaged array (the intact entry loads: the test above)."""
+    f = tmp_path / "one.txt"
+    f.write_text("some text to cache " * 10)
+    cfg = _cfg(tmp_path, source="text", paths=(str(f),))
+    entry = prepare(cfg).dir
+    (entry / "meta.json").write_bytes(meta)
+    with pytest.raises(DataError, match=f"'{entry}' is damaged: meta.json is not the JSON object preparation "
+                                        "writes; delete that directory"):
+        prepare(cfg)
+
+
+def test_a_cache_dir_that_is_a_file_is_refused(tmp_path):
+    """data.cache_dir naming a file is a one-line refusal (as on several hosts), the file untouched."""
+    f, cache = tmp_path / "one.txt", tmp_path / "cache"
+    f.write_text("some text to cache " * 10)
+    cache.write_text("mine")
+    with pytest.raises(DataError, match=f"data.cache_dir '{cache}' is not writable .*; choose a writable "
+                                        "data.cache_dir"):
+        prepare(DataConfig(source="text", paths=(str(f),), cache_dir=str(cache)))
+    assert cache.read_text() == "mine"
 
 
 def test_non_utf8_text_warns_and_replaces(tmp_path):

@@ -159,10 +159,28 @@ def test_the_banner_counts_one_mtp_module_in_the_singular():
     part = SimpleNamespace(meta={"files": 1}, train_tokens=[0] * 9, val_tokens=[0])
     prepared = SimpleNamespace(sources=lambda: [(None, None, part)], tokenizer=SimpleNamespace(vocab_size=1024),
                                content_hash="abc")
-    text = banner(load_config(TINY), SimpleNamespace(shape={"data": 1}), Path("runs/tiny"), 0, prepared)
+    mesh = SimpleNamespace(shape={"data": 1})
+    text = banner(load_config(TINY), mesh, Path("runs/tiny"), 0, prepared, 8)
     assert ", 1 MTP module x " in text and "(1 file)" in text, text
-    two = banner(load_config(TINY, ["model.mtp_depth=2"]), SimpleNamespace(shape={"data": 1}), Path("r"), 0, prepared)
+    two = banner(load_config(TINY, ["model.mtp_depth=2"]), mesh, Path("r"), 0, prepared, 8)
     assert ", 2 MTP modules x " in two
+
+
+def test_the_banner_says_how_many_batches_an_eval_reads():
+    """A validation split shorter than train.eval_batches is read once, and the banner says so; no eval is said."""
+    from mtpjax.config import load_config
+    from mtpjax.train.report import banner
+
+    part = SimpleNamespace(meta={"files": 1}, train_tokens=[0] * 9, val_tokens=[0])
+    prepared = SimpleNamespace(sources=lambda: [(None, None, part)], tokenizer=SimpleNamespace(vocab_size=1024),
+                               content_hash="abc")
+
+    def plan(got: int, *overrides: str) -> str:
+        cfg = load_config(TINY, ["train.eval_batches=8", "train.eval_every=50", *overrides])
+        return banner(cfg, SimpleNamespace(shape={"data": 1}), Path("r"), 0, prepared, got).splitlines()[-1]
+    assert "eval every 50 on 8 batches, checkpoint" in plan(8)
+    assert "eval every 50 on 1 batch (the whole validation split; train.eval_batches=8 asks more)," in plan(1)
+    assert "no eval (train.eval_batches=0)," in plan(0, "train.eval_batches=0")
 
 
 def test_a_flag_named_like_a_config_key_suggests_the_override(capsys):

@@ -13,16 +13,21 @@ from mtpjax.train.optim import decay_mask, lr_schedule, make_tx, with_lr
 
 
 @pytest.mark.parametrize("kind", ["cosine", "linear", "constant"])
-def test_lr_warmup_then_decay_to_min_ratio(kind):
-    o = OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1, schedule=kind)
+@pytest.mark.parametrize("warmup", [10, 0])
+def test_lr_warmup_then_decay_to_min_ratio(kind, warmup):
+    """Steps 0..109 run: the peak at the last warmup step alone, the floor (the final learning rate) at step 109."""
+    o = OptimConfig(lr=1.0, warmup_steps=warmup, min_lr_ratio=0.1, schedule=kind)
     f = lr_schedule(o, total_steps=110)
-    assert float(f(0)) == pytest.approx(0.1)  # first update already moves: lr/warmup
-    assert float(f(9)) == pytest.approx(1.0)
-    assert float(f(10)) == pytest.approx(1.0)
+    if warmup:
+        assert float(f(0)) == pytest.approx(0.1)  # first update already moves: lr/warmup
+        assert float(f(9)) == pytest.approx(1.0)
+    lr = [float(f(s)) for s in range(warmup, 110)]
     end = {"cosine": 0.1, "linear": 0.1, "constant": 1.0}[kind]
-    assert float(f(110)) == pytest.approx(end, abs=1e-6)
-    if kind == "cosine":
-        assert float(f(60)) == pytest.approx(0.55, abs=1e-6)  # halfway: mean of peak and floor
+    assert lr[-1] == pytest.approx(end, abs=1e-6)
+    if kind != "constant":
+        assert lr[0] < 1.0 and all(a > b for a, b in zip(lr, lr[1:]))  # decaying from the first step after warmup
+        halfway = {10: 59, 0: 54}[warmup]  # the decay's 50th of 100 steps, 55th of 110
+        assert float(f(halfway)) == pytest.approx(0.55, abs=1e-6)  # mean of peak and floor
 
 
 def test_decay_only_on_matrices_also_in_scanned_stacks(model_cfg):

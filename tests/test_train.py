@@ -75,6 +75,17 @@ def test_tensorboard_has_every_tag(tmp_path):
     assert json.loads((tmp_path / "run" / "goodput.json").read_text()) == parts
 
 
+def test_tokens_per_second_restarts_after_evals_and_checkpoints(tmp_path, monkeypatch):
+    """tokens/s and MFU count training steps only: the clock restarts after the first (compiling) step, after each
+    eval and after each checkpoint save."""
+    from mtpjax.train.report import Logger
+
+    restarts, original = [], Logger.restart_clock
+    monkeypatch.setattr(Logger, "restart_clock", lambda self, step: restarts.append(step) or original(self, step))
+    train(tiny_cfg(tmp_path, "train.steps=7", "checkpoint.every=2", "train.eval_every=3", "train.log_every=1"))
+    assert {1, 2, 3, 4, 6} <= set(restarts), restarts
+
+
 def test_goodput_moves_lost_steps_to_restart_and_keeps_the_total():
     from mtpjax.train.goodput import CATEGORIES, goodput, resumed
 
@@ -180,6 +191,16 @@ def test_unwritable_run_dir(tmp_path, capsys):
     assert "not writable" in _error(capsys, cli_args(cfg))
 
 
+def test_a_run_dir_that_is_a_file(tmp_path, capsys):
+    """train.run_dir naming a file is one line (with or without --fresh), the file untouched."""
+    (tmp_path / "file").write_text("mine")
+    cfg = tiny_cfg(tmp_path, f"train.run_dir={tmp_path / 'file'}")
+    for fresh in ([], ["--fresh"]):
+        assert _error(capsys, cli_args(cfg, *fresh)) == (f"error: train.run_dir '{tmp_path / 'file'}' is a file, not a "
+                                                        "directory; choose another train.run_dir")
+    assert (tmp_path / "file").read_text() == "mine"
+
+
 def test_config_mismatch_with_existing_run(tiny_run, tmp_path, capsys):
     cfg, run = _copy_run(tiny_run, tmp_path)
     before = sorted(p.name for p in run.rglob("*"))
@@ -200,6 +221,19 @@ def test_cli_error_has_no_traceback(tmp_path):
     out, err = _run_cli(cli_args(cfg)).communicate(timeout=120)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err
+
+
+def test_preempted_before_the_first_step_says_nothing_was_saved(tmp_path, monkeypatch, capsys):
+    """A SIGTERM during setup stops a fresh run at step 0 with nothing to save, and train.py says so (exit 0); the
+    companion below: after steps, the line names the saved step."""
+    from mtpjax.train import loop
+
+    monkeypatch.setattr(loop._Preemption, "check", lambda self, step: setattr(self, "requested", True) or True)
+    cfg = tiny_cfg(tmp_path)
+    assert main(cli_args(cfg)) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "preempted at step 0, before anything to save; run the same command again"
+    assert "  checkpoint: none" in err and Checkpointer(tmp_path / "run", cfg.checkpoint).latest_step() is None
 
 
 @pytest.mark.slow

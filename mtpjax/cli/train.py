@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
     distributed.finished()
     if out["preempted"] and distributed.is_primary():
-        print(f"preempted: checkpoint saved at step {out['step']}", file=sys.stderr)
+        print(f"preempted: checkpoint saved at step {out['step']}" if out["checkpoint"] else
+              f"preempted at step {out['step']}, before anything to save; run the same command again", file=sys.stderr)
     return 0
 
 

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from mtpjax.data import encode, sources, synthetic
-from mtpjax.data.errors import DataError
-from mtpjax.data.prepared import PreparedData, check_files, file_digests
+from mtpjax.data.errors import DataError, cache_unwritable
+from mtpjax.data.prepared import PreparedData, check_files, damaged, file_digests
 from mtpjax.data.tokenizer import Tokenizer, load_spec, tokenizer_file, tokenizer_from_dir, tokenizer_kind, train_bpe
 
 FORMAT = 2  # 2: content hash over per-unit digests
@@ -79,12 +79,20 @@ def _key(cfg, files, kind: str) -> str:
 
 def cache_path(cfg) -> Path:
     """Where `prepare(cfg)` keeps (or will keep) this corpus."""
-    kind = tokenizer_kind(cfg.tokenizer)
-    return Path(cfg.cache_dir).expanduser() / f"{cfg.source}-{kind}-{_key(cfg, _files(cfg), kind)}"
+    return _entry(cfg, _files(cfg), tokenizer_kind(cfg.tokenizer))
+
+
+def _entry(cfg, files: list, kind: str) -> Path:
+    return Path(cfg.cache_dir).expanduser() / f"{cfg.source}-{kind}-{_key(cfg, files, kind)}"
 
 
 def _load(d: Path) -> PreparedData:
-    meta = json.loads((d / "meta.json").read_text())
+    try:
+        meta = json.loads((d / "meta.json").read_bytes())
+    except ValueError:  # not JSON, or not UTF-8
+        meta = None
+    if not isinstance(meta, dict):
+        raise damaged(d, "meta.json is not the JSON object preparation writes")
     check_files(d, meta)
     return PreparedData(d, meta, tokenizer_from_dir(d), np.load(d / "train.npy", mmap_mode="r"),
                         np.load(d / "val.npy", mmap_mode="r"))
@@ -117,18 +125,21 @@ def prepare(data_cfg, *, progress: bool = False):
         return prepare_mixture(data_cfg, prepare, progress=progress)
     kind = tokenizer_kind(data_cfg.tokenizer)
     files = _files(data_cfg)
-    final = Path(data_cfg.cache_dir).expanduser() / f"{data_cfg.source}-{kind}-{_key(data_cfg, files, kind)}"
+    final = _entry(data_cfg, files, kind)
     if (final / "meta.json").is_file():
         return _load(final)
     # tables are opened (columns checked) before anything is written
     text_like = data_cfg.source not in ("array", *synthetic.KINDS)
     units = sources.units(data_cfg.source, files, data_cfg.text_field) if text_like else []
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale(final)
-    if final.exists() and not (final / "meta.json").is_file():  # no meta.json: not ours to trust
-        shutil.rmtree(final, ignore_errors=True)
     tmp = final.parent / f".tmp-{final.name}-{socket.gethostname()}~{os.getpid()}~{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _clean_stale(final)
+        if final.exists() and not (final / "meta.json").is_file():  # no meta.json: not ours to trust
+            shutil.rmtree(final, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise cache_unwritable(final.parent, e) from None
     try:
         _build(data_cfg, files, units, kind, tmp, progress)
         try:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mtpjax.data.errors import DataError
+from mtpjax.data.errors import DataError, cache_unwritable
 
 _WAIT_MS = 10 * 60 * 1000  # one wait on the coordination service; waits repeat until the event
 _calls = itertools.count()  # every process numbers its calls alike: the keys of one call meet
@@ -92,7 +92,7 @@ def _lead(data_cfg, progress, client, ns, count, prepare):
         cache.mkdir(parents=True, exist_ok=True)
         probe.write_text("")
     except OSError as e:
-        msg = f"data.cache_dir '{cache}' is not writable ({e.strerror or e}); choose a writable data.cache_dir"
+        msg = str(cache_unwritable(cache, e))
         client.key_value_set(f"{ns}/probe", "")
         client.key_value_set(f"{ns}/result", json.dumps({"error": msg}))
         raise DataError(msg) from None

@@ -151,7 +151,7 @@ class BatchIterator:
         diff = [f"{k}={state.get(k)!r} (now {self.info[k]!r})" for k in _CHECKED if state.get(k) != self.info[k]]
         if diff:
             raise DataError(f"data iterator state was saved with {', '.join(diff)}; resume with the same "
-                            "data and batch settings, or start without restoring the data state")
+                            "data and batch settings, or pass --fresh (or set another train.run_dir) to start over")
         self._queue.clear()  # prefetched batches belong to the old position
         self._batch, self._taken = int(state["batch"]), np.array(state["taken"], np.int64)
 

@@ -48,5 +48,10 @@ def check_files(entry: Path, meta: dict) -> None:
     for name, want in (meta.get("digests") or {}).items():
         p = entry / name
         if not p.is_file() or checksum.of_file(p) != want:
-            raise DataError(f"the prepared data cache entry '{entry}' is damaged: {name} does not match its "
-                            f"{checksum.ALGORITHM} digest; delete that directory and it is rebuilt on the next run")
+            raise damaged(entry, f"{name} does not match its {checksum.ALGORITHM} digest")
+
+
+def damaged(entry: Path, what: str) -> DataError:
+    """The error for a cache entry whose files cannot be trusted: `what` is wrong; deleting it rebuilds it."""
+    return DataError(f"the prepared data cache entry '{entry}' is damaged: {what}; delete that directory and it is "
+                     "rebuilt on the next run")

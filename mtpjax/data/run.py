@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from mtpjax.data.errors import DataError
 from mtpjax.data.hosts import local_rows, prepare_on_hosts
 from mtpjax.data.pipeline import make_iterator
@@ -10,12 +12,13 @@ from mtpjax.data.tokenizer import check_vocab
 
 
 def first_batches(prepared, n: int, name: str = "", **kw) -> list:
-    """The first n batches of the unshuffled validation split: the same numbers at every eval (and decode.py --eval)."""
+    """The first n batches of the unshuffled validation split, each window at most once (fewer batches if the split
+    holds fewer): the same numbers at every eval (and decode.py --eval)."""
     try:
-        it = make_iterator(prepared, split="val", shuffle=False, **kw)
+        it = make_iterator(prepared, split="val", shuffle=False, num_epochs=1, **kw)
     except DataError as e:
         raise DataError(f"data.mixture source '{name}': {e}" if name else str(e)) from None
-    return [next(it) for _ in range(n)]
+    return list(itertools.islice(it, n))
 
 
 def open_run_data(cfg, sharding) -> tuple:

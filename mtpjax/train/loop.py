@@ -150,6 +150,7 @@ class _Saving:
         if self.r.ck.save(tick.step, tick.state, self.r.data.train.get_state(), meta, force=force):
             self.saved = tick.step
             _count(self.gp, "checkpoint", self.writer, tick.step)
+            self.report.log.restart_clock(tick.step)  # tokens/s counts steps, not the save's digests and copies
 
     def last(self, tick: Tick) -> None:
         """A run always checkpoints its last step (also when preempted)."""
@@ -201,7 +202,7 @@ def train(cfg: Config, *, fresh: bool = False, max_steps: int | None = None) -> 
 def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | None, t_start: float) -> dict:
     """Steps from `first` up to train.steps or max_steps, the jobs run between them; the final metrics."""
     cfg, end = r.cfg, min(r.cfg.train.steps, r.cfg.train.steps if max_steps is None else max_steps)
-    say(banner(cfg, r.mesh, r.dir, first.step, r.data.prepared))
+    say(banner(cfg, r.mesh, r.dir, first.step, r.data.prepared, len(r.data.val)))
     task_evals.check(cfg)
     writer = Writer(r.dir, enabled=jax.process_index() == 0, purge_step=first.step + 1 if first.step else None)
     if first.step == 0:
@@ -241,7 +242,8 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
            "history": report.log.history, "seconds": time.perf_counter() - t_start,
            "goodput": gp.scalars()["goodput"], "goodput_s": gp.record()}
     last = r.ck.dir / str(tick.step)
-    say(summary(cfg, r.dir, out, last if last.is_dir() else None))
+    out["checkpoint"] = last if last.is_dir() else None
+    say(summary(cfg, r.dir, out, out["checkpoint"]))
     return out
 
 

@@ -27,16 +27,20 @@ def trainable(tcfg: TrainConfig):
 
 
 def lr_schedule(ocfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    """Linear warmup to optim.lr, then cosine / linear decay to lr*min_lr_ratio at total_steps (or constant)."""
+    """The learning rate of step s (the (s+1)-th update): linear warmup reaching optim.lr at the last warmup step, then
+    cosine / linear decay reaching lr*min_lr_ratio at the last step, total_steps - 1 (or constant), as Megatron's."""
     peak, floor = ocfg.lr, ocfg.lr * ocfg.min_lr_ratio
     warm = max(0, min(ocfg.warmup_steps, total_steps))
     decay_steps = max(1, total_steps - warm)
     if ocfg.schedule == "cosine":
-        after = optax.cosine_decay_schedule(peak, decay_steps, alpha=ocfg.min_lr_ratio)
+        decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=ocfg.min_lr_ratio)
     elif ocfg.schedule == "linear":
-        after = optax.linear_schedule(peak, floor, decay_steps)
+        decay = optax.linear_schedule(peak, floor, decay_steps)
     else:
-        after = optax.constant_schedule(peak)
+        decay = optax.constant_schedule(peak)
+
+    def after(s):  # the decay's first step already decays: the peak is the warmup's last step alone
+        return decay(s + 1)
     if warm == 0:
         return after
     # Warmup starts at peak/warm (not 0) so the first update already moves the parameters.

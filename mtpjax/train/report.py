@@ -36,8 +36,9 @@ def _count(n, what: str) -> str:
     return f"? {what}s" if n is None else f"{n} {what}" + ("" if n == 1 else "s")
 
 
-def banner(cfg: Config, mesh, run: Path, start: int, prepared) -> str:
-    """Parameters, devices and mesh, run dir (resumed or fresh), data, and the plan of steps: several lines."""
+def banner(cfg: Config, mesh, run: Path, start: int, prepared, eval_batches: int) -> str:
+    """Parameters, devices and mesh, run dir (resumed or fresh), data, and the plan of steps (`eval_batches`: how
+    many the validation split gave): several lines."""
     pc = param_counts(nnx.eval_shape(lambda: build_model(cfg)))
     mtp = f", {_count(len(pc['mtp']), 'MTP module')} x {_millions(pc['mtp'][0])}" if pc["mtp"] else ", no MTP modules"
     dev = jax.devices()
@@ -54,9 +55,17 @@ def banner(cfg: Config, mesh, run: Path, start: int, prepared) -> str:
         f"  data: {what} ({_count(files, 'file')}), {sum(len(p.train_tokens) for p in parts):,} train / "
         f"{sum(len(p.val_tokens) for p in parts):,} val tokens, {d.tokenizer} tokenizer "
         f"(vocab {prepared.tokenizer.vocab_size}), content {str(prepared.content_hash)[:12]}",
-        f"  steps {start} -> {t.steps}: batch {t.batch_size} x {d.seq_len} tokens, eval every {t.eval_every}, "
+        f"  steps {start} -> {t.steps}: batch {t.batch_size} x {d.seq_len} tokens, {_evals(t, eval_batches)}, "
         f"checkpoint every {cfg.checkpoint.every}",
     ])
+
+
+def _evals(t, got: int) -> str:
+    """The banner's eval plan; `got`: the validation batches, fewer than train.eval_batches if the split is short."""
+    if not t.eval_batches:
+        return "no eval (train.eval_batches=0)"
+    short = f" (the whole validation split; train.eval_batches={t.eval_batches} asks more)"
+    return f"eval every {t.eval_every} on {got} batch{'' if got == 1 else 'es'}{short if got < t.eval_batches else ''}"
 
 
 def decode_command(run: Path) -> str:

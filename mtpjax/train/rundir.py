@@ -33,12 +33,12 @@ def _diff(a, b, prefix: str) -> list[str]:
     return [] if a == b else [f"{prefix.lstrip('.')}: {a!r} -> {b!r}"]
 
 
-def check_identity(cfg: Config) -> bool:
-    """Refuse a run dir whose saved model/data config differs; True if it holds a previous run."""
+def check_identity(cfg: Config) -> None:
+    """Refuse a run dir whose saved model/data config differs."""
     run = Path(cfg.train.run_dir)
     old = read_run_config(run)
     if old is None:
-        return run.exists() and any(run.iterdir())
+        return
     diffs = [d for s in IDENTITY_SECTIONS for d in _diff(identity(old, s), identity(cfg, s), s)]
     flat_old, flat_new = old.to_dict(), cfg.to_dict()
     for key in IDENTITY_KEYS:
@@ -48,12 +48,13 @@ def check_identity(cfg: Config) -> bool:
         shown = "; ".join(diffs[:3]) + (f"; +{len(diffs) - 3} more" if len(diffs) > 3 else "")
         raise RunDirError(f"run dir '{run}' holds a run with a different model/data/freeze config ({shown}); "
                           "pass --fresh to move it aside, or set another train.run_dir")
-    return True
 
 
 def probe_writable(run: Path) -> list[Path]:
     """Create the run dir (if missing) and write a probe file; RunDirError if impossible. Returns the directories
     it created, deepest first, for remove_created."""
+    if run.exists() and not run.is_dir():
+        raise RunDirError(f"train.run_dir '{run}' is a file, not a directory; choose another train.run_dir")
     created = [p for p in (run, *run.parents) if not p.exists()]
     try:
         run.mkdir(parents=True, exist_ok=True)
