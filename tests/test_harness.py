@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from test_convert import cli as convert_cli
-from train_helpers import tiny_cfg
+from train_helpers import one_line_error, tiny_cfg
 
 from mtpjax.eval import tasks
 
@@ -252,12 +252,40 @@ def test_decode_tasks_bad_input_is_one_line_exit_2(run, capsys, argv, words):
      "--include_path /no/such/dir is not a directory"),
     (["--model", "mtpjax", "--model_args", "run_dir=RUN", "--tasks", "mtpjax", "--include_path"],
      "--include_path needs a directory"),
+    (["--model", "mtpjax", "--model_args", "run_dir=RUN,batch_size=0", "--tasks", "mtpjax"],
+     "model_args batch_size=0 must be an integer >= 1"),
+    (["--model", "mtpjax", "--model_args", "run_dir=RUN,max_length=1k", "--tasks", "mtpjax"],
+     "model_args max_length=1k must be an integer >= 1"),
+    (["--model", "mtpjax", "--model_args", "run_dir=RUN,seed=one", "--tasks", "mtpjax"],
+     "model_args seed=one must be an integer >= 0"),
+    (["--model", "mtpjax", "--model_args", "run_dir=RUN", "--tasks", "mtpjax", "--batch_size", "eight"],
+     "--batch_size=eight must be an integer >= 1"),
 ])
 def test_lm_eval_bad_input_is_one_line_exit_2(run, capsys, argv, words):
     capsys.readouterr()
     assert harness().lm_eval_main([a.replace("RUN", str(run[0])) for a in argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+
+
+@pytest.mark.parametrize("flags, rows", [([], 16), (["--batch_size", "8"], 8), (["--batch_size", "auto:4"], 16),
+                                         (["-b", "1"], 1)])
+def test_lm_eval_hands_the_backend_its_own_batch_unless_one_is_given(run, capsys, monkeypatch, flags, rows):
+    """lm-eval's command line defaults to 1 row; the backend's default (16 rows) applies unless --batch_size is
+    given, and `auto` (which the backend does not search) is that default too."""
+    from mtpjax.cli import lm_eval as cli
+    from mtpjax.cli.args import UsageError
+    from mtpjax.eval.harness import BATCH
+
+    got = {}
+
+    def spy(**kw):
+        got.update(kw)
+        raise UsageError("spied")
+    monkeypatch.setattr(cli, "load_lm", spy)
+    argv = ["--model", "mtpjax", "--model_args", f"run_dir={run[0]}", "--tasks", "mtpjax_nextline", *flags]
+    assert "error: spied" in one_line_error(capsys, harness().lm_eval_main, argv)
+    assert got.get("batch_size", BATCH) == rows  # none given: load_lm's own default
 
 
 def test_an_unknown_training_task_stops_the_run_before_its_first_step(tmp_path):

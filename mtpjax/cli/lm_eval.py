@@ -26,12 +26,12 @@ from mtpjax.cli.args import Parser, UsageError, command, draft_flag
 from mtpjax.cli.lm_eval_private import HarnessParsers, harness_parsers
 from mtpjax.drafts import PLAIN
 from mtpjax.eval import tasks
-from mtpjax.eval.harness import MtpjaxLM
+from mtpjax.eval.harness import BATCH, MtpjaxLM
 
 OPTIONS = ("run_dir", "step", "max_length", "batch_size", "num_draft", "proposer", "tree", "seed", "max_gen_toks")
 
 
-def load_lm(run_dir, step: int | None = None, *, max_length: int | None = None, batch_size: int = 16,
+def load_lm(run_dir, step: int | None = None, *, max_length: int | None = None, batch_size: int = BATCH,
             **options) -> MtpjaxLM:
     """The backend over a run's checkpoint (latest step by default); CheckpointError if it is not a run."""
     from mtpjax.train.checkpoint import load_model_step
@@ -51,9 +51,23 @@ def lm_options(given: dict, batch_size=None) -> dict:
     if "run_dir" not in given:
         raise UsageError("the mtpjax backend needs model_args run_dir=RUN (a run directory written by train.py)")
     out = dict(given)
-    if batch_size not in (None, "", "auto") and "batch_size" not in out:
-        out["batch_size"] = int(batch_size)
+    if not str(batch_size or "auto").startswith("auto") and "batch_size" not in out:  # auto: the backend's own
+        out["batch_size"] = _count("--batch_size", batch_size, 1)
+    for key, least in INTEGERS.items():
+        if key in out:
+            out[key] = _count(f"model_args {key}", out[key], least)
     return out
+
+
+INTEGERS = {"step": 0, "max_length": 1, "batch_size": 1, "seed": 0, "max_gen_toks": 1}  # each one's least value
+
+
+def _count(name: str, value, least: int) -> int:
+    """`value` (an int, or a string of one) as an int >= least; UsageError naming `name` otherwise."""
+    text = str(value).strip()
+    if isinstance(value, bool) or not text.lstrip("-").isdigit() or int(text) < least:
+        raise UsageError(f"{name}={value} must be an integer >= {least}")
+    return int(text)
 
 
 @register_model("mtpjax")
@@ -86,7 +100,7 @@ def check_run_args(args, dirs: list[str]) -> None:
     if args.model == "mtpjax":
         from mtpjax.train.checkpoint import SavedRun
 
-        SavedRun(lm_options(args.model_args or {})["run_dir"]).close()
+        SavedRun(lm_options(args.model_args or {}, getattr(args, "batch_size", None))["run_dir"]).close()
     if not args.tasks:
         raise UsageError("give --tasks NAMES (the shipped tasks: mtpjax)")
     names = list(args.tasks)
@@ -128,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     argv, dirs = include_paths(argv) if argv[:1] == ["run"] else (argv, [])
     args = cli.parser.parse_args(argv)
     if getattr(args, "command", None) == "run":
+        if args.model == "mtpjax" and not getattr(args, "batch_size", None) and not getattr(args, "config", None):
+            args.batch_size = str(BATCH)  # else lm-eval's own default, 1 row, reaches the backend as if asked
         check_run_args(args, dirs)
         args.include_path = [str(tasks.task_dir()), *dirs]  # the shipped tasks beside the user's
     cli.execute(args)

@@ -79,6 +79,9 @@ def pack(pairs, max_length: int, rows: int):
     return tokens_BT, targets_BT, mask_BT
 
 
+BATCH = 16  # rows of one compiled batch unless the caller says otherwise
+
+
 class MtpjaxLM(TemplateLM):
     """lm-eval's LM interface over an MTPTransformer and its tokenizer (one device).
 
@@ -88,7 +91,7 @@ class MtpjaxLM(TemplateLM):
     same batches decoded plain (stats' plain_seconds).
     """
 
-    def __init__(self, model: MTPTransformer, tokenizer, *, max_length: int, batch_size: int = 16,
+    def __init__(self, model: MTPTransformer, tokenizer, *, max_length: int, batch_size: int = BATCH,
                  draft: Tree | Auto | str | int = PLAIN, proposer: str = "mtp", seed: int = 0,
                  max_gen_toks: int = 256, draft_model: MTPTransformer | None = None, measure: bool = False):
         super().__init__()
