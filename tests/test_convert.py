@@ -645,14 +645,18 @@ def _bad_existing(capsys, out: Path, *argv) -> str:
     return err
 
 
-def test_export_refuses_a_sentencepiece_tokenizer(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("fmt", ["qwen2", "llama"])
+def test_export_refuses_a_sentencepiece_tokenizer_before_writing(tmp_path, capsys, monkeypatch, fmt):
+    """Every format checks the tokenizer first: no weight is written for a refused export (llama too)."""
     import mtpjax.data
+    from mtpjax.convert import export
 
     run = make_run(tmp_path, "run")
     sp = type("SP", (), {"kind": "sentencepiece", "vocab_size": 200, "eos_id": 2})()
     monkeypatch.setattr(mtpjax.data, "tokenizer_from_dir", lambda d: sp)
+    monkeypatch.setattr(export, "write_checkpoint", lambda *a: pytest.fail("weights written before the refusal"))
     assert "sentencepiece tokenizer cannot be exported" in _bad(capsys, tmp_path / "hf", "export", "--run-dir", run,
-                                                                "--out", tmp_path / "hf")
+                                                                "--out", tmp_path / "hf", "--format", fmt)
 
 
 def test_export_failing_midway_leaves_nothing(tmp_path, capsys):

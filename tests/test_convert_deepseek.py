@@ -295,6 +295,10 @@ def _fp8(d: Path) -> None:
     (lambda d: _edit_config(d, kv_lora_rank=8), "does not match its config.json"),
     (lambda d: _edit_config(d, first_k_dense_replace=2),
      "MTP layers are MoE (first_k_dense_replace=2) but its trunk is"),
+    # keys whose default differs between readers (transformers: 8 groups, 2.5, 3 dense blocks) are required
+    (lambda d: _edit_config(d, n_group=None), "config.json lacks or mistypes a required field (KeyError: 'n_group')"),
+    (lambda d: _edit_config(d, routed_scaling_factor=None), "(KeyError: 'routed_scaling_factor')"),
+    (lambda d: _edit_config(d, first_k_dense_replace=None), "(KeyError: 'first_k_dense_replace')"),
     # issue 50: DeepSeek-V3's fp8 block-scaled checkpoints import now (tests/test_convert_fp8.py), so an fp8
     # quantization_config is accepted; other quantizations, and float8 tensors without block scales, are refused
     (lambda d: _edit_config(d, quantization_config={"quant_method": "gptq", "bits": 4}), "dequantize it to bfloat16"),

@@ -27,18 +27,26 @@ LAYOUTS = {"qwen2": BASE, "deepseek_v3": DS}
 
 
 def _imported(texts: list[str]) -> HFTokenizer:
-    """A tokenizer.json as a checkpoint might bring it: NFKC, whitespace-isolating split, byte-level BPE."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    """A tokenizer.json as a checkpoint might bring it: NFKC, whitespace-isolating split, byte-level BPE, and Llama
+    3's post-processor adding a BOS (which mtpjax's encoding, without special tokens, does not)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFKC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\s+"), "isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", BOS],
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                                        show_progress=False))
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, tok.token_to_id(BOS))])])
+    assert tok.encode("x").ids[0] == tok.token_to_id(BOS)  # engines' add_special_tokens=True: a BOS first
     return HFTokenizer(tok, "imported")
+
+
+BOS = "<|begin_of_text|>"
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +89,28 @@ def test_auto_tokenizer_on_the_export_gives_the_run_s_ids(exports, corpus, fmt, 
 def test_with_trust_remote_code_the_shipped_class_gives_the_same_ids(exports, corpus):
     lines, toks = corpus
     assert _mismatches(exports["qwen2", "bpe"], lines, toks["bpe"], trust_remote_code=True) == 0
+
+
+def test_the_export_drops_only_the_post_processor_that_adds_tokens(exports):
+    """The imported tokenizer's BOS template is gone from the export, its ByteLevel post-processor kept; companion:
+    with the template put back, AutoTokenizer's ids start with a BOS the run never saw."""
+    spec = json.loads((exports["qwen2", "imported"] / "tokenizer.json").read_text())
+    assert [p["type"] for p in spec["post_processor"]["processors"]] == ["ByteLevel"]
+
+
+def test_companion_a_bos_template_in_the_export_adds_an_id(tmp_path, exports, corpus):
+    import shutil
+
+    from tokenizers import processors
+
+    d = tmp_path / "bos"
+    shutil.copytree(exports["qwen2", "imported"], d)
+    spec = json.loads((d / "tokenizer.json").read_text())
+    bos = corpus[1]["imported"]._tok.token_to_id(BOS)
+    template = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bos)])
+    spec["post_processor"]["processors"].append(json.loads(template.__getstate__()))
+    (d / "tokenizer.json").write_text(json.dumps(spec))
+    assert _mismatches(d, corpus[0], corpus[1]["imported"]) == 1000
 
 
 @pytest.mark.parametrize("kind", ["bpe", "imported"])

@@ -19,7 +19,7 @@ from mtpjax.config import Config
 from mtpjax.convert import fp8, layout
 from mtpjax.convert.errors import ConvertError
 from mtpjax.convert.hf_config import export_config
-from mtpjax.convert.hf_tokenizer import export_tokenizer
+from mtpjax.convert.hf_tokenizer import check_exportable, export_tokenizer
 from mtpjax.convert.safetensors_io import Spec, write_checkpoint
 from mtpjax.nn.model import build_model
 
@@ -79,6 +79,7 @@ def _check(cfg: Config, fmt: str, mtp_modules: int | None, tokenizer) -> int:
     if fmt == "deepseek_v3" and m.attention_kind != "mla":
         raise ConvertError("--format deepseek_v3 needs model.attention_kind=mla (DeepSeek-V3's attention); "
                            "export a GQA run with --format qwen2")
+    check_exportable(tokenizer, m.vocab_size)
     if fmt == "llama":
         if mtp_modules:
             raise ConvertError("--format llama writes the trunk only (Llama has no MTP layout); "
@@ -92,8 +93,9 @@ def _check(cfg: Config, fmt: str, mtp_modules: int | None, tokenizer) -> int:
         raise ConvertError(f"--mtp-modules {mtp_modules} asks for more MTP modules than the run has "
                            f"(model.mtp_depth={m.mtp_depth}); pass at most {m.mtp_depth}")
     if mtp_modules and m.mtp_kind != "sequential":
-        raise ConvertError(f"the run's MTP modules are model.mtp_kind={m.mtp_kind}, which the MiMo layout cannot "
-                           "express (it chains [hidden; embedding]); pass --mtp-modules 0 for the trunk alone")
+        raise ConvertError(f"the run's MTP modules are model.mtp_kind={m.mtp_kind}, which the MiMo and DeepSeek-V3 "
+                           "layouts cannot express (they chain [hidden; embedding]); pass --mtp-modules 0 for the "
+                           "trunk alone")
     if mtp_modules and fmt == "qwen2" and m.mtp_hidden != "raw":
         raise ConvertError("MiMo's engines feed the MTP layer the trunk's raw (pre-norm) state, but this run's module "
                            "1 reads the final-normed one; use --format deepseek_v3, or pass --mtp-modules 0")
@@ -102,11 +104,6 @@ def _check(cfg: Config, fmt: str, mtp_modules: int | None, tokenizer) -> int:
         # from another input than it learned on, silently.
         raise ConvertError("DeepSeek-V3's engines feed the MTP layer the trunk's final-normed state, but this run's "
                            "module 1 reads the raw one; train with model.mtp_hidden=normed, or pass --mtp-modules 0")
-    if tokenizer.kind not in ("byte", "hf"):
-        raise ConvertError(f"a {tokenizer.kind} tokenizer cannot be exported as tokenizer.json; "
-                           "export runs trained with data.tokenizer=byte, bpe or a tokenizer.json")
-    if tokenizer.vocab_size > m.vocab_size:
-        raise ConvertError(f"the run's tokenizer has {tokenizer.vocab_size} ids but model.vocab_size={m.vocab_size}")
     return mtp_modules
 
 

@@ -108,11 +108,11 @@ def read_config(directory: Path) -> dict:
 
 
 def architecture(hf: dict) -> str:
-    """qwen2 or llama (the layout of the checkpoint); ConvertError naming anything else."""
+    """qwen2, llama or deepseek_v3 (the layout of the checkpoint); ConvertError naming anything else."""
     mt, arch = hf.get("model_type"), (hf.get("architectures") or ["?"])[0]
     if mt in ("qwen2", "llama", "deepseek_v3"):
         return mt
-    why = _KNOWN.get(mt, "not a Llama or Qwen2 model")
+    why = _KNOWN.get(mt, "not a Llama, Qwen2 or DeepSeek-V3 model")
     raise ConvertError(f"unsupported architecture {arch} (model_type {mt!r}: {why}); "
                         "import takes LlamaForCausalLM, Qwen2ForCausalLM or DeepseekV3ForCausalLM checkpoints")
 
@@ -151,8 +151,9 @@ def _refuse_deepseek(hf: dict) -> None:
 def _deepseek(hf: dict) -> list[str]:
     """DeepSeek-V3's MLA, MoE and MTP keys as overrides (the module reads the final-normed state, as its engines)."""
     L, J = int(hf["num_hidden_layers"]), int(hf.get("num_nextn_predict_layers") or 0)
-    first = int(hf.get("first_k_dense_replace") or 0)
-    out = ["model.attention_kind=mla", f"model.q_lora_rank={int(hf.get('q_lora_rank') or 0)}",
+    # the keys whose default differs between readers (transformers: 3 dense blocks, 8 groups, ...) are required
+    first = int(hf["first_k_dense_replace"])
+    out = ["model.attention_kind=mla", f"model.q_lora_rank={int(hf['q_lora_rank'] or 0)}",
            *(f"model.{k}={int(hf[k])}" for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")),
            "model.mtp_hidden=normed", f"model.mtp_depth={J}"]
     if first >= L:  # dense
@@ -164,9 +165,9 @@ def _deepseek(hf: dict) -> list[str]:
             f"model.moe_d_ff={int(hf['moe_intermediate_size'])}",
             f"model.n_routed_experts={int(hf['n_routed_experts'])}",
             f"model.num_experts_per_tok={int(hf['num_experts_per_tok'])}",
-            f"model.n_shared_experts={int(hf.get('n_shared_experts') or 0)}",
-            f"model.n_group={int(hf.get('n_group') or 1)}", f"model.topk_group={int(hf.get('topk_group') or 1)}",
-            f"model.routed_scaling_factor={float(hf.get('routed_scaling_factor', 1.0))}"]
+            f"model.n_shared_experts={int(hf['n_shared_experts'] or 0)}",
+            f"model.n_group={int(hf['n_group'])}", f"model.topk_group={int(hf['topk_group'])}",
+            f"model.routed_scaling_factor={float(hf['routed_scaling_factor'])}"]
 
 
 def _rope(hf: dict) -> list[str]:

@@ -22,7 +22,6 @@ from mtpjax.data.tokenizer import (
     EOS_TOKEN,
     HF_FILE,
     ByteTokenizer,
-    HFTokenizer,
     Tokenizer,
 )
 
@@ -67,18 +66,41 @@ def byte_tokenizer_json():
     return tok
 
 
+def check_exportable(tok: Tokenizer, vocab_size: int | None = None) -> None:
+    """ConvertError unless `tok` can be written as tokenizer.json (for a model of `vocab_size` ids, if given)."""
+    if tok.kind not in ("byte", "hf"):
+        raise ConvertError(f"a {tok.kind} tokenizer cannot be exported as tokenizer.json; "
+                           "export runs trained with data.tokenizer=byte, bpe or a tokenizer.json")
+    if vocab_size is not None and tok.vocab_size > vocab_size:
+        raise ConvertError(f"the run's tokenizer has {tok.vocab_size} ids but model.vocab_size={vocab_size}")
+
+
+# Post-processors that add special tokens (Llama 3's BOS, BERT's [CLS]): mtpjax encodes without them, and engines
+# encode with add_special_tokens=True, so the export drops them to give the engines the run's ids.
+ADDS_TOKENS = ("TemplateProcessing", "BertProcessing", "RobertaProcessing")
+
+
+def ids_as_ours(post: dict | None) -> dict | None:
+    """A tokenizer.json post_processor without the parts that add special tokens (None if nothing else is left)."""
+    if post is None or post["type"] in ADDS_TOKENS:
+        return None
+    if post["type"] == "Sequence":
+        kept = [p for p in map(ids_as_ours, post["processors"]) if p is not None]
+        return {**post, "processors": kept} if kept else None
+    return post
+
+
 def export_tokenizer(tok: Tokenizer, directory: Path, max_len: int) -> str:
     """Write tokenizer.json, tokenizer_config.json, tokenization_mtpjax.py (and tokenizer_meta.json) into
     `directory`; the EOS token's text."""
+    check_exportable(tok)
+    tok.save(directory)  # tokenizer_meta.json (+ tokenizer.json for an HF tokenizer)
     if isinstance(tok, ByteTokenizer):
         inner = byte_tokenizer_json()
         inner.save(str(directory / HF_FILE))
-    elif isinstance(tok, HFTokenizer):
-        inner = tok._tok
     else:
-        raise ConvertError(f"a {tok.kind} tokenizer cannot be exported as tokenizer.json; "
-                                   "train with data.tokenizer=byte, bpe or a tokenizer.json")
-    tok.save(directory)  # tokenizer_meta.json (+ tokenizer.json for an HF tokenizer)
+        inner, spec = tok._tok, json.loads((directory / HF_FILE).read_text())
+        (directory / HF_FILE).write_text(json.dumps({**spec, "post_processor": ids_as_ours(spec["post_processor"])}))
     eos = inner.id_to_token(tok.eos_id)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos, "bos_token": None,
               "unk_token": None, "model_max_length": max_len, "split_special_tokens": True,

@@ -30,13 +30,6 @@ from mtpjax.nn.loss import targets, valid_masks
 _BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 
 
-def _byte_level_chars() -> set[str]:
-    """The 256 printable stand-ins GPT-2's byte-level BPE writes bytes as (one character per byte)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    shifted = [256 + n for n in range(256 - len(keep))]  # every other byte maps past U+00FF
-    return {chr(c) for c in keep + shifted}
-
-
 def _decoder_types(spec: dict | None) -> set[str]:
     """Types of a tokenizer.json decoder, looking inside Sequence decoders."""
     if not spec:
@@ -53,7 +46,9 @@ def _hf_lengths(tokenizer) -> np.ndarray | None:
     tok = tokenizer._tok  # the `tokenizers` object; its JSON says how ids turn back into bytes
     kinds = _decoder_types(json.loads(tok.to_str()).get("decoder"))
     if "ByteLevel" in kinds:
-        chars = _byte_level_chars()
+        from tokenizers.pre_tokenizers import ByteLevel
+
+        chars = set(ByteLevel.alphabet())  # the 256 printable stand-ins GPT-2's byte-level BPE writes bytes as
         piece_len = lambda p: sum(1 if c in chars else len(c.encode()) for c in p)
     elif kinds & {"Metaspace", "ReplaceSpace"}:
         fallback = "ByteFallback" in kinds
