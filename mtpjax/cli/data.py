@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "inspect":
         from mtpjax.data.inspection import report
 
-        print(report(cfg, docs=args.docs, windows=args.windows, width=args.width))
+        print(report(cfg, prepared, docs=args.docs, windows=args.windows, width=args.width))
     else:
         print(summary(prepared))
     return 0

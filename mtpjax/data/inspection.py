@@ -37,11 +37,8 @@ def _window(tokens, w: int, seq_len: int, tok, width: int) -> list[str]:
     return out
 
 
-def report(cfg, *, docs: int = 3, windows: int = 2, width: int = 120) -> str:
-    """The inspection text of a config's corpus (prepares it if needed)."""
-    from mtpjax.data.corpus import prepare
-
-    prepared = prepare(cfg.data)
+def report(cfg, prepared, *, docs: int = 3, windows: int = 2, width: int = 120) -> str:
+    """The inspection text of a config's corpus, `prepared` (its PreparedData or PreparedMixture)."""
     tok, T, B = prepared.tokenizer, cfg.data.seq_len, cfg.train.batch_size
     it = make_iterator(prepared, split="train", seq_len=T, batch_size=B, seed=cfg.train.seed,
                        shuffle=cfg.data.shuffle)
