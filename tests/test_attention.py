@@ -227,3 +227,19 @@ def test_a_splash_kernel_first_built_under_a_trace_serves_later_programs():
     f = lambda q, k, v: kernels.splash_attention(q, k, v, seg, interpret=True).sum()
     jax.make_jaxpr(jax.grad(jax.checkpoint(f)))(q, k, v)
     assert jax.jit(jax.grad(f))(q, k, v).shape == q.shape
+
+
+@pytest.mark.parametrize("target, q, k", [
+    ("__cudnn$fmhaSoftmax", "bf16[2,512,4,64]{3,2,1,0}", "bf16[2,256,4,64]{3,2,1,0}"),  # jax's BTNH: S is axis 1
+    ("__gpu$xla.gpu.triton", "bf16[2,512,4,64]{3,2,1,0}", "bf16[2,256,4,64]{3,2,1,0}"),
+    ("tpu_custom_call", "bf16[2,4,512,64]{3,2,1,0}", "bf16[2,4,256,64]{3,2,1,0}"),  # splash: [.., N, T, H]
+])
+def test_the_counter_reads_each_attention_kernel_s_keys_from_its_layout(target, q, k):
+    """4·(query elements)·S for every kernel, S read where its layout puts the keys (256 of them; a forward call).
+    Companion: read from axis -2 of cuDNN's operands, S would be its 4 heads."""
+    from hlo_helpers import one_call
+
+    from mtpjax.parallel import hlo
+
+    call = one_call({"query": q, "key": k, "value": k}, q, target, 'metadata={op_name="jit(f)/attention"}')
+    assert hlo.Program(call).stats().attention_flops == 4 * (2 * 512 * 4 * 64) * 256

@@ -67,3 +67,17 @@ def test_each_unrolled_application_costs_one_more_depth(model_cfg):
         assert unrolled == base
     plain = model_cfg(mtp_depth=0)
     assert train_flops_per_token(plain, 16, unroll=2) == train_flops_per_token(plain, 16)  # nothing to unroll
+
+
+def test_the_compile_plan_counts_every_mtp_application_in_the_eval_and_the_share():
+    """compile's plan: loss.mtp_unroll's applications run in the eval step too, and are MTP work in the share."""
+    from mtpjax.config import load_config
+    from mtpjax.train.aot import analytic
+
+    plain, unrolled = (load_config("configs/tiny.yaml", [f"loss.mtp_unroll={u}"]) for u in (0, 2))
+    f, tokens = flops_per_token(plain.model, plain.data.seq_len), plain.train.batch_size * plain.data.seq_len
+    a, b = analytic(plain, 1), analytic(unrolled, 1)
+    assert b["eval_step"] - a["eval_step"] == pytest.approx(2 * (f["mtp_module"] + f["head"]) * tokens, rel=1e-12)
+    apps = plain.model.mtp_depth + 2
+    assert b["mtp_share"] == pytest.approx(3 * apps * f["mtp_module"] * tokens / b["train_step"], rel=1e-12)
+    assert b["mtp_share"] > a["mtp_share"]  # three applications of the module weigh more than one

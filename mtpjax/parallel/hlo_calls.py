@@ -21,8 +21,9 @@ _BACKWARD = (("preprocess", 0.0), ("dkv", 2.0), ("dq", 1.5), ("bwd", 2.5), ("bac
 
 def attention_call_flops(ins: Instr, shapes: dict) -> float:
     """A fused attention kernel's FLOPs from its operands: 4·(query elements)·S (scores and values over all S keys,
-    the full matrix), times its backward factor (_BACKWARD, read from the kernel's name). Triton's operands are
-    [B,T,N,H] (S is axis 1), Mosaic splash's [.., N, T, H] (S is axis -2)."""
+    the full matrix), times its backward factor (_BACKWARD, read from the kernel's name). Triton's operands and
+    cuDNN's (jax lowers them in its BTNH layout) are [B,T,N,H] (S is axis 1), Mosaic splash's [.., N, T, H] (S is
+    axis -2)."""
     floats = [d for d, dt in ((dims_of(shapes, o), arrays(shapes.get(o, ""))) for o in ins.operands)
               if len(d) >= 3 and dt and dt[0][0] in _FLOATS]
     if len(floats) < 2:
@@ -34,7 +35,7 @@ def attention_call_flops(ins: Instr, shapes: dict) -> float:
     factor = next((f for key, f in _BACKWARD if key in what), 1.0)
     if "dkv" in what and "dq" in what:
         factor = 2.5
-    return 4.0 * math.prod(q) * (k[1] if triton else k[-2]) * factor
+    return 4.0 * math.prod(q) * (k[-2] if "tpu_custom_call" in ins.attrs else k[1]) * factor
 
 
 RAGGED_CALL = "ragged_dot (Mosaic)"

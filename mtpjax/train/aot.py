@@ -188,17 +188,20 @@ def decode_programs(cfg: Config, mesh, report: dict, alpha: float, batch: int, p
 
 
 def analytic(cfg: Config, n_devices: int) -> dict:
-    """The plan's FLOPs per device per step: training (3 × forward, MTP applications included) and evaluation; and
-    what the tokens need of the routed experts' matmuls in each (`routed`)."""
+    """The plan's FLOPs per device per step: training (3 × forward) and evaluation (forward), every MTP application
+    included (the depths and loss.mtp_unroll's); and what the tokens need of the routed experts' matmuls in each
+    (`routed`). Model FLOPs, as MFU counts them: recomputed work (remat, the teachers' head logits of the self/tv
+    targets and of the eval's acceptance, made again chunk by chunk) is the compiled count's, not the plan's."""
     m, T, tokens = cfg.model, cfg.data.seq_len, cfg.train.batch_size * cfg.data.seq_len
     f = flops_per_token(m, T)
     train = train_flops_per_token(m, T, cfg.train.freeze == "trunk", cfg.loss.mtp_unroll)
     r, apps = routed_flops_per_token(m), m.mtp_depth + (cfg.loss.mtp_unroll if m.mtp_depth else 0)
     routed_train = (r["trunk"] if cfg.train.freeze == "trunk" else 3 * r["trunk"]) + 3 * apps * r["module"]
-    return {"train_step": train * tokens / n_devices, "eval_step": f["forward"] * tokens / n_devices,
-            "mtp_share": 3 * m.mtp_depth * f["mtp_module"] / train if train else 0.0,
+    evaluate = f["forward"] + (apps - m.mtp_depth) * (f["mtp_module"] + f["head"])
+    return {"train_step": train * tokens / n_devices, "eval_step": evaluate * tokens / n_devices,
+            "mtp_share": 3 * apps * f["mtp_module"] / train if train else 0.0,
             "routed": {"train_step": routed_train * tokens / n_devices,
-                       "eval_step": (r["trunk"] + m.mtp_depth * r["module"]) * tokens / n_devices}}
+                       "eval_step": (r["trunk"] + apps * r["module"]) * tokens / n_devices}}
 
 
 def roofline(flops: float, hbm: float, coll: float, target: Target) -> dict:
