@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mtpjax.decode import api, autodraft
 from mtpjax.eval import verdict
-from mtpjax.cli.decode import label, main
+from mtpjax.cli.decode import _Streamer, label, main
 from mtpjax.decode.loop import execute
 from mtpjax.drafts import chain, parse
 
@@ -37,6 +37,34 @@ def test_the_prompt_is_echoed_before_the_continuation(tiny_run, capsys):
     assert main(_argv(run, "--num-draft", "1")) == 0
     out = capsys.readouterr().out
     assert out.startswith("def f(x):") and len(out) > len("def f(x):\n")
+
+
+def _stream(text: str, ends: bytes = b"", progress: bool = False) -> str:
+    """What a _Streamer prints for `text` then the bytes `ends` committed one byte token a round."""
+    import numpy as np
+
+    from mtpjax.data import ByteTokenizer
+
+    out = _Streamer(ByteTokenizer(), "p:", True)
+    for b in text.encode() + ends:
+        out.on_commit(np.array([[b]]), np.array([1]))
+    if progress:
+        out.progress("auto: timing")
+    out.finish()
+    return out.text()
+
+
+def test_a_character_split_across_rounds_streams_once_whole(capsys):
+    """A round ending inside a multi-byte character holds it back (its text ends in U+FFFD), and streaming goes on:
+    the streamed text is the final text, a partial character at the very end included."""
+    from mtpjax.data import ByteTokenizer
+
+    assert ByteTokenizer().decode(list("é".encode())[:1]) == "\ufffd"  # what a round ending inside é decodes to
+    assert _stream("é and more text") == "p:é and more text" and capsys.readouterr().out == "p:é and more text\n"
+    assert _stream("ab", "é".encode()[:1]) == "p:ab\ufffd" and capsys.readouterr().out == "p:ab\ufffd\n"
+    # a measurement after the output starts its own line once the held-back text is out
+    _stream("ab", "é".encode()[:1], progress=True)
+    assert capsys.readouterr().out == "p:ab\ufffd\n"
 
 
 def test_prompts_file_prints_each_prompt_with_its_continuation(tiny_run, capsys, tmp_path):

@@ -202,23 +202,34 @@ class _Streamer:
     def on_commit(self, toks, counts) -> None:
         self.echo()
         self.shown.extend(toks[0, : int(counts[0])].tolist())
-        text = self.prompt + self.tok.decode(self.shown)
-        if text.startswith(self.printed):
+        # A character split across rounds decodes as U+FFFD until its last byte comes: held back, not printed.
+        self._print(self.text().rstrip("\ufffd"))
+
+    def text(self) -> str:
+        """The prompt and everything committed after it."""
+        return self.prompt + self.tok.decode(self.shown)
+
+    def _print(self, text: str) -> None:
+        """What `text` adds to what was printed (the printed text is always a prefix of the final text)."""
+        if text.startswith(self.printed) and len(text) > len(self.printed):
             sys.stdout.write(text[len(self.printed):])
             sys.stdout.flush()
             self.printed = text
 
     def progress(self, text: str) -> None:
         if self.stream and self.printed and not self.ended:
+            self._print(self.text())  # the committed text is final once the measurement after it starts
             sys.stdout.write("\n")
             sys.stdout.flush()
             self.ended = True
         console.say(text)
 
     def finish(self) -> None:
-        """The prompt if nothing was committed after it, and the line's end unless a measurement ended it."""
+        """The prompt if nothing was committed after it, any text held back, and the line's end unless a measurement
+        ended it."""
         self.echo()
         if not self.ended:
+            self._print(self.text())
             sys.stdout.write("\n")
 
 
