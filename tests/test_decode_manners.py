@@ -240,3 +240,29 @@ def test_auto_s_first_call_drafts_as_the_estimate_from_training_s_agreement_says
 def test_companion_low_agreement_estimates_plain(tiny_run, monkeypatch, tmp_path, capsys):
     err = _first_call(_with_agreement(tiny_run, tmp_path, [0.02, 0.01]), monkeypatch, tmp_path, capsys)
     assert "[plain] rounds=" in err and "so it ran plain, the cost model's choice" in err, err
+
+
+def _most_drafts(monkeypatch, n: int) -> None:
+    """The mtp proposer's most_drafts is n (as a draft model k times smaller than its target drafts k)."""
+    import dataclasses
+
+    from mtpjax.decode.proposers import DRAFTERS
+
+    monkeypatch.setitem(DRAFTERS, "mtp", dataclasses.replace(DRAFTERS["mtp"], most_drafts=lambda t, d: n))
+
+
+def test_auto_probes_at_most_the_one_draft_limit(tiny_run, capsys, monkeypatch, tmp_path):
+    """drafts.MAX_NODES is the one limit: auto's candidates stop there, and a default `--num-draft auto` whose
+    candidates reach 32 decodes (the flag the user never gave is not refused)."""
+    from mtpjax import load_model
+    from mtpjax.drafts import MAX_NODES
+
+    _, run = tiny_run
+    model = load_model(run)[1]
+    _most_drafts(monkeypatch, 100)
+    assert max(t.size for t in autodraft.candidates(model, "mtp")) == MAX_NODES
+    _most_drafts(monkeypatch, 32)
+    monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autodraft, "calibrate", _fake_calibration)
+    assert main(_argv(run, "--stats")) == 0, capsys.readouterr().err
+    assert "[plain] rounds=" in capsys.readouterr().err

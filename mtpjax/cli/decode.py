@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import sys
@@ -22,7 +21,6 @@ from mtpjax.eval import verdict
 from mtpjax.parallel import console
 from mtpjax.eval.log import agreement_at
 
-MAX_DRAFT = 16  # more drafts per round than this is never accepted in practice; the round loop is unrolled
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 
 
@@ -243,9 +241,7 @@ def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft
     # the most drafts a round may verify (auto: its largest chain or tree)
     most = (max(t.size for t in autodraft.candidates(model, d.proposer, draft)) if isinstance(tree, Auto)
             else tree.size)
-    _check_size(cfg.model, prompts, d.max_new_tokens, most, d.max_len, chain=isinstance(tree, Auto) or tree.is_chain())
-    if not math.isfinite(d.temperature):
-        raise DecodeError(f"--temperature {d.temperature} must be a finite number >= 0 (0 = greedy)")
+    _check_size(cfg.model, prompts, d.max_new_tokens, most, d.max_len)
     out = _Streamer(tok, texts[0], stream=len(prompts) == 1)  # one prompt streams as it decodes; several print at end
     # Kept outside the run directory: decoding never changes a run (it may be shared or read-only).
     on = model.placement.mesh  # a calibration is kept per mesh shape: a round's cost depends on it
@@ -329,11 +325,9 @@ def _memory_bytes() -> int:
         return 0
 
 
-def _check_size(mcfg, prompts, max_new: int, nodes: int, max_len: int, chain: bool = True) -> None:
-    """DecodeError for requests that could only hang compiling or run out of memory (`nodes`: the most drafts a round
-    verifies, a chain's by --num-draft; a tree's are bounded by its spelling, drafts.MAX_NODES)."""
-    if chain and nodes > MAX_DRAFT:
-        raise DecodeError(f"--num-draft {nodes} is above {MAX_DRAFT}; use at most {MAX_DRAFT} drafts per round")
+def _check_size(mcfg, prompts, max_new: int, nodes: int, max_len: int) -> None:
+    """DecodeError for requests that could only run out of memory (`nodes`: the most drafts a round verifies, each
+    bounded by drafts.MAX_NODES where it is spelled)."""
     if max(map(len, prompts)) + max_new > max_len:
         return  # generate() names the cache capacity, the better advice
     need = cache_bytes(mcfg, len(prompts), rows(max(map(len, prompts)), max_new, nodes).capacity)
