@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 from mtpjax.cli.args import Parser, command, draft_flag
-from mtpjax.cli.decode_eval import evaluate
+from mtpjax.cli.decode_eval import eval_drafts, evaluate
 from mtpjax.config import DecodeConfig, choices
 from mtpjax.decode import api, autodraft
 from mtpjax.decode.cache import cache_bytes, rows
-from mtpjax.decode.host import DecodeError
+from mtpjax.decode.host import DecodeError, make_loop
 from mtpjax.decode.mesh import describe
 from mtpjax.drafts import Auto, DraftError, parse
 from mtpjax.eval import verdict
@@ -337,6 +337,19 @@ def _check_size(mcfg, prompts, max_new: int, nodes: int, max_len: int) -> None:
                           f"the {have / 2**30:.1f} GiB memory; lower --max-new-tokens")
 
 
+def _check_eval(args, cfg, model, d: DecodeConfig) -> None:
+    """--eval's request refused before it evaluates: its counts, and the checks plain decoding makes of a request
+    (generate's, then the memory its caches need: the teacher-forced texts decode together)."""
+    for flag, n in (("--eval-prompts", args.eval_prompts), ("--prompt-len", args.prompt_len)):
+        if n < 1:
+            raise DecodeError(f"{flag} {n} must be >= 1")
+    prompt = [0] * args.prompt_len
+    make_loop(model, [prompt], max_new_tokens=d.max_new_tokens, max_len=d.max_len)
+    gamma, wider = eval_drafts(cfg, d)
+    rows = max(32, args.eval_prompts) if cfg.model.mtp_depth else 1
+    _check_size(cfg.model, [prompt] * rows, d.max_new_tokens, max(gamma, wider.size if wider else 0), d.max_len)
+
+
 @command
 def main(argv: list[str] | None = None) -> int:
     """Entry point of decode.py; returns the exit status (2 for bad input, one line on stderr)."""
@@ -358,7 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     if mesh is not None:
         console.say(f"decoding on mesh {describe(mesh)}")
     if args.eval:
-        return evaluate(args, cfg, model, tok, Path(args.run_dir), step, draft)
+        d = decode_config(args, cfg)
+        _check_eval(args, cfg, model, d)
+        return evaluate(args, cfg, model, tok, Path(args.run_dir), step, d, draft)
     if args.tasks is not None:
         from mtpjax.cli.lm_eval import run_tasks
 
