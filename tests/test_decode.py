@@ -194,6 +194,13 @@ def _check_speed_report(d: dict, run) -> None:
     ("bad flag", ["--run-dir", "{mtp}", "--prompt", "x", "--temperature", "hot"], "invalid float"),
     ("bad temperature", ["--run-dir", "{mtp}", "--prompt", "x", "--temperature", "-1"], "temperature"),
     ("missing file", ["--run-dir", "{mtp}", "--prompts-file", "{tmp}/none.txt"], "does not exist"),
+    ("prompts dir", ["--run-dir", "{mtp}", "--prompts-file", "{tmp}"], "is a directory; give a file with one prompt"),
+    # the proposer the user did not choose goes unnamed; the one they chose is named
+    ("tree without mtp", ["--run-dir", "{plain}", "--prompt", "ab", "--tree", "2x2"],
+     "the tree 2x2 is drafted by MTP modules and this run's model has none (model.mtp_depth 0); trees need a run "
+     "trained with model.mtp_depth >= 1"),
+    ("tree with ngram", ["--run-dir", "{plain}", "--prompt", "ab", "--tree", "2x2", "--proposer", "ngram"],
+     "a draft tree is drafted by the MTP modules (proposer mtp or mtp1), not 'ngram'"),
     ("bad step", ["--run-dir", "{mtp}", "--prompt", "x", "--step", "7"], "no checkpoint at step 7"),
     ("bad num-draft", ["--run-dir", "{mtp}", "--prompt", "x", "--num-draft", "many"], "auto or an integer"),
     ("long chain", ["--run-dir", "{mtp}", "--prompt", "x", "--num-draft", "65"],

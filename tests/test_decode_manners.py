@@ -266,3 +266,16 @@ def test_auto_probes_at_most_the_one_draft_limit(tiny_run, capsys, monkeypatch, 
     monkeypatch.setattr(autodraft, "calibrate", _fake_calibration)
     assert main(_argv(run, "--stats")) == 0, capsys.readouterr().err
     assert "[plain] rounds=" in capsys.readouterr().err
+
+
+def test_n_gram_s_first_call_says_n_gram_gets_no_estimate(tiny_run, monkeypatch, tmp_path, capsys):
+    """A run that logged agreement, decoding with n-gram lookup: plain first because n-gram lookup gets no estimate,
+    not for want of agreement; companion: the MTP modules on a run without agreement say that."""
+    monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(autodraft, "calibrate", _fake_calibration)
+    assert main(_argv(_with_agreement(tiny_run, tmp_path, [0.9, 0.8]), "--stats", "--proposer", "ngram")) == 0
+    err = capsys.readouterr().err
+    assert "so it decoded plain (n-gram lookup and a draft model get no estimate; only the MTP modules' drafts" in err
+    assert "logged no agreement" not in err
+    assert main(_argv(tiny_run[1], "--stats", "--proposer", "mtp", "--recalibrate")) == 0
+    assert "so it decoded plain (the run logged no agreement to estimate from)" in capsys.readouterr().err

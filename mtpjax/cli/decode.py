@@ -16,7 +16,8 @@ from mtpjax.decode import api, autodraft
 from mtpjax.decode.cache import cache_bytes, rows
 from mtpjax.decode.host import DecodeError, make_loop
 from mtpjax.decode.mesh import describe
-from mtpjax.drafts import Auto, DraftError, parse
+from mtpjax.decode.text import encode
+from mtpjax.drafts import Auto, DraftError, Tree, parse
 from mtpjax.eval import verdict
 from mtpjax.parallel import console
 from mtpjax.eval.log import agreement_at
@@ -130,6 +131,8 @@ def _prompts(args) -> list[str]:
         # Bytes of the command line that are not UTF-8 arrive as lone surrogates: make them U+FFFD.
         return [args.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace")]
     path = Path(args.prompts_file)
+    if path.is_dir():
+        raise DecodeError(f"prompts file '{path}' is a directory; give a file with one prompt per line")
     if not path.is_file():
         raise DecodeError(f"prompts file '{path}' does not exist")
     lines = [re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m[1]], ln)  # only \n, \t and \\
@@ -150,6 +153,10 @@ def _proposer(args, cfg) -> str:
         raise DecodeError(f"{said} needs --draft-run-dir RUN (a run trained with the same tokenizer, "
                           "e.g. configs/draft_tiny.yaml)")
     if args.proposer is None and cfg.model.mtp_depth == 0:
+        given = draft_flag(args.num_draft, args.tree) or cfg.decode.draft
+        if isinstance(given, Tree) and not given.is_chain():
+            raise DecodeError(f"the tree {given.name()} is drafted by MTP modules and this run's model has none "
+                              "(model.mtp_depth 0); trees need a run trained with model.mtp_depth >= 1")
         return "ngram"  # speculative by default only where the model has a proposer
     return args.proposer or cfg.decode.proposer
 
@@ -234,9 +241,7 @@ class _Streamer:
 def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft_tag: str = "") -> int:
     d = decode_config(args, cfg)
     texts = _prompts(args)
-    prompts = [tok.encode(t) for t in texts]
-    if any(len(p) == 0 for p in prompts):
-        raise DecodeError("empty prompt: give at least one character of text")
+    prompts = encode(tok, texts)
     tree = d.draft
     # the most drafts a round may verify (auto: its largest chain or tree)
     most = (max(t.size for t in autodraft.candidates(model, d.proposer, draft)) if isinstance(tree, Auto)
@@ -304,6 +309,9 @@ def _print_stats(s: dict, proposer: str, seconds: float, saved_path) -> None:
 
 def _first(g: dict | None, proposer: str) -> str:
     """What a request shape's first decode ran (the estimate of mtpjax.decode.firstguess, or plain without one)."""
+    if g is None and proposer not in ("mtp", "mtp1"):
+        return ("it decoded plain (n-gram lookup and a draft model get no estimate; only the MTP modules' drafts are "
+                "estimated, from training's agreement)")
     if g is None:
         return "it decoded plain (the run logged no agreement to estimate from)"
     ran = label(proposer, g["draft"])
