@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mtpjax.decode import api, autodraft
 from mtpjax.eval import verdict
-from mtpjax.cli.decode import label, main
+from mtpjax.cli.decode import _Streamer, label, main
 from mtpjax.decode.loop import execute
 from mtpjax.drafts import chain, parse
 
@@ -37,6 +37,34 @@ def test_the_prompt_is_echoed_before_the_continuation(tiny_run, capsys):
     assert main(_argv(run, "--num-draft", "1")) == 0
     out = capsys.readouterr().out
     assert out.startswith("def f(x):") and len(out) > len("def f(x):\n")
+
+
+def _stream(text: str, ends: bytes = b"", progress: bool = False) -> str:
+    """What a _Streamer prints for `text` then the bytes `ends` committed one byte token a round."""
+    import numpy as np
+
+    from mtpjax.data import ByteTokenizer
+
+    out = _Streamer(ByteTokenizer(), "p:", True)
+    for b in text.encode() + ends:
+        out.on_commit(np.array([[b]]), np.array([1]))
+    if progress:
+        out.progress("auto: timing")
+    out.finish()
+    return out.text()
+
+
+def test_a_character_split_across_rounds_streams_once_whole(capsys):
+    """A round ending inside a multi-byte character holds it back (its text ends in U+FFFD), and streaming goes on:
+    the streamed text is the final text, a partial character at the very end included."""
+    from mtpjax.data import ByteTokenizer
+
+    assert ByteTokenizer().decode(list("é".encode())[:1]) == "\ufffd"  # what a round ending inside é decodes to
+    assert _stream("é and more text") == "p:é and more text" and capsys.readouterr().out == "p:é and more text\n"
+    assert _stream("ab", "é".encode()[:1]) == "p:ab\ufffd" and capsys.readouterr().out == "p:ab\ufffd\n"
+    # a measurement after the output starts its own line once the held-back text is out
+    _stream("ab", "é".encode()[:1], progress=True)
+    assert capsys.readouterr().out == "p:ab\ufffd\n"
 
 
 def test_prompts_file_prints_each_prompt_with_its_continuation(tiny_run, capsys, tmp_path):
@@ -212,3 +240,42 @@ def test_auto_s_first_call_drafts_as_the_estimate_from_training_s_agreement_says
 def test_companion_low_agreement_estimates_plain(tiny_run, monkeypatch, tmp_path, capsys):
     err = _first_call(_with_agreement(tiny_run, tmp_path, [0.02, 0.01]), monkeypatch, tmp_path, capsys)
     assert "[plain] rounds=" in err and "so it ran plain, the cost model's choice" in err, err
+
+
+def _most_drafts(monkeypatch, n: int) -> None:
+    """The mtp proposer's most_drafts is n (as a draft model k times smaller than its target drafts k)."""
+    import dataclasses
+
+    from mtpjax.decode.proposers import DRAFTERS
+
+    monkeypatch.setitem(DRAFTERS, "mtp", dataclasses.replace(DRAFTERS["mtp"], most_drafts=lambda t, d: n))
+
+
+def test_auto_probes_at_most_the_one_draft_limit(tiny_run, capsys, monkeypatch, tmp_path):
+    """drafts.MAX_NODES is the one limit: auto's candidates stop there, and a default `--num-draft auto` whose
+    candidates reach 32 decodes (the flag the user never gave is not refused)."""
+    from mtpjax import load_model
+    from mtpjax.drafts import MAX_NODES
+
+    _, run = tiny_run
+    model = load_model(run)[1]
+    _most_drafts(monkeypatch, 100)
+    assert max(t.size for t in autodraft.candidates(model, "mtp")) == MAX_NODES
+    _most_drafts(monkeypatch, 32)
+    monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autodraft, "calibrate", _fake_calibration)
+    assert main(_argv(run, "--stats")) == 0, capsys.readouterr().err
+    assert "[plain] rounds=" in capsys.readouterr().err
+
+
+def test_n_gram_s_first_call_says_n_gram_gets_no_estimate(tiny_run, monkeypatch, tmp_path, capsys):
+    """A run that logged agreement, decoding with n-gram lookup: plain first because n-gram lookup gets no estimate,
+    not for want of agreement; companion: the MTP modules on a run without agreement say that."""
+    monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(autodraft, "calibrate", _fake_calibration)
+    assert main(_argv(_with_agreement(tiny_run, tmp_path, [0.9, 0.8]), "--stats", "--proposer", "ngram")) == 0
+    err = capsys.readouterr().err
+    assert "so it decoded plain (n-gram lookup and a draft model get no estimate; only the MTP modules' drafts" in err
+    assert "logged no agreement" not in err
+    assert main(_argv(tiny_run[1], "--stats", "--proposer", "mtp", "--recalibrate")) == 0
+    assert "so it decoded plain (the run logged no agreement to estimate from)" in capsys.readouterr().err

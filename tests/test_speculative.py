@@ -826,6 +826,8 @@ def test_bad_requests_raise_one_line_errors(trained):
         (lambda: generate(model, [[99]], max_new_tokens=4), "outside the vocabulary"),
         (lambda: generate(model, [[1]], max_new_tokens=0), "max_new_tokens"),
         (lambda: generate(model, [[1]], max_new_tokens=4, temperature=-1.0), "temperature"),
+        (lambda: generate(model, [[1]], max_new_tokens=4, temperature=float("nan")), "temperature=nan must be a fin"),
+        (lambda: generate(model, [[1]], max_new_tokens=4, temperature=float("inf")), "temperature=inf must be a fin"),
         (lambda: generate(model, [[1]], max_new_tokens=4, draft=1, proposer="x"), "proposer"),
         (lambda: generate(model, [[1]], max_new_tokens=4, draft="many"), "is not one of auto"),
         (lambda: generate(plain, [[1]], max_new_tokens=4, draft="auto"), "no MTP modules"),
@@ -837,3 +839,13 @@ def test_bad_requests_raise_one_line_errors(trained):
     # The n-gram proposer works without MTP modules: the plain model's greedy tokens, all 4 of them.
     out = generate(plain, [[1, 2, 1, 2]], max_new_tokens=4, draft=2, proposer="ngram")
     assert len(out.tokens[0]) == 4 and out.tokens == generate(plain, [[1, 2, 1, 2]], max_new_tokens=4).tokens
+
+
+def test_companion_a_non_finite_temperature_samples_garbage():
+    """What make_sampler's finiteness check guards: a Sampler built around it samples NaNs (nan) or ignores the model
+    (inf: every token equally likely)."""
+    from mtpjax.decode.sampling import Sampler, probs
+
+    logits = jnp.array([[0.0, 5.0, 10.0, -3.0]])
+    assert np.isnan(np.asarray(probs(Sampler(float("nan")), logits))).all()
+    assert np.asarray(probs(Sampler(float("inf")), logits)).tolist() == [[0.25] * 4]

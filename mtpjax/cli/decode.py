@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import sys
@@ -11,18 +10,18 @@ import time
 from pathlib import Path
 
 from mtpjax.cli.args import Parser, command, draft_flag
-from mtpjax.cli.decode_eval import evaluate
+from mtpjax.cli.decode_eval import eval_drafts, evaluate
 from mtpjax.config import DecodeConfig, choices
 from mtpjax.decode import api, autodraft
 from mtpjax.decode.cache import cache_bytes, rows
-from mtpjax.decode.host import DecodeError
+from mtpjax.decode.host import DecodeError, make_loop
 from mtpjax.decode.mesh import describe
-from mtpjax.drafts import Auto, DraftError, parse
+from mtpjax.decode.text import encode
+from mtpjax.drafts import Auto, DraftError, Tree, parse
 from mtpjax.eval import verdict
 from mtpjax.parallel import console
 from mtpjax.eval.log import agreement_at
 
-MAX_DRAFT = 16  # more drafts per round than this is never accepted in practice; the round loop is unrolled
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 
 
@@ -132,6 +131,8 @@ def _prompts(args) -> list[str]:
         # Bytes of the command line that are not UTF-8 arrive as lone surrogates: make them U+FFFD.
         return [args.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace")]
     path = Path(args.prompts_file)
+    if path.is_dir():
+        raise DecodeError(f"prompts file '{path}' is a directory; give a file with one prompt per line")
     if not path.is_file():
         raise DecodeError(f"prompts file '{path}' does not exist")
     lines = [re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m[1]], ln)  # only \n, \t and \\
@@ -152,6 +153,10 @@ def _proposer(args, cfg) -> str:
         raise DecodeError(f"{said} needs --draft-run-dir RUN (a run trained with the same tokenizer, "
                           "e.g. configs/draft_tiny.yaml)")
     if args.proposer is None and cfg.model.mtp_depth == 0:
+        given = draft_flag(args.num_draft, args.tree) or cfg.decode.draft
+        if isinstance(given, Tree) and not given.is_chain():
+            raise DecodeError(f"the tree {given.name()} is drafted by MTP modules and this run's model has none "
+                              "(model.mtp_depth 0); trees need a run trained with model.mtp_depth >= 1")
         return "ngram"  # speculative by default only where the model has a proposer
     return args.proposer or cfg.decode.proposer
 
@@ -202,39 +207,46 @@ class _Streamer:
     def on_commit(self, toks, counts) -> None:
         self.echo()
         self.shown.extend(toks[0, : int(counts[0])].tolist())
-        text = self.prompt + self.tok.decode(self.shown)
-        if text.startswith(self.printed):
+        # A character split across rounds decodes as U+FFFD until its last byte comes: held back, not printed.
+        self._print(self.text().rstrip("\ufffd"))
+
+    def text(self) -> str:
+        """The prompt and everything committed after it."""
+        return self.prompt + self.tok.decode(self.shown)
+
+    def _print(self, text: str) -> None:
+        """What `text` adds to what was printed (the printed text is always a prefix of the final text)."""
+        if text.startswith(self.printed) and len(text) > len(self.printed):
             sys.stdout.write(text[len(self.printed):])
             sys.stdout.flush()
             self.printed = text
 
     def progress(self, text: str) -> None:
         if self.stream and self.printed and not self.ended:
+            self._print(self.text())  # the committed text is final once the measurement after it starts
             sys.stdout.write("\n")
             sys.stdout.flush()
             self.ended = True
         console.say(text)
 
     def finish(self) -> None:
-        """The prompt if nothing was committed after it, and the line's end unless a measurement ended it."""
+        """The prompt if nothing was committed after it, any text held back, and the line's end unless a measurement
+        ended it."""
         self.echo()
         if not self.ended:
+            self._print(self.text())
             sys.stdout.write("\n")
 
 
 def _generate(args, cfg, model, tok, run_dir: Path, step: int, draft=None, draft_tag: str = "") -> int:
     d = decode_config(args, cfg)
     texts = _prompts(args)
-    prompts = [tok.encode(t) for t in texts]
-    if any(len(p) == 0 for p in prompts):
-        raise DecodeError("empty prompt: give at least one character of text")
+    prompts = encode(tok, texts)
     tree = d.draft
     # the most drafts a round may verify (auto: its largest chain or tree)
     most = (max(t.size for t in autodraft.candidates(model, d.proposer, draft)) if isinstance(tree, Auto)
             else tree.size)
-    _check_size(cfg.model, prompts, d.max_new_tokens, most, d.max_len, chain=isinstance(tree, Auto) or tree.is_chain())
-    if not math.isfinite(d.temperature):
-        raise DecodeError(f"--temperature {d.temperature} must be a finite number >= 0 (0 = greedy)")
+    _check_size(cfg.model, prompts, d.max_new_tokens, most, d.max_len)
     out = _Streamer(tok, texts[0], stream=len(prompts) == 1)  # one prompt streams as it decodes; several print at end
     # Kept outside the run directory: decoding never changes a run (it may be shared or read-only).
     on = model.placement.mesh  # a calibration is kept per mesh shape: a round's cost depends on it
@@ -297,6 +309,9 @@ def _print_stats(s: dict, proposer: str, seconds: float, saved_path) -> None:
 
 def _first(g: dict | None, proposer: str) -> str:
     """What a request shape's first decode ran (the estimate of mtpjax.decode.firstguess, or plain without one)."""
+    if g is None and proposer not in ("mtp", "mtp1"):
+        return ("it decoded plain (n-gram lookup and a draft model get no estimate; only the MTP modules' drafts are "
+                "estimated, from training's agreement)")
     if g is None:
         return "it decoded plain (the run logged no agreement to estimate from)"
     ran = label(proposer, g["draft"])
@@ -318,11 +333,9 @@ def _memory_bytes() -> int:
         return 0
 
 
-def _check_size(mcfg, prompts, max_new: int, nodes: int, max_len: int, chain: bool = True) -> None:
-    """DecodeError for requests that could only hang compiling or run out of memory (`nodes`: the most drafts a round
-    verifies, a chain's by --num-draft; a tree's are bounded by its spelling, drafts.MAX_NODES)."""
-    if chain and nodes > MAX_DRAFT:
-        raise DecodeError(f"--num-draft {nodes} is above {MAX_DRAFT}; use at most {MAX_DRAFT} drafts per round")
+def _check_size(mcfg, prompts, max_new: int, nodes: int, max_len: int) -> None:
+    """DecodeError for requests that could only run out of memory (`nodes`: the most drafts a round verifies, each
+    bounded by drafts.MAX_NODES where it is spelled)."""
     if max(map(len, prompts)) + max_new > max_len:
         return  # generate() names the cache capacity, the better advice
     need = cache_bytes(mcfg, len(prompts), rows(max(map(len, prompts)), max_new, nodes).capacity)
@@ -330,6 +343,19 @@ def _check_size(mcfg, prompts, max_new: int, nodes: int, max_len: int, chain: bo
     if have and need > have // 2:
         raise DecodeError(f"--max-new-tokens {max_new} needs ~{need / 2**30:.1f} GiB of KV cache, more than half of "
                           f"the {have / 2**30:.1f} GiB memory; lower --max-new-tokens")
+
+
+def _check_eval(args, cfg, model, d: DecodeConfig) -> None:
+    """--eval's request refused before it evaluates: its counts, and the checks plain decoding makes of a request
+    (generate's, then the memory its caches need: the teacher-forced texts decode together)."""
+    for flag, n in (("--eval-prompts", args.eval_prompts), ("--prompt-len", args.prompt_len)):
+        if n < 1:
+            raise DecodeError(f"{flag} {n} must be >= 1")
+    prompt = [0] * args.prompt_len
+    make_loop(model, [prompt], max_new_tokens=d.max_new_tokens, max_len=d.max_len)
+    gamma, wider = eval_drafts(cfg, d)
+    rows = max(32, args.eval_prompts) if cfg.model.mtp_depth else 1
+    _check_size(cfg.model, [prompt] * rows, d.max_new_tokens, max(gamma, wider.size if wider else 0), d.max_len)
 
 
 @command
@@ -353,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     if mesh is not None:
         console.say(f"decoding on mesh {describe(mesh)}")
     if args.eval:
-        return evaluate(args, cfg, model, tok, Path(args.run_dir), step, draft)
+        d = decode_config(args, cfg)
+        _check_eval(args, cfg, model, d)
+        return evaluate(args, cfg, model, tok, Path(args.run_dir), step, d, draft)
     if args.tasks is not None:
         from mtpjax.cli.lm_eval import run_tasks
 

@@ -91,10 +91,11 @@ def _order(t: Tree) -> tuple:
 
 
 def candidates(model, proposer: str, draft_model=None) -> list[Tree]:
-    """What auto probes: PLAIN, each chain up to what the proposer drafts usefully (its most_drafts), then the
-    PROBED_TREES as deep as those chains (at most 2) that this proposer and model can draft."""
+    """What auto probes: PLAIN, each chain up to what the proposer drafts usefully (its most_drafts, at most
+    drafts.MAX_NODES, the limit of any draft), then the PROBED_TREES as deep as those chains (at most 2) that this
+    proposer and model can draft."""
     drafter = host.DRAFTERS[proposer]
-    most = max(drafter.most_drafts(model, draft_model), 0)
+    most = min(max(drafter.most_drafts(model, draft_model), 0), drafts.MAX_NODES)
     out = [chain(g, drafter.source) for g in range(0, most + 1)]
     for name in PROBED_TREES.get(min(most, max(PROBED_TREES)), ()):
         tree = drafts.parse(name).drafted_by(drafter.source)

@@ -17,7 +17,7 @@ from mtpjax.decode.mtp_proposers import mtp_proposer
 from mtpjax.decode.ngram import NgramProposer
 from mtpjax.decode.protocol import Context, Draft, Models, Proposer
 from mtpjax.decode.sampling import choose, row_keys
-from mtpjax.drafts import MAX_NODES, PLAIN, Source, Tree
+from mtpjax.drafts import PLAIN, Source, Tree
 from mtpjax.nn.flops import TokenFlops
 from mtpjax.nn.model import MTPTransformer
 
@@ -102,11 +102,12 @@ class DraftModelProposer(Proposer):
 
 
 def model_drafts(target: MTPTransformer, draft: MTPTransformer | None) -> int:
-    """A draft model k times narrower x shallower than the target drafts up to k tokens a round (at least 1)."""
+    """A draft model k times narrower x shallower than the target drafts up to k tokens a round (at least 1; auto
+    probes at most drafts.MAX_NODES)."""
     if draft is None:
         return 1
     t, d = target.cfg, draft.cfg
-    return max(1, min(MAX_NODES, (t.d_model * t.n_layers) // (d.d_model * d.n_layers)))
+    return max(1, (t.d_model * t.n_layers) // (d.d_model * d.n_layers))
 
 
 

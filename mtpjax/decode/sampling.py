@@ -6,6 +6,7 @@ like with like.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -27,8 +28,8 @@ class Sampler:
 
 def make_sampler(temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None) -> Sampler:
     """Normalize user arguments (None = off) into a Sampler; raises ValueError on impossible values."""
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature={temperature} must be a finite number >= 0 (0 = greedy)")
     if top_k is not None and top_k < 0:
         raise ValueError(f"top_k={top_k} must be >= 0 (0 or None disables it)")
     if top_p is not None and not 0 < top_p <= 1:

@@ -14,6 +14,14 @@ from mtpjax.decode.api import generate
 from mtpjax.decode.prompts import PromptError
 
 
+def encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text's token ids; PromptError for an empty one (generate's own check speaks of token ids, not text)."""
+    ids = [tokenizer.encode(t) for t in texts]
+    if any(len(p) == 0 for p in ids):
+        raise PromptError("empty prompt: give at least one character of text")
+    return ids
+
+
 @dataclass(frozen=True)
 class TextResult:
     """The continuations (without their prompts) as text and token ids, and generate's stats."""
@@ -41,10 +49,7 @@ class Generator:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
     def __call__(self, prompts: str | list[str], **kw) -> TextResult:
-        texts = self._texts(prompts)
-        ids = [self.tokenizer.encode(t) for t in texts]
-        if any(len(p) == 0 for p in ids):
-            raise PromptError("empty prompt: give at least one character of text")
+        ids = encode(self.tokenizer, self._texts(prompts))
         res = generate(self.model, ids, **{**self.defaults(), **kw})
         return TextResult([self.tokenizer.decode(t) for t in res.tokens], res.tokens, res.stats)
 
