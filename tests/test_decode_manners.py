@@ -261,6 +261,10 @@ def test_auto_probes_at_most_the_one_draft_limit(tiny_run, capsys, monkeypatch, 
     model = load_model(run)[1]
     _most_drafts(monkeypatch, 100)
     assert max(t.size for t in autodraft.candidates(model, "mtp")) == MAX_NODES
+    # long chains are probed sparsely (each probe is a compile): 13 chains, not 65
+    chains = [t.size for t in autodraft.candidates(model, "mtp") if t.is_chain()]
+    assert chains == [0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+    assert autodraft.chain_lengths(5) == [0, 1, 2, 3, 4, 5] and autodraft.chain_lengths(0) == [0]
     _most_drafts(monkeypatch, 32)
     monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(autodraft, "calibrate", _fake_calibration)

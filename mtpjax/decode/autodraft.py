@@ -90,13 +90,21 @@ def _order(t: Tree) -> tuple:
     return (not t.is_chain(), t.size, t.name())
 
 
+LONG_CHAINS = (6, 8, 12, 16, 24, 32, 48)  # past 4 drafts, the chains auto probes: neighbours differ little
+
+
+def chain_lengths(most: int) -> list[int]:
+    """The chains auto probes up to `most` drafts: 0..4, then LONG_CHAINS, then `most` (each probe is a compile)."""
+    return sorted({*range(min(most, 4) + 1), *(g for g in LONG_CHAINS if g < most), most})
+
+
 def candidates(model, proposer: str, draft_model=None) -> list[Tree]:
-    """What auto probes: PLAIN, each chain up to what the proposer drafts usefully (its most_drafts, at most
-    drafts.MAX_NODES, the limit of any draft), then the PROBED_TREES as deep as those chains (at most 2) that this
-    proposer and model can draft."""
+    """What auto probes: PLAIN, the chains of chain_lengths up to what the proposer drafts usefully (its most_drafts,
+    at most drafts.MAX_NODES, the limit of any draft), then the PROBED_TREES as deep as those chains (at most 2) that
+    this proposer and model can draft."""
     drafter = host.DRAFTERS[proposer]
     most = min(max(drafter.most_drafts(model, draft_model), 0), drafts.MAX_NODES)
-    out = [chain(g, drafter.source) for g in range(0, most + 1)]
+    out = [chain(g, drafter.source) for g in chain_lengths(most)]
     for name in PROBED_TREES.get(min(most, max(PROBED_TREES)), ()):
         tree = drafts.parse(name).drafted_by(drafter.source)
         try:
