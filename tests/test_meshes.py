@@ -42,6 +42,17 @@ def test_candidates_fill_the_devices_and_put_the_cheap_axes_first():
     assert len(meshes.candidates(cfg, 8, limit=3)) == 3
 
 
+def test_candidates_keep_the_config_s_pipeline_stages():
+    """A staged config's candidates split the devices each stage holds; their overrides name the stages."""
+    cfg = _cfg("tiny", "mesh.stage=2", "model.scan_layers=true")
+    found = meshes.candidates(cfg, 8, limit=None)
+    assert found and all(m.stage == 2 and meshes.size(m) == 8 for m, _ in found)
+    assert meshes.overrides(found[0][0])[0] == "mesh.stage=2"
+    assert meshes.fills(cfg, 8).stage == 2
+    with pytest.raises(MeshError, match="^mesh.stage=2 does not divide the target's 9 devices"):
+        meshes.candidates(cfg, 9, limit=None)
+
+
 def test_an_moe_searches_expert_parallel_meshes_first():
     mesh, a = meshes.candidates(_cfg("gpu_moe"), 8, limit=1)[0]
     assert (mesh.expert, a) == (8, 8)  # 8 micro-batches: the 16 of one H200 would not split over 8 batch shards
@@ -99,3 +110,22 @@ def test_a_missing_compiler_stops_the_search_instead_of_ranking_nothing(monkeypa
 def test_an_impossible_slice_or_host_names_the_sizes_there_are(name, says):
     with pytest.raises(TargetError, match=re.escape(f"target '{name}': {says}")):
         parse_target(name)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--search", "-1"], "--search -1 must be >= 1"),
+    (["--json", "FILE/report.json"], "--json FILE/report.json: 'FILE' is a file; give another path"),
+    (["--json", "DIR"], "--json DIR is a directory; give a file path"),
+    (["--dump-hlo", "FILE/hlo"], "--dump-hlo FILE/hlo: 'FILE' is a file; give another path"),
+])
+def test_compile_s_bad_flags_are_one_line_before_any_compile(tmp_path, capsys, argv, says):
+    """Checked first, creating nothing: a compile takes minutes, and its report must have somewhere to go."""
+    from train_helpers import one_line_error
+
+    from mtpjax.cli.compile import main
+
+    (tmp_path / "FILE").write_text("")
+    argv = [a.replace("FILE", str(tmp_path / "FILE")).replace("DIR", str(tmp_path)) for a in argv]
+    says = says.replace("FILE", str(tmp_path / "FILE")).replace("DIR", str(tmp_path))
+    err = one_line_error(capsys, main, ["--config", "configs/tiny.yaml", "--target", "v5e-4", *argv])
+    assert says in err and sorted(p.name for p in tmp_path.iterdir()) == ["FILE"]

@@ -90,3 +90,17 @@ def test_decode_view_lays_mla_out_on_a_copy():
     cache = mla.mla_cache(ModelConfig(**MLA), 1, 8)
     a, v = _attentions(model)[0], _attentions(view)[0]
     np.testing.assert_array_equal(a(x, pos, None, cache)[0], v(x, pos, None, cache)[0])
+
+
+def test_a_kernel_splits_rows_as_the_activations_batch_dimension_is_split():
+    """rows_axes (a fused kernel's shard_map) and the activation constraints split B rows alike, for every B: on fsdp
+    4 x expert 2, two rows split over no batch axis rather than over `expert` alone (which would reshard the
+    kernel's input around every call)."""
+    from mtpjax.parallel.sharding import ACTIVATION_RULES
+
+    pl = Placement(mesh=AbstractMesh((1, 4, 2, 1), AXES), batch_axes=BATCH_AXES,
+                   activation_rules=tuple(ACTIVATION_RULES.items()))
+    for B in range(1, 17):
+        spec = pl.spec(("batch",), (B,))[0]
+        assert pl.rows_axes(B) == ((spec,) if isinstance(spec, str) else tuple(spec or ())), B
+    assert pl.rows_axes(2) == ("data",) and pl.rows_axes(8) == ("data", "fsdp", "expert")

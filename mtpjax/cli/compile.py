@@ -7,10 +7,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
-from mtpjax.cli.args import Parser, command
+from mtpjax.cli.args import Parser, UsageError, command
 from mtpjax.config import load_config, replace
 from mtpjax.parallel.console import say
 from mtpjax.parallel.sharding import MeshError
@@ -70,6 +71,20 @@ def notes_of(logger: str):
         log.propagate = propagate
 
 
+def _writable(args) -> None:
+    """Before compiling (minutes), and creating nothing: --json names a file and --dump-hlo a directory that can be
+    written (their nearest existing folder a writable directory); UsageError naming the flag otherwise."""
+    if args.json and Path(args.json).is_dir():
+        raise UsageError(f"--json {args.json} is a directory; give a file path")
+    for flag, given, folder in (("--json", args.json, args.json and Path(args.json).parent),
+                                ("--dump-hlo", args.dump_hlo, args.dump_hlo)):
+        if given:
+            near = next(p for p in (Path(folder).absolute(), *Path(folder).absolute().parents) if p.exists())
+            if not near.is_dir() or not os.access(near, os.W_OK):
+                raise UsageError(f"{flag} {given}: '{near}' is {'not writable' if near.is_dir() else 'a file'}; "
+                                 "give another path")
+
+
 def _write(args, payload: dict) -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -85,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--alpha {args.alpha} must be in [0, 1]")
     if args.decode_batch < 1:
         ap.error(f"--decode-batch {args.decode_batch} must be >= 1")
+    if args.search < 0:
+        ap.error(f"--search {args.search} must be >= 1 (meshes to compile)")
+    _writable(args)
     target = parse_target(args.target)
     cfg = load_config(args.config, args.overrides)
     if args.search:

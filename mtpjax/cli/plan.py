@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
 from mtpjax.cli.args import Parser, command
@@ -32,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--alpha {args.alpha} must be in [0, 1]")
     if args.alpha_rank2 is not None and not 0.0 <= args.alpha_rank2 <= 1.0 - args.alpha:
         ap.error(f"--alpha-rank2 {args.alpha_rank2} must be in [0, 1 - alpha]: siblings are accepted exclusively")
-    if args.draft_cost is not None and args.draft_cost < 0:
-        ap.error(f"--draft-cost {args.draft_cost} must be >= 0")
+    if args.draft_cost is not None and not (math.isfinite(args.draft_cost) and args.draft_cost >= 0):
+        ap.error(f"--draft-cost {args.draft_cost} must be a finite number >= 0")
     if args.max_gamma is not None and args.max_gamma < 1:
         ap.error(f"--max-gamma {args.max_gamma} must be >= 1")
     verify = parse_verify_cost(args.verify_cost)

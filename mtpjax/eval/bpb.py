@@ -84,7 +84,7 @@ def token_byte_lengths(tokenizer) -> np.ndarray | None:
 def target_counts(tokens_BT, segment_ids_BT, lengths_V: np.ndarray) -> tuple[int, int]:
     """(main-head targets, their UTF-8 bytes) in one batch, with the loss's own validity rule."""
     valid_BT = np.asarray(valid_masks(tokens_BT, segment_ids_BT, 0)[0])
-    tgt_BT = np.asarray(targets(tokens_BT, 0)[0])
+    tgt_BT = np.asarray(targets(tokens_BT, (0,))[0])
     return int(valid_BT.sum()), int(lengths_V[tgt_BT[valid_BT]].sum())
 
 

@@ -32,9 +32,9 @@ def valid_masks(tokens_BT, segment_ids_BT, depth: int):
     return depth_masks(tokens_BT, segment_ids_BT, range(depth + 1))
 
 
-def targets(tokens_BT, depth: int):
-    """int[M, B, T]: x[i+k+1] for depth k (0 past the end)."""
-    return jnp.stack([shift_left(tokens_BT, k + 1) for k in range(depth + 1)])
+def targets(tokens_BT, depths):
+    """int[len(depths), B, T]: x[i+k+1] for each depth k (0 past the end)."""
+    return jnp.stack([shift_left(tokens_BT, k + 1) for k in depths])
 
 
 def scored_depths(cfg: LossConfig, depth: int) -> tuple[int, ...]:
@@ -246,7 +246,7 @@ def mtp_loss(model: MTPTransformer, out: MTPOutput, tokens_BT, segment_ids_BT=No
                          "run the model through nn.loss.forward(model, tokens, segments, cfg)")
     weights = cfg.mtp_target.weights if depth else (1.0, 0.0, 0.0)
     valid = depth_masks(tokens_BT, segment_ids_BT, depths).astype(jnp.float32)  # [1 + apps, B, T]
-    tgt = jnp.stack([shift_left(tokens_BT, k + 1) for k in depths])
+    tgt = targets(tokens_BT, depths)
     teach = depth > 0 and (weights[1] > 0 or weights[2] > 0 or with_accept_prob)
     ce, am, *teacher_terms = _per_application(model, out, tgt, depths, cfg, teach)
     n = valid.sum(axis=(1, 2)) if counts is None else counts

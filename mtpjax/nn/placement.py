@@ -48,15 +48,19 @@ class Placement:
             return 1
         return math.prod(self.mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
 
+    def leading(self, axes: tuple[str, ...], dim: int, used: set | frozenset = frozenset()) -> list[str]:
+        """The leading mesh axes of `axes`, none of them `used`, whose product divides `dim`: what splits it."""
+        taken, n = [], 1
+        for a in axes if self.mesh is not None else ():
+            if a in used or dim % (n * self.mesh.shape[a]):
+                break
+            taken.append(a)
+            n *= self.mesh.shape[a]
+        return taken
+
     def rows_axes(self, B: int) -> tuple[str, ...]:
-        """The batch axes, in order, each taken while the product so far divides B: those a kernel's shard_map splits
-        B rows over."""
-        rows, n = [], 1
-        for a in self.batch_axes if self.mesh is not None else ():
-            if B % (n * self.mesh.shape[a]) == 0:
-                rows.append(a)
-                n *= self.mesh.shape[a]
-        return tuple(rows)
+        """The batch axes a kernel's shard_map splits B rows over: those an activation's batch dimension takes."""
+        return tuple(self.leading(self.batch_axes, B))
 
     def spec(self, axes: tuple[str | None, ...], shape: tuple[int, ...]) -> PartitionSpec:
         """PartitionSpec of an activation with these logical axes (None: whole); each dim takes the leading mesh axes
@@ -67,12 +71,7 @@ class Placement:
         for name, dim in zip(axes, shape):
             if name is not None and name not in rules:
                 raise ValueError(f"activation axis '{name}' has no rule; add it to parallel.sharding.ACTIVATION_RULES")
-            taken, n = [], 1
-            for a in rules.get(name, ()):
-                if a in used or dim % (n * self.mesh.shape[a]):
-                    break
-                taken.append(a)
-                n *= self.mesh.shape[a]
+            taken = self.leading(rules.get(name, ()), dim, used)
             used.update(taken)
             spec.append(tuple(taken) if len(taken) > 1 else (taken[0] if taken else None))
         return PartitionSpec(*spec)

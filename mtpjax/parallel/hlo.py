@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import math
 import re
 
@@ -314,7 +313,3 @@ def summary(stats: Stats) -> dict:
             "hbm_bytes": stats.hbm_bytes,
             "collectives": {k: {"count": n, "bytes": b} for k, (n, b) in sorted(stats.collectives.items())},
             "largest_collectives": largest_collectives(stats), "custom_calls": dict(sorted(stats.calls.items()))}
-
-
-def dumps(obj) -> str:
-    return json.dumps(obj, indent=1, sort_keys=True)

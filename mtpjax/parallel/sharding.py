@@ -31,7 +31,6 @@ LOGICAL_RULES: dict[str | None, str | None] = {
     "mlp": "tensor",
     "expert": "expert",  # routed experts' weights [E, ...]
     "layers": STAGE,  # a scanned trunk's stacked blocks: each stage holds its own (absent axis: replicated)
-    "head_dim": None,
     "latent": None,  # MLA's query/key-value latents: small, replicated; their heads-side projections split heads
     None: None,
 }

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from mtpjax.config import Config, MeshConfig
-from mtpjax.parallel.sharding import AXES, STAGE
+from mtpjax.parallel.sharding import AXES, STAGE, MeshError
 
 # Tensor parallelism stays inside one host's fast links (NVLink, a TPU host's ICI neighbours): at most 8 ways.
 MAX_TENSOR = 8
@@ -27,12 +27,20 @@ def usable(cfg: Config, mesh: MeshConfig, micro_batches: int) -> bool:
     return cfg.train.batch_size % (mesh.data * mesh.fsdp * mesh.expert * micro_batches) == 0
 
 
+def _stages(cfg: Config, devices: int) -> int:
+    """The config's pipeline stages, which every mesh over `devices` keeps; MeshError if they do not divide them."""
+    if devices % cfg.mesh.stage:
+        raise MeshError(f"mesh.stage={cfg.mesh.stage} does not divide the target's {devices} devices; choose "
+                        "another mesh.stage or target")
+    return cfg.mesh.stage
+
+
 def fills(cfg: Config, devices: int) -> MeshConfig:
     """A mesh over all `devices` at the config's micro-batches: the config's stage, tensor and expert ways with the
     rest fully sharded (fsdp) where the run can take it, else the first candidate that can (more tensor or expert
-    ways; candidates have no pipeline stages)."""
+    ways)."""
     m, A = cfg.mesh, cfg.train.micro_batches
-    stage = m.stage if devices % m.stage == 0 else 1
+    stage = _stages(cfg, devices)
     tensor = m.tensor if (devices // stage) % m.tensor == 0 else 1
     expert = m.expert if (devices // (stage * tensor)) % m.expert == 0 else 1
     own = MeshConfig(data=1, fsdp=devices // (stage * tensor * expert), tensor=tensor, expert=expert, stage=stage)
@@ -44,16 +52,16 @@ def fills(cfg: Config, devices: int) -> MeshConfig:
 def candidates(cfg: Config, devices: int, limit: int | None) -> list[tuple[MeshConfig, int]]:
     """Up to `limit` (mesh, micro-batches) pairs over all `devices` the run could take, most promising first: the
     most expert ways (an MoE), the config's micro-batches, then the fewest tensor and data ways (their collectives
-    move activations or whole gradients)."""
-    moe = cfg.model.mlp_kind == "moe"
-    A = cfg.train.micro_batches
+    move activations or whole gradients). The config's pipeline stages stay."""
+    moe, A = cfg.model.mlp_kind == "moe", cfg.train.micro_batches
+    stage = _stages(cfg, devices)
     micro = sorted({A, max(1, A // 2), 2 * A}, key=lambda a: (a != A, a))
-    found = []
-    for tensor in _divisors(devices):
-        for expert in (_divisors(devices // tensor) if moe else [1]):
-            for data in _divisors(devices // (tensor * expert)):
-                fsdp = devices // (tensor * expert * data)
-                mesh = MeshConfig(data=data, fsdp=fsdp, tensor=tensor, expert=expert)
+    found, rest = [], devices // stage
+    for tensor in _divisors(rest):
+        for expert in (_divisors(rest // tensor) if moe else [1]):
+            for data in _divisors(rest // (tensor * expert)):
+                fsdp = rest // (tensor * expert * data)
+                mesh = MeshConfig(data=data, fsdp=fsdp, tensor=tensor, expert=expert, stage=stage)
                 for a in micro:
                     if usable(cfg, mesh, a):
                         # expert-parallel first for an MoE (its experts' weights never move); the config's
@@ -65,7 +73,7 @@ def candidates(cfg: Config, devices: int, limit: int | None) -> list[tuple[MeshC
 
 def overrides(mesh: MeshConfig, micro_batches: int | None = None) -> list[str]:
     """The `section.key=value` overrides that choose this mesh (and micro-batches)."""
-    out = [f"mesh.{a}={getattr(mesh, a)}" for a in AXES]
+    out = [f"mesh.{a}={getattr(mesh, a)}" for a in (STAGE, *AXES) if a != STAGE or mesh.stage > 1]
     return out + ([f"train.micro_batches={micro_batches}"] if micro_batches is not None else [])
 
 
