@@ -69,7 +69,7 @@ def parser() -> Parser:
     p.add_argument("--json", help="--eval, --tasks: also write the report as JSON here")
     p.add_argument("--limit", type=float, default=None, help="--tasks: documents per task (default: all)")
     p.add_argument("--num-fewshot", type=int, default=None, help="--tasks: few-shot examples (default: the task's)")
-    p.add_argument("--batch-size", type=int, default=16, help="--tasks: rows of one compiled batch")
+    p.add_argument("--batch-size", type=int, default=None, help="--tasks: rows of one compiled batch (default 16)")
     p.add_argument("mesh_overrides", nargs="*", metavar="mesh.AXIS=N",
                    help="the mesh to decode on: the run's config's mesh with these overrides (mesh.tensor=2 splits "
                         "heads, MLP and vocabulary over 2 devices; mesh.data, mesh.fsdp, mesh.expert); the product is "

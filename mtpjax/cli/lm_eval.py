@@ -165,11 +165,11 @@ def run_tasks(args, cfg, model, tok, step: int, proposer: str, draft, draft_mode
         raise UsageError(f"--limit {args.limit} must be > 0 (documents per task, or a fraction below 1)")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise UsageError(f"--num-fewshot {args.num_fewshot} must be >= 0")
-    if args.batch_size < 1:
+    if args.batch_size is not None and args.batch_size < 1:
         raise UsageError(f"--batch-size {args.batch_size} must be >= 1")
     manager = tasks.task_manager(names)
     tasks.load(names, manager)  # an unknown or unreadable task before anything runs
-    lm = MtpjaxLM(model, tok, max_length=cfg.data.seq_len, batch_size=args.batch_size, draft=draft,
+    lm = MtpjaxLM(model, tok, max_length=cfg.data.seq_len, batch_size=args.batch_size or BATCH, draft=draft,
                   proposer=proposer, seed=args.seed, draft_model=draft_model, measure=True)
     results = tasks.evaluate(lm, names, limit=args.limit, num_fewshot=args.num_fewshot, manager=manager)
     spec = {task: spec_summary(t) for task, t in lm.stats.items()}
