@@ -634,6 +634,16 @@ def test_export_refuses_a_bad_out_or_format_and_a_full_disk_leaves_nothing(tmp_p
     monkeypatch.setattr(export_mod, "write_checkpoint", full)
     assert f"writing {out} failed (No space left on device); nothing was written" in _bad(
         capsys, out, "export", "--run-dir", run, "--out", out)
+    deep = tmp_path / "new" / "deeper" / "hf"  # failing, it removes the parents it made too
+    assert "nothing was written" in _bad(capsys, deep, "export", "--run-dir", run, "--out", deep)
+    assert not (tmp_path / "new").exists()
+
+
+def test_export_makes_the_missing_parents_of_out(tmp_path):
+    """`--out exports/tiny` on a fresh checkout: its parents are made, as train.py makes a run directory's."""
+    run = make_run(tmp_path, "run")
+    assert cli("export", "--run-dir", run, "--out", tmp_path / "exports" / "deep" / "tiny") == 0
+    assert (tmp_path / "exports" / "deep" / "tiny" / "config.json").is_file()
 
 
 def _bad_existing(capsys, out: Path, *argv) -> str:

@@ -108,6 +108,22 @@ def test_rope_rows_make_interleaved_rotation_ours(order, equal, monkeypatch):
     assert np.array_equal(layout.from_hf(t, layout.to_hf(t, w_ours)), w_ours)
 
 
+@pytest.mark.parametrize("fmt", ["qwen2", "deepseek_v3"])
+def test_a_gqa_moe_run_is_told_it_has_no_export_layout(fmt):
+    """GQA with a mixture of experts fits no layout: one line that says so, whatever --format (the messages did send
+    each format to the other)."""
+    from types import SimpleNamespace
+
+    from mtpjax.convert.errors import ConvertError
+    from mtpjax.convert.export import _check
+
+    gqa_moe = load_config("configs/moe_tiny.yaml")
+    assert (gqa_moe.model.attention_kind, gqa_moe.model.mlp_kind) == ("gqa", "moe")
+    with pytest.raises(ConvertError, match="^no export layout holds grouped-query attention with a mixture of "
+                                           "experts .*; train with model.attention_kind=mla to export an MoE run$"):
+        _check(gqa_moe, fmt, None, SimpleNamespace(kind="byte", vocab_size=256))
+
+
 def test_export_refuses_raw_module_input_for_deepseek_engines():
     """DeepSeek's engines feed the normed trunk state: a raw-trained module is refused (and a normed one for MiMo)."""
     from types import SimpleNamespace

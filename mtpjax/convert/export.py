@@ -5,9 +5,11 @@ Written into a temporary sibling directory renamed into place at the end: a fail
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -15,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from mtpjax.train.checkpoint import SavedRun
+from mtpjax.train.rundir import remove_created
 from mtpjax.config import Config
 from mtpjax.convert import fp8, layout
 from mtpjax.convert.errors import ConvertError
@@ -73,6 +76,10 @@ def _check(cfg: Config, fmt: str, mtp_modules: int | None, tokenizer) -> int:
     m = cfg.model
     if fmt not in layout.FORMATS:
         raise ConvertError(f"--format {fmt} is unknown; use one of {', '.join(layout.FORMATS)}")
+    if m.attention_kind == "gqa" and m.mlp_kind == "moe":
+        raise ConvertError("no export layout holds grouped-query attention with a mixture of experts (llama, qwen2 "
+                           "and MiMo are dense, DeepSeek-V3's attention is MLA); train with model.attention_kind=mla "
+                           "to export an MoE run")
     if fmt != "deepseek_v3" and (m.attention_kind == "mla" or m.mlp_kind == "moe"):
         raise ConvertError(f"the run uses model.attention_kind={m.attention_kind} and model.mlp_kind={m.mlp_kind}, "
                            "which the llama/qwen2/MiMo layouts cannot express; use --format deepseek_v3")
@@ -146,28 +153,35 @@ def _fp8_pair(spec: Spec, block: tuple[int, int]) -> list[Spec]:
                  lambda: held.pop("scale"))]
 
 
-def fresh_dir(out: Path) -> Path:
-    """A new temporary sibling of `out` (which must not exist yet) to write into before renaming."""
+@contextlib.contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """A new temporary sibling of `out` (which must not exist yet; missing parents are made) to write into, renamed
+    into place when the block ends; if it fails, nothing is left (the parents made included)."""
     out = Path(out)
     if out.exists():
         raise ConvertError(f"'{out}' already exists; pass a new --out directory (nothing was written)")
-    if not out.parent.is_dir():
-        raise ConvertError(f"the parent of --out '{out}' is not a directory; create it first")
+    missing = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # deepest first
+    if not (missing[-1].parent if missing else out.parent).is_dir():
+        raise ConvertError(f"the parent of --out '{out}' is not a directory (a file is in the way); choose another "
+                           "--out")
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     except OSError as e:
+        remove_created(missing)
         raise ConvertError(f"cannot write into '{out.parent}' ({e.strerror}); choose a writable --out") from None
-    return tmp
-
-
-def commit(tmp: Path, out: Path) -> None:
-    """Rename the finished temporary directory into place."""
     try:
-        tmp.rename(out)
-    except OSError as e:
-        raise ConvertError(f"cannot rename '{tmp}' to '{out}' ({e.strerror})") from None
+        yield tmp
+        try:
+            tmp.rename(out)
+        except OSError as e:
+            raise ConvertError(f"cannot rename '{tmp}' to '{out}' ({e.strerror})") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        remove_created(missing)
+        raise
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None, mtp_modules: int | None = None,
@@ -183,8 +197,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
         cfg = ck.cfg
         mtp_modules = _check(cfg, fmt, mtp_modules, ck.tokenizer)
         specs = _specs(ck, cfg, fmt, mtp_modules, quantize)
-        tmp = fresh_dir(out)
-        try:
+        with staged(out) as tmp:
             files = write_checkpoint(tmp, specs, max_shard_bytes)
             max_len = max(cfg.data.seq_len, cfg.decode.max_len)
             eos = ck.tokenizer.eos_id
@@ -195,10 +208,6 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
             gen = {"bos_token_id": None, "eos_token_id": eos, "pad_token_id": eos, "do_sample": False}
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
             export_tokenizer(ck.tokenizer, tmp, max_len)
-            commit(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     finally:
         ck.close()
     return {"out": str(out), "step": ck.step, "format": fmt, "quantize": quantize, "mtp_modules": mtp_modules,

@@ -12,7 +12,6 @@ the others start as `model.mtp_init` says. DeepSeek-V3's fp8 weights are dequant
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,7 @@ from flax import nnx
 from mtpjax.config import ConfigError, load_config
 from mtpjax.convert import fp8, layout
 from mtpjax.convert.errors import ConvertError
-from mtpjax.convert.export import commit, fresh_dir, param_shapes, shape_tree
+from mtpjax.convert.export import param_shapes, shape_tree, staged
 from mtpjax.convert.hf_config import model_overrides, read_config
 from mtpjax.convert.safetensors_io import FLOATS, Reader
 from mtpjax.nn.model import MTPModule, mtp_from_last_block
@@ -238,17 +237,12 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides=()) -> dict:
     if loaded < int(hf.get("num_nextn_predict_layers") or 0):
         notes.append(f"config.json declares {hf['num_nextn_predict_layers']} MTP layers but the checkpoint holds "
                      f"{loaded}; the other MTP modules start as model.mtp_init={cfg.model.mtp_init} says")
-    tmp = fresh_dir(out)
-    try:
+    with staged(out) as tmp:
         (tmp / "config.yaml").write_text(cfg.to_yaml())
         tok.save(tmp / "tokenizer")
         meta = {"step": 0, "config": cfg.to_dict(), "source": {"hf_dir": str(hf_dir.resolve()), "format": fmt,
                                                                "mtp_modules_loaded": loaded}}
         save_model_checkpoint(tmp, params, meta)
-        commit(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"out": str(out), "format": fmt, "mtp_depth": cfg.model.mtp_depth, "mtp_modules_loaded": loaded,
             "notes": notes,
             "tensors": len(raw.entries), "float8": sum(e.dtype == fp8.DTYPE for e in raw.entries.values()),
