@@ -205,7 +205,8 @@ DECODE = [  # (argv after --run-dir, expected exit status, words in the error or
     (["--prompt", "x", "--max-len", "-1"], 2, "max_len=-1"),
     (["--prompt", "x", "--num-draft", str(10**6)], 2, "--num-draft"),
     (["--prompt", "x", "--num-draft", "-3"], 2, "--num-draft -3"),  # the flag spells decode.draft now
-    (["--prompt", "x", "--temperature", "nan"], 2, "--temperature"),
+    # one check, the sampler's, for decode.py, generate and Generator: it names the parameter, as top_p's and top_k's
+    (["--prompt", "x", "--temperature", "nan"], 2, "temperature=nan must be a finite number >= 0"),
     (["--prompt", "x", "--top-p", "2"], 2, "top_p"),
     (["--prompt", "x", "--top-k", "-1"], 2, "top_k"),
     (["--prompt", "x", "--step", str(10**30)], 2, "no checkpoint at step"),
