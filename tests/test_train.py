@@ -86,6 +86,34 @@ def test_tokens_per_second_restarts_after_evals_and_checkpoints(tmp_path, monkey
     assert {1, 2, 3, 4, 6} <= set(restarts), restarts
 
 
+def test_a_piped_run_logs_a_line_every_log_every_steps(tmp_path, capsys, monkeypatch):
+    """Piped (a scheduler's log file) or with train.progress=false, where no bar redraws, every train.log_every-th
+    step is one line: its losses, learning rate, gradient norm and, past the compiling step, tokens/s and MFU;
+    companion: in a terminal with the bar on, the bar shows them and no such line is written."""
+    from types import SimpleNamespace
+
+    from mtpjax.parallel import console
+    from mtpjax.train import loop
+
+    sink = SimpleNamespace(scalars=lambda step, d: None, text=lambda *a: None)
+    bar = SimpleNamespace(set_postfix=lambda **kw: None)
+    for live, progress, lines in ((False, "true", True), (True, "false", True), (True, "true", False)):
+        monkeypatch.setattr(console, "live", lambda live=live: live)
+        cfg = tiny_cfg(tmp_path, f"train.progress={progress}", "train.peak_flops=1e12", "train.log_every=2")
+        assert loop._Report(cfg, sink, bar, 1).log.lines is lines, (live, progress)
+    log = loop._Report(cfg, sink, bar, 1).log
+    log.lines = True
+    met = {"loss/total": 3.0, "loss/main": 2.5, "loss/mtp_1": 2.75, "loss/mtp_2": 3.0, "lr": 0.01, "grad_norm": 1.5}
+    capsys.readouterr()
+    for step in (2, 3, 4):
+        log.record(step, met)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("step ")]
+    assert len(lines) == 2  # steps 2 and 4: every log_every-th
+    assert lines[0] == "step 2: loss/main 2.5000, mtp_1 2.7500, mtp_2 3.0000, lr 0.01, grad_norm 1.5"  # compiling
+    assert re.fullmatch(r"step 4: loss/main 2\.5000, mtp_1 2\.7500, mtp_2 3\.0000, lr 0\.01, grad_norm 1\.5, "
+                        r"[\d,]+ tokens/s, mfu [\d.]+%", lines[1]), lines[1]  # past the compiling step: a rate
+
+
 def test_goodput_moves_lost_steps_to_restart_and_keeps_the_total():
     from mtpjax.train.goodput import CATEGORIES, goodput, resumed
 

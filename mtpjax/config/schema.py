@@ -239,7 +239,8 @@ class TrainConfig(Section):
     peak_flops: Float = Field(0.0, description="per-device peak FLOP/s for MFU; 0 = the chip's published dense bf16 "
         "peak on a GPU or TPU (the table `compile` reports use), and only on CPU the best float32 matmul rate of XLA, "
         "numpy or torch, measured at start (the log says which)", ge=0)
-    progress: Bool = Field(True, description="tqdm progress bar")
+    progress: Bool = Field(True, description="tqdm progress bar in a terminal; piped to a file, or false, a line per "
+        "`log_every` steps instead (losses, lr, grad_norm, tokens/s, MFU)")
     profile: Str = Field("", description="`start:stop` (e.g. `10:13`): a `jax.profiler` trace of the steps after "
         "`start` up to `stop` completed steps, in the run's TensorBoard directory (profile tab); empty: none")
     compilation_cache: Bool = Field(True, description="persistent XLA compilation cache in `$MTPJAX_CACHE_DIR/xla` "

@@ -36,10 +36,14 @@ class _FinalLine:
         sys.stderr.flush()
 
 
+def live() -> bool:
+    """Whether stderr is a terminal, where bars redraw (else piped: a file, a CI or scheduler log)."""
+    return hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+
+
 def bar(total: int, *, enabled: bool = True, leave: bool = True, **kw) -> tqdm:
     """A tqdm bar on stderr (kw: tqdm's desc, unit, initial, ...): redrawn in a terminal, one final line when piped."""
-    piped = not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
-    return tqdm(total=total, disable=not enabled, leave=leave, file=_FinalLine() if piped else sys.stderr, **kw)
+    return tqdm(total=total, disable=not enabled, leave=leave, file=sys.stderr if live() else _FinalLine(), **kw)
 
 
 def say(text: str) -> None:

@@ -102,7 +102,8 @@ class _Report:
         said = f"MFU against {peak.flops:.4g} FLOP/s per device: {peak.source}"
         say(said)
         writer.text(0, "mfu/peak", said)
-        self.log = Logger(cfg, writer, bar, n_devices, peak.flops)
+        lines = distributed.is_primary() and not (cfg.train.progress and console.live())
+        self.log = Logger(cfg, writer, bar, n_devices, peak.flops, lines)
         self.pending, self.seen = None, None
 
     def read(self, tick: Tick) -> None:

@@ -97,8 +97,8 @@ def summary(cfg: Config, run: Path, out: dict, checkpoint: Path | None) -> str:
 class Logger:
     """Consumes each step's fetched metrics: history, TensorBoard every log_every steps, progress bar, tokens/s."""
 
-    def __init__(self, cfg: Config, writer: Writer, bar, n_devices: int, peak: float):
-        self.cfg, self.writer, self.bar = cfg, writer, bar
+    def __init__(self, cfg: Config, writer: Writer, bar, n_devices: int, peak: float, lines: bool = False):
+        self.cfg, self.writer, self.bar, self.lines = cfg, writer, bar, lines  # lines: a line per logged step
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
         self.flops = train_flops_per_token(cfg.model, cfg.data.seq_len, frozen_trunk=cfg.train.freeze == "trunk",
                                            unroll=cfg.loss.mtp_unroll)
@@ -119,9 +119,21 @@ class Logger:
             self.restart_clock(step)
             if step % self.cfg.train.log_every == 0:
                 self.writer.scalars(step, losses)
+                self._line(step, met, {})
         elif step % self.cfg.train.log_every == 0 and step > self.s0:
             tps = (step - self.s0) * self.tokens_per_step / (time.perf_counter() - self.t0)
             extra = {"tokens_per_sec": tps, "mfu": mfu(tps, self.flops, self.peak, self.n_devices)}
             self.writer.scalars(step, losses | extra)
             self.bar.set_postfix(loss=f"{met['loss/main']:.3f}", tok_s=f"{tps:,.0f}")
+            self._line(step, met, extra)
             self.restart_clock(step)
+
+    def _line(self, step: int, met: dict, extra: dict) -> None:
+        """Where no bar redraws (piped to a log file, or train.progress=false): the logged step as one line."""
+        if not self.lines:
+            return
+        parts = [f"mtp_{k} {met[f'loss/mtp_{k}']:.4f}" for k in range(1, self.cfg.model.mtp_depth + 1)
+                 if f"loss/mtp_{k}" in met] + [f"{k} {met[k]:.3g}" for k in ("lr", "grad_norm") if k in met]
+        if extra:
+            parts += [f"{extra['tokens_per_sec']:,.0f} tokens/s", f"mfu {extra['mfu']:.1%}"]
+        say(f"step {step}: loss/main {met['loss/main']:.4f}" + "".join(f", {p}" for p in parts))
