@@ -311,7 +311,8 @@ def test_bad_override_syntax(override, expected):
 
 def test_missing_config_file(tmp_path):
     missing = tmp_path / "nope.yaml"
-    assert f"config file '{missing}' does not exist" in error_of([], missing)
+    assert f"config file '{missing}' does not exist; pass a YAML file" in error_of([], missing)
+    assert f"config file '{tmp_path}' is a directory; pass a YAML file" in error_of([], tmp_path)
 
 
 def test_invalid_yaml(tmp_path):

@@ -408,7 +408,9 @@ def test_yaml_with_a_python_tag_is_refused(tmp_path, capsys):
     marker = tmp_path / "pwned"
     evil = tmp_path / "evil.yaml"
     evil.write_text(f"train:\n  steps: !!python/object/apply:os.system ['touch {marker}']\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ConfigError, match=r"^config file '.*evil.yaml' uses a YAML tag that safe loading refuses "
+                                          r"\(line 2\): could not determine a constructor for the tag "
+                                          r"'tag:yaml.org,2002:python/object/apply:os.system'; write plain values$"):
         load_config(evil)
     assert main(["--config", str(evil)]) == 2
     assert capsys.readouterr().err.count("\n") == 1 and not marker.exists()

@@ -58,9 +58,14 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file '{p}' does not exist; pass a path such as configs/tiny.yaml")
+            what = "is a directory" if p.is_dir() else "does not exist"
+            raise ConfigError(f"config file '{p}' {what}; pass a YAML file such as configs/tiny.yaml")
         try:
             raw = _yaml(p.read_text()) or {}
+        except yaml.constructor.ConstructorError as e:  # a tag such as !!python/object: no code runs from a config
+            line = f" (line {e.problem_mark.line + 1})" if e.problem_mark else ""
+            raise ConfigError(f"config file '{p}' uses a YAML tag that safe loading refuses{line}: {e.problem}; "
+                              "write plain values") from None
         except yaml.YAMLError as e:
             line = getattr(getattr(e, "problem_mark", None), "line", None)
             where = f" (line {line + 1})" if line is not None else ""

@@ -286,7 +286,8 @@ class MeshConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every: Int = Field(500, description="steps between checkpoints (the last step is always saved)", gt=0)
+    every: Int = Field(500, description="steps between checkpoints (a fresh run's first step, which tries the "
+        "storage early, and the last step are always saved)", gt=0)
     keep: Int = Field(3, description="checkpoints kept", gt=0)
     async_save: Bool = Field(True, description="save in the background while training continues")
     verify: Bool = Field(True, description="check every restored array, the data position and the config against the "
