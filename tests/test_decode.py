@@ -188,7 +188,16 @@ def _check_speed_report(d: dict, run) -> None:
 @pytest.mark.parametrize("case,argv,text", [
     ("missing run", ["--run-dir", "{tmp}/nope", "--prompt", "x"], "does not exist"),
     ("empty prompt", ["--run-dir", "{mtp}", "--prompt", ""], "empty prompt"),
-    ("too long", ["--run-dir", "{mtp}", "--prompt", "x" * 300, "--max-len", "256"], "exceeds the cache"),
+    ("too long", ["--run-dir", "{mtp}", "--prompt", "x" * 300, "--max-len", "256"],  # a fix decode.py takes
+     "exceeds the cache capacity max_len=256; shorten the prompt or raise max_len (decode.py --max-len, the config's "
+     "decode.max_len)"),
+    # a flag of --eval's or --tasks' without its mode would be silently ignored
+    ("tasks flag", ["--run-dir", "{mtp}", "--prompt", "x", "--batch-size", "4"],
+     "--batch-size is only for --tasks (here it would be ignored); drop it (see decode.py --help)"),
+    ("eval flag", ["--run-dir", "{mtp}", "--tasks", "mtpjax", "--prompt-len", "8"],
+     "--prompt-len is only for --eval (here it would be ignored); drop it"),
+    ("report flag", ["--run-dir", "{mtp}", "--prompts-file", "{tmp}/p.txt", "--json", "{tmp}/r.json"],
+     "--json is only for --eval or --tasks (here it would be ignored); drop it"),
     ("no mtp", ["--run-dir", "{plain}", "--prompt", "x", "--proposer", "mtp", "--num-draft", "2"], "no MTP modules"),
     ("no source", ["--run-dir", "{mtp}"], "--prompt"),
     ("bad flag", ["--run-dir", "{mtp}", "--prompt", "x", "--temperature", "hot"], "invalid float"),
@@ -224,6 +233,17 @@ def test_bad_input_is_one_line_exit_2(runs, tmp_path, capsys, case, argv, text):
     assert code == 2, case
     assert len(err) >= 1 and text in err[-1], (case, err)
     assert all(line.startswith(("error:", "WARNING:absl")) for line in err), err
+
+
+def test_companion_each_mode_takes_its_own_flags(tmp_path, capsys):
+    """--eval's and --tasks' flags pass the mode check with their mode (the missing run is the error)."""
+    from train_helpers import one_line_error
+
+    nope, report = str(tmp_path / "nope"), str(tmp_path / "r.json")
+    for argv in (["--eval", "--eval-batches", "1", "--eval-prompts", "2", "--prompt-len", "8"],
+                 ["--tasks", "mtpjax", "--limit", "2", "--num-fewshot", "0", "--batch-size", "4"],
+                 ["--eval", "--json", report], ["--tasks", "mtpjax", "--json", report]):
+        assert "is not a run directory" in one_line_error(capsys, main, ["--run-dir", nope, *argv]), argv
 
 
 def test_draft_run_drafts_and_keeps_the_greedy_text(runs, capsys):

@@ -1,7 +1,11 @@
 """decode.py --eval's refusals (before it evaluates: no report, no --json) and where its report goes, on the tiny run;
 the report itself is test_decode's (slow tier)."""
 
+import json
+import os
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 
@@ -27,7 +31,8 @@ def _refused(run, capsys, tmp_path, *flags) -> str:
     (["--max-new-tokens", "0"], "error: max_new_tokens=0 must be >= 1"),
     # decode.max_new_tokens (128) when the flag is not given, against decode.max_len (2048), as plain decoding
     (["--prompt-len", "5000"], "error: prompt of 5000 tokens + max_new_tokens=128 exceeds the cache capacity "
-                               "max_len=2048"),
+                               "max_len=2048; shorten the prompt or raise max_len (decode.py --max-len, the config's "
+                               "decode.max_len)"),
     (["--prompt-len", "100", "--max-new-tokens", "8", "--max-len", "64"], "exceeds the cache capacity max_len=64"),
 ])
 def test_eval_refuses_what_it_could_not_decode(tiny_run, capsys, tmp_path, flags, text):
@@ -60,6 +65,39 @@ def test_eval_decodes_the_config_s_max_new_tokens_without_the_flag(tiny_run, cap
     monkeypatch.setattr(checkpoint, "load_model_step", with_decode_length)
     assert "prompt of 2044 tokens + max_new_tokens=5 exceeds" in _refused(tiny_run[1], capsys, tmp_path,
                                                                          "--prompt-len", "2044")
+
+
+@pytest.mark.parametrize("mode", [["--eval"], ["--tasks", "mtpjax"]])
+@pytest.mark.parametrize("at, says", [
+    ("FILE/r.json", "--json FILE/r.json: 'FILE' is a file; give another path"),
+    ("DIR", "--json DIR is a directory; give a file path"),
+    ("DIR/new/r.json", "--json DIR/new/r.json: 'DIR' is not writable; give another path"),
+])
+def test_a_report_with_nowhere_to_go_is_refused_before_the_run_loads(tiny_run, tmp_path, capsys, monkeypatch, mode,
+                                                                      at, says):
+    """--eval's and --tasks' --json is checked first, creating nothing (it was a traceback after the whole
+    evaluation); the shared check of compile's --json (test_meshes)."""
+    from train_helpers import one_line_error
+
+    from mtpjax.train import checkpoint
+
+    (tmp_path / "FILE").write_text("")
+    monkeypatch.setattr(checkpoint, "load_model_step", lambda *a, **k: pytest.fail("the run loaded"))
+    if "not writable" in says:  # a read-only folder (os.access: root may write anywhere)
+        monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)
+    at, says = (x.replace("FILE", str(tmp_path / "FILE")).replace("DIR", str(tmp_path)) for x in (at, says))
+    err = one_line_error(capsys, main, ["--run-dir", str(tiny_run[1]), *mode, "--json", at])
+    assert err == f"error: {says}" and [p.name for p in tmp_path.iterdir()] == ["FILE"]
+
+
+def test_a_report_s_missing_folders_are_made(tmp_path):
+    """A --json path whose folders do not exist yet passes the check and is written (it was a FileNotFoundError)."""
+    from mtpjax.cli.args import writable, write_json
+
+    out = tmp_path / "new" / "sub" / "r.json"
+    writable("--json", str(out))
+    write_json(str(out), {"speedup": np.float32(1.5)})
+    assert json.loads(out.read_text()) == {"speedup": 1.5}
 
 
 REPORT = {"validation": {"loss/main": 1.0}, "decode": {"speedup": 1.2, "acceptance_by_position": [0.5]}}

@@ -146,6 +146,33 @@ def test_a_tree_chosen_by_auto_is_named_and_runs_next(tiny_run, capsys, monkeypa
     assert "-> next time mtp draft=2" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text", ["my notes\n", '{"theme": "dark"}\n', "[1, 2]"])
+def test_a_calibration_file_holding_something_else_is_refused_and_left_as_it_is(tiny_run, tmp_path, capsys, text):
+    """--calibration-file naming a user's file: one line before anything is echoed (it was overwritten)."""
+    f = tmp_path / "notes.txt"
+    f.write_text(text)
+    assert main(_argv(tiny_run[1], "--calibration-file", str(f))) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == (f"error: calibration file '{f}' holds something other than mtpjax's decode "
+                                         "calibrations (left as it is); give another path (decode.py "
+                                         "--calibration-file) or remove it\n")
+    assert f.read_text() == text
+    assert main(_argv(tiny_run[1], "--calibration-file", str(tmp_path))) == 2  # a directory cannot be told apart
+    assert capsys.readouterr().err.startswith(f"error: calibration file '{tmp_path}' cannot be read ([Errno 21]")
+
+
+def test_companion_an_empty_or_damaged_calibration_file_is_rebuilt(tiny_run, tmp_path, capsys, monkeypatch):
+    """mtpjax's own file cut short (or an empty one) counts as empty: measured again, rebuilt, then read back."""
+    monkeypatch.setattr(autodraft, "calibrate", _fake_calibration)
+    f = tmp_path / "cal.json"
+    for text in ("", '{\n "cpu || /runs/tiny step 7 || (1, 16'):
+        f.write_text(text)
+        assert main(_argv(tiny_run[1], "--calibration-file", str(f), "--stats")) == 0
+        assert "-> next time mtp draft=2" in capsys.readouterr().err and len(json.loads(f.read_text())) == 1
+    assert main(_argv(tiny_run[1], "--calibration-file", str(f), "--stats")) == 0
+    assert f"measurement saved in {f}" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_calibration_compiles_only_the_loops_the_run_reuses(tiny_run):
     """`draft="auto"` compiles each candidate's loop once; the real runs add no compilation."""

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from mtpjax.errors import MtpjaxError, first_line
 
@@ -82,3 +85,27 @@ def draft_flag(num_draft: str | None, tree: str | None):
 
     given = tree if tree is not None else num_draft
     return None if given is None else DecodeConfig(draft=str(given)).draft
+
+
+def writable(flag: str, given: str | None, folder: bool = False) -> None:
+    """Before the work starts (minutes), and creating nothing: `given` names a file (folder=True: a directory) that
+    can be written, its nearest existing folder a writable directory; UsageError naming `flag` otherwise."""
+    if not given:
+        return
+    path = Path(given).absolute()
+    if not folder and path.is_dir():
+        raise UsageError(f"{flag} {given} is a directory; give a file path")
+    start = path if folder else path.parent
+    near = next(p for p in (start, *start.parents) if p.exists())
+    if not near.is_dir() or not os.access(near, os.W_OK):
+        raise UsageError(f"{flag} {given}: '{near}' is {'not writable' if near.is_dir() else 'a file'}; "
+                         "give another path")
+
+
+def write_json(path: str | None, payload, indent: int = 2) -> None:
+    """A command's report as JSON at `path` (--json, checked by writable before the work; None: not asked for), its
+    missing folders made."""
+    if not path:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=indent, default=float) + "\n")

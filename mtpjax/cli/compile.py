@@ -5,13 +5,11 @@ compiles a few meshes for the target and ranks them."""
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
 import sys
 from pathlib import Path
 
-from mtpjax.cli.args import Parser, UsageError, command
+from mtpjax.cli.args import Parser, command, writable, write_json
 from mtpjax.config import load_config, replace
 from mtpjax.parallel.console import say
 from mtpjax.parallel.sharding import MeshError
@@ -71,26 +69,6 @@ def notes_of(logger: str):
         log.propagate = propagate
 
 
-def _writable(args) -> None:
-    """Before compiling (minutes), and creating nothing: --json names a file and --dump-hlo a directory that can be
-    written (their nearest existing folder a writable directory); UsageError naming the flag otherwise."""
-    if args.json and Path(args.json).is_dir():
-        raise UsageError(f"--json {args.json} is a directory; give a file path")
-    for flag, given, folder in (("--json", args.json, args.json and Path(args.json).parent),
-                                ("--dump-hlo", args.dump_hlo, args.dump_hlo)):
-        if given:
-            near = next(p for p in (Path(folder).absolute(), *Path(folder).absolute().parents) if p.exists())
-            if not near.is_dir() or not os.access(near, os.W_OK):
-                raise UsageError(f"{flag} {given}: '{near}' is {'not writable' if near.is_dir() else 'a file'}; "
-                                 "give another path")
-
-
-def _write(args, payload: dict) -> None:
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(payload, indent=1, default=float) + "\n")
-
-
 @command
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (2 on bad input or a program that does not fit)."""
@@ -102,13 +80,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--decode-batch {args.decode_batch} must be >= 1")
     if args.search < 0:
         ap.error(f"--search {args.search} must be >= 1 (meshes to compile)")
-    _writable(args)
+    writable("--json", args.json)
+    writable("--dump-hlo", args.dump_hlo, folder=True)
     target = parse_target(args.target)
     cfg = load_config(args.config, args.overrides)
     if args.search:
         rows = meshes.search(cfg, target, args.search, place=lambda o: replace(cfg, o))
         print(meshes.ranking(rows, target.name))
-        _write(args, {"target": target.name, "search": rows})
+        write_json(args.json, {"target": target.name, "search": rows}, indent=1)
         return 0
     cfg = on_target(cfg, args.overrides, target)
     with notes_of("mtpjax.decode") as notes:
@@ -119,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
     report["notes"] = notes
     print(format_report(report))
-    _write(args, report_json(report))
+    write_json(args.json, report_json(report), indent=1)
     if args.dump_hlo:
         Path(args.dump_hlo).mkdir(parents=True, exist_ok=True)
         for p in report["programs"]:

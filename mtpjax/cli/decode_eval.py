@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from mtpjax.cli.args import write_json
 from mtpjax.config import DecodeConfig
 from mtpjax.decode.host import DecodeError
 from mtpjax.decode.mesh import describe
@@ -63,8 +63,7 @@ def evaluate(args, cfg, model, tok, run_dir: Path, step: int, d: DecodeConfig, d
     report = {"run_dir": str(run_dir), "step": step, "mesh": describe(model.placement.mesh), "validation": val,
               "decode": speed}
     _print_report(report)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     _to_tensorboard(run_dir, step, report)
     return 0
 

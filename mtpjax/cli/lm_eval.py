@@ -22,7 +22,7 @@ from pathlib import Path
 
 from lm_eval.api.registry import register_model
 
-from mtpjax.cli.args import Parser, UsageError, command, draft_flag
+from mtpjax.cli.args import Parser, UsageError, command, draft_flag, write_json
 from mtpjax.cli.lm_eval_private import HarnessParsers, harness_parsers
 from mtpjax.drafts import PLAIN
 from mtpjax.eval import tasks
@@ -153,9 +153,6 @@ def main(argv: list[str] | None = None) -> int:
 def run_tasks(args, cfg, model, tok, step: int, proposer: str, draft, draft_model=None) -> int:
     """decode.py --tasks: the harness's table, then what speculative generation did on the generation tasks
     (drafting `draft`, the request's mtpjax.drafts Tree or Auto)."""
-    import json
-    from pathlib import Path
-
     from lm_eval.utils import make_table
 
     from mtpjax.eval.harness import spec_summary
@@ -177,9 +174,8 @@ def run_tasks(args, cfg, model, tok, step: int, proposer: str, draft, draft_mode
     print(make_table(results))
     if spec:
         print(spec_table(spec))
-    if args.json:
-        report = {"run_dir": str(args.run_dir), "step": step, "results": results["results"], "speculative": spec}
-        Path(args.json).write_text(json.dumps(report, indent=2, default=float) + "\n")
+    write_json(args.json, {"run_dir": str(args.run_dir), "step": step, "results": results["results"],
+                           "speculative": spec})
     return 0
 
 

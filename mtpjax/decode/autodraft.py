@@ -35,6 +35,7 @@ from mtpjax import drafts
 from mtpjax.decode import host
 from mtpjax.decode.tree import acceptance_by_depth_rank
 from mtpjax.drafts import PLAIN, Tree, chain
+from mtpjax.errors import first_line
 from mtpjax.nn.speed import by_position, choose_fastest, expected_tokens
 
 
@@ -251,13 +252,28 @@ class SavedCalibrations:
     """Calibrations kept in a JSON file, so later runs of the same request shape skip the probe.
 
     Entries are keyed by machine(), a model tag (decode.py: the run directory and checkpoint step) and the
-    request shape. An unreadable file counts as empty; writes replace the file atomically, and one that
-    cannot be written only costs the next run its probe. refresh=True ignores what is saved (and
-    overwrites it with a new measurement).
+    request shape. A file that holds something else is refused when this is made (DecodeError; a user's file
+    named by mistake is never overwritten); a damaged one of these files (it starts as a JSON object but does not
+    parse) counts as empty. Writes replace the file atomically, and one that cannot be written only costs the next
+    run its probe. refresh=True ignores what is saved (and overwrites it with a new measurement).
     """
 
     def __init__(self, path, tag: str, refresh: bool = False):
         self.path, self.tag, self.refresh = Path(path), tag, refresh
+        if self.path.exists():
+            self._check_ours()
+
+    def _check_ours(self) -> None:
+        """DecodeError, the file left as it is, unless the existing file is one of these (or empty)."""
+        try:
+            text = self.path.read_text(errors="replace")
+        except OSError as e:  # a directory, or a file this user cannot read: it cannot be told from a foreign one
+            raise host.DecodeError(f"calibration file '{self.path}' cannot be read ({first_line(e)}); give another "
+                                   "path (decode.py --calibration-file)") from None
+        if _foreign(text):
+            raise host.DecodeError(f"calibration file '{self.path}' holds something other than mtpjax's decode "
+                                   "calibrations (left as it is); give another path (decode.py --calibration-file) "
+                                   "or remove it")
 
     def _key(self, key: tuple) -> str:
         return " || ".join([machine(), self.tag, repr(key)])
@@ -293,6 +309,19 @@ class SavedCalibrations:
             except OSError:  # e.g. the directory is a file: nothing was written
                 pass
             return False
+
+
+def _foreign(text: str) -> bool:
+    """Whether a calibration file's text is something else than SavedCalibrations writes: a JSON object whose keys
+    are machine || tag || shape; text that starts as a JSON object but does not parse is a damaged one (rebuilt), and
+    an empty file holds nothing to lose."""
+    if not text.strip():
+        return False
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return not text.lstrip().startswith("{")
+    return not isinstance(data, dict) or not all(k.count(" || ") >= 2 for k in data)
 
 
 def resolve(model, prompts, loop_for, proposer: str, seed: int, saved: SavedCalibrations | None = None,

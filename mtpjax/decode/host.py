@@ -80,7 +80,8 @@ def make_loop(model: MTPTransformer, prompts, *, max_new_tokens: int, draft: Tre
     longest = max(len(p) for p in prompts)
     if max_len is not None and longest + max_new_tokens > max_len:
         raise DecodeError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the cache "
-                          f"capacity max_len={max_len}; shorten the prompt or raise decode.max_len")
+                          f"capacity max_len={max_len}; shorten the prompt or raise max_len (decode.py --max-len, "
+                          "the config's decode.max_len)")
     prop = make_proposer(proposer, tree)
     size = rows(longest, max_new_tokens, prop.tree.size)
     return Loop(proposer=prop, sampler=sampler, max_new=max_new_tokens, capacity=size.capacity,
