@@ -109,3 +109,30 @@ def write_json(path: str | None, payload, indent: int = 2) -> None:
         return
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=indent, default=float) + "\n")
+
+
+class _ModeFlag(argparse.Action):
+    """A flag only some modes read (`modes`: --eval, --tasks): stored, and listed in the namespace's mode_flags as
+    given, so check_modes can refuse it without its mode (it would be ignored)."""
+
+    def __init__(self, *a, modes: tuple[str, ...], **kw):
+        super().__init__(*a, **kw)
+        self.modes = modes
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.mode_flags = [*getattr(namespace, "mode_flags", []), (option_string, self.modes)]
+
+
+def mode_flag(p: Parser, modes: tuple[str, ...], flag: str, help: str, **kw) -> None:
+    """Add `flag`, read only by `modes` (the flags that choose what a command does): its help starts with them, and
+    given without one of them it is refused."""
+    p.add_argument(flag, action=functools.partial(_ModeFlag, modes=modes), help=f"{', '.join(modes)}: {help}", **kw)
+
+
+def check_modes(p: Parser, args) -> None:
+    """UsageError for a flag given without the mode that reads it (--batch-size without --tasks): silently ignored,
+    it would look as if it had been used."""
+    for flag, modes in getattr(args, "mode_flags", []):
+        if not any(getattr(args, m.removeprefix("--")) not in (None, False) for m in modes):
+            p.error(f"{flag} is only for {' or '.join(modes)} (here it would be ignored); drop it")

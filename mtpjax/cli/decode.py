@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import re
 import sys
 import time
 from pathlib import Path
 
-from mtpjax.cli.args import Parser, command, draft_flag, writable
+from mtpjax.cli.args import Parser, check_modes, command, draft_flag, mode_flag, writable
 from mtpjax.cli.decode_eval import eval_drafts, evaluate
 from mtpjax.config import DecodeConfig, choices
 from mtpjax.decode import api, autodraft
@@ -63,45 +62,19 @@ def parser() -> Parser:
     p.add_argument("--calibration-file", default=None,
                    help="auto: where measurements are saved (default: $MTPJAX_CACHE_DIR or ~/.cache/mtpjax, "
                         "decode_calibration.json)")
-    _mode_flag(p, ("--eval",), "--eval-batches", type=int, default=None,
+    mode_flag(p, ("--eval",), "--eval-batches", type=int, default=None,
                help="validation batches (default: train.eval_batches, the training eval's, or 8)")
-    _mode_flag(p, ("--eval",), "--eval-prompts", type=int, default=8, help="held-out prompts")
-    _mode_flag(p, ("--eval",), "--prompt-len", type=int, default=64, help="tokens per held-out prompt")
-    _mode_flag(p, ("--eval", "--tasks"), "--json", help="also write the report as JSON here")
-    _mode_flag(p, ("--tasks",), "--limit", type=float, default=None, help="documents per task (default: all)")
-    _mode_flag(p, ("--tasks",), "--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
-    _mode_flag(p, ("--tasks",), "--batch-size", type=int, default=None, help="rows of one compiled batch (default 16)")
+    mode_flag(p, ("--eval",), "--eval-prompts", type=int, default=8, help="held-out prompts")
+    mode_flag(p, ("--eval",), "--prompt-len", type=int, default=64, help="tokens per held-out prompt")
+    mode_flag(p, ("--eval", "--tasks"), "--json", help="also write the report as JSON here")
+    mode_flag(p, ("--tasks",), "--limit", type=float, default=None, help="documents per task (default: all)")
+    mode_flag(p, ("--tasks",), "--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
+    mode_flag(p, ("--tasks",), "--batch-size", type=int, default=None, help="rows of one compiled batch (default 16)")
     p.add_argument("mesh_overrides", nargs="*", metavar="mesh.AXIS=N",
                    help="the mesh to decode on: the run's config's mesh with these overrides (mesh.tensor=2 splits "
                         "heads, MLP and vocabulary over 2 devices; mesh.data, mesh.fsdp, mesh.expert); the product is "
                         "the device count")
     return p
-
-
-class _ModeFlag(argparse.Action):
-    """A flag only some modes read (`modes`: --eval, --tasks): stored, and listed in the namespace's mode_flags as
-    given, so _check_modes can refuse it without its mode (it would be ignored)."""
-
-    def __init__(self, *a, modes: tuple[str, ...], **kw):
-        super().__init__(*a, **kw)
-        self.modes = modes
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        namespace.mode_flags = [*getattr(namespace, "mode_flags", []), (option_string, self.modes)]
-
-
-def _mode_flag(p: Parser, modes: tuple[str, ...], flag: str, help: str, **kw) -> None:
-    """Add `flag`, read only by `modes`: its help starts with them, and given without one of them it is refused."""
-    p.add_argument(flag, action=functools.partial(_ModeFlag, modes=modes), help=f"{', '.join(modes)}: {help}", **kw)
-
-
-def _check_modes(p: Parser, args) -> None:
-    """UsageError for a flag given without the mode that reads it (--batch-size without --tasks): silently ignored,
-    it would look as if it had been used."""
-    for flag, modes in getattr(args, "mode_flags", []):
-        if not any(getattr(args, m.removeprefix("--")) not in (None, False) for m in modes):
-            p.error(f"{flag} is only for {' or '.join(modes)} (here it would be ignored); drop it")
 
 
 def _mesh(args):
@@ -392,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.eval and args.prompt is None and args.prompts_file is None and args.tasks is None:
         p.error("give --prompt TEXT, --prompts-file FILE, --eval or --tasks NAMES")
-    _check_modes(p, args)
+    check_modes(p, args)
     writable("--json", args.json)  # before the run loads: an evaluation's report must have somewhere to go
     import absl.logging
 
