@@ -26,9 +26,12 @@ from mtpjax.train.loop import train
 pytestmark = pytest.mark.slow
 
 STEPS, MID = 6, 4  # a run's length and the checkpoint a resumed copy continues from
+# No eval: the staged run alone evaluates (EVAL), once, at its end. A constant learning rate after warmup moves the
+# blocks apart whatever a decay's details, so a resume that swapped two stages' blocks is told apart by a wide margin
+# (the companions).
 BASE = ["model.scan_layers=true", f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=3",
         "checkpoint.async_save=false", f"train.eval_every={STEPS}", "train.eval_batches=0", "train.num_samples=0",
-        "train.micro_batches=2"]  # no eval: the staged run alone evaluates (EVAL), once, at its end
+        "train.micro_batches=2", "optim.schedule=constant"]
 STAGED, EVAL = ["mesh.stage=2"], ["train.eval_batches=2"]
 UNEVEN = ["model.n_layers=3"]  # staged as 2 + 1 (mesh.stage_layers): the second stage's stack padded to 2 blocks
 TWO_DEVICES = f"{PATIENT_COLLECTIVES} --xla_force_host_platform_device_count=2"
