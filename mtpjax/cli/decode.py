@@ -348,8 +348,10 @@ def _check_size(mcfg, prompts, max_new: int, nodes: int, max_len: int) -> None:
 def _check_eval(args, cfg, model, d: DecodeConfig) -> None:
     """--eval's request refused before it evaluates: its counts, and the checks plain decoding makes of a request
     (generate's, then the memory its caches need: the teacher-forced texts decode together)."""
-    for flag, n in (("--eval-prompts", args.eval_prompts), ("--prompt-len", args.prompt_len)):
-        if n < 1:
+    counts = (("--eval-batches", args.eval_batches), ("--eval-prompts", args.eval_prompts),
+              ("--prompt-len", args.prompt_len))
+    for flag, n in counts:
+        if n is not None and n < 1:
             raise DecodeError(f"{flag} {n} must be >= 1")
     prompt = [0] * args.prompt_len
     make_loop(model, [prompt], max_new_tokens=d.max_new_tokens, max_len=d.max_len)

@@ -32,8 +32,6 @@ def evaluate(args, cfg, model, tok, run_dir: Path, step: int, d: DecodeConfig, d
     from mtpjax.eval.validation import model_metrics, validation_metrics
 
     n = args.eval_batches if args.eval_batches is not None else (cfg.train.eval_batches or 8)
-    if n < 1:
-        raise DecodeError(f"--eval-batches {n} must be >= 1")
     console.say("eval: preparing the validation split")
     prepared = prepare(cfg.data)
     max_new, L = d.max_new_tokens, args.prompt_len
