@@ -112,21 +112,23 @@ def write_json(path: str | None, payload, indent: int = 2) -> None:
 
 
 class _ModeFlag(argparse.Action):
-    """A flag only some modes read (`modes`: --eval, --tasks): stored, and listed in the namespace's mode_flags as
-    given, so check_modes can refuse it without its mode (it would be ignored)."""
+    """A flag only some modes read (`modes`: --eval, --tasks, --prompt, ...): stored (a switch's `const`), and listed
+    in the namespace's mode_flags as given, so check_modes can refuse it without its mode (it would be ignored)."""
 
     def __init__(self, *a, modes: tuple[str, ...], **kw):
         super().__init__(*a, **kw)
         self.modes = modes
 
     def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
         namespace.mode_flags = [*getattr(namespace, "mode_flags", []), (option_string, self.modes)]
 
 
-def mode_flag(p: Parser, modes: tuple[str, ...], flag: str, help: str, **kw) -> None:
-    """Add `flag`, read only by `modes` (the flags that choose what a command does): its help starts with them, and
-    given without one of them it is refused."""
+def mode_flag(p: Parser, modes: tuple[str, ...], flag: str, help: str, switch: bool = False, **kw) -> None:
+    """Add `flag` (a switch: takes no value, False unless given), read only by `modes` (the flags that choose what a
+    command does): its help starts with them, and given without one of them it is refused."""
+    if switch:
+        kw.update(nargs=0, const=True, default=False)
     p.add_argument(flag, action=functools.partial(_ModeFlag, modes=modes), help=f"{', '.join(modes)}: {help}", **kw)
 
 
@@ -134,5 +136,5 @@ def check_modes(p: Parser, args) -> None:
     """UsageError for a flag given without the mode that reads it (--batch-size without --tasks): silently ignored,
     it would look as if it had been used."""
     for flag, modes in getattr(args, "mode_flags", []):
-        if not any(getattr(args, m.removeprefix("--")) not in (None, False) for m in modes):
+        if not any(getattr(args, m.removeprefix("--").replace("-", "_")) not in (None, False) for m in modes):
             p.error(f"{flag} is only for {' or '.join(modes)} (here it would be ignored); drop it")

@@ -50,18 +50,20 @@ def parser() -> Parser:
                         "n-gram lookup's L drafts as one more branch (2x2+ngram3) (sets decode.draft)")
     p.add_argument("--draft-run-dir", default=None,
                    help="a run trained with the same tokenizer (e.g. configs/draft_tiny.yaml) whose model drafts")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-len", type=int, default=None, help="KV cache capacity (default: decode.max_len)")
-    p.add_argument("--stats", action="store_true", help="print acceptance statistics after generating")
-    p.add_argument("--recalibrate", action="store_true",
-                   help="auto: measure the candidates again instead of reusing a saved measurement")
-    p.add_argument("--calibration-file", default=None,
-                   help="auto: where measurements are saved (default: $MTPJAX_CACHE_DIR or ~/.cache/mtpjax, "
-                        "decode_calibration.json)")
+    # generation's flags: --tasks samples and stops as each task says; --eval measures greedy decoding
+    gen, gen_eval = ("--prompt", "--prompts-file"), ("--prompt", "--prompts-file", "--eval")
+    mode_flag(p, gen, "--temperature", type=float, default=None, help="sampling temperature; 0 = greedy")
+    mode_flag(p, gen, "--top-k", type=int, default=None, help="top-k filter (0 = off)")
+    mode_flag(p, gen, "--top-p", type=float, default=None, help="nucleus filter (1 = off)")
+    mode_flag(p, gen_eval, "--max-new-tokens", type=int, default=None, help="tokens generated per prompt")
+    mode_flag(p, (*gen, "--tasks"), "--seed", type=int, default=0, help="sampling seed")
+    mode_flag(p, gen_eval, "--max-len", type=int, default=None, help="KV cache capacity (default: decode.max_len)")
+    mode_flag(p, gen, "--stats", switch=True, help="print acceptance statistics after generating")
+    mode_flag(p, gen, "--recalibrate", switch=True,
+              help="auto: measure the candidates again instead of reusing a saved measurement")
+    mode_flag(p, gen, "--calibration-file", default=None,
+              help="auto: where measurements are saved (default: $MTPJAX_CACHE_DIR or ~/.cache/mtpjax, "
+                   "decode_calibration.json)")
     mode_flag(p, ("--eval",), "--eval-batches", type=int, default=None,
                help="validation batches (default: train.eval_batches, the training eval's, or 8)")
     mode_flag(p, ("--eval",), "--eval-prompts", type=int, default=8, help="held-out prompts")
