@@ -38,6 +38,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from bench.common import json_path, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # mtpjax from this checkout, imported inside the functions below
@@ -278,7 +279,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=270.0, help="seconds; sections that would overrun are skipped")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides: model.n_layers=4")
     ap.add_argument("--sections", default="equality,train,decode", help="which sections to run")
-    ap.add_argument("--json", help="also write every number here")
+    ap.add_argument("--json", type=json_path, help="also write every number here")
     ap.add_argument("--estimate", help="a `python -m mtpjax compile --json` report of the same config: its roofline "
                     "rows go beside the measured ones")
     args = ap.parse_args(argv)
@@ -328,7 +329,7 @@ def main(argv=None) -> int:
     print(table(res))
     print(f"device peak memory {_gib(res['device']['peak_bytes_in_use'])}; total {res['seconds']:.0f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+        write_json(args.json, res, default=str)
     return 0
 
 

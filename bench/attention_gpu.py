@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.accelerator import packed_batch  # noqa: E402
 from bench.gmm_gpu import timed  # noqa: E402
 from mtpjax.nn import kernels  # noqa: E402
+from bench.common import json_path, write_json  # noqa: E402
 
 SHAPES = {"gpu_moe": (8, 4096, 12, 1, 192), "gpu_1b": (8, 4096, 8, 2, 128)}  # B, T, K, R, H
 SMOKE = {"toy": (1, 64, 2, 2, 16)}
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget", type=float, default=150.0)
     ap.add_argument("--tiles", type=int, default=len(PALLAS), help="how many of the Pallas tile choices to time")
-    ap.add_argument("--json")
+    ap.add_argument("--json", type=json_path)
     args = ap.parse_args(argv)
     t0, res = time.perf_counter(), {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": []}
     for shape_name, (B, T, K, R, H) in (SMOKE if args.smoke else SHAPES).items():
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
         else:
             print(f"{r['shape']:8s} {r['kernel']:34s} {r.get('failed', r.get('skipped'))}")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        write_json(args.json, res)
     return 0
 
 

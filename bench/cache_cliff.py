@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench.common import interleave, load, log, median_ratio  # noqa: E402
+from bench.common import interleave, json_path, load, log, median_ratio, write_json  # noqa: E402
 from mtpjax.drafts import chain
 from mtpjax.eval.plan import tree_bytes  # noqa: E402
 
@@ -200,7 +199,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=192, help="with --rows: committed cache entries")
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--json", type=json_path, help="write the rows here")
     args = ap.parse_args(argv)
     if args.rows:
         model, source = rows_subject(args.config, args.run_dir)
@@ -210,11 +209,11 @@ def main(argv=None) -> int:
                    context=args.context)
         print_rows(res)
         if args.json:
-            Path(args.json).write_text(json.dumps(res, indent=2))
+            write_json(args.json, res)
         return 0
     rows = measure([int(x) for x in args.layers.split(",")], args.d_model)
     if args.json:
-        Path(args.json).write_text(json.dumps({"d_model": args.d_model, "rows": rows}, indent=2))
+        write_json(args.json, {"d_model": args.d_model, "rows": rows})
     base = rows[0]["us_per_layer"]
     for r in rows:
         print(f"{r['n_layers']:>3} layers {r['weights_mb']:6.1f} MB  per-layer cost x{r['us_per_layer'] / base:.2f} "

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from bench.common import load
+from bench.common import json_path, load, write_json
 from mtpjax import checksum
 from mtpjax.train import digests
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/mtpjax-checksum-cost"))
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=json_path)
     args = ap.parse_args(argv)
     tree = state(args.gib)
     gib = sum(x.nbytes for x in tree.values()) / 2**30
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
            "rounds": args.rounds, "load": [load_before, load()]}
     print(json.dumps(out, indent=1))
     if args.json:
-        args.json.write_text(json.dumps(out))
+        write_json(args.json, out)
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import resource
@@ -9,6 +10,20 @@ import sys
 import time
 
 import numpy as np
+
+from mtpjax.cli.args import UsageError, writable, write_json
+
+__all__ = ["interleave", "json_path", "load", "log", "median_ratio", "peak_rss_mb", "write_json"]
+
+
+def json_path(text: str) -> str:
+    """--json's type: a path a report can be written to, checked before the benchmark runs (minutes, or a lent
+    accelerator's), so a bad one is one line, exit 2, not a lost table; write_json writes it, making its folders."""
+    try:
+        writable("--json", text)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def load() -> list[float]:

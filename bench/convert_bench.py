@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench.common import json_path, write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, nargs="+", default=[300.0, 800.0],
                     help="approximate model sizes in MB (float32)")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=json_path)
     ap.add_argument("--child", nargs=3, metavar=("KIND", "SRC", "DST"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
                   f"{r['peak_extra_mb']:.0f} MB = {r['extra_over_model']:.2f} x model = "
                   f"{r['extra_over_largest_tensor']:.1f} x largest tensor")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        write_json(args.json, results)
     return 0
 
 

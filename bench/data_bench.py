@@ -12,7 +12,6 @@ median of per-round ratios to `encoder`, so machine load cancels out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mtpjax.config import DataConfig  # noqa: E402
 from mtpjax.data import encode, prepare, sources  # noqa: E402
 from mtpjax.data.tokenizer import ByteTokenizer, load_spec, train_bpe  # noqa: E402
+from bench.common import json_path, write_json  # noqa: E402
 
 
 def make_corpus(directory: Path, mb: float) -> tuple[Path, list[str]]:
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe")
     ap.add_argument("--workers", default="0,2", help="data.prepare_workers values to time (0: in-process)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--json", type=json_path, help="write the results here")
     args = ap.parse_args(argv)
     res = run(args.mb, args.tokenizer, [int(w) for w in args.workers.split(",")], args.rounds)
     print(f"{res['docs']} documents, {res['tokens']:,} tokens ({args.tokenizer}), {res['cpus']} CPUs, "
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     for name, r in res["rows"].items():
         print(f"{name:14s} {r['tokens_per_s']:>12,.0f} {r['vs_encoder']:>11.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+        write_json(args.json, res)
     return 0
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import json
 import re
 import subprocess
 import sys
@@ -28,7 +27,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench.common import interleave, load, log, median_ratio  # noqa: E402
+from bench.common import interleave, json_path, load, log, median_ratio, write_json  # noqa: E402
 
 
 def extract(commit: str, into: Path) -> str:
@@ -101,7 +100,7 @@ def main() -> None:
     p.add_argument("--gammas", nargs="+", type=int, default=[1, 2])
     p.add_argument("--max-new", type=int, default=32)
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=json_path)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         sha = extract(args.baseline, Path(tmp))
@@ -117,7 +116,7 @@ def main() -> None:
                         f"identical {r['identical']}, round body {r['ours_body_ops']} vs {r['base_body_ops']} "
                         "instructions")
     if args.json:
-        Path(args.json).write_text(json.dumps({"baseline": sha, "rows": rows}, indent=1))
+        write_json(args.json, {"baseline": sha, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench import peer as peer_mod  # noqa: E402
-from bench.common import interleave, load, log, median_ratio  # noqa: E402
+from bench.common import interleave, json_path, load, log, median_ratio, write_json  # noqa: E402
 from mtpjax.decode import MTPProposer, make_loop, run, summarize  # noqa: E402
 from mtpjax.decode.ngram import NgramProposer  # noqa: E402
 from mtpjax.decode.proposers import make_proposer  # noqa: E402
@@ -329,7 +329,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--no-trees", action="store_true",
                     help="only the chains up to the model's depth: no trees, hybrids or v(n) measured apart")
-    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--json", type=json_path, help="write the results here")
     ap.add_argument("--table", metavar="JSON", help="print the markdown table of an earlier --json result and exit")
     args = ap.parse_args(argv)
     if args.table:
@@ -394,7 +394,7 @@ def main(argv=None) -> int:
                           f"reached x{v['vs_plain']:.2f} = {v['of_ceiling']:.0%} of it")
         log(f"  batch {b} done")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        write_json(args.json, res)
     return 0
 
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench.common import interleave, load, log, median_ratio  # noqa: E402
+from bench.common import interleave, json_path, load, log, median_ratio, write_json  # noqa: E402
 from mtpjax.config import MeshConfig, load_config  # noqa: E402
 from mtpjax.decode import autodraft, make_loop, run, summarize  # noqa: E402
 from mtpjax.decode.cache import take_rows  # noqa: E402
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--alpha", type=lambda s: [float(a) for a in s.split(",")], required=True,
                     help="acceptance by draft position the MTP rows run at (one per MTP module), e.g. 0.8,0.6")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--json", type=json_path, help="write the results here")
     ap.add_argument("overrides", nargs="*", help="config overrides (a smaller model to try the bench)")
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
@@ -154,8 +154,7 @@ def main(argv=None) -> int:
     results = [bench_batch(models, int(b), args) for b in args.batches.split(",")]
     print(markdown_table(results, cfg.model.mtp_depth))
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": args.config, "args": vars(args), "results": results},
-                                              indent=1, default=str))
+        write_json(args.json, {"config": args.config, "args": vars(args), "results": results}, 1, default=str)
     return 0
 
 

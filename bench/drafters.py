@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.common import interleave, load, log, median_ratio  # noqa: E402
+from bench.common import interleave, json_path, load, log, median_ratio, write_json  # noqa: E402
 from mtpjax.config import load_config, replace  # noqa: E402
 from mtpjax.parallel.sharding import make_mesh  # noqa: E402
 from mtpjax.train.loop import train  # noqa: E402
@@ -283,7 +283,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-new", type=int, default=48)
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=json_path)
     ap.add_argument("--objectives", action="store_true", help="issue 24's comparison of post-training objectives")
     ap.add_argument("--decode-prompts", type=int, default=4, help="--objectives: batch-1 prompts decoded per round")
     ap.add_argument("overrides", nargs="*")
@@ -294,7 +294,7 @@ def main(argv=None) -> int:
         res["command"] = "python bench/drafters.py " + " ".join(sys.argv[1:] if argv is None else argv)
         print(objectives_table(res))
         if args.json:
-            Path(args.json).write_text(json.dumps(res, indent=1))
+            write_json(args.json, res)
         return 0
     work = Path(args.work)
     res = {"config": base.to_dict()["model"], "load_start": load()}
@@ -320,7 +320,7 @@ def main(argv=None) -> int:
     res["load_end"] = load()
     print(table(res))
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+        write_json(args.json, res)
     return 0
 
 

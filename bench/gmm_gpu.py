@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtpjax.nn import gmm  # noqa: E402
 from mtpjax.nn.moe import grouped_swiglu  # noqa: E402
+from bench.common import json_path, write_json  # noqa: E402
 
 
 def sizes(rng, m: int, E: int, empty: int) -> np.ndarray:
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="the Triton kernel in interpret mode on a CPU, toy sizes")
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--json")
+    ap.add_argument("--json", type=json_path)
     args = ap.parse_args(argv)
     platform = jax.default_backend()
     kernel = gmm.Kernel("triton", interpret=True) if args.smoke else gmm.kernel_for(platform)
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
     for r in res["speed"]:
         print(json.dumps(r), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        write_json(args.json, res)
     return 0
 
 

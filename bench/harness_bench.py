@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import interleave, load, log  # noqa: E402
+from bench.common import interleave, json_path, load, log, write_json  # noqa: E402
 
 
 def requests(docs: int, prompts: int, max_gen: int):
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-gen", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=json_path)
     a = p.parse_args(argv)
 
     import absl.logging
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
            "load": load(), "wall_seconds": time.perf_counter() - t0}
     print(json.dumps(out, indent=1))
     if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+        write_json(a.json, out)
     return 0
 
 

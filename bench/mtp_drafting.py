@@ -15,7 +15,6 @@ at γ = 1): their ratio shows the noise.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from bench.common import interleave, load, log, median_ratio  # noqa: E402
+from bench.common import interleave, json_path, load, log, median_ratio, write_json  # noqa: E402
 from bench.decode_bench import _ours, load_subject  # noqa: E402
 from mtpjax.decode import MTPChainProposer  # noqa: E402
 from mtpjax.drafts import chain  # noqa: E402
@@ -84,7 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=4, help="prompts decoded one by one at batch 1")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--json", type=json_path, help="write the results here")
     args = ap.parse_args(argv)
     gammas = [int(g) for g in args.gammas.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
@@ -102,7 +101,7 @@ def main(argv=None) -> int:
                   f"identical {v['identical_to_plain']}")
         log(f"  batch {b} done")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        write_json(args.json, res)
     return 0
 
 

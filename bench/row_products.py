@@ -16,7 +16,6 @@ median of per-round ratios, the forms interleaved in every round:
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -28,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.common import load  # noqa: E402
+from bench.common import json_path, load, write_json  # noqa: E402
 
 K, N = 320, 1280
 ROWS = (1, 2, 3, 4, 6, 8)
@@ -91,7 +90,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--json")
+    ap.add_argument("--json", type=json_path)
     a = ap.parse_args(argv)
     res = measure(a.pairs, a.rounds)
     print(f"{res['weights_mb']:.0f} MB of weights, one row {res['one_row_ms']:.2f} ms a pass, load {res['load']}")
@@ -100,7 +99,7 @@ def main(argv=None) -> int:
     for form, v in res["forms"].items():
         print(f"| {form} | " + " | ".join(f"{v['wall'][n]:.2f} / {v['cpu'][n]:.2f}" for n in ROWS) + " |")
     if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=2))
+        write_json(a.json, res)
     return 0
 
 

@@ -11,7 +11,6 @@ trained in PyTorch eager and torch.compile (bench/peer.py), tokens/s ratios as m
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.common import interleave, load, log, median_ratio, peak_rss_mb  # noqa: E402
+from bench.common import interleave, json_path, load, log, median_ratio, peak_rss_mb, write_json  # noqa: E402
 from mtpjax.config import load_config, replace  # noqa: E402
 from mtpjax.nn.flops import train_flops_per_token  # noqa: E402
 from mtpjax.train.metrics import measure_peak_flops  # noqa: E402
@@ -152,7 +151,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="interleaved rounds (one step per depth each)")
     ap.add_argument("--depths", default="0,1,2,3")
     ap.add_argument("--peak-n", type=int, default=2048, help="matmul size of the peak measurement")
-    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--json", type=json_path, help="write the results here")
     ap.add_argument("--peer", action="store_true", help="our step (MTP 0, 1) beside the transformers peer instead")
     ap.add_argument("--no-compile", action="store_true", help="--peer: skip torch.compile (minutes to compile)")
     ap.add_argument("--threads", type=int, default=2, help="--peer: PyTorch's threads (XLA takes the process's cores)")
@@ -164,7 +163,7 @@ def main(argv=None) -> int:
         res["config"] = args.config
         print_peer(res, args.config)
         if args.json:
-            Path(args.json).write_text(json.dumps(res, indent=2))
+            write_json(args.json, res)
         return 0
     depths = [int(x) for x in args.depths.split(",")]
     res = measure(base, depths, args.steps, args.peak_n, 0.5 if args.peak_n >= 1024 else 0.1)
@@ -181,7 +180,7 @@ def main(argv=None) -> int:
               f"MFU {r['mfu']:6.1%}{extra}")
     log(f"  peak host memory {res['peak_rss_mb']:.0f} MiB")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        write_json(args.json, res)
     return 0
 
 

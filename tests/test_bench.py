@@ -206,3 +206,24 @@ def test_decode_mesh_bench_smoke_forces_the_acceptance_it_is_given(tmp_path):
         assert b["plain_identical"] and b["forced_identical"]
         assert set(b["vs_plain_same_mesh"]["tensor2"]) == {"plain_tensor2", "mtp1_tensor2", "mtp2_tensor2"}
         assert b["auto"]["tensor2"]["choice"] in (0, 1, 2) and b["tensor2_vs_one"] > 0
+
+
+def test_every_benchmark_checks_its_json_path_before_it_runs(tmp_path, capsys):
+    """A benchmark's --json is checked as it is parsed (a lent accelerator's minutes were lost to a path the report
+    could not be written to at the end), and written with its missing folders made."""
+    import argparse
+    import re
+
+    from bench import checksum_cost
+    from bench.common import json_path
+
+    flags = [(p.name, m[0]) for p in sorted((ROOT / "bench").glob("*.py"))
+             for m in re.finditer(r'add_argument\("--json"[^)]*\)', p.read_text())]
+    assert len(flags) >= 15 and [f for f in flags if "type=json_path" not in f[1]] == []
+    (tmp_path / "file").write_text("")
+    with pytest.raises(argparse.ArgumentTypeError, match="is a file; give another path"):
+        json_path(str(tmp_path / "file" / "r.json"))
+    with pytest.raises(SystemExit) as e:
+        checksum_cost.main(["--json", str(tmp_path / "file" / "r.json")])
+    assert e.value.code == 2 and "/file' is a file; give another path" in capsys.readouterr().err
+    assert json_path(str(tmp_path / "new" / "r.json")) == str(tmp_path / "new" / "r.json")

@@ -102,13 +102,13 @@ def writable(flag: str, given: str | None, folder: bool = False) -> None:
                          "give another path")
 
 
-def write_json(path: str | None, payload, indent: int = 2) -> None:
+def write_json(path: str | None, payload, indent: int = 2, default: Callable = float) -> None:
     """A command's report as JSON at `path` (--json, checked by writable before the work; None: not asked for), its
-    missing folders made."""
+    missing folders made; `default` writes what JSON has no type for (numpy scalars)."""
     if not path:
         return
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(payload, indent=indent, default=float) + "\n")
+    Path(path).write_text(json.dumps(payload, indent=indent, default=default) + "\n")
 
 
 class _ModeFlag(argparse.Action):
