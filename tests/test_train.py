@@ -114,6 +114,25 @@ def test_a_piped_run_logs_a_line_every_log_every_steps(tmp_path, capsys, monkeyp
                         r"[\d,]+ tokens/s, mfu [\d.]+%", lines[1]), lines[1]  # past the compiling step: a rate
 
 
+def test_the_last_step_is_logged_whatever_log_every(tmp_path):
+    """TensorBoard gets every train.log_every-th step and the run's last one (the step the summary's train loss is
+    from), also when log_every does not divide train.steps; companion: a step that is neither is not logged."""
+    from types import SimpleNamespace
+
+    from mtpjax.train.report import Logger
+
+    logged = []
+    sink = SimpleNamespace(scalars=lambda step, d: logged.append((step, set(d))), text=lambda *a: None)
+    bar = SimpleNamespace(set_postfix=lambda **kw: None)
+    cfg = tiny_cfg(tmp_path, "train.steps=8", "train.log_every=3")
+    log = Logger(cfg, sink, bar, 1, 1e12)
+    met = {"loss/total": 3.0, "loss/main": 2.5, "lr": 0.01, "grad_norm": 1.5}
+    for step in range(1, 9):
+        log.record(step, met)
+    assert [s for s, _ in logged] == [3, 6, 8]
+    assert all({"loss/main", "lr", "tokens_per_sec"} <= tags for _, tags in logged)
+
+
 def test_goodput_moves_lost_steps_to_restart_and_keeps_the_total():
     from mtpjax.train.goodput import CATEGORIES, goodput, resumed
 

@@ -110,6 +110,10 @@ class Logger:
         """Exclude compilation, eval and checkpoint time from tokens/s."""
         self.t0, self.s0 = time.perf_counter(), step
 
+    def due(self, step: int) -> bool:
+        """Whether `step` is logged: every train.log_every-th, and the run's last (the step its summary reports)."""
+        return step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps
+
     def record(self, step: int, met: dict) -> None:
         """One applied step's metrics (host floats)."""
         self.last = met
@@ -117,10 +121,10 @@ class Logger:
         losses = {k: v for k, v in met.items() if k not in ("loss/total", "skipped")}
         if self.t0 is None:  # the first fetched step included compilation: its losses, no throughput
             self.restart_clock(step)
-            if step % self.cfg.train.log_every == 0:
+            if self.due(step):
                 self.writer.scalars(step, losses)
                 self._line(step, met, {})
-        elif step % self.cfg.train.log_every == 0 and step > self.s0:
+        elif self.due(step) and step > self.s0:
             tps = (step - self.s0) * self.tokens_per_step / (time.perf_counter() - self.t0)
             extra = {"tokens_per_sec": tps, "mfu": mfu(tps, self.flops, self.peak, self.n_devices)}
             self.writer.scalars(step, losses | extra)
