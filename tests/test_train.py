@@ -145,6 +145,26 @@ def test_goodput_moves_lost_steps_to_restart_and_keeps_the_total():
     assert goodput(carried) == pytest.approx(7.0 / 20.5)
 
 
+def test_goodput_is_one_point_per_step_in_tensorboard(tmp_path):
+    """An eval, a checkpoint and the run's end at one step each count goodput: TensorBoard gets one point for that
+    step (its last totals, what goodput.json holds), not one per count; a later step gets its own point."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from mtpjax.train.goodput import Goodput
+    from mtpjax.train.loop import _count
+    from mtpjax.train.metrics import Writer
+
+    gp, writer = Goodput(tmp_path, 0.0), Writer(tmp_path)
+    for step, category in ((2, "eval"), (4, "eval"), (4, "checkpoint"), (4, "checkpoint")):
+        _count(gp, category, writer, step)
+    writer.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    points = acc.Scalars("goodput/checkpoint_s")
+    assert [p.step for p in points] == [2, 4]
+    assert points[-1].value == pytest.approx(json.loads((tmp_path / "goodput.json").read_text())["checkpoint"])
+
+
 def test_fresh_moves_the_old_run_aside(tiny_run, tmp_path):
     cfg, run = _copy_run(tiny_run, tmp_path)
     other = replace(cfg, ["data.val_fraction=0.2", "train.steps=2"])  # another run: the same model, other data

@@ -130,11 +130,12 @@ class _Report:
 
 
 def _count(gp: Goodput, category: str, writer: Writer, step: int) -> None:
-    """The time since the last mark went to `category`; the totals go to goodput.json and TensorBoard, whose log is
-    flushed: a killed process loses no step up to its last checkpoint (a resume purges the ones after it)."""
+    """The time since the last mark went to `category`; the totals go to goodput.json and TensorBoard (one point per
+    step, the step's last totals), whose log is flushed: a killed process loses no step up to its last checkpoint (a
+    resume purges the ones after it)."""
     gp.mark(category)
     gp.save()
-    writer.scalars(step, gp.scalars())
+    writer.latest(step, gp.scalars())
     writer.flush()
 
 

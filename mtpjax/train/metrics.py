@@ -81,7 +81,7 @@ class Writer:
     """tensorboardX SummaryWriter under `<run_dir>/tensorboard`; a no-op when disabled (processes > 0)."""
 
     def __init__(self, run_dir: str | Path, enabled: bool = True, purge_step: int | None = None):
-        self.tb = None
+        self.tb, self.held = None, None  # held: (step, scalars) of `latest`, not yet written
         if enabled:
             from tensorboardX import SummaryWriter
 
@@ -97,6 +97,13 @@ class Writer:
             if np.isfinite(v):
                 self.tb.add_scalar(prefix + k, v, step)
 
+    def latest(self, step: int, values: dict) -> None:
+        """Scalars a run may update again at the same step (goodput at an eval, a checkpoint and the end of one step):
+        one point per step, the last values given, written once a later step's come or at `close`."""
+        if self.held is not None and self.held[0] != step:
+            self.scalars(*self.held)
+        self.held = (step, values)
+
     def text(self, step: int, tag: str, text: str) -> None:
         """A text entry (config, generated samples); markdown, so wrap code in a block."""
         if self.tb is not None:
@@ -107,6 +114,9 @@ class Writer:
             self.tb.flush()
 
     def close(self) -> None:
+        if self.held is not None:
+            self.scalars(*self.held)
+            self.held = None
         if self.tb is not None:
             self.tb.close()
             self.tb = None
