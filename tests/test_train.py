@@ -81,9 +81,43 @@ def test_tokens_per_second_restarts_after_evals_and_checkpoints(tmp_path, monkey
     from mtpjax.train.report import Logger
 
     restarts, original = [], Logger.restart_clock
-    monkeypatch.setattr(Logger, "restart_clock", lambda self, step: restarts.append(step) or original(self, step))
+    monkeypatch.setattr(Logger, "restart_clock",
+                        lambda self, step, t=None: restarts.append(step) or original(self, step, t))
     train(tiny_cfg(tmp_path, "train.steps=7", "checkpoint.every=2", "train.eval_every=3", "train.log_every=1"))
     assert {1, 2, 3, 4, 6} <= set(restarts), restarts
+
+
+def test_tokens_per_second_is_right_at_steps_read_at_once(tmp_path, monkeypatch):
+    """The reader runs a step behind, but an eval's or a save's tick reads its step at once, right after the step
+    before: a step is timed from when the host queued it, not from when it was read. Host-bound steps of 1 s each (a
+    fake clock) give batch x seq_len tokens/s at every logged step, the eval steps 4 and 8 included (read back to back
+    with steps 3 and 7 they got 0 s: an infinite or, on a real clock, a many-fold rate); the step after an eval starts
+    the clock again, without a rate."""
+    from types import SimpleNamespace
+
+    from mtpjax.train import loop
+    from mtpjax.train.hooks import Tick
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: clock.now)
+    logged = {}
+    sink = SimpleNamespace(scalars=lambda step, d: logged.setdefault(step, d), text=lambda *a: None)
+    bar = SimpleNamespace(set_postfix=lambda **kw: None, update=lambda n: None)
+    cfg = tiny_cfg(tmp_path, "train.steps=8", "train.log_every=1")
+    report = loop._Report(cfg, sink, bar, 1)
+    met = {"loss/total": 3.0, "loss/main": 2.5, "lr": 0.01, "grad_norm": 1.5, "skipped": 0.0}
+    for step in range(1, 9):
+        clock.now += 1.0  # the host's work for one step (its batch, the dispatch)
+        tick = Tick(step, None, met, last=step == 8)
+        if step % 4:
+            report.read(tick)
+        else:  # an eval step
+            report.sync(tick)
+            clock.now += 30.0
+            report.log.restart_clock(step)
+    tokens = cfg.train.batch_size * cfg.data.seq_len
+    assert {s: d.get("tokens_per_sec") for s, d in logged.items()} == {
+        1: None, 2: tokens, 3: tokens, 4: tokens, 5: None, 6: tokens, 7: tokens, 8: tokens}
 
 
 def test_a_piped_run_logs_a_line_every_log_every_steps(tmp_path, capsys, monkeypatch):

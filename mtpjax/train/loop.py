@@ -110,8 +110,8 @@ class _Report:
         """Queue this step's metrics and read the previous step's."""
         if self.seen == tick.step:
             return
-        self.catch_up()
-        self.pending, self.seen = (tick.step, tick.metrics), tick.step
+        self.catch_up()  # the step before is done: this step's clock time (Logger.record)
+        self.pending, self.seen = (tick.step, tick.metrics, time.perf_counter()), tick.step
 
     def sync(self, tick: Tick) -> None:
         """Read this step's metrics now: a job that must see them checked is due."""
@@ -122,11 +122,11 @@ class _Report:
         """Read the queued step's metrics; NonFiniteError when train.nan_policy stops the run."""
         if self.pending is None:
             return
-        (step, met_dev), self.pending = self.pending, None
+        (step, met_dev, queued), self.pending = self.pending, None
         met = {k: float(v) for k, v in jax.device_get(met_dev).items()}
         self.bar.update(1)
         if self.guard.check(step, met):
-            self.log.record(step, met)
+            self.log.record(step, met, queued)
 
 
 def _count(gp: Goodput, category: str, writer: Writer, step: int) -> None:

@@ -106,31 +106,35 @@ class Logger:
         self.history, self.last = [], {}
         self.t0, self.s0 = None, None
 
-    def restart_clock(self, step: int) -> None:
-        """Exclude compilation, eval and checkpoint time from tokens/s."""
-        self.t0, self.s0 = time.perf_counter(), step
+    def restart_clock(self, step: int, t: float | None = None) -> None:
+        """Exclude compilation, eval and checkpoint time from tokens/s: the rate counts from step `step` queued at host
+        time `t`; without `t` (after an eval or a save) from the next step recorded."""
+        self.t0, self.s0 = t, step
 
     def due(self, step: int) -> bool:
         """Whether `step` is logged: every train.log_every-th, and the run's last (the step its summary reports)."""
         return step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps
 
-    def record(self, step: int, met: dict) -> None:
-        """One applied step's metrics (host floats)."""
+    def record(self, step: int, met: dict, t: float | None = None) -> None:
+        """One applied step's metrics (host floats); `t`: when the host queued it (default now). The reader runs a
+        step behind, so that is when the step before was done, whether the step is read at the next tick or at once
+        (an eval's or a save's tick): the rate is steps over the time between two queueings."""
+        t = time.perf_counter() if t is None else t
         self.last = met
         self.history.append((step, met["loss/total"]))
         losses = {k: v for k, v in met.items() if k not in ("loss/total", "skipped")}
-        if self.t0 is None:  # the first fetched step included compilation: its losses, no throughput
-            self.restart_clock(step)
+        if self.t0 is None:  # the first step of a process or after an eval or save: its losses, no throughput
+            self.restart_clock(step, t)
             if self.due(step):
                 self.writer.scalars(step, losses)
                 self._line(step, met, {})
         elif self.due(step) and step > self.s0:
-            tps = (step - self.s0) * self.tokens_per_step / (time.perf_counter() - self.t0)
+            tps = (step - self.s0) * self.tokens_per_step / (t - self.t0)
             extra = {"tokens_per_sec": tps, "mfu": mfu(tps, self.flops, self.peak, self.n_devices)}
             self.writer.scalars(step, losses | extra)
             self.bar.set_postfix(loss=f"{met['loss/main']:.3f}", tok_s=f"{tps:,.0f}")
             self._line(step, met, extra)
-            self.restart_clock(step)
+            self.restart_clock(step, t)
 
     def _line(self, step: int, met: dict, extra: dict) -> None:
         """Where no bar redraws (piped to a log file, or train.progress=false): the logged step as one line."""
