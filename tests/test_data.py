@@ -336,6 +336,23 @@ def test_non_utf8_text_warns_and_replaces(tmp_path):
     assert "caf\ufffd " in p.tokenizer.decode(np.concatenate([p.train_tokens, p.val_tokens]))
 
 
+def test_a_utf8_byte_order_mark_is_no_part_of_the_text(tmp_path):
+    """A BOM opening a .jsonl file (as Notepad or PowerShell write it) made its first line "not a JSON object"; it is
+    dropped there and from a .txt file's text, and the corpus equals the one without it (companion: a BOM inside a
+    document, not opening its file, is text and stays)."""
+    docs = [{"text": f"line {i} of the corpus"} for i in range(30)]
+    body = "".join(json.dumps(d) + "\r\n" for d in docs)
+    for name, text in (("plain", body), ("bom", "\ufeff" + body)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.jsonl").write_text(text, encoding="utf-8", newline="")
+        (tmp_path / name / "b.txt").write_text(("\ufeff" if name == "bom" else "") + "a text \ufeff file")
+    plain, bom = (prepare(_cfg(tmp_path, source="text", paths=(str(tmp_path / n),))) for n in ("plain", "bom"))
+    for split in ("train_tokens", "val_tokens"):
+        np.testing.assert_array_equal(getattr(plain, split), getattr(bom, split))
+    joined = bom.tokenizer.decode(np.concatenate([bom.train_tokens, bom.val_tokens]))
+    assert "line 0 of the corpus" in joined and "a text \ufeff file" in joined and not joined.startswith("\ufeff")
+
+
 # ----------------------------------------------------------------------------- array sources
 
 

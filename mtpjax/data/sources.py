@@ -5,7 +5,7 @@ documents; the key (a relative path, plus a line number for JSON lines or a row 
 the train/validation split by hash, so the split does not depend on where the corpus lives. JSON lines and
 tables read the text from `data.text_field`; null or empty texts are no document. Non-UTF-8 bytes are
 decoded with errors="replace" and one warning names the affected files (the corpus stays usable; an
-error would block e.g. a stdlib with one latin-1 file).
+error would block e.g. a stdlib with one latin-1 file). A UTF-8 byte-order mark opening a file is dropped.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ STDLIB_EXCLUDE = frozenset({"test", "tests", "idlelib", "encodings", "pydoc_data
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSONL_SUFFIXES = (".jsonl", ".json")
 ARRAY_SUFFIXES = (".npy", ".bin")
+BOM = "\ufeff"  # the byte-order mark some editors write first in a UTF-8 file: no part of the text
 
 
 def stdlib_root() -> Path:
@@ -146,6 +147,8 @@ def _jsonl_docs(u: Unit, field: str, utf8: Utf8Tracker) -> Iterator[tuple[str, s
     with open(u.path, "rb") as fh:  # line by line: a JSON-lines file is never held in memory whole
         for n, raw in enumerate(fh, 1):
             line = utf8.decode(raw, u.path)
+            if n == 1:
+                line = line.removeprefix(BOM)
             if not line.strip():
                 continue
             try:
@@ -163,7 +166,7 @@ def _jsonl_docs(u: Unit, field: str, utf8: Utf8Tracker) -> Iterator[tuple[str, s
 def read_unit(u: Unit, field: str, utf8: Utf8Tracker) -> Iterator[tuple[str, str]]:
     """(key, text) for every non-empty document of a unit, in order."""
     if u.kind == "txt":
-        text = utf8.decode(Path(u.path).read_bytes(), u.path)
+        text = utf8.decode(Path(u.path).read_bytes(), u.path).removeprefix(BOM)
         if text:
             yield u.key, text
     elif u.kind == "jsonl":
