@@ -72,3 +72,20 @@ def test_companion_the_measured_matmul_only_on_cpu_and_said(monkeypatch):
     report, writer = _report_on(monkeypatch, SimpleNamespace(platform="gpu", device_kind="NVIDIA H100"),
                                 **{"train.peak_flops": 5e14})
     assert report.log.peak == 5e14 and writer.texts["mfu/peak"].endswith("train.peak_flops")
+
+
+def test_a_resumed_run_says_its_mfu_peak_at_its_first_step(monkeypatch):
+    """The peak MFU divides by is said in TensorBoard's text `mfu/peak` at the process's first step: a resumed run
+    (on CPU the peak is measured anew) no longer adds a second, different text at step 0."""
+    from types import SimpleNamespace
+
+    from mtpjax.config import load_config
+    from mtpjax.train import loop
+
+    monkeypatch.setattr(metrics, "measure_peak_flops", lambda: 7e9)
+    cfg = load_config(None, [])
+    for start in (0, 250):
+        said = []
+        writer = SimpleNamespace(text=lambda step, tag, text, said=said: said.append((step, tag)))
+        loop._Report(cfg, writer, SimpleNamespace(), 1, start)
+        assert said == [(start, "mfu/peak")]

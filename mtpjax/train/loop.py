@@ -96,12 +96,12 @@ class _Report:
     """The report job: each step's metrics read one step late (the host never stalls the device), through the NaN
     guard into the logger; `sync` reads the step at a tick at once."""
 
-    def __init__(self, cfg: Config, writer: Writer, bar, n_devices: int):
+    def __init__(self, cfg: Config, writer: Writer, bar, n_devices: int, start: int = 0):
         self.bar, self.guard = bar, NonFiniteGuard(cfg)
         peak = device_peak(cfg.train.peak_flops)
         said = f"MFU against {peak.flops:.4g} FLOP/s per device: {peak.source}"
         say(said)
-        writer.text(0, "mfu/peak", said)
+        writer.text(start, "mfu/peak", said)  # at this process's first step: a resumed run's peak, measured anew
         lines = distributed.is_primary() and not (cfg.train.progress and console.live())
         self.log = Logger(cfg, writer, bar, n_devices, peak.flops, lines)
         self.pending, self.seen = None, None
@@ -212,7 +212,7 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
     show = cfg.train.progress and distributed.is_primary()
     bar = console.bar(cfg.train.steps, initial=first.step, enabled=show, desc="train", unit="step")
     prof, result = runtime.Profiler(cfg.train.profile, r.dir / "tensorboard"), {"preempted": False}
-    report = _Report(cfg, writer, bar, r.mesh.size)
+    report = _Report(cfg, writer, bar, r.mesh.size, first.step)
     gp = Goodput(r.dir, t_start, enabled=distributed.is_primary())
     gp.start(first.goodput)
     gp.mark("startup")
