@@ -192,6 +192,12 @@ def test_mixture_with_a_trained_bpe_is_refused():
         load_config(None, ["data.tokenizer=bpe", "data.mixture=[{name: a, paths: [x]}]"])
     with pytest.raises(ConfigError, match="data.paths.*must be empty when data.mixture is set"):
         load_config(None, ["data.source=text", "data.paths=[y]", "data.mixture=[{name: a, paths: [x]}]"])
+    # a mixture's entries name their own source and text field: the top-level ones would be silently ignored
+    for key, value in (("source", "text"), ("text_field", "body")):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [f"data.{key}={value}", "data.mixture=[{name: a, source: text, paths: [x]}]"])
+        assert str(e.value) == (f"config key 'data.{key}' = '{value}' is invalid: is replaced by data.mixture (each "
+                                "source sets its own); leave it out")
 
 
 # ----------------------------------------------------------------------------- rows and several processes

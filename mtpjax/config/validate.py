@@ -142,6 +142,9 @@ def _moe(cfg) -> Rules:
 
 def _mixture(d) -> Rules:
     yield "data.paths", not d.paths, "must be empty when data.mixture is set (each source has its paths)"
+    for name in ("source", "text_field"):  # silently replaced, they would look used
+        yield f"data.{name}", getattr(d, name) == type(d).model_fields[name].default, \
+            "is replaced by data.mixture (each source sets its own); leave it out"
     yield "data.tokenizer", d.tokenizer != "bpe", "a mixture needs one fixed tokenizer for every source: byte, or a " \
         "tokenizer.json / .model (e.g. the one `python -m mtpjax.data prepare` trained)"
     for i, m in enumerate(d.mixture):
