@@ -11,6 +11,10 @@ class MtpjaxError(Exception):
     exit_status = 2  # the command's exit status: bad input (a divergence, NonFiniteError, is 1)
 
 
+class MtpjaxWarning(UserWarning):
+    """Something the user should know that does not stop the work; a command prints it as one `warning:` line."""
+
+
 class SpellingError(MtpjaxError, ValueError):
     """`value` is none of its type's spellings; the message is what is allowed (the config adds the key)."""
 

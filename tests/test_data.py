@@ -336,6 +336,18 @@ def test_non_utf8_text_warns_and_replaces(tmp_path):
     assert "caf\ufffd " in p.tokenizer.decode(np.concatenate([p.train_tokens, p.val_tokens]))
 
 
+def test_a_command_prints_the_utf8_warning_as_one_line(tmp_path):
+    """Our warnings reach a command's user as one `warning:` line, as errors do (it was Python's two lines: the
+    warning's file and line in mtpjax, then that source line)."""
+    f = tmp_path / "latin.txt"
+    f.write_bytes("café ".encode("latin-1") * 20)
+    out = subprocess.run([sys.executable, "-m", "mtpjax.data", "prepare", "data.source=text", f"data.paths=[{f}]",
+                          f"data.cache_dir={tmp_path / 'c'}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in out.stderr.splitlines() if "UTF-8" in ln or "Warning" in ln or "warn(" in ln]
+    assert out.returncode == 0 and lines == [f"warning: 1 file(s) are not valid UTF-8 (first: {f}); "
+                                             "undecodable bytes were replaced with U+FFFD"], out.stderr
+
+
 def test_a_utf8_byte_order_mark_is_no_part_of_the_text(tmp_path):
     """A BOM opening a .jsonl file (as Notepad or PowerShell write it) made its first line "not a JSON object"; it is
     dropped there and from a .txt file's text, and the corpus equals the one without it (companion: a BOM inside a

@@ -7,10 +7,11 @@ import functools
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from mtpjax.errors import MtpjaxError, first_line
+from mtpjax.errors import MtpjaxError, MtpjaxWarning, first_line
 
 
 class UsageError(MtpjaxError):
@@ -64,6 +65,7 @@ def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | No
 
     @functools.wraps(main)
     def run(argv: list[str] | None = None) -> int:
+        warnings.formatwarning = _warning_line
         try:
             return main(argv)
         except MtpjaxError as e:  # any other exception is a bug and keeps its traceback
@@ -73,6 +75,13 @@ def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | No
             return 0 if e.code is None else e.code
 
     return run
+
+
+def _warning_line(message, category, filename, lineno, line=None, _python=warnings.formatwarning) -> str:
+    """Our warnings as one `warning:` line, as our errors are; others' (a library's) as Python writes them."""
+    if issubclass(category, MtpjaxWarning):
+        return f"warning: {message}\n"
+    return _python(message, category, filename, lineno, line)
 
 
 def draft_flag(num_draft: str | None, tree: str | None):

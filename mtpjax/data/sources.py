@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from mtpjax.data.errors import DataError
+from mtpjax.errors import MtpjaxWarning
 
 STDLIB_EXCLUDE = frozenset({"test", "tests", "idlelib", "encodings", "pydoc_data", "site-packages",
                             "__pycache__"})
@@ -117,7 +118,7 @@ class Utf8Tracker:
         bad = list(self.bad if names is None else names)
         if bad:
             warnings.warn(f"{len(bad)} file(s) are not valid UTF-8 (first: {bad[0]}); "
-                          "undecodable bytes were replaced with U+FFFD", stacklevel=3)
+                          "undecodable bytes were replaced with U+FFFD", MtpjaxWarning, stacklevel=3)
 
 
 @dataclass(frozen=True)
