@@ -7,6 +7,7 @@ Runs are written directly (a model-only checkpoint of a perturbed random init: e
 from __future__ import annotations
 
 import json
+import logging
 import random
 import subprocess
 import sys
@@ -433,6 +434,18 @@ def test_import_checks_the_exported_digests(tmp_path, capsys):
     assert cli("import", "--hf", tmp_path / "hf", "--out", tmp_path / "back") == 0
     with pytest.raises(AssertionError):
         _assert_same_params(params_of(load_model(run)[1]), params_of(load_model(tmp_path / "back")[1]))
+
+
+def test_a_digest_mismatch_found_while_writing_logs_no_traceback(tmp_path, capsys, caplog):
+    """The digest is checked as orbax writes the leaf, in its writer threads: the refusal is the one `error:` line,
+    with no logged ERROR and traceback from those threads (a real process prints them on stderr)."""
+    run = make_run(tmp_path, "run")
+    assert cli("export", "--run-dir", run, "--out", tmp_path / "hf") == 0
+    _flip_a_byte_of(tmp_path / "hf" / "model.safetensors", "model.layers.0.mlp.down_proj.weight")
+    caplog.clear()
+    _bad(capsys, tmp_path / "back", "import", "--hf", tmp_path / "hf", "--out", tmp_path / "back")
+    logged = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not logged, [r.getMessage()[:200] for r in logged]
 
 
 def test_default_export_writes_module_1_only(tmp_path):

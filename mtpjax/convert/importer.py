@@ -11,6 +11,7 @@ the others start as `model.mtp_init` says. DeepSeek-V3's fp8 weights are dequant
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -66,6 +67,14 @@ class _SequentialHandler(ocp.type_handlers.NumpyHandler):
             del arr
 
 
+class _OwnRefusals(logging.Filter):
+    """Drops orbax's logged traceback of a ConvertError raised in its writer threads (a digest mismatch found while
+    a leaf is written): the error reaches the caller, which prints it as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], ConvertError))
+
+
 def save_model_checkpoint(run_dir: Path, params: dict, meta: dict) -> None:
     """`run_dir/checkpoints/0` with the items `model` (params: a pure dict of Lazy leaves) and `meta` (JSON)."""
     registry = ocp.type_handlers.create_type_handler_registry((Lazy, _SequentialHandler(deepcopy_host_arrays=False)))
@@ -74,11 +83,14 @@ def save_model_checkpoint(run_dir: Path, params: dict, meta: dict) -> None:
                 "meta": ocp.JsonCheckpointHandler()}
     mngr = ocp.CheckpointManager((run_dir / "checkpoints").absolute(), item_handlers=handlers,
                                  options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
+    quiet, absl = _OwnRefusals(), logging.getLogger("absl")
+    absl.addFilter(quiet)
     try:
         mngr.save(0, args=ocp.args.Composite(model=ocp.args.PyTreeSave(params), meta=ocp.args.JsonSave(meta)))
         mngr.wait_until_finished()
     finally:
         mngr.close()
+        absl.removeFilter(quiet)
 
 
 def _loaded_modules(reader: fp8.BlockScaled, fmt: str, n_layers: int) -> int:
