@@ -474,3 +474,17 @@ def test_report_only_reports_the_complete_seeds_and_trains_nothing(tmp_path):
     res = json.loads((out / "results.json").read_text())
     assert res["seeds"] == [0] and res["step_times"] is None
     assert not (out / "seed1").exists()  # nothing trained
+
+
+def test_report_command_prints_tables_and_refuses_a_missing_file(capsys):
+    """`python -m bench.ablation.report FILE...` prints each results.json's table; --help is its usage (it opened
+    '--help' as a file: a traceback), a missing file one line, exit 2."""
+    from pathlib import Path
+
+    recorded = Path(__file__).resolve().parents[1] / "bench" / "ablation" / "results.json"
+    assert report.main([str(recorded)]) == 0 and "| variant | loss/main |" in capsys.readouterr().out
+    for argv, code, says in ((["--help"], 0, "usage:"), (["/nope.json"], 2, "/nope.json is not a file")):
+        with pytest.raises(SystemExit) as e:
+            report.main(argv)
+        said = capsys.readouterr()
+        assert e.value.code == code and says in said.out + said.err

@@ -234,9 +234,20 @@ def markdown(res: dict) -> str:
     return "\n".join([title(res) + ":", ""] + ["| " + " | ".join(row) + " |" for row in rows])
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """Print the Markdown table of each results.json given."""
+    import argparse
     import json
-    import sys
+    from pathlib import Path
 
-    for path in sys.argv[1:]:
-        print(markdown(json.loads(open(path).read())))
+    ap = argparse.ArgumentParser(prog="python -m bench.ablation.report", description=markdown.__doc__)
+    ap.add_argument("results", nargs="+", help="a sweep's results.json (python -m bench.ablation --report DIR)")
+    for path in map(Path, ap.parse_args(argv).results):
+        if not path.is_file():
+            ap.error(f"{path} is not a file; give a sweep's results.json")
+        print(markdown(json.loads(path.read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
