@@ -1,6 +1,7 @@
-"""A run directory's lifecycle: the identity check before resuming, --fresh, the writable probe, and setup.
+"""A run directory's lifecycle: the identity check before resuming, --fresh, the writable probe, setup and record.
 
-Checked and probed before anything is written; set up (config.yaml, tokenizer/) only once the data is ready.
+Checked and probed before anything is written; set up (--fresh) once the data is ready; its record (config.yaml,
+tokenizer/) written once the run's state opened.
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ def probed(run: Path) -> Iterator[None]:
         raise
 
 
-def setup(cfg: Config, tokenizer, fresh: bool) -> Path:
-    """--fresh moves an old run to <run_dir>.old-<timestamp> (never deletes); writes config.yaml and tokenizer/."""
+def setup(cfg: Config, fresh: bool) -> Path:
+    """--fresh moves an old run to <run_dir>.old-<timestamp> (never deletes); the run dir exists after it."""
     run = Path(cfg.train.run_dir)
     if fresh and jax.process_index() == 0 and run.exists() and any(run.iterdir()):
         aside = run.with_name(f"{run.name}.old-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6:06d}")
@@ -96,10 +97,18 @@ def setup(cfg: Config, tokenizer, fresh: bool) -> Path:
         print(f"moved the previous run aside to {aside}", file=sys.stderr)
     if jax.process_index() == 0:
         run.mkdir(parents=True, exist_ok=True)
-        # Written aside and renamed: a kill mid-write must not leave a truncated config that blocks resuming.
-        tmp = run / f".config.yaml.tmp-{time.time_ns()}"
-        tmp.write_text(cfg.to_yaml())
-        tmp.replace(run / "config.yaml")
-        tokenizer.save(run / "tokenizer")
     distributed.barrier("mtpjax-run-dir")  # no process may look for checkpoints before the run dir is set up
     return run
+
+
+def record(cfg: Config, tokenizer) -> None:
+    """Write config.yaml and tokenizer/: only once the run's state opened, so a resume refused at its checkpoint
+    (another batch size, no readable checkpoint) leaves the run's record as it was."""
+    if jax.process_index() != 0:
+        return
+    run = Path(cfg.train.run_dir)
+    # Written aside and renamed: a kill mid-write must not leave a truncated config that blocks resuming.
+    tmp = run / f".config.yaml.tmp-{time.time_ns()}"
+    tmp.write_text(cfg.to_yaml())
+    tmp.replace(run / "config.yaml")
+    tokenizer.save(run / "tokenizer")

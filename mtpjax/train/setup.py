@@ -40,7 +40,9 @@ def open_run(cfg: Config, fresh: bool, make_programs: Callable[[Config, Mesh], P
     run_dir, run_data = open_run_dir(cfg, mesh, fresh, source)
     run_data = owntext.use_own_text(cfg, run_dir, run_data, mesh)  # train.own_text: the trunk's continuations
     run = Run(cfg, mesh, run_dir, run_data, make_programs(cfg, mesh), Checkpointer(run_dir, cfg.checkpoint))
-    return run, open_state(run, source)
+    start = open_state(run, source)
+    rundir.record(cfg, run_data.prepared.tokenizer)  # config.yaml and tokenizer/, once nothing can refuse the run
+    return run, start
 
 
 def check_parallelism(cfg: Config, mesh: Mesh) -> None:
@@ -80,13 +82,13 @@ def open_data(cfg: Config, mesh: Mesh) -> RunData:
 
 def open_run_dir(cfg: Config, mesh: Mesh, fresh: bool, source: posttrain.Source | None) -> tuple[Path, RunData]:
     """The run directory (identity checked unless --fresh, probed writable) and the data (init_from's tokenizer
-    checked against it); then config.yaml and tokenizer/ are written. A refusal removes what the probe created."""
+    checked against it); then --fresh moves an old run aside. A refusal removes what the probe created."""
     if not fresh:
         rundir.check_identity(cfg)
     with rundir.probed(Path(cfg.train.run_dir)):
         run_data = open_data(cfg, mesh)
         posttrain.check_tokenizer(cfg, source, run_data.prepared.tokenizer)
-    return rundir.setup(cfg, run_data.prepared.tokenizer, fresh), run_data
+    return rundir.setup(cfg, fresh), run_data
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,30 @@
+"""Resuming a run directory: what a refused resume leaves behind, and what is compared before resuming."""
+
+import shutil
+from pathlib import Path
+
+from train_helpers import cli_args, one_line_error
+
+from mtpjax.cli.train import main
+from mtpjax.config import replace
+
+
+def _copy_run(tiny_run, tmp: Path):
+    cfg, run = tiny_run
+    shutil.copytree(run, tmp / "run")
+    return replace(cfg, [f"train.run_dir={tmp / 'run'}"]), tmp / "run"
+
+
+def _files(run: Path) -> dict:
+    return {p.relative_to(run): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def test_a_resume_refused_at_the_checkpoint_leaves_the_run_dir_unchanged(tiny_run, tmp_path, capsys):
+    """train.batch_size may not change on resume (the data position): refused only once the checkpoint is read, but
+    config.yaml is not rewritten with the refused config, so the original command still resumes."""
+    cfg, run = _copy_run(tiny_run, tmp_path)
+    before = _files(run)
+    err = one_line_error(capsys, main, cli_args(cfg, "train.batch_size=4"))
+    assert "batch_size=8 (now 4)" in err
+    assert _files(run) == before
+    assert main(cli_args(cfg, "train.steps=8")) == 0
