@@ -28,3 +28,13 @@ def test_a_resume_refused_at_the_checkpoint_leaves_the_run_dir_unchanged(tiny_ru
     assert "batch_size=8 (now 4)" in err
     assert _files(run) == before
     assert main(cli_args(cfg, "train.steps=8")) == 0
+
+
+def test_without_config_yaml_the_checkpoint_config_is_the_identity(tiny_run, tmp_path, capsys):
+    """A run dir whose config.yaml was deleted is still compared: with the config its latest checkpoint saved."""
+    cfg, run = _copy_run(tiny_run, tmp_path)
+    (run / "config.yaml").unlink()
+    before = _files(run)
+    err = one_line_error(capsys, main, cli_args(cfg, "model.rope_theta=500.0"))  # same shapes: would restore
+    assert "model.rope_theta: 10000.0 -> 500.0" in err and "--fresh" in err
+    assert _files(run) == before

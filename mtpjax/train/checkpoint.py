@@ -383,4 +383,5 @@ def read_run_config(run_dir: str | Path) -> Config | None:
     try:
         return from_dict(yaml.safe_load(p.read_text()) or {})
     except (ConfigError, yaml.YAMLError) as e:
-        raise CheckpointError(f"'{p}' is not a valid config ({e}); use --fresh to move the old run aside") from None
+        raise CheckpointError(f"'{p}' is not a valid config ({e}); delete it to resume with the config of the latest "
+                              "checkpoint, or use --fresh to move the old run aside") from None

@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 
 from mtpjax.parallel import distributed
-from mtpjax.train.checkpoint import read_run_config
+from mtpjax.train.checkpoint import SavedRun, complete_steps, read_run_config
 from mtpjax.config import Config, identity
 from mtpjax.errors import MtpjaxError
 
@@ -34,10 +34,19 @@ def _diff(a, b, prefix: str) -> list[str]:
     return [] if a == b else [f"{prefix.lstrip('.')}: {a!r} -> {b!r}"]
 
 
+def saved_config(run: Path) -> Config | None:
+    """The config a run dir holds: its config.yaml, else (deleted) its newest readable checkpoint's; None if neither."""
+    old = read_run_config(run)
+    if old is None and complete_steps(run):
+        with SavedRun(run) as saved:
+            old = saved.newest_config()
+    return old
+
+
 def check_identity(cfg: Config) -> None:
     """Refuse a run dir whose saved model/data config differs."""
     run = Path(cfg.train.run_dir)
-    old = read_run_config(run)
+    old = saved_config(run)
     if old is None:
         return
     diffs = [d for s in IDENTITY_SECTIONS for d in _diff(identity(old, s), identity(cfg, s), s)]
