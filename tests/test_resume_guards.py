@@ -38,3 +38,35 @@ def test_without_config_yaml_the_checkpoint_config_is_the_identity(tiny_run, tmp
     err = one_line_error(capsys, main, cli_args(cfg, "model.rope_theta=500.0"))  # same shapes: would restore
     assert "model.rope_theta: 10000.0 -> 500.0" in err and "--fresh" in err
     assert _files(run) == before
+
+
+def _swap_two_ids(path: Path) -> None:
+    """Edit a tokenizer.json in place: two tokens trade ids (the file's name and size stay)."""
+    import json
+
+    tok = json.loads(path.read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = (t for t, i in vocab.items() if i in (280, 281))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    path.write_text(json.dumps(tok))
+
+
+def test_a_tokenizer_file_changed_in_place_is_refused_on_resume(tmp_path, capsys):
+    """data.tokenizer names the same file, whose ids changed since the run began: resuming would feed the trained
+    embedding other ids and overwrite the run's tokenizer/; refused in one line, the run dir untouched."""
+    from train_helpers import tiny_cfg, write_corpus
+
+    from mtpjax.data.tokenizer import train_bpe
+
+    corpus = write_corpus(tmp_path)
+    train_bpe(iter([corpus.read_text()]), 300).save(tmp_path / "tok")
+    path = tmp_path / "tok" / "tokenizer.json"
+    cfg = tiny_cfg(tmp_path, f"data.tokenizer={path}", "model.vocab_size=300", "train.steps=1",
+                   "train.eval_batches=0", corpus=corpus)
+    assert main(cli_args(cfg)) == 0
+    run = Path(cfg.train.run_dir)
+    _swap_two_ids(path)
+    before = _files(run)
+    err = one_line_error(capsys, main, cli_args(cfg, "train.steps=2"))
+    assert f"data.tokenizer={path} gives other token ids" in err and "--fresh" in err
+    assert _files(run) == before

@@ -60,6 +60,32 @@ def check_identity(cfg: Config) -> None:
                           "pass --fresh to move it aside, or set another train.run_dir")
 
 
+def check_tokenizer(cfg: Config, tokenizer) -> None:
+    """Refuse resuming a run dir whose saved tokenizer/ gives other token ids than the data's tokenizer (the file
+    data.tokenizer names was changed in place): the run's embedding rows are that tokenizer's ids."""
+    from mtpjax.data import DataError, tokenizer_from_dir
+
+    run = Path(cfg.train.run_dir)
+    try:
+        saved = tokenizer_from_dir(run / "tokenizer")
+    except DataError:  # none yet, or unreadable: the run's record gets the data's (rundir.record)
+        return
+    if not same_ids(saved, tokenizer):
+        raise RunDirError(f"data.tokenizer={cfg.data.tokenizer} gives other token ids than the tokenizer the run in "
+                          f"'{run}' was trained with ({run / 'tokenizer'}); put that tokenizer back at "
+                          f"{cfg.data.tokenizer}, or pass --fresh to move the run aside")
+
+
+def same_ids(a, b) -> bool:
+    """Whether two tokenizers map text to the same ids: kind, vocabulary, end of document, every id's text."""
+    if (a.kind, a.vocab_size, a.eos_id) != (b.kind, b.vocab_size, b.eos_id) or a.encode(PROBE) != b.encode(PROBE):
+        return False
+    return all(a.decode([i]) == b.decode([i]) for i in range(a.vocab_size))
+
+
+PROBE = "def f(x):\n    return {'é': x ** 2}  # 你好, tokenizers\n"
+
+
 def probe_writable(run: Path) -> list[Path]:
     """Create the run dir (if missing) and write a probe file; RunDirError if impossible. Returns the directories
     it created, deepest first, for remove_created."""

@@ -88,6 +88,8 @@ def open_run_dir(cfg: Config, mesh: Mesh, fresh: bool, source: posttrain.Source 
     with rundir.probed(Path(cfg.train.run_dir)):
         run_data = open_data(cfg, mesh)
         posttrain.check_tokenizer(cfg, source, run_data.prepared.tokenizer)
+        if not fresh:
+            rundir.check_tokenizer(cfg, run_data.prepared.tokenizer)
     return rundir.setup(cfg, fresh), run_data
 
 
