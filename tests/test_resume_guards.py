@@ -70,3 +70,20 @@ def test_a_tokenizer_file_changed_in_place_is_refused_on_resume(tmp_path, capsys
     err = one_line_error(capsys, main, cli_args(cfg, "train.steps=2"))
     assert f"data.tokenizer={path} gives other token ids" in err and "--fresh" in err
     assert _files(run) == before
+
+
+def test_fresh_refuses_a_run_dir_that_holds_the_current_directory(tmp_path, capsys, monkeypatch):
+    """--fresh with train.run_dir=. (or a parent of the working directory) cannot move it aside: one line, nothing
+    moved (it was a traceback after the data was prepared)."""
+    from train_helpers import tiny_cfg
+
+    here = tmp_path / "work" / "sub"
+    here.mkdir(parents=True)
+    (here / "notes.txt").write_text("mine")
+    monkeypatch.chdir(here)
+    for run_dir in (".", str(tmp_path / "work")):
+        cfg = tiny_cfg(tmp_path, f"train.run_dir={run_dir}")
+        err = one_line_error(capsys, main, cli_args(cfg, "--fresh"))
+        assert "--fresh would move train.run_dir" in err and "current directory" in err
+    assert not [p for p in tmp_path.rglob("*") if ".old-" in p.name]
+    assert (here / "notes.txt").read_text() == "mine"

@@ -86,6 +86,14 @@ def same_ids(a, b) -> bool:
 PROBE = "def f(x):\n    return {'é': x ** 2}  # 你好, tokenizers\n"
 
 
+def check_fresh(run: Path) -> None:
+    """--fresh moves the run dir aside: refuse one that is, or holds, the working directory (train.run_dir=.)."""
+    here, there = Path.cwd().resolve(), run.resolve()
+    if here == there or there in here.parents:
+        raise RunDirError(f"--fresh would move train.run_dir '{run}' aside, and it is or holds the current directory "
+                          f"('{here}'); run from another directory, or set another train.run_dir")
+
+
 def probe_writable(run: Path) -> list[Path]:
     """Create the run dir (if missing) and write a probe file; RunDirError if impossible. Returns the directories
     it created, deepest first, for remove_created."""

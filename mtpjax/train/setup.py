@@ -83,7 +83,9 @@ def open_data(cfg: Config, mesh: Mesh) -> RunData:
 def open_run_dir(cfg: Config, mesh: Mesh, fresh: bool, source: posttrain.Source | None) -> tuple[Path, RunData]:
     """The run directory (identity checked unless --fresh, probed writable) and the data (init_from's tokenizer
     checked against it); then --fresh moves an old run aside. A refusal removes what the probe created."""
-    if not fresh:
+    if fresh:
+        rundir.check_fresh(Path(cfg.train.run_dir))
+    else:
         rundir.check_identity(cfg)
     with rundir.probed(Path(cfg.train.run_dir)):
         run_data = open_data(cfg, mesh)
