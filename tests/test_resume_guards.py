@@ -87,3 +87,14 @@ def test_fresh_refuses_a_run_dir_that_holds_the_current_directory(tmp_path, caps
         assert "--fresh would move train.run_dir" in err and "current directory" in err
     assert not [p for p in tmp_path.rglob("*") if ".old-" in p.name]
     assert (here / "notes.txt").read_text() == "mine"
+
+
+def test_turning_gradient_clipping_off_on_resume_is_refused_by_name(tiny_run, tmp_path, capsys):
+    """optim.grad_clip=0 drops the clipping stage from the optimizer state: every checkpoint then failed to restore
+    and the run was told to start over (--fresh). Now one line names the key; another clipping value resumes."""
+    cfg, run = _copy_run(tiny_run, tmp_path)
+    before = _files(run)
+    err = one_line_error(capsys, main, cli_args(cfg, "optim.grad_clip=0"))
+    assert "optim.grad_clip=1.0" in err and "optim.grad_clip > 0" in err and "can be restored" not in err
+    assert _files(run) == before
+    assert main(cli_args(cfg, "train.steps=8", "optim.grad_clip=0.5")) == 0

@@ -58,6 +58,18 @@ def check_identity(cfg: Config) -> None:
         shown = "; ".join(diffs[:3]) + (f"; +{len(diffs) - 3} more" if len(diffs) > 3 else "")
         raise RunDirError(f"run dir '{run}' holds a run with a different model/data/freeze config ({shown}); "
                           "pass --fresh to move it aside, or set another train.run_dir")
+    check_clipping(old, cfg, run)
+
+
+def check_clipping(old: Config, cfg: Config, run: Path) -> None:
+    """Refuse turning gradient clipping on or off on resume: the clipping stage is part of the optimizer state the
+    checkpoints hold (its threshold may change)."""
+    was = old.optim.grad_clip > 0
+    if was != (cfg.optim.grad_clip > 0):
+        keep = "optim.grad_clip > 0 (any value)" if was else "optim.grad_clip=0"
+        raise RunDirError(f"run dir '{run}' holds a run trained with optim.grad_clip={old.optim.grad_clip} (clipping "
+                          f"{'on' if was else 'off'}); turning it {'off' if was else 'on'} changes the optimizer state "
+                          f"its checkpoints hold: set {keep} to resume, or pass --fresh to move the run aside")
 
 
 def check_tokenizer(cfg: Config, tokenizer) -> None:
