@@ -337,6 +337,34 @@ def test_preempted_before_the_first_step_says_nothing_was_saved(tmp_path, monkey
     assert "  checkpoint: none" in err and Checkpointer(tmp_path / "run", cfg.checkpoint).latest_step() is None
 
 
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_saves_the_step_and_exits_130_and_twice_stops_at_once(tmp_path, monkeypatch, capfd, presses):
+    """A first Ctrl-C stops the run as SIGTERM does, after its step, saved, in one line and exit 130 (it was a JAX
+    traceback, the steps since the last checkpoint lost); a second stops at once, one line, exit 130; Python's own
+    Ctrl-C handling is back after either."""
+    from mtpjax.train import loop
+
+    check = loop._Preemption.check
+
+    def press_at_step_2(self, step):
+        for _ in range(presses if step == 2 and not self.interrupted else 0):
+            signal.raise_signal(signal.SIGINT)  # its handler runs before this returns
+        return check(self, step)
+
+    monkeypatch.setattr(loop._Preemption, "check", press_at_step_2)
+    before = signal.getsignal(signal.SIGINT)
+    cfg = tiny_cfg(tmp_path, "train.steps=6", "checkpoint.every=100", "train.eval_every=100")
+    assert main(cli_args(cfg)) == 130 and signal.getsignal(signal.SIGINT) is before
+    err = capfd.readouterr().err.strip().splitlines()  # the handler writes to the file descriptor
+    assert "interrupt: stopping after this step and saving it (Ctrl-C again to stop at once)" in err
+    saved = Checkpointer(tmp_path / "run", cfg.checkpoint).latest_step()
+    if presses == 1:
+        assert err[-1] == "interrupted: checkpoint saved at step 2" and saved == 2
+        assert any(line.startswith("interrupted at step 2 of 6") for line in err)
+    else:
+        assert err[-1] == "interrupted" and saved == 1  # the fresh run's first step only
+
+
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path):
     cfg = tiny_cfg(tmp_path, "train.steps=100000", "checkpoint.every=5", "train.eval_every=100000")

@@ -61,7 +61,8 @@ def override_hint(message: str, argv: list[str]) -> str:
 
 
 def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
-    """main(argv) -> exit status: an MtpjaxError (a bad argument too) is one `error:` line and its exit_status."""
+    """main(argv) -> exit status: an MtpjaxError (a bad argument too) is one `error:` line and its exit_status; Ctrl-C
+    is one line, 130."""
 
     @functools.wraps(main)
     def run(argv: list[str] | None = None) -> int:
@@ -73,6 +74,9 @@ def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | No
             return e.exit_status
         except SystemExit as e:  # argparse's --help (and --version) end by exiting
             return 0 if e.code is None else e.code
+        except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever it landed
+            print("interrupted", file=sys.stderr, flush=True)
+            return 130
 
     return run
 

@@ -7,7 +7,7 @@ import sys
 from mtpjax.cli.args import Parser, command
 from mtpjax.config import load_config
 from mtpjax.parallel import distributed
-from mtpjax.train.loop import train
+from mtpjax.train.loop import Interrupted, train
 
 
 @command
@@ -21,14 +21,22 @@ def main(argv: list[str] | None = None) -> int:
     distributed.initialize()  # before any other JAX use; a no-op on one process
     try:
         out = train(load_config(args.config, args.overrides), fresh=args.fresh)
+    except Interrupted as e:  # Ctrl-C: the step it stopped at is saved, and the exit status says it was interrupted
+        print(_stopped("interrupted", e.out), file=sys.stderr)
+        return 130
     except Exception:  # a collective or save may fail because a peer died: the peer watch then ends this process
         distributed.await_lost_peer()
         raise
     distributed.finished()
     if out["preempted"] and distributed.is_primary():
-        print(f"preempted: checkpoint saved at step {out['step']}" if out["checkpoint"] else
-              f"preempted at step {out['step']}, before anything to save; run the same command again", file=sys.stderr)
+        print(_stopped("preempted", out), file=sys.stderr)
     return 0
+
+
+def _stopped(why: str, out: dict) -> str:
+    """The last line of a run stopped by a signal: the step saved, or that there was none to save."""
+    return (f"{why}: checkpoint saved at step {out['step']}" if out["checkpoint"] else
+            f"{why} at step {out['step']}, before anything to save; run the same command again")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ jitted step), `evals` (the eval job), `report` (banner, metrics, summary), `chec
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -42,15 +43,16 @@ def to_global(progs: Programs, batch: dict):
 
 
 class _Preemption:
-    """SIGTERM sets a flag the loop checks after each step (the handler itself does nothing else)."""
+    """SIGTERM, or a first Ctrl-C, sets a flag the loop checks after each step (the handler does nothing else); a
+    second Ctrl-C interrupts at once."""
 
     def __init__(self):
-        self.requested, self.old = False, None
+        self.requested, self.interrupted, self.old = False, False, {}
 
     def __enter__(self):
         # Several processes must stop at the same step: JAX's preemption sync manager catches SIGTERM there.
         if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            self.old = signal.signal(signal.SIGTERM, self._handle)
+            self.old = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
         return self
 
     def check(self, step: int) -> bool:
@@ -63,10 +65,23 @@ class _Preemption:
 
     def _handle(self, signum, frame):
         self.requested = True
+        if signum == signal.SIGINT and not self.interrupted:
+            self.interrupted = True
+            signal.signal(signal.SIGINT, self.old[signal.SIGINT])  # the next Ctrl-C: Python's KeyboardInterrupt
+            os.write(2, b"\ninterrupt: stopping after this step and saving it (Ctrl-C again to stop at once)\n")
 
     def __exit__(self, *exc):
-        if self.old is not None:
-            signal.signal(signal.SIGTERM, self.old)
+        for sig, old in self.old.items():
+            signal.signal(sig, old)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by Ctrl-C once its step was saved: its caller stops as at any Ctrl-C (a sweep does not go on to
+    its next run); `out` is what train() would have returned."""
+
+    def __init__(self, out: dict):
+        super().__init__(f"interrupted at step {out['step']}")
+        self.out = out
 
 
 class NonFiniteGuard:
@@ -193,12 +208,16 @@ def _task_evaluate(r: setup.Run, writer: Writer, report: _Report, result: dict):
 
 
 def train(cfg: Config, *, fresh: bool = False, max_steps: int | None = None) -> dict:
-    """Train (resuming from the run dir's latest checkpoint) up to train.steps or max_steps; final metrics."""
-    # SIGTERM is caught from the start: one during setup stops the run before its first step, with exit 0.
+    """Train (resuming from the run dir's latest checkpoint) up to train.steps or max_steps; final metrics. Raises
+    Interrupted after a Ctrl-C stopped the run (its step saved)."""
+    # SIGTERM and Ctrl-C are caught from the start: one during setup stops the run before its first step.
     with _Preemption() as pre:
         t_start = time.perf_counter()
         run, first = setup.open_run(cfg, fresh, make_programs)
-        return _loop(run, first, pre, max_steps, t_start)
+        out = _loop(run, first, pre, max_steps, t_start)
+    if pre.interrupted:
+        raise Interrupted(out)
+    return out
 
 
 def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | None, t_start: float) -> dict:
@@ -231,7 +250,7 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
     try:
         while not hooks.run(tick) and not tick.last:
             tick = _step(r, tick, prof, first.step, end)
-        result["preempted"] = pre.requested
+        result["preempted"], result["interrupted"] = pre.requested, pre.interrupted
         report.catch_up()
         saving.last(tick)
     finally:

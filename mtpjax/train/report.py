@@ -77,7 +77,8 @@ def decode_command(run: Path) -> str:
 def summary(cfg: Config, run: Path, out: dict, checkpoint: Path | None) -> str:
     """Final losses, where the last checkpoint is, and the next command: several lines."""
     depth = cfg.model.mtp_depth
-    done = f"preempted at step {out['step']}" if out["preempted"] else f"stopped at step {out['step']}"
+    why = "interrupted" if out.get("interrupted") else "preempted" if out["preempted"] else "stopped"
+    done = f"{why} at step {out['step']}"
     if out["step"] >= cfg.train.steps:
         done = f"done: {out['step']} steps"
     lines = [f"{done} of {cfg.train.steps} in {out['seconds']:.0f} s"
