@@ -162,6 +162,20 @@ def test_state_from_other_settings_is_refused():
         other.set_state(state)
 
 
+def test_state_of_a_changed_corpus_is_refused_as_changed_data(monkeypatch):
+    """Tokens that differ from the saved position's (the corpus' files edited) are named as such, not as two content
+    hashes."""
+    kw = {"split": "train", "seq_len": 4, "batch_size": 4, "seed": 1}
+    state = make_iterator(_numbered(12), **kw).get_state()
+    edited = _numbered(12)
+    monkeypatch.setitem(edited.meta, "content_hash", "0" * 32)
+    with pytest.raises(DataError) as e:
+        make_iterator(edited, **kw).set_state(state)
+    assert str(e.value) == ("data iterator state was saved with other tokens in the corpus (files or the tokenizer "
+                            "changed since); resume with the same data and batch settings, or pass --fresh (or set "
+                            "another train.run_dir) to start over")
+
+
 def test_val_iterator_is_one_finite_epoch_in_order():
     batches = list(make_iterator(_numbered(10), split="train", seq_len=4, batch_size=3, seed=0, shuffle=False,
                                  num_epochs=1))

@@ -261,6 +261,17 @@ def test_summary_of_a_fresh_stopped_run_says_how_to_resume(tiny_run, tmp_path, c
     assert f"  checkpoint: {tmp_path / 'run' / 'checkpoints' / '1'}" in err
 
 
+def test_summary_of_a_run_resumed_past_its_steps_says_nothing_was_trained(tiny_run, tmp_path, capsys):
+    """A shortened train.steps below the run's step trains nothing and says so (it read "done: 7 steps of 5")."""
+    cfg, run = _copy_run(tiny_run, tmp_path)
+    capsys.readouterr()
+    out = train(replace(cfg, ["train.steps=5"]))
+    err = capsys.readouterr().err
+    assert out["step"] == 7 and out["history"] == []
+    assert "nothing trained: the run is at step 7, past train.steps=5 (raise it to train on)" in err
+    assert "done: 7 steps" not in err
+
+
 # ----------------------------------------------------------------------------- bad input: one line, exit 2
 
 

@@ -148,12 +148,21 @@ class BatchIterator:
         if "taken" not in state:
             raise DataError("data iterator state was saved by an older mtpjax (one shard per process); resume it "
                             "with that version, or start afresh with --fresh")
-        diff = [f"{k}={state.get(k)!r} (now {self.info[k]!r})" for k in _CHECKED if state.get(k) != self.info[k]]
+        diff = [_differs(k, state.get(k), self.info[k]) for k in _CHECKED if state.get(k) != self.info[k]]
         if diff:
             raise DataError(f"data iterator state was saved with {', '.join(diff)}; resume with the same "
                             "data and batch settings, or pass --fresh (or set another train.run_dir) to start over")
         self._queue.clear()  # prefetched batches belong to the old position
         self._batch, self._taken = int(state["batch"]), np.array(state["taken"], np.int64)
+
+
+def _differs(key: str, saved, now) -> str:
+    """What changed in a checked setting: sources that differ only in their tokens are named as changed data, not as
+    their content hashes."""
+    if key == "sources" and isinstance(saved, list) and [s[:2] for s in saved] == [s[:2] for s in now]:
+        changed = [f"'{n}'" if n else "the corpus" for (n, _, h), (_, _, h2) in zip(saved, now) if h != h2]
+        return f"other tokens in {', '.join(changed)} (files or the tokenizer changed since)"
+    return f"{key}={saved!r} (now {now!r})"
 
 
 def _check_rows(rows, batch_size: int) -> np.ndarray:

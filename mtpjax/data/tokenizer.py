@@ -252,7 +252,8 @@ def tokenizer_from_dir(directory: str | Path) -> Tokenizer:
         kind = "sentencepiece"
     else:
         raise DataError(f"no tokenizer in '{d}' ({META_FILE}, {HF_FILE} or {SP_FILE}); "
-                        "save one there with Tokenizer.save")
+                        "a run directory's is written again when train.py resumes it; else save one there with "
+                        "Tokenizer.save")
     if kind == "byte":
         return ByteTokenizer()
     if kind == "hf":

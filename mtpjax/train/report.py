@@ -84,6 +84,9 @@ def summary(cfg: Config, run: Path, out: dict, checkpoint: Path | None) -> str:
     lines = [f"{done} of {cfg.train.steps} in {out['seconds']:.0f} s"
              + (f", {out['skipped_steps']} non-finite updates skipped" if out["skipped_steps"] else "")
              + (f"; {goodput.line(out['goodput_s'])}" if "goodput_s" in out else "")]
+    if out["step"] > cfg.train.steps:  # resumed past its end: a shortened train.steps trains nothing
+        lines[0] = (f"nothing trained: the run is at step {out['step']}, past train.steps={cfg.train.steps} (raise it "
+                    "to train on)")
     for prefix, name in (("", "train"), ("eval/", "eval")):
         losses = [(k, out.get(f"{prefix}loss/{k}")) for k in ["main"] + [f"mtp_{i}" for i in range(1, depth + 1)]]
         if losses[0][1] is not None:
