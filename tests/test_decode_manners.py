@@ -310,3 +310,21 @@ def test_n_gram_s_first_call_says_n_gram_gets_no_estimate(tiny_run, monkeypatch,
     assert "logged no agreement" not in err
     assert main(_argv(tiny_run[1], "--stats", "--proposer", "mtp", "--recalibrate")) == 0
     assert "so it decoded plain (the run logged no agreement to estimate from)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("schedule", [["mesh.stage_layers=[3,1]"], ["mesh.stage_repeats=2", "train.micro_batches=2"]])
+def test_a_staged_runs_schedule_does_not_refuse_the_stage_count_decoding_is_given(monkeypatch, schedule):
+    """A run trained with an uneven split or a circular schedule decodes with mesh.stage=1 (what the one-device note
+    tells it to pass), as it does without them."""
+    import argparse
+    import contextlib
+
+    import mtpjax.train.checkpoint as checkpoint
+    from mtpjax.cli.decode import _mesh
+    from mtpjax.config import Config, replace
+
+    saved = replace(Config(), ["model.n_layers=4", "model.scan_layers=true", "mesh.stage=2", *schedule])
+    run = argparse.Namespace(newest_config=lambda step: saved)
+    monkeypatch.setattr(checkpoint, "SavedRun", lambda run_dir: contextlib.nullcontext(run))
+    args = argparse.Namespace(run_dir="RUN", step=None, mesh_overrides=["mesh.stage=1"])
+    assert _mesh(args) is None  # one device here: decoded on one, not refused

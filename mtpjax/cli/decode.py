@@ -85,8 +85,7 @@ def _mesh(args):
     used (trained on more devices than are here) decodes on one device, said in one line."""
     import jax
 
-    from mtpjax.config import replace
-    from mtpjax.decode.mesh import check_mesh, fallback_note
+    from mtpjax.decode.mesh import check_mesh, fallback_note, mesh_config
     from mtpjax.parallel.sharding import MeshError, make_mesh
     from mtpjax.train.checkpoint import SavedRun
 
@@ -95,7 +94,7 @@ def _mesh(args):
         raise DecodeError(f"{bad[0]!r}: decode.py overrides only the mesh (mesh.data=N, mesh.fsdp=N, mesh.expert=N, "
                           "mesh.tensor=N); the rest of the config is the run's")
     with SavedRun(args.run_dir) as run:
-        cfg = replace(run.newest_config(args.step), args.mesh_overrides)
+        cfg = mesh_config(run.newest_config(args.step), args.mesh_overrides)
     try:
         mesh = make_mesh(cfg.mesh)
         check_mesh(cfg.model, mesh)

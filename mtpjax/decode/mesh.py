@@ -19,7 +19,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mtpjax.config import MeshConfig, ModelConfig
+from mtpjax.config import MeshConfig, ModelConfig, replace
 from mtpjax.nn.layers import KV
 from mtpjax.nn.mla import MLACache
 from mtpjax.nn.model import MTPTransformer, placed
@@ -27,6 +27,9 @@ from mtpjax.nn.placement import Placement
 from mtpjax.parallel.sharding import MeshError, mesh_axes, placement, state_shardings
 
 log = logging.getLogger("mtpjax.decode")
+# A staged run's mesh.stage_layers / stage_repeats describe its training schedule; left in, they would refuse the
+# mesh.stage=1 a decode on fewer devices needs (and that the one-device note suggests).
+NO_SCHEDULE = ("mesh.stage_layers=[]", "mesh.stage_repeats=1")
 
 
 def check_mesh(cfg: ModelConfig, mesh: Mesh) -> None:
@@ -38,6 +41,14 @@ def check_mesh(cfg: ModelConfig, mesh: Mesh) -> None:
     if t > 1 and cfg.n_heads % t:
         raise MeshError(f"mesh.tensor={t} does not divide the model's {cfg.n_heads} attention heads; use a "
                         f"divisor of {cfg.n_heads}")
+
+
+def mesh_config(saved, overrides: list[str]):
+    """The run's config with the command's mesh overrides; an override of mesh.stage to another count drops the run's
+    pipeline schedule (mesh.stage_layers, mesh.stage_repeats: how it trained), which would refuse the new count."""
+    stage = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0].strip() == "mesh.stage"]
+    moved = bool(stage) and stage[-1] != str(saved.mesh.stage)
+    return replace(saved, [*NO_SCHEDULE, *overrides] if moved else overrides)
 
 
 def fallback_note(cfg: ModelConfig, mesh: MeshConfig, devices: int, why: str) -> str | None:
