@@ -161,6 +161,18 @@ def test_decode_eval_on_one_device_reproduces_the_staged_runs_last_eval(runs, ca
             assert rep["validation"][k] == pytest.approx(v, rel=METRIC_RTOL, abs=1e-7), k
 
 
+def test_an_unevenly_staged_run_evaluates_on_its_own_mesh_as_on_one_device(runs, capsys):
+    """decode.py --eval on the 2 stages the run trained on, split 2 + 1 as it was (the even split of 3 blocks over 2
+    stages does not exist), gives one device's metrics."""
+    tmp, _, _, out = runs
+    on_mesh = out["uneven_eval_on_its_mesh"]
+    assert on_mesh.get("rc") == 0, on_mesh
+    one = _decode_eval(tmp / "uneven", tmp / "uneven-one.json", capsys)["validation"]
+    assert set(on_mesh["validation"]) == set(one)
+    for k, v in one.items():
+        assert on_mesh["validation"][k] == pytest.approx(v, rel=METRIC_RTOL, abs=1e-7), k
+
+
 def test_companion_a_restore_with_the_stages_blocks_swapped_is_caught(runs, capsys, monkeypatch):
     """A layout that depended on the stage count (stage 1's blocks read back first) fails the equality above."""
     tmp, _, _, out = runs
