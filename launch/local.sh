@@ -62,8 +62,10 @@ while [ ${#running[@]} -gt 0 ]; do
     for ((i = 0; i < N; i++)); do [ "${PIDS[$i]}" = "$done_pid" ] && who=$i; done
     how="exited with status $rc"
     [ "$rc" -gt 128 ] && how="was lost (killed by signal $((rc - 128)), SIG$(kill -l $((rc - 128)) 2>/dev/null))"
-    echo "local.sh: process ${who:-?} of $N $how; stopping the others; run the same command again to resume" \
-         "from the last complete checkpoint" >&2
+    next="run the same command again to resume from the last complete checkpoint"
+    # status 2: train.py refused its input (its line above says what to change); the same command is refused again
+    [ "$rc" = 2 ] && next="it refused the command (its line above names the fix); nothing to resume"
+    echo "local.sh: process ${who:-?} of $N $how; stopping the others; $next" >&2
     status=$rc
     stop_all 5
     wait

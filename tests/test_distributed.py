@@ -417,3 +417,17 @@ def test_interrupted_local_run_checkpoints_every_process_at_one_step(tmp_path):
     step = int(done[0].rsplit(" ", 1)[1])
     saved = sorted(int(d.name) for d in (run / "checkpoints").iterdir() if d.name.isdigit())
     assert step > 3 and saved[-1] == step
+
+
+def test_local_sh_does_not_tell_a_refused_command_to_run_again(tmp_path):
+    """Exit status 2 is train.py refusing its input (a mesh for other devices, say): the same command is refused
+    again, so local.sh does not tell the user to re-run it to resume."""
+    stub = tmp_path / "py"
+    stub.write_text(f'#!/bin/bash\n[ "$1" = -c ] && exec {sys.executable} "$@"\n'
+                    'echo "error: mesh data*fsdp*tensor = 4*1*1 = 4 but 2 device(s) are available" >&2\nexit 2\n')
+    stub.chmod(0o755)
+    p = subprocess.run(["bash", str(LAUNCH / "local.sh"), "2"], env={**os.environ, "PYTHON": str(stub)},
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    (line,) = [x for x in p.stderr.splitlines() if x.startswith("local.sh:")]
+    assert "exited with status 2" in line and "refused the command" in line and "run the same command" not in line
