@@ -69,7 +69,7 @@ def make_loop(model: MTPTransformer, prompts, *, max_new_tokens: int, draft: Tre
     if isinstance(tree, Auto):
         raise DecodeError("a loop drafts a fixed tree; draft='auto' is generate's (it measures and picks one)")
     cfg = model.cfg
-    if not prompts or any(len(p) == 0 for p in prompts):
+    if len(prompts) == 0 or any(len(p) == 0 for p in prompts):  # len: a 2-D array has no truth value
         raise DecodeError("empty prompt: every prompt needs at least one token")
     if max_new_tokens < 1:
         raise DecodeError(f"max_new_tokens={max_new_tokens} must be >= 1")
