@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass
 from typing import Literal
 
 from mtpjax.errors import SpellingError
 
 Source = Literal["mtp", "ngram", "model"]
+SOURCES = ("mtp", "ngram", "model")
 MAX_NODES = 64  # verifying more rows than this per round never pays; the drafting loop is unrolled per node
 FORMS = "auto | 0 (plain) | 3 (a chain of 3) | 2x2x1 | -1,-1,0,0 | 2x2+ngram3"
 
@@ -32,6 +34,22 @@ class Tree:
 
     parents: tuple[int, ...]
     sources: tuple[Source, ...]
+
+    def __post_init__(self):
+        """Parents as a tuple of earlier nodes or -1, one known source per node, at most MAX_NODES: DraftError."""
+        parents, sources = tuple(map(_index, self.parents)), tuple(self.sources)
+        object.__setattr__(self, "parents", parents)  # a list given is hashed as a tuple (jit's static arguments)
+        object.__setattr__(self, "sources", sources)
+        bad = [i for i, p in enumerate(parents) if p is None or not -1 <= p < i]
+        if bad:
+            raise DraftError(self.parents, f"Tree: node {bad[0]}'s parent {self.parents[bad[0]]!r} is not an "
+                                           "earlier node or -1 (the root); list each node's parent, parents first, "
+                                           "e.g. (-1, -1, 0, 0)")
+        if len(sources) != len(parents) or not set(sources) <= set(SOURCES):
+            raise DraftError(sources, f"Tree: sources {sources!r} must name one of {SOURCES} for each of the "
+                                      f"{len(parents)} nodes")
+        if len(parents) > MAX_NODES:
+            raise DraftError(parents, f"Tree: {len(parents)} nodes; a draft has at most {MAX_NODES}")
 
     @property
     def size(self) -> int:
@@ -117,8 +135,20 @@ class Auto:
         return "auto"
 
 
+def _index(x) -> int | None:
+    """x as an int if it is an integer (a numpy one included, not a bool), else None."""
+    if isinstance(x, bool):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
+
+
 def chain(n: int, source: Source = "mtp") -> Tree:
     """The chain of n drafts (each continues the one before it); 0: PLAIN."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise DraftError(n, f"chain({n!r}): a chain's length is a count of drafts, an int >= 0 (0: plain)")
     return Tree(tuple(range(-1, n - 1)), (source,) * n)
 
 

@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 
 from mtpjax.decode import generate
+from mtpjax.drafts import MAX_NODES, DraftError, Tree, chain, parse
+from mtpjax.errors import MtpjaxError
 from mtpjax.nn.model import build_model
 
 
@@ -23,3 +25,28 @@ def test_a_2d_int_array_of_prompts_generates_as_the_list_does(model):
     want = generate(model, ids.tolist(), max_new_tokens=3)
     assert generate(model, ids, max_new_tokens=3).tokens == want.tokens
     assert generate(model, ids[:1], max_new_tokens=3, draft=1).tokens == want.tokens[:1]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: Tree((-1, 2, 0), ("mtp",) * 3),  # a parent after its child
+    lambda: Tree((0,), ("mtp",)),  # its own parent
+    lambda: Tree((-1, 0), ("mtp",)),  # a node without a source
+    lambda: Tree((-1,), ("mpt",)),  # an unknown source
+    lambda: Tree((-1, 0.5), ("mtp",) * 2),  # not a node index
+    lambda: chain(MAX_NODES + 1),  # past the one limit of any draft
+    lambda: chain(-1),  # was the empty tree: plain decoding
+])
+def test_a_tree_built_in_code_is_checked_when_built(make):
+    """Tree(parents, sources) and chain(n) are documented constructors; a malformed one is a DraftError (an
+    MtpjaxError) when built, not an IndexError, a broadcasting error from inside the compiled loop, or plain
+    decoding."""
+    with pytest.raises(DraftError) as e:
+        make()
+    assert isinstance(e.value, MtpjaxError) and "\n" not in str(e.value)
+
+
+def test_companion_a_tree_given_as_lists_or_numpy_ints_is_the_tuple_tree(model):
+    tree = Tree([-1, -1, np.int64(0)], ["mtp"] * 3)
+    assert tree == Tree((-1, -1, 0), ("mtp",) * 3) and hash(tree) == hash(parse("-1,-1,0"))
+    assert generate(model, [[1, 2, 3]], max_new_tokens=4, draft=tree).tokens == \
+        generate(model, [[1, 2, 3]], max_new_tokens=4).tokens
