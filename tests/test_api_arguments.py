@@ -4,7 +4,9 @@ one MtpjaxError naming the fix, never a TypeError, IndexError or an error from i
 import numpy as np
 import pytest
 
-from mtpjax.decode import generate
+from conftest import SMALL
+
+from mtpjax.decode import DecodeError, generate
 from mtpjax.drafts import MAX_NODES, DraftError, Tree, chain, parse
 from mtpjax.errors import MtpjaxError
 from mtpjax.nn.model import build_model
@@ -13,7 +15,6 @@ from mtpjax.nn.model import build_model
 @pytest.fixture(scope="module")
 def model():
     from mtpjax.config import ModelConfig
-    from conftest import SMALL
 
     return build_model(ModelConfig(**SMALL), seed=0)
 
@@ -50,3 +51,25 @@ def test_companion_a_tree_given_as_lists_or_numpy_ints_is_the_tuple_tree(model):
     assert tree == Tree((-1, -1, 0), ("mtp",) * 3) and hash(tree) == hash(parse("-1,-1,0"))
     assert generate(model, [[1, 2, 3]], max_new_tokens=4, draft=tree).tokens == \
         generate(model, [[1, 2, 3]], max_new_tokens=4).tokens
+
+
+@pytest.mark.parametrize("kw", [
+    dict(max_new_tokens=4.0), dict(max_new_tokens="4"), dict(max_new_tokens=None), dict(max_new_tokens=True),
+    dict(temperature="0.7"), dict(temperature=None), dict(top_k=2.5, temperature=1.0), dict(top_p="0.9"),
+    dict(seed=None), dict(seed=1.5), dict(eos_id="2"), dict(eos_id=SMALL["vocab_size"]), dict(max_len="64"),
+    dict(on_commit=5),
+])
+def test_a_bad_argument_of_generate_is_one_decode_error(model, kw):
+    """Each was a TypeError or ValueError from deep inside (a comparison, jnp.zeros' shape, jax.random.key, a
+    callback failing inside the compiled loop), or silently something else: top_k=2.5 ran as 2, an eos_id past the
+    vocabulary never stopped a row."""
+    with pytest.raises(DecodeError) as e:
+        generate(model, [[1, 2, 3]], **{"max_new_tokens": 4, **kw})
+    assert "\n" not in str(e.value)
+
+
+def test_companion_numpy_scalars_are_numbers_as_python_ones_are(model):
+    want = generate(model, [[1, 2, 3]], max_new_tokens=4, temperature=1.0, top_k=3, top_p=0.9, seed=7, eos_id=1)
+    got = generate(model, [[1, 2, 3]], max_new_tokens=np.int64(4), temperature=np.float32(1.0), top_k=np.int32(3),
+                   top_p=0.9, seed=np.int64(7), eos_id=np.int32(1))
+    assert got.tokens == want.tokens

@@ -6,7 +6,8 @@ from __future__ import annotations
 import functools
 
 from mtpjax.decode import autodraft, firstguess
-from mtpjax.decode.host import DecodeError, GenerateResult, check_proposer, draft_of, make_loop, run, summarize
+from mtpjax.decode.host import (DecodeError, GenerateResult, check_callback, check_proposer, draft_of, make_loop, run,
+                                summarize)
 from mtpjax.decode.prompts import check_token_prompts
 from mtpjax.decode.sampling import make_sampler
 from mtpjax.decode.tree import acceptance_by_depth_rank
@@ -33,6 +34,7 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, draft: Tree
     `on_commit(tokens_BY, counts_B)` hears each round's commits.
     """
     check_token_prompts(prompts)
+    check_callback(on_commit)
     try:
         sampler = make_sampler(temperature, top_k, top_p)
     except ValueError as e:

@@ -61,6 +61,24 @@ def check_proposer(model: MTPTransformer, proposer: str, tree: Tree, draft_model
             raise DecodeError(why)
 
 
+def integer(name: str, value, *, least: int | None = None, none_ok: bool = False) -> int | None:
+    """value as an int (a numpy integer too; not a bool, a float or a string), at least `least`; else DecodeError."""
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise DecodeError(f"{name}={value!r} must be an integer{'' if least is None else f' >= {least}'}"
+                          f"{' or None' if none_ok else ''}")
+    if least is not None and value < least:
+        raise DecodeError(f"{name}={value} must be >= {least}")
+    return int(value)
+
+
+def check_callback(on_commit) -> None:
+    """DecodeError unless on_commit is None or callable."""
+    if on_commit is not None and not callable(on_commit):
+        raise DecodeError(f"on_commit={on_commit!r:.40} is not callable; pass a function f(tokens_BY, counts_B)")
+
+
 def make_loop(model: MTPTransformer, prompts, *, max_new_tokens: int, draft: Tree | str | int = PLAIN,
               proposer: str = "mtp", sampler: Sampler = GREEDY, eos_id=None, max_len=None,
               draft_model: MTPTransformer | None = None, stream: bool = False) -> Loop:
@@ -71,8 +89,10 @@ def make_loop(model: MTPTransformer, prompts, *, max_new_tokens: int, draft: Tre
     cfg = model.cfg
     if len(prompts) == 0 or any(len(p) == 0 for p in prompts):  # len: a 2-D array has no truth value
         raise DecodeError("empty prompt: every prompt needs at least one token")
-    if max_new_tokens < 1:
-        raise DecodeError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    max_new_tokens = integer("max_new_tokens", max_new_tokens, least=1)
+    max_len, eos_id = integer("max_len", max_len, least=1, none_ok=True), integer("eos_id", eos_id, none_ok=True)
+    if eos_id is not None and eos_id >= cfg.vocab_size:
+        raise DecodeError(f"eos_id={eos_id} is outside the vocabulary [0, {cfg.vocab_size}): it would never stop a row")
     check_proposer(model, proposer, tree, draft_model)
     bad = [t for p in prompts for t in p if not 0 <= int(t) < cfg.vocab_size]
     if bad:
@@ -85,12 +105,12 @@ def make_loop(model: MTPTransformer, prompts, *, max_new_tokens: int, draft: Tre
     prop = make_proposer(proposer, tree)
     size = rows(longest, max_new_tokens, prop.tree.size)
     return Loop(proposer=prop, sampler=sampler, max_new=max_new_tokens, capacity=size.capacity,
-                prompt_pad=size.prompt_pad, eos_id=-1 if eos_id is None else int(eos_id), stream=stream)
+                prompt_pad=size.prompt_pad, eos_id=-1 if eos_id is None else eos_id, stream=stream)
 
 
 def request(loop: Loop, prompts, seed: int = 0, budget: int | None = None) -> Request:
     """The traced inputs: padded prompts, lengths, per-row budget (<= loop.max_new, default max_new), key."""
-    B = len(prompts)
+    B, seed = len(prompts), integer("seed", seed)
     tokens_BP = np.zeros((B, loop.prompt_pad), np.int32)
     for i, p in enumerate(prompts):
         tokens_BP[i, : len(p)] = p
@@ -103,6 +123,7 @@ def request(loop: Loop, prompts, seed: int = 0, budget: int | None = None) -> Re
 def execute_request(loop: Loop, model: MTPTransformer, req: Request, draft_model: MTPTransformer | None = None,
                     on_commit=None) -> DecodeState:
     """Run the compiled loop (compiled once per Loop and model structure) on a request."""
+    check_callback(on_commit)
     gt, pt = nnx.split(model)
     gd, pd = nnx.split(draft_model) if draft_model is not None else (None, None)
     with stream.registered(on_commit) as sid:

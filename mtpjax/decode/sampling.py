@@ -7,6 +7,7 @@ like with like.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import jax
@@ -27,7 +28,12 @@ class Sampler:
 
 
 def make_sampler(temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None) -> Sampler:
-    """Normalize user arguments (None = off) into a Sampler; raises ValueError on impossible values."""
+    """Normalize user arguments (None = off) into a Sampler; raises ValueError on impossible values or types."""
+    real = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)  # noqa: E731
+    if not real(temperature) or not (top_p is None or real(top_p)):
+        raise ValueError(f"temperature={temperature!r} and top_p={top_p!r} must be numbers (top_p may be None)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral)):
+        raise ValueError(f"top_k={top_k!r} must be an integer >= 0 or None")
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature={temperature} must be a finite number >= 0 (0 = greedy)")
     if top_k is not None and top_k < 0:
