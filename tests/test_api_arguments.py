@@ -6,7 +6,7 @@ import pytest
 
 from conftest import SMALL
 
-from mtpjax.decode import DecodeError, generate
+from mtpjax.decode import DecodeError, generate, make_loop, run, summarize
 from mtpjax.drafts import MAX_NODES, DraftError, Tree, chain, parse
 from mtpjax.errors import MtpjaxError
 from mtpjax.nn.model import build_model
@@ -73,3 +73,24 @@ def test_companion_numpy_scalars_are_numbers_as_python_ones_are(model):
     got = generate(model, [[1, 2, 3]], max_new_tokens=np.int64(4), temperature=np.float32(1.0), top_k=np.int32(3),
                    top_p=0.9, seed=np.int64(7), eos_id=np.int32(1))
     assert got.tokens == want.tokens
+
+
+@pytest.mark.parametrize("budget", [0, -3, 2.5])
+def test_a_budget_under_one_token_or_not_a_count_is_refused(model, budget):
+    """run(budget=0) decoded one token and budget=2.5 two: a cap that is not a count of at least one token is a
+    DecodeError (the prefill always commits the first token)."""
+    loop = make_loop(model, [[1, 2, 3]], max_new_tokens=6)
+    with pytest.raises(DecodeError, match="budget"):
+        run(model, [[1, 2, 3]], loop, budget=budget)
+    assert [len(t) for t in summarize(run(model, [[1, 2, 3]], loop, budget=2), loop.tree).tokens] == [2]
+
+
+def test_a_callback_given_to_a_loop_that_does_not_stream_is_refused(model):
+    """run(on_commit=f) with a loop built without stream=True silently never called f."""
+    loop = make_loop(model, [[1, 2, 3]], max_new_tokens=4, draft=1)
+    with pytest.raises(DecodeError, match="stream=True"):
+        run(model, [[1, 2, 3]], loop, on_commit=lambda toks, counts: None)
+    heard = []
+    loop = make_loop(model, [[1, 2, 3]], max_new_tokens=4, draft=1, stream=True)
+    st = run(model, [[1, 2, 3]], loop, on_commit=lambda toks, counts: heard.extend(toks[0, :counts[0]].tolist()))
+    assert heard == summarize(st, loop.tree).tokens[0]

@@ -110,12 +110,12 @@ def make_loop(model: MTPTransformer, prompts, *, max_new_tokens: int, draft: Tre
 
 def request(loop: Loop, prompts, seed: int = 0, budget: int | None = None) -> Request:
     """The traced inputs: padded prompts, lengths, per-row budget (<= loop.max_new, default max_new), key."""
-    B, seed = len(prompts), integer("seed", seed)
+    B, seed, budget = len(prompts), integer("seed", seed), integer("budget", budget, least=1, none_ok=True)
     tokens_BP = np.zeros((B, loop.prompt_pad), np.int32)
     for i, p in enumerate(prompts):
         tokens_BP[i, : len(p)] = p
     plen_B = np.array([len(p) for p in prompts], np.int32)
-    budget_B = np.full((B,), loop.max_new if budget is None else min(max(1, budget), loop.max_new), np.int32)
+    budget_B = np.full((B,), loop.max_new if budget is None else min(budget, loop.max_new), np.int32)
     return Request(tokens_BP=jnp.asarray(tokens_BP), plen_B=jnp.asarray(plen_B), budget_B=jnp.asarray(budget_B),
                    key=jax.random.key(seed), stream=jnp.int32(stream.NONE))
 
@@ -142,6 +142,8 @@ def run(model: MTPTransformer, prompts, loop: Loop, seed: int = 0, budget: int |
     counts_B)` receives each round's commits on the host (the loop must be built with stream=True); it is
     looked up by id at run time, so a new callback never recompiles.
     """
+    if on_commit is not None and not loop.stream:
+        raise DecodeError("on_commit needs a loop that emits its commits: build it with make_loop(..., stream=True)")
     return execute_request(loop, model, request(loop, prompts, seed, budget), draft_model, on_commit)
 
 
