@@ -6,6 +6,7 @@ import pytest
 
 from conftest import SMALL
 
+from mtpjax.config import ConfigError, load_config, replace
 from mtpjax.decode import DecodeError, generate, make_loop, run, summarize
 from mtpjax.drafts import MAX_NODES, DraftError, Tree, chain, parse
 from mtpjax.errors import MtpjaxError
@@ -94,3 +95,13 @@ def test_a_callback_given_to_a_loop_that_does_not_stream_is_refused(model):
     loop = make_loop(model, [[1, 2, 3]], max_new_tokens=4, draft=1, stream=True)
     st = run(model, [[1, 2, 3]], loop, on_commit=lambda toks, counts: heard.extend(toks[0, :counts[0]].tolist()))
     assert heard == summarize(st, loop.tree).tokens[0]
+
+
+@pytest.mark.parametrize("call", [lambda: load_config(None, "model.d_model=64"),
+                                  lambda: replace(load_config(), "model.d_model=64")])
+def test_overrides_given_as_one_string_name_the_list(call):
+    """load_config(path, "model.d_model=64") iterated the string and refused its first character: "override 'm' is
+    not of the form section.key=value"; the message now names the list the call wants."""
+    with pytest.raises(ConfigError, match=r"\['model.d_model=64'\]"):
+        call()
+    assert replace(load_config(), ["model.d_model=64"]).model.d_model == 64

@@ -31,6 +31,9 @@ def _yaml(text: str):
 
 def _overridden(raw: dict, overrides: typing.Iterable[str]) -> dict:
     """`raw` with each `section.key=value` (the value read as YAML) set in it."""
+    if isinstance(overrides, (str, bytes)):  # iterating it would read each character as an override
+        raise ConfigError(f"overrides is one string ({overrides!r:.60}); pass a list of section.key=value strings, "
+                          f"e.g. [{overrides!r:.60}]")
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form section.key=value (e.g. train.steps=100)")
