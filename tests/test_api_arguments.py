@@ -11,6 +11,7 @@ from mtpjax.decode import DecodeError, generate, make_loop, run, summarize
 from mtpjax.drafts import MAX_NODES, DraftError, Tree, chain, parse
 from mtpjax.errors import MtpjaxError
 from mtpjax.nn.model import build_model
+from mtpjax.train.checkpoint import CheckpointError, SavedRun
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +106,13 @@ def test_overrides_given_as_one_string_name_the_list(call):
     with pytest.raises(ConfigError, match=r"\['model.d_model=64'\]"):
         call()
     assert replace(load_config(), ["model.d_model=64"]).model.d_model == 64
+
+
+@pytest.mark.parametrize("step", ["4", 4.0])
+def test_a_step_that_is_not_an_int_is_named_as_such(tmp_path, step):
+    """load_model(run, step="4") said "has no checkpoint at step 4; available: [4]"; now it names the type."""
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    with SavedRun(tmp_path) as saved:
+        with pytest.raises(CheckpointError, match=r"step=.*4.* is not a checkpoint step: give an int"):
+            saved.step(step)
+        assert saved.step(np.int64(4)) == 4 and saved.step() == 4

@@ -221,6 +221,9 @@ class SavedRun:
         """`step` if the run has that checkpoint, else CheckpointError; the latest step for None."""
         if step is None:
             return self.steps[-1]
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+            raise CheckpointError(f"step={step!r} is not a checkpoint step: give an int (available: {self.steps}) or "
+                                  "None for the latest")
         if step not in self.steps:
             raise CheckpointError(f"{self.name} has no checkpoint at step {step}; available: {self.steps}")
         return step
