@@ -56,4 +56,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *API])
+    return sorted({*globals(), *API})  # a name loaded already is in both

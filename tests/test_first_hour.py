@@ -47,6 +47,7 @@ def test_import_mtpjax_loads_no_jax_and_its_api_names_load_on_first_use():
     assert [f.__module__ for f in (mtpjax.load, mtpjax.generate, mtpjax.load_model)] == [
         "mtpjax.train.pretrained", "mtpjax.decode.api", "mtpjax.train.checkpoint"]
     assert {"load", "generate", "decode", "train"} <= set(dir(mtpjax))
+    assert len(dir(mtpjax)) == len(set(dir(mtpjax)))  # a name loaded already was listed twice
     with pytest.raises(AttributeError, match="module 'mtpjax' has no attribute 'nope'"):
         mtpjax.nope  # noqa: B018
 
