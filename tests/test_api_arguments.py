@@ -116,3 +116,14 @@ def test_a_step_that_is_not_an_int_is_named_as_such(tmp_path, step):
         with pytest.raises(CheckpointError, match=r"step=.*4.* is not a checkpoint step: give an int"):
             saved.step(step)
         assert saved.step(np.int64(4)) == 4 and saved.step() == 4
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-45])
+@pytest.mark.parametrize("draft", [0, 2])
+def test_a_tiny_temperature_samples_the_greedy_tokens(model, temperature, draft):
+    """Sampling at temperature -> 0 is greedy decoding (docs/decoding.md); logits / 1e-30 overflowed float32 to inf,
+    softmax gave NaN and every draw was token 0."""
+    prompts = [[1, 2, 3], [7, 8]]
+    want = generate(model, prompts, max_new_tokens=10).tokens
+    assert generate(model, prompts, max_new_tokens=10, draft=draft, temperature=temperature).tokens == want
+

@@ -49,7 +49,10 @@ def probs(sampler: Sampler, logits_IV):
     V = logits.shape[-1]
     if sampler.greedy:
         return jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
-    logits = logits / sampler.temperature
+    # Shifted so the largest is 0 and divided by at least float32's smallest normal number: a tiny temperature sends
+    # the rest to -inf (its limit, greedy), never the largest to +inf (softmax then NaN, and every draw token 0).
+    t = max(sampler.temperature, float(jnp.finfo(jnp.float32).tiny))
+    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / t
     if 0 < sampler.top_k < V:
         kth = jax.lax.top_k(logits, sampler.top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
