@@ -127,3 +127,10 @@ def test_a_tiny_temperature_samples_the_greedy_tokens(model, temperature, draft)
     want = generate(model, prompts, max_new_tokens=10).tokens
     assert generate(model, prompts, max_new_tokens=10, draft=draft, temperature=temperature).tokens == want
 
+
+@pytest.mark.parametrize("draft", [-1, np.int64(-2)])
+def test_a_negative_count_of_drafts_is_refused(model, draft):
+    """draft=-1 was read as the parent-list spelling "-1" and drafted one token each round, silently."""
+    with pytest.raises(DecodeError, match="not a count of drafts"):
+        generate(model, [[1, 2, 3]], max_new_tokens=4, draft=draft)
+    assert generate(model, [[1, 2, 3]], max_new_tokens=4, draft="-1").draft == chain(1)  # the parent list itself

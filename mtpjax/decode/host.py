@@ -41,6 +41,8 @@ def draft_of(draft: Tree | Auto | str | int, proposer: str = "mtp") -> Tree | Au
     if not isinstance(draft, (Tree, Auto)):
         if isinstance(draft, bool) or not isinstance(draft, (str, int, np.integer)):
             raise DecodeError(f"draft={draft!r} is not a draft; give one of {FORMS}")
+        if not isinstance(draft, str) and draft < 0:  # str(-1) would read as the parent list "-1": one draft
+            raise DecodeError(f"draft={draft} is not a count of drafts; give 0 (plain) or more, or one of {FORMS}")
         try:
             draft = parse(str(draft))
         except DraftError as e:
