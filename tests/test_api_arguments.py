@@ -134,3 +134,19 @@ def test_a_negative_count_of_drafts_is_refused(model, draft):
     with pytest.raises(DecodeError, match="not a count of drafts"):
         generate(model, [[1, 2, 3]], max_new_tokens=4, draft=draft)
     assert generate(model, [[1, 2, 3]], max_new_tokens=4, draft="-1").draft == chain(1)  # the parent list itself
+
+
+@pytest.mark.parametrize("prompts, error", [
+    ([[1] * 17], "longer than this loop takes"),  # was a numpy broadcasting ValueError
+    ([[40, 2]], "outside the vocabulary"),  # was decoded from a clamped embedding lookup, silently
+    ([[]], "empty prompt"),  # was decoded from position -1, silently
+    ("abc", "prompts is text"),
+])
+def test_run_checks_its_prompts_as_make_loop_does(model, prompts, error):
+    """A Loop is compiled once and run on other prompts (docs/api.md); run checked none of them."""
+    loop = make_loop(model, [[1, 2, 3]], max_new_tokens=6)
+    assert loop.prompt_pad == 16
+    with pytest.raises(MtpjaxError, match=error):
+        run(model, prompts, loop)
+    st = run(model, [[1] * 16, [2, 3]], loop)
+    assert summarize(st, loop.tree).tokens == generate(model, [[1] * 16, [2, 3]], max_new_tokens=6).tokens

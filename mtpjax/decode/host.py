@@ -13,6 +13,7 @@ from mtpjax.decode import stream
 from mtpjax.decode.cache import rows
 from mtpjax.decode.loop import DecodeState, Loop, Request, execute
 from mtpjax.decode.mesh import put
+from mtpjax.decode.prompts import check_token_prompts
 from mtpjax.decode.proposers import DRAFTERS, make_proposer
 from mtpjax.decode.sampling import Sampler
 from mtpjax.drafts import FORMS, PLAIN, Auto, DraftError, Tree, chain, parse
@@ -81,6 +82,18 @@ def check_callback(on_commit) -> None:
         raise DecodeError(f"on_commit={on_commit!r:.40} is not callable; pass a function f(tokens_BY, counts_B)")
 
 
+def check_prompts(cfg, prompts) -> int:
+    """The longest prompt's length; PromptError or DecodeError unless `prompts` is a non-empty batch of non-empty
+    token-id sequences in the vocabulary."""
+    check_token_prompts(prompts)
+    if len(prompts) == 0 or any(len(p) == 0 for p in prompts):  # len: a 2-D array has no truth value
+        raise DecodeError("empty prompt: every prompt needs at least one token")
+    bad = [t for p in prompts for t in p if not 0 <= int(t) < cfg.vocab_size]
+    if bad:
+        raise DecodeError(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+    return max(len(p) for p in prompts)
+
+
 def make_loop(model: MTPTransformer, prompts, *, max_new_tokens: int, draft: Tree | str | int = PLAIN,
               proposer: str = "mtp", sampler: Sampler = GREEDY, eos_id=None, max_len=None,
               draft_model: MTPTransformer | None = None, stream: bool = False) -> Loop:
@@ -89,17 +102,12 @@ def make_loop(model: MTPTransformer, prompts, *, max_new_tokens: int, draft: Tre
     if isinstance(tree, Auto):
         raise DecodeError("a loop drafts a fixed tree; draft='auto' is generate's (it measures and picks one)")
     cfg = model.cfg
-    if len(prompts) == 0 or any(len(p) == 0 for p in prompts):  # len: a 2-D array has no truth value
-        raise DecodeError("empty prompt: every prompt needs at least one token")
+    longest = check_prompts(cfg, prompts)
     max_new_tokens = integer("max_new_tokens", max_new_tokens, least=1)
     max_len, eos_id = integer("max_len", max_len, least=1, none_ok=True), integer("eos_id", eos_id, none_ok=True)
     if eos_id is not None and eos_id >= cfg.vocab_size:
         raise DecodeError(f"eos_id={eos_id} is outside the vocabulary [0, {cfg.vocab_size}): it would never stop a row")
     check_proposer(model, proposer, tree, draft_model)
-    bad = [t for p in prompts for t in p if not 0 <= int(t) < cfg.vocab_size]
-    if bad:
-        raise DecodeError(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
-    longest = max(len(p) for p in prompts)
     if max_len is not None and longest + max_new_tokens > max_len:
         raise DecodeError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the cache "
                           f"capacity max_len={max_len}; shorten the prompt or raise max_len (decode.py --max-len, "
@@ -144,6 +152,9 @@ def run(model: MTPTransformer, prompts, loop: Loop, seed: int = 0, budget: int |
     counts_B)` receives each round's commits on the host (the loop must be built with stream=True); it is
     looked up by id at run time, so a new callback never recompiles.
     """
+    if check_prompts(model.cfg, prompts) > loop.prompt_pad:
+        raise DecodeError(f"a prompt of {max(map(len, prompts))} tokens is longer than this loop takes "
+                          f"({loop.prompt_pad}); build a loop for these prompts: make_loop(model, prompts, ...)")
     if on_commit is not None and not loop.stream:
         raise DecodeError("on_commit needs a loop that emits its commits: build it with make_loop(..., stream=True)")
     return execute_request(loop, model, request(loop, prompts, seed, budget), draft_model, on_commit)
