@@ -150,3 +150,17 @@ def test_run_checks_its_prompts_as_make_loop_does(model, prompts, error):
         run(model, prompts, loop)
     st = run(model, [[1] * 16, [2, 3]], loop)
     assert summarize(st, loop.tree).tokens == generate(model, [[1] * 16, [2, 3]], max_new_tokens=6).tokens
+
+
+@pytest.mark.parametrize("kw, error", [
+    (dict(first_guess=[2.0]), "first_guess"),  # was an estimate of 7 tokens a round, and drafted by it
+    (dict(first_guess=[-1.0]), "first_guess"),
+    (dict(first_guess="0.6"), "first_guess"),  # was a ValueError from float('.')
+    (dict(first_guess=0.6), "first_guess"),  # was a TypeError
+    (dict(progress=5), "progress"),  # was a TypeError once measuring began
+    (dict(calibrations="cal.json"), "SavedCalibrations"),  # was an AttributeError
+])
+def test_auto_s_own_arguments_are_checked_before_anything_runs(model_cfg, kw, error):
+    fresh = build_model(model_cfg(), seed=0)  # auto remembers its measurement per model: a fresh one measures
+    with pytest.raises(DecodeError, match=error):
+        generate(fresh, [[1, 2, 3]], max_new_tokens=4, draft="auto", plain_first=True, **kw)

@@ -4,6 +4,7 @@ and stats."""
 from __future__ import annotations
 
 import functools
+import numbers
 
 from mtpjax.decode import autodraft, firstguess
 from mtpjax.decode.host import (DecodeError, GenerateResult, check_callback, check_proposer, draft_of, make_loop, run,
@@ -35,6 +36,7 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, draft: Tree
     """
     check_token_prompts(prompts)
     check_callback(on_commit)
+    _check_auto_arguments(calibrations, progress, first_guess)
     try:
         sampler = make_sampler(temperature, top_k, top_p)
     except ValueError as e:
@@ -62,6 +64,21 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, draft: Tree
             res.stats["first_guess"] = cal.as_dict()
         _, cal = resolve()
     return _described(res, loop, cal, after)
+
+
+def _check_auto_arguments(calibrations, progress, first_guess) -> None:
+    """DecodeError unless calibrations is a SavedCalibrations, progress callable and first_guess rates in [0, 1]
+    (each may be None)."""
+    if calibrations is not None and not isinstance(calibrations, autodraft.SavedCalibrations):
+        raise DecodeError(f"calibrations={calibrations!r:.40} is not a mtpjax.decode.autodraft.SavedCalibrations("
+                          "path, tag)")
+    if progress is not None and not callable(progress):
+        raise DecodeError(f"progress={progress!r:.40} is not callable; pass a function f(text)")
+    rates = first_guess if isinstance(first_guess, (list, tuple)) else None
+    if first_guess is not None and (rates is None or not all(
+            isinstance(a, numbers.Real) and not isinstance(a, bool) and 0 <= a <= 1 for a in rates)):
+        raise DecodeError(f"first_guess={first_guess!r:.40} must be a list of acceptance rates in [0, 1] by draft "
+                          "position, e.g. [0.6, 0.4]")
 
 
 def _described(res: GenerateResult, loop, cal, after: bool) -> GenerateResult:
