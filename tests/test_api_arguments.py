@@ -164,3 +164,21 @@ def test_auto_s_own_arguments_are_checked_before_anything_runs(model_cfg, kw, er
     fresh = build_model(model_cfg(), seed=0)  # auto remembers its measurement per model: a fresh one measures
     with pytest.raises(DecodeError, match=error):
         generate(fresh, [[1, 2, 3]], max_new_tokens=4, draft="auto", plain_first=True, **kw)
+
+
+@pytest.mark.parametrize("kw, error", [
+    (dict(model=None), "model is a NoneType, not a model"),
+    (dict(model="gen"), r"a Generator's model is model.model"),  # mtpjax.load's Generator passed as the model
+    (dict(draft=1, proposer="model", draft_model="runs/draft_tiny"), "draft_model is a str, not a model"),
+])
+def test_something_other_than_a_model_is_named(model, kw, error):
+    """Each was an AttributeError ('... has no attribute cfg')."""
+    from mtpjax.data import ByteTokenizer
+    from mtpjax.decode import Generator
+
+    if kw.get("model") == "gen":
+        kw["model"] = Generator(model, ByteTokenizer())
+    with pytest.raises(DecodeError, match=error):
+        generate(**{"model": model, "prompts": [[1, 2, 3]], "max_new_tokens": 4, **kw})
+    with pytest.raises(DecodeError, match=error):
+        make_loop(**{"model": model, "prompts": [[1, 2, 3]], "max_new_tokens": 4, **kw})

@@ -7,8 +7,8 @@ import functools
 import numbers
 
 from mtpjax.decode import autodraft, firstguess
-from mtpjax.decode.host import (DecodeError, GenerateResult, check_callback, check_proposer, draft_of, make_loop, run,
-                                summarize)
+from mtpjax.decode.host import (DecodeError, GenerateResult, check_callback, check_models, check_proposer, draft_of,
+                                make_loop, run, summarize)
 from mtpjax.decode.prompts import check_token_prompts
 from mtpjax.decode.sampling import make_sampler
 from mtpjax.decode.tree import acceptance_by_depth_rank
@@ -35,6 +35,7 @@ def generate(model: MTPTransformer, prompts, *, max_new_tokens: int, draft: Tree
     `on_commit(tokens_BY, counts_B)` hears each round's commits.
     """
     check_token_prompts(prompts)
+    check_models(model, draft_model)
     check_callback(on_commit)
     _check_auto_arguments(calibrations, progress, first_guess)
     try:

@@ -76,6 +76,15 @@ def integer(name: str, value, *, least: int | None = None, none_ok: bool = False
     return int(value)
 
 
+def check_models(model, draft_model=None) -> None:
+    """DecodeError unless model (and a draft_model given) is an MTPTransformer (a Generator's is its .model)."""
+    for name, m in (("model", model), ("draft_model", draft_model)):
+        if not isinstance(m, MTPTransformer) and (name == "model" or m is not None):
+            hint = f"; a Generator's model is {name}.model" if hasattr(m, "tokenizer") else ""
+            raise DecodeError(f"{name} is a {type(m).__name__}, not a model (mtpjax.load_model(run_dir)[1] or "
+                              f"mtpjax.nn.model.build_model(cfg)){hint}")
+
+
 def check_callback(on_commit) -> None:
     """DecodeError unless on_commit is None or callable."""
     if on_commit is not None and not callable(on_commit):
@@ -98,6 +107,7 @@ def make_loop(model: MTPTransformer, prompts, *, max_new_tokens: int, draft: Tre
               proposer: str = "mtp", sampler: Sampler = GREEDY, eos_id=None, max_len=None,
               draft_model: MTPTransformer | None = None, stream: bool = False) -> Loop:
     """Validate a request and fix the static shapes of its compiled loop, drafting the tree `draft` (draft_of)."""
+    check_models(model, draft_model)
     tree = draft_of(draft, proposer)
     if isinstance(tree, Auto):
         raise DecodeError("a loop drafts a fixed tree; draft='auto' is generate's (it measures and picks one)")
