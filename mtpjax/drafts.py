@@ -147,9 +147,10 @@ def _index(x) -> int | None:
 
 def chain(n: int, source: Source = "mtp") -> Tree:
     """The chain of n drafts (each continues the one before it); 0: PLAIN."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    k = _index(n)  # a numpy integer too, as Tree takes them
+    if k is None or k < 0:
         raise DraftError(n, f"chain({n!r}): a chain's length is a count of drafts, an int >= 0 (0: plain)")
-    return Tree(tuple(range(-1, n - 1)), (source,) * n)
+    return Tree(tuple(range(-1, k - 1)), (source,) * k)
 
 
 PLAIN = chain(0)  # no drafts: plain decoding is the loop verifying the empty tree

@@ -51,6 +51,7 @@ def test_a_tree_built_in_code_is_checked_when_built(make):
 def test_companion_a_tree_given_as_lists_or_numpy_ints_is_the_tuple_tree(model):
     tree = Tree([-1, -1, np.int64(0)], ["mtp"] * 3)
     assert tree == Tree((-1, -1, 0), ("mtp",) * 3) and hash(tree) == hash(parse("-1,-1,0"))
+    assert chain(np.int64(2)) == chain(2) == parse("2")
     assert generate(model, [[1, 2, 3]], max_new_tokens=4, draft=tree).tokens == \
         generate(model, [[1, 2, 3]], max_new_tokens=4).tokens
 
