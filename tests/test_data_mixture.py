@@ -342,8 +342,9 @@ def test_mixture_run_resumes_bit_identical_and_logs_every_source(tmp_path):
     from mtpjax.train.loop import train
 
     mix = _write_sources(tmp_path)[2:]  # seq_len and val_fraction come from the tiny config
-    straight = train(tiny_cfg(tmp_path, "data.paths=[]", *mix, run="a"))
-    cfg_b = tiny_cfg(tmp_path, "data.paths=[]", *mix, "data.num_workers=2", run="b")
+    alone = ["data.paths=[]", "data.source=stdlib"]  # the tiny config's own source, which the mixture replaces
+    straight = train(tiny_cfg(tmp_path, *alone, *mix, run="a"))
+    cfg_b = tiny_cfg(tmp_path, *alone, *mix, "data.num_workers=2", run="b")
     first, second = train(cfg_b, max_steps=4), train(cfg_b)
     np.testing.assert_array_equal(np.array(first["history"] + second["history"]), np.array(straight["history"]))
     for name in ("web", "code"):

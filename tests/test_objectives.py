@@ -275,9 +275,9 @@ def test_lambda_per_depth_continues_across_a_resume(tmp_path, monkeypatch):
     seen = {}
     real = Logger.record
 
-    def record(self, step, met):
+    def record(self, step, met, *when):
         seen.setdefault(self.cfg.train.run_dir, []).append((step, met["lambda/mtp_1"], met["lambda/mtp_2"]))
-        real(self, step, met)
+        real(self, step, met, *when)
 
     monkeypatch.setattr(Logger, "record", record)
     over = ["loss.mtp_lambda_depths=forward:2~3", "train.eval_every=8", "train.num_samples=0"]
@@ -316,9 +316,9 @@ def test_lambda_per_depth_after_a_skipped_step(tmp_path, monkeypatch):
     seen = {}
     real_record, real_loss = Logger.record, step_mod.mtp_loss
 
-    def record(self, step, met):
+    def record(self, step, met, *when):
         seen.setdefault(self.cfg.train.run_dir, []).append((step, met["lambda/mtp_1"], met["lambda/mtp_2"]))
-        real_record(self, step, met)
+        real_record(self, step, met, *when)
 
     def poisoned(*args, step, **kw):  # NaN loss and gradients at counter 3 (the update that would make step 4)
         loss, met = real_loss(*args, step=step, **kw)
