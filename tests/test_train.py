@@ -348,27 +348,35 @@ def test_preempted_before_the_first_step_says_nothing_was_saved(tmp_path, monkey
     assert "  checkpoint: none" in err and Checkpointer(tmp_path / "run", cfg.checkpoint).latest_step() is None
 
 
-@pytest.mark.parametrize("presses", [1, 2])
+@pytest.mark.parametrize("presses", [1, 2, "ignored"])
 def test_ctrl_c_saves_the_step_and_exits_130_and_twice_stops_at_once(tmp_path, monkeypatch, capfd, presses):
     """A first Ctrl-C stops the run as SIGTERM does, after its step, saved, in one line and exit 130 (it was a JAX
     traceback, the steps since the last checkpoint lost); a second stops at once, one line, exit 130; Python's own
-    Ctrl-C handling is back after either."""
+    Ctrl-C handling is back after either. A process that ignores SIGINT (a background job) goes on ignoring it."""
     from mtpjax.train import loop
 
     check = loop._Preemption.check
 
     def press_at_step_2(self, step):
-        for _ in range(presses if step == 2 and not self.interrupted else 0):
+        for _ in range(1 if presses == "ignored" else presses if step == 2 and not self.interrupted else 0):
             signal.raise_signal(signal.SIGINT)  # its handler runs before this returns
         return check(self, step)
 
     monkeypatch.setattr(loop._Preemption, "check", press_at_step_2)
-    before = signal.getsignal(signal.SIGINT)
-    cfg = tiny_cfg(tmp_path, "train.steps=6", "checkpoint.every=100", "train.eval_every=100")
-    assert main(cli_args(cfg)) == 130 and signal.getsignal(signal.SIGINT) is before
+    given = signal.SIG_IGN if presses == "ignored" else signal.default_int_handler  # whatever this worker inherited
+    outer = signal.signal(signal.SIGINT, given)
+    try:
+        cfg = tiny_cfg(tmp_path, "train.steps=6", "checkpoint.every=100", "train.eval_every=100")
+        rc, after = main(cli_args(cfg)), signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, outer)
     err = capfd.readouterr().err.strip().splitlines()  # the handler writes to the file descriptor
-    assert "interrupt: stopping after this step and saving it (Ctrl-C again to stop at once)" in err
     saved = Checkpointer(tmp_path / "run", cfg.checkpoint).latest_step()
+    assert after is given
+    if presses == "ignored":
+        assert rc == 0 and saved == 6 and not [line for line in err if "interrupt" in line]
+        return
+    assert rc == 130 and "interrupt: stopping after this step and saving it (Ctrl-C again to stop at once)" in err
     if presses == 1:
         assert err[-1] == "interrupted: checkpoint saved at step 2" and saved == 2
         assert any(line.startswith("interrupted at step 2 of 6") for line in err)

@@ -52,7 +52,9 @@ class _Preemption:
     def __enter__(self):
         # Several processes must stop at the same step: JAX's preemption sync manager catches SIGTERM there.
         if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            self.old = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+            # an ignored SIGINT stays ignored (a background job's, a nohup's): Ctrl-C is not for them
+            heard = [sig for sig in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(sig) is not signal.SIG_IGN]
+            self.old = {sig: signal.signal(sig, self._handle) for sig in heard}
         return self
 
     def check(self, step: int) -> bool:
