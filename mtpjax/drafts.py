@@ -13,13 +13,14 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import typing
 from dataclasses import dataclass
 from typing import Literal
 
 from mtpjax.errors import SpellingError
 
 Source = Literal["mtp", "ngram", "model"]
-SOURCES = ("mtp", "ngram", "model")
+SOURCES = typing.get_args(Source)
 MAX_NODES = 64  # verifying more rows than this per round never pays; the drafting loop is unrolled per node
 FORMS = "auto | 0 (plain) | 3 (a chain of 3) | 2x2x1 | -1,-1,0,0 | 2x2+ngram3"
 

@@ -156,3 +156,10 @@ def placement(mesh: Mesh, stage_layers: tuple[int, ...] = (), stage_repeats: int
                      stage_axis=STAGE if stages(mesh) > 1 else None,
                      stage_layers=tuple(stage_layers) if stages(mesh) > 1 else (),
                      stage_repeats=stage_repeats if stages(mesh) > 1 else 1)
+
+
+def run_placement(mesh_cfg: MeshConfig, mesh: Mesh) -> Placement:
+    """A run's model on `mesh`: with its pipeline schedule (mesh.stage_layers, mesh.stage_repeats) where the mesh has
+    the run's stage count; on another count, split evenly."""
+    same = stages(mesh) == mesh_cfg.stage
+    return placement(mesh, mesh_cfg.stage_layers if same else (), mesh_cfg.stage_repeats if same else 1)

@@ -31,7 +31,7 @@ from mtpjax.errors import MtpjaxError, first_line
 from mtpjax.parallel import console
 from mtpjax.nn.model import build_model
 from mtpjax.train import digests
-from mtpjax.parallel.sharding import placement, stages, state_shardings
+from mtpjax.parallel.sharding import run_placement, state_shardings
 
 
 class CheckpointError(MtpjaxError, RuntimeError):
@@ -270,7 +270,7 @@ class SavedRun:
         """(cfg, model) of a checkpoint: on one device, or built for `mesh` with each parameter restored straight into
         its training sharding (orbax reads every device's shard, never the whole array first)."""
         cfg = self.config(step)
-        where = None if mesh is None else _placement(cfg, mesh)
+        where = None if mesh is None else run_placement(cfg.mesh, mesh)
         graphdef, abs_state = nnx.split(nnx.eval_shape(lambda: build_model(cfg, placement=where)))
         if mesh is None:
             dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -331,14 +331,6 @@ def _quiet(message: str):
         yield
     finally:
         logger.removeFilter(keep)
-
-
-def _placement(cfg: Config, mesh: Mesh):
-    """A saved run's model placed on `mesh`: on as many stages as it trained on, with its schedule (an uneven
-    mesh.stage_layers splits a stack the stages do not divide); on another stage count, split evenly."""
-    if stages(mesh) == cfg.mesh.stage:
-        return placement(mesh, cfg.mesh.stage_layers, cfg.mesh.stage_repeats)
-    return placement(mesh)
 
 
 def load_model(run_dir: str | Path, step: int | None = None, mesh: Mesh | None = None):

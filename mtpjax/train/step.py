@@ -24,7 +24,7 @@ from mtpjax.nn.model import MTPTransformer, build_model, moe_layers
 from mtpjax.nn.moe import load_metrics, next_bias
 from mtpjax.train.optim import decay_mask, global_norm, lr_schedule, make_tx, trainable, with_lr
 from mtpjax.parallel import pipeline
-from mtpjax.parallel.sharding import batch_sharding, micro_batches_of, placement, replicated, state_shardings
+from mtpjax.parallel.sharding import batch_sharding, micro_batches_of, replicated, run_placement, state_shardings
 
 
 @struct.dataclass
@@ -182,7 +182,7 @@ class Programs:
 def make_programs(cfg: Config, mesh: Mesh) -> Programs:
     """Trace the state abstractly (nothing allocated), then jit init, train and eval steps with their shardings."""
     # Built for the mesh: the kernels its platform has, expert parallelism on an expert axis (nn/placement.py).
-    where = placement(mesh, cfg.mesh.stage_layers, cfg.mesh.stage_repeats)
+    where = run_placement(cfg.mesh, mesh)
     abstract = nnx.eval_shape(lambda: build_model(cfg, seed=cfg.train.seed, placement=where))
     graphdef, abs_params = nnx.split(abstract)
     what = trainable(cfg.train)
