@@ -50,6 +50,16 @@ def parser() -> Parser:
                         "n-gram lookup's L drafts as one more branch (2x2+ngram3) (sets decode.draft)")
     p.add_argument("--draft-run-dir", default=None,
                    help="a run trained with the same tokenizer (e.g. configs/draft_tiny.yaml) whose model drafts")
+    _mode_flags(p)
+    p.add_argument("mesh_overrides", nargs="*", metavar="mesh.AXIS=N",
+                   help="the mesh to decode on: the run's config's mesh with these overrides (mesh.tensor=2 splits "
+                        "heads, MLP and vocabulary over 2 devices; mesh.data, mesh.fsdp, mesh.expert); the product is "
+                        "the device count")
+    return p
+
+
+def _mode_flags(p: Parser) -> None:
+    """The flags only some modes read (generation, --eval, --tasks), each refused in the others."""
     # generation's flags: --tasks samples and stops as each task says; --eval measures greedy decoding
     gen, gen_eval = ("--prompt", "--prompts-file"), ("--prompt", "--prompts-file", "--eval")
     mode_flag(p, gen, "--temperature", type=float, default=None, help="sampling temperature; 0 = greedy")
@@ -72,11 +82,6 @@ def parser() -> Parser:
     mode_flag(p, ("--tasks",), "--limit", type=float, default=None, help="documents per task (default: all)")
     mode_flag(p, ("--tasks",), "--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
     mode_flag(p, ("--tasks",), "--batch-size", type=int, default=None, help="rows of one compiled batch (default 16)")
-    p.add_argument("mesh_overrides", nargs="*", metavar="mesh.AXIS=N",
-                   help="the mesh to decode on: the run's config's mesh with these overrides (mesh.tensor=2 splits "
-                        "heads, MLP and vocabulary over 2 devices; mesh.data, mesh.fsdp, mesh.expert); the product is "
-                        "the device count")
-    return p
 
 
 def _mesh(args):
