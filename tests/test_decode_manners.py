@@ -328,3 +328,22 @@ def test_a_staged_runs_schedule_does_not_refuse_the_stage_count_decoding_is_give
     monkeypatch.setattr(checkpoint, "SavedRun", lambda run_dir: contextlib.nullcontext(run))
     args = argparse.Namespace(run_dir="RUN", step=None, mesh_overrides=["mesh.stage=1"])
     assert _mesh(args) is None  # one device here: decoded on one, not refused
+
+
+@pytest.mark.parametrize("new", [1, 2])
+def test_auto_runs_plain_unmeasured_where_no_draft_can_save_a_round(tiny_run, capsys, monkeypatch, tmp_path, new):
+    """The prompt gives the first token and one round the second: for 1 or 2 new tokens auto decodes plain and
+    compiles no candidate to measure (a probe would cost seconds and could only say so)."""
+    monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autodraft, "calibrate", lambda *a, **k: pytest.fail("measured a request no draft can speed"))
+    argv = ["--run-dir", str(tiny_run[1]), "--prompt", "def f(x):", "--max-new-tokens", str(new), "--stats"]
+    assert main(argv) == 0
+    assert f"[plain] rounds={new - 1} " in capsys.readouterr().err
+
+
+def test_companion_auto_measures_from_three_new_tokens(tiny_run, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("MTPJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autodraft, "calibrate", _fake_calibration)
+    argv = ["--run-dir", str(tiny_run[1]), "--prompt", "def f(x):", "--max-new-tokens", "3", "--stats"]
+    assert main(argv) == 0
+    assert "[auto] no measurement for this request shape yet" in capsys.readouterr().err

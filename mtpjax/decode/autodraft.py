@@ -332,7 +332,10 @@ def resolve(model, prompts, loop_for, proposer: str, seed: int, saved: SavedCali
 
     measure=False: when nothing is known yet for this shape, `guess()` (a Calibration of source "estimate",
     mtpjax.decode.firstguess) decides, or plain decoding, (PLAIN, None), without a guess; neither is remembered.
+    At most 2 new tokens: (PLAIN, None), nothing measured.
     """
+    if loop_for(PLAIN).max_new <= 2:  # the prompt gives token 1 and one round token 2: no draft saves a round
+        return PLAIN, None
     cands = candidates(model, proposer, draft_model)
     loops = {c: loop_for(c) for c in cands}
     key = request_key(prompts, loops[PLAIN], proposer, cands)
