@@ -89,6 +89,31 @@ def test_fresh_refuses_a_run_dir_that_holds_the_current_directory(tmp_path, caps
     assert (here / "notes.txt").read_text() == "mine"
 
 
+
+def test_fresh_refuses_a_directory_that_holds_no_run(tmp_path, capsys):
+    """--fresh moves a run aside; a non-empty directory with none of a run's files (train.run_dir=~, a project) is
+    refused with one line and left where it is."""
+    from train_helpers import tiny_cfg
+
+    mine = tmp_path / "projects"
+    (mine / "src").mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    err = one_line_error(capsys, main, cli_args(tiny_cfg(tmp_path, f"train.run_dir={mine}"), "--fresh"))
+    assert "holds files but no run" in err and "config.yaml, checkpoints, tensorboard, tokenizer" in err
+    assert not [p for p in tmp_path.iterdir() if ".old-" in p.name]
+    assert (mine / "notes.txt").read_text() == "mine" and sorted(p.name for p in mine.iterdir()) == ["notes.txt", "src"]
+
+
+def test_companion_fresh_moves_a_run_that_holds_the_user_s_files_too(tiny_run, tmp_path):
+    """A run's directory with a file of the user's beside it is still a run: --fresh moves the whole of it aside."""
+    from mtpjax.train.loop import train
+
+    cfg, run = _copy_run(tiny_run, tmp_path)
+    (run / "notes.txt").write_text("mine")
+    assert train(replace(cfg, ["train.steps=1"]), fresh=True)["step"] == 1
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
+    assert len(aside) == 1 and (aside[0] / "notes.txt").read_text() == "mine"
+
 def test_turning_gradient_clipping_off_on_resume_is_refused_by_name(tiny_run, tmp_path, capsys):
     """optim.grad_clip=0 drops the clipping stage from the optimizer state: every checkpoint then failed to restore
     and the run was told to start over (--fresh). Now one line names the key; another clipping value resumes."""

@@ -98,12 +98,20 @@ def same_ids(a, b) -> bool:
 PROBE = "def f(x):\n    return {'é': x ** 2}  # 你好, tokenizers\n"
 
 
+# What every run directory holds once it has trained (written by rundir.record, the checkpointer, the Logger).
+RUN_MARKS = ("config.yaml", "checkpoints", "tensorboard", "tokenizer")
+
+
 def check_fresh(run: Path) -> None:
-    """--fresh moves the run dir aside: refuse one that is, or holds, the working directory (train.run_dir=.)."""
+    """--fresh moves the run dir aside: refuse one that is, or holds, the working directory (train.run_dir=.), and a
+    non-empty directory that holds no run (train.run_dir=~ would move a home directory aside)."""
     here, there = Path.cwd().resolve(), run.resolve()
     if here == there or there in here.parents:
         raise RunDirError(f"--fresh would move train.run_dir '{run}' aside, and it is or holds the current directory "
                           f"('{here}'); run from another directory, or set another train.run_dir")
+    if run.is_dir() and any(run.iterdir()) and not any((run / m).exists() for m in RUN_MARKS):
+        raise RunDirError(f"--fresh moves a run aside, and train.run_dir '{run}' holds files but no run (none of "
+                          f"{', '.join(RUN_MARKS)}); set train.run_dir to a new or a run's directory")
 
 
 def probe_writable(run: Path) -> list[Path]:
