@@ -123,3 +123,36 @@ def test_turning_gradient_clipping_off_on_resume_is_refused_by_name(tiny_run, tm
     assert "optim.grad_clip=1.0" in err and "optim.grad_clip > 0" in err and "can be restored" not in err
     assert _files(run) == before
     assert main(cli_args(cfg, "train.steps=8", "optim.grad_clip=0.5")) == 0
+
+
+def test_a_corpus_moved_elsewhere_resumes_and_a_changed_one_is_refused(tmp_path, capsys):
+    """data.paths says where the corpus lies, not what it is: a run resumes from its corpus moved (the data position
+    compares the tokens' content hashes); moved and changed, it is refused with one line naming changed data."""
+    from train_helpers import tiny_cfg, write_corpus
+
+    (tmp_path / "a").mkdir()
+    cfg = tiny_cfg(tmp_path, "train.steps=2", "checkpoint.every=2", corpus=write_corpus(tmp_path / "a"))
+    assert main(cli_args(cfg)) == 0
+    (tmp_path / "a").rename(tmp_path / "b")
+    moved = replace(cfg, [f"data.paths={tmp_path / 'b' / 'corpus.txt'}", "train.steps=4"])
+    assert main(cli_args(moved)) == 0
+    assert str(tmp_path / "b") in (tmp_path / "run" / "config.yaml").read_text()
+    with open(tmp_path / "b" / "corpus.txt", "a") as f:
+        f.write("\ndef more(): pass\n" * 50)
+    err = one_line_error(capsys, main, cli_args(replace(moved, ["train.steps=6"])))
+    assert "other tokens in the corpus (files or the tokenizer changed since)" in err
+
+
+def test_a_trained_bpe_whose_corpus_changed_names_the_corpus(tmp_path, capsys):
+    """data.tokenizer=bpe is trained on the corpus: a changed corpus trains other ids, and the refusal says to restore
+    the corpus (it said to put the tokenizer back "at bpe", which is no path)."""
+    from train_helpers import tiny_cfg
+
+    cfg = tiny_cfg(tmp_path, "data.tokenizer=bpe", "data.bpe_vocab_size=300", "model.vocab_size=300",
+                   "train.steps=1", "train.eval_batches=0")
+    assert main(cli_args(cfg)) == 0
+    corpus = Path(cfg.data.paths[0])
+    corpus.write_text(corpus.read_text().replace("def ", "lambda_"))
+    err = one_line_error(capsys, main, cli_args(cfg, "train.steps=2"))
+    assert "data.tokenizer=bpe gives other token ids" in err and "which changed since: restore the corpus" in err
+    assert "back at bpe" not in err

@@ -34,6 +34,15 @@ def _diff(a, b, prefix: str) -> list[str]:
     return [] if a == b else [f"{prefix.lstrip('.')}: {a!r} -> {b!r}"]
 
 
+def _unplaced(section: dict) -> dict:
+    """A section's identity without where its files lie (data.paths, each mixture source's paths): a corpus moved
+    elsewhere is the same run, its tokens compared at restore (the data position holds their content hashes)."""
+    out = {k: v for k, v in section.items() if k != "paths"}
+    if "mixture" in out:
+        out["mixture"] = [{k: v for k, v in m.items() if k != "paths"} for m in out["mixture"]]
+    return out
+
+
 def saved_config(run: Path) -> Config | None:
     """The config a run dir holds: its config.yaml, else (deleted) its newest readable checkpoint's; None if neither."""
     old = read_run_config(run)
@@ -49,7 +58,7 @@ def check_identity(cfg: Config) -> None:
     old = saved_config(run)
     if old is None:
         return
-    diffs = [d for s in IDENTITY_SECTIONS for d in _diff(identity(old, s), identity(cfg, s), s)]
+    diffs = [d for s in IDENTITY_SECTIONS for d in _diff(_unplaced(identity(old, s)), _unplaced(identity(cfg, s)), s)]
     flat_old, flat_new = old.to_dict(), cfg.to_dict()
     for key in IDENTITY_KEYS:
         s, k = key.split(".")
@@ -83,9 +92,11 @@ def check_tokenizer(cfg: Config, tokenizer) -> None:
     except DataError:  # none yet, or unreadable: the run's record gets the data's (rundir.record)
         return
     if not same_ids(saved, tokenizer):
+        fix = ("the BPE is trained on the corpus, which changed since: restore the corpus" if cfg.data.tokenizer ==
+               "bpe" else f"put that tokenizer back at {cfg.data.tokenizer}")
         raise RunDirError(f"data.tokenizer={cfg.data.tokenizer} gives other token ids than the tokenizer the run in "
-                          f"'{run}' was trained with ({run / 'tokenizer'}); put that tokenizer back at "
-                          f"{cfg.data.tokenizer}, or pass --fresh to move the run aside")
+                          f"'{run}' was trained with ({run / 'tokenizer'}); {fix}, or pass --fresh to move the run "
+                          "aside")
 
 
 def same_ids(a, b) -> bool:
