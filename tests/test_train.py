@@ -346,6 +346,7 @@ def test_preempted_before_the_first_step_says_nothing_was_saved(tmp_path, monkey
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == "preempted at step 0, before anything to save; run the same command again"
     assert "  checkpoint: none" in err and Checkpointer(tmp_path / "run", cfg.checkpoint).latest_step() is None
+    assert not [ln for ln in err if "next: python decode.py" in ln]  # nothing saved, nothing to decode
 
 
 @pytest.mark.parametrize("presses", [1, 2, "ignored"])

@@ -94,7 +94,8 @@ def summary(cfg: Config, run: Path, out: dict, checkpoint: Path | None) -> str:
     lines.append(f"  checkpoint: {checkpoint}" if checkpoint else "  checkpoint: none")
     if out["step"] < cfg.train.steps:
         lines.append("  resume: run the same command again")
-    lines.append(f"  next: {decode_command(run)}")
+    if checkpoint:  # nothing saved: nothing to decode
+        lines.append(f"  next: {decode_command(run)}")
     return "\n".join(lines)
 
 
