@@ -2,11 +2,7 @@
 
 import sys
 
-from mtpjax.parallel.targets import prepare_environment
+if __name__ == "__main__":  # a spawned worker (data.prepare_workers) imports this file too, and needs no library
+    from mtpjax.cli.args import entry
 
-prepare_environment()  # before JAX loads
-
-from mtpjax.cli.train import main  # noqa: E402
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(entry("mtpjax.cli.train", sys.argv[1:]))

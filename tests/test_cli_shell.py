@@ -114,3 +114,70 @@ def test_companion_another_error_in_a_command_s_work_escapes(capsys, monkeypatch
 def test_a_divergence_exits_1(capsys, monkeypatch):
     _raise_in_work(monkeypatch, "train", NonFiniteError("non-finite loss at step 3; stopped"))
     assert _run(capsys, _main("train"), ARGV["train"]) == (1, ["error: non-finite loss at step 3; stopped"])
+
+
+@pytest.mark.parametrize("deaf", [True, False])
+def test_data_workers_start_deaf_to_ctrl_c_and_the_companion_without(deaf):
+    """Ctrl-C reaches the whole process group: the preparation workers start with SIGINT ignored (inherited across
+    exec), so a press while they start does not kill one (it ended the run as "a data.prepare_workers process died")
+    nor print their tracebacks; the companion: a worker started without it has Python's handler."""
+    import contextlib
+    import multiprocessing
+    import signal
+    import sys
+    from concurrent.futures import ProcessPoolExecutor
+
+    from mtpjax.data import encode
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import sigint_probe
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background pytest starts it ignored
+    try:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            with encode._workers_deaf_to_ctrl_c() if deaf else contextlib.nullcontext():
+                got = pool.submit(sigint_probe.at_import)
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the parent's own, restored
+            assert (got.result() == signal.SIG_IGN) == deaf
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.parametrize("press", [True, False])
+def test_ctrl_c_while_a_script_loads_its_libraries_is_one_line_130(capsys, monkeypatch, press):
+    """train.py / decode.py import the libraries inside `entry`: a Ctrl-C then is `interrupted`, 130 (it was a
+    traceback of wherever it landed, or lost when a library's gc callback swallowed it, as the probe does)."""
+    import signal
+    import sys
+
+    from mtpjax.cli.args import entry
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    monkeypatch.delitem(sys.modules, "sigint_probe", raising=False)
+    monkeypatch.setenv("MTPJAX_TEST_PRESS", "1" if press else "")
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert entry("sigint_probe", []) == (130 if press else 0)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+        sys.modules.pop("sigint_probe", None)
+    assert capsys.readouterr().err == ("interrupted\n" if press else "")
+
+
+@pytest.mark.parametrize("script", ["train.py", "decode.py"])
+def test_a_spawned_worker_importing_the_script_loads_no_library(script):
+    """A spawn worker imports the parent's script as __mp_main__: the scripts load JAX only when run, so a
+    data.prepare_workers process starts in a fraction of the time (it imported JAX, seconds each)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    code = (f"import runpy, sys; runpy.run_path({str(root / script)!r}, run_name='__mp_main__'); "
+            "print(sorted(m for m in ('jax', 'flax', 'mtpjax.cli.train', 'mtpjax.cli.decode') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
+    main = subprocess.run([sys.executable, "-c", code.replace("__mp_main__", "__main__").replace("print(", "(")
+                           .replace("runpy.run_path", "sys.argv[1:] = ['--help']; runpy.run_path")],
+                          capture_output=True, text=True, timeout=120, cwd=root)
+    assert main.returncode == 0 and "usage:" in main.stdout  # run as a script it is the command

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Callable
@@ -79,6 +81,25 @@ def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | No
             return 130
 
     return run
+
+
+def entry(module: str, argv: list[str]) -> int:
+    """A script's run of `module`'s main(argv): the environment set before JAX loads, and a Ctrl-C while the libraries
+    load one line, 130, as it is once they have (`command`)."""
+    from mtpjax.parallel.targets import prepare_environment
+
+    prepare_environment()
+    pressed, python = [], signal.getsignal(signal.SIGINT)
+    if python is signal.default_int_handler:  # a flag, not Python's exception, which JAX's import can swallow (a
+        signal.signal(signal.SIGINT, lambda *_: pressed.append(True))  # gc callback's "Exception ignored")
+    try:
+        main = importlib.import_module(module).main
+    finally:
+        signal.signal(signal.SIGINT, python)
+    if pressed:
+        print("interrupted", file=sys.stderr, flush=True)
+        return 130
+    return main(argv)
 
 
 def _warning_line(message, category, filename, lineno, line=None, _python=warnings.formatwarning) -> str:

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
+import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -104,6 +108,7 @@ _WORKER_TOK: Tokenizer | None = None
 
 def _init_worker(tok_dir: str) -> None:
     global _WORKER_TOK
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent answers it
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: the workers are the parallelism
     _WORKER_TOK = tokenizer_from_dir(tok_dir)
 
@@ -134,6 +139,20 @@ def tasks_of(units) -> list[list]:
     return out + ([cur] if cur else [])
 
 
+@contextmanager
+def _workers_deaf_to_ctrl_c() -> Iterator[None]:
+    """Processes started here ignore SIGINT from their first instruction (an ignored signal stays ignored across exec,
+    and Python keeps it so): Ctrl-C reaches the whole process group, and the parent alone answers it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def encode_workers(units, field: str, tok_dir, val_fraction: float, sinks: dict, bar: Progress,
                    workers: int) -> tuple[str, list]:
     """Tokenize in `workers` spawned processes; results are written in unit order (identical to encode_here)."""
@@ -160,7 +179,9 @@ def encode_workers(units, field: str, tok_dir, val_fraction: float, sinks: dict,
                              initargs=(str(tok_dir),)) as pool:
         inflight: deque = deque()
         try:
-            for t in tasks:  # a bounded window of tasks in flight keeps memory flat and the output in order
+            with _workers_deaf_to_ctrl_c():  # the first submissions start the workers
+                inflight.extend(pool.submit(_work, t, field, val_fraction) for t in tasks[:workers])
+            for t in tasks[workers:]:  # a bounded window of tasks in flight keeps memory flat and the output in order
                 inflight.append(pool.submit(_work, t, field, val_fraction))
                 if len(inflight) >= 2 * workers:
                     consume(inflight.popleft().result())
