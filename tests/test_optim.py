@@ -30,6 +30,15 @@ def test_lr_warmup_then_decay_to_min_ratio(kind, warmup):
         assert float(f(halfway)) == pytest.approx(0.55, abs=1e-6)  # mean of peak and floor
 
 
+@pytest.mark.parametrize("kind", ["cosine", "constant"])
+def test_a_run_shorter_than_its_warmup_ramps_at_the_warmups_rate(kind):
+    """warmup_steps=20, train.steps=10: lr/20 per step as in a longer run (not a ramp squeezed into 10 steps)."""
+    o = OptimConfig(lr=1.0, warmup_steps=20, schedule=kind)
+    short, long = lr_schedule(o, total_steps=10), lr_schedule(o, total_steps=400)
+    assert [float(short(s)) for s in range(10)] == [float(long(s)) for s in range(10)]
+    assert float(short(9)) == pytest.approx(0.5)
+
+
 def test_decay_only_on_matrices_also_in_scanned_stacks(model_cfg):
     for scan in (False, True):
         m = nnx.eval_shape(functools.partial(build_model, model_cfg(scan_layers=scan)))  # metadata only

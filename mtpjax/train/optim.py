@@ -28,9 +28,12 @@ def trainable(tcfg: TrainConfig):
 
 def lr_schedule(ocfg: OptimConfig, total_steps: int) -> optax.Schedule:
     """The learning rate of step s (the (s+1)-th update): linear warmup reaching optim.lr at the last warmup step, then
-    cosine / linear decay reaching lr*min_lr_ratio at the last step, total_steps - 1 (or constant), as Megatron's."""
+    cosine / linear decay reaching lr*min_lr_ratio at the last step, total_steps - 1 (or constant), as Megatron's;
+    a run shorter than its warmup ends part way up the ramp."""
     peak, floor = ocfg.lr, ocfg.lr * ocfg.min_lr_ratio
-    warm = max(0, min(ocfg.warmup_steps, total_steps))
+    # Not clamped to total_steps: the rate of a warmup step must not depend on the run's length (the ablation's
+    # equal-tokens runs and its longer D=0 run share their first steps, bench/ablation/grid.py)
+    warm = ocfg.warmup_steps
     decay_steps = max(1, total_steps - warm)
     if ocfg.schedule == "cosine":
         decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=ocfg.min_lr_ratio)
