@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtpjax.config import OptimConfig
+from mtpjax.config import ConfigError, OptimConfig
 from mtpjax.nn.model import build_model
 from mtpjax.train.optim import decay_mask, lr_schedule, make_tx, with_lr
 
@@ -65,3 +65,14 @@ def test_the_injected_learning_rate_is_the_one_applied():
     moved = [tx.update(g, with_lr(tx.init(params), lr), params)[0]["w"] for lr in (1e-3, 3e-3)]
     np.testing.assert_allclose(np.asarray(moved[1]), 3 * np.asarray(moved[0]), rtol=1e-6)
     assert float(moved[0][0]) == pytest.approx(-1e-3, rel=1e-4)  # Adam's first step: -lr * sign(g)
+
+
+def test_adam_eps_zero_is_refused_because_a_never_moved_parameter_would_become_nan():
+    """optim.eps must be > 0: Adam's first update of a parameter whose gradient is 0 (an unseen token's untied
+    embedding row) is 0/(0 + eps); the companion bypasses the bound and gets NaN."""
+    with pytest.raises(ConfigError, match="optim.eps"):
+        OptimConfig(eps=0.0)
+    params, g = {"w": jnp.ones(4)}, {"w": jnp.zeros(4)}
+    for eps, finite in ((OptimConfig().eps, True), (0.0, False)):
+        tx = make_tx(OptimConfig(grad_clip=0.0).model_copy(update={"eps": eps}), mask=None)
+        assert bool(jnp.isfinite(tx.update(g, tx.init(params), params)[0]["w"]).all()) is finite

@@ -214,7 +214,8 @@ class OptimConfig(Section):
     weight_decay: Float = Field(0.1, description="AdamW decoupled weight decay (not applied to 1-D parameters)", ge=0)
     b1: Float = Field(0.9, description="Adam β1", ge=0, lt=1)
     b2: Float = Field(0.95, description="Adam β2", ge=0, lt=1)
-    eps: Float = Field(1e-8, description="Adam ε")
+    eps: Float = Field(1e-8, description="Adam ε (0 would move a parameter whose gradients were all 0 so "
+        "far, e.g. the embedding row of a token not yet seen with an untied head, by 0/0: NaN)", gt=0)
     grad_clip: Float = Field(1.0, description="global-norm clipping (0 disables)", ge=0)
 
 
