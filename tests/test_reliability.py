@@ -341,6 +341,18 @@ def test_nan_skip_policy_stops_past_the_limit(at_step_4, monkeypatch):
     assert complete_steps(run) == [4, 6]  # step 6 (one skip, within the limit) was still a good state
 
 
+def test_nan_skip_policy_counts_the_skips_before_a_restart(at_step_4, monkeypatch):
+    """Stopped at step 7 after 2 skips, the resumed run stops at the third (step 8) as an uninterrupted one does; it
+    did not when the count restarted at 0 with the process."""
+    cfg, run = at_step_4
+    _poison(monkeypatch)
+    cfg = replace(cfg, ["train.nan_policy=skip", "train.max_skipped_steps=2", "train.steps=9"])
+    assert train(cfg, max_steps=7)["skipped_steps"] == 2 and complete_steps(run) == [4, 6, 7]
+    with pytest.raises(NonFiniteError, match="step 8.*3 updates skipped > train.max_skipped_steps=2"):
+        train(cfg)
+    assert complete_steps(run) == [4, 6, 7]
+
+
 # ----------------------------------------------------------------------------- a full disk
 
 

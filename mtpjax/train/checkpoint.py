@@ -6,7 +6,8 @@ export open a run through it. `read_run_config` reads the config.yaml a run dire
 Run directory layout: `config.yaml`, `tokenizer/`, `tensorboard/`, and `checkpoints/<step>/` with the items
 - `model`: `nnx.to_pure_dict` of the model state: all that `load_model` (decoding, export) reads;
 - `train`: the rest of the TrainState: `{"opt": optimizer state, "step": int32, "rng": uint32[2]}`;
-- `data`: the data iterator's state (JSON); `meta`: `{"step", "config": cfg.to_dict(), "metrics"}` (JSON);
+- `data`: the data iterator's state (JSON); `meta`: `{"step", "config": cfg.to_dict(), "metrics", "goodput",
+  "skipped_steps"}` (JSON);
 - `digests`: an xxh3-128 digest of every stored array shard, of `data` and of `meta` (train/digests.py), checked
   on restore unless `checkpoint.verify=false`: a mismatch makes the checkpoint unreadable.
 A model-only directory (export/import) holds just `model` and `meta` (and `digests`).

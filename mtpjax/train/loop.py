@@ -89,8 +89,9 @@ class Interrupted(KeyboardInterrupt):
 class NonFiniteGuard:
     """train.nan_policy on the host: a skipped (non-finite) step warns, or stops the run past the allowed count."""
 
-    def __init__(self, cfg: Config):
-        self.policy, self.limit, self.skipped = cfg.train.nan_policy, cfg.train.max_skipped_steps, 0
+    def __init__(self, cfg: Config, skipped: int = 0):
+        # `skipped`: the run's skips before this process (a checkpoint's), so a restart does not reset the limit
+        self.policy, self.limit, self.skipped = cfg.train.nan_policy, cfg.train.max_skipped_steps, skipped
 
     def check(self, step: int, met: dict) -> bool:
         """True if the step's update was applied; NonFiniteError when the policy says stop."""
@@ -113,8 +114,8 @@ class _Report:
     """The report job: each step's metrics read one step late (the host never stalls the device), through the NaN
     guard into the logger; `sync` reads the step at a tick at once."""
 
-    def __init__(self, cfg: Config, writer: Writer, bar, n_devices: int, start: int = 0):
-        self.bar, self.guard = bar, NonFiniteGuard(cfg)
+    def __init__(self, cfg: Config, writer: Writer, bar, n_devices: int, start: int = 0, skipped: int = 0):
+        self.bar, self.guard = bar, NonFiniteGuard(cfg, skipped)
         peak = device_peak(cfg.train.peak_flops)
         said = f"MFU against {peak.flops:.4g} FLOP/s per device: {peak.source}"
         say(said)
@@ -165,7 +166,7 @@ class _Saving:
     def save(self, tick: Tick, force: bool = False) -> None:
         self.gp.mark("step")
         meta = {"step": tick.step, "config": self.r.cfg.to_dict(), "metrics": self.report.log.last,
-                "goodput": self.gp.record()}
+                "goodput": self.gp.record(), "skipped_steps": self.report.guard.skipped}
         if self.r.ck.save(tick.step, tick.state, self.r.data.train.get_state(), meta, force=force):
             self.saved = tick.step
             _count(self.gp, "checkpoint", self.writer, tick.step)
@@ -233,7 +234,7 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
     show = cfg.train.progress and distributed.is_primary()
     bar = console.bar(cfg.train.steps, initial=first.step, enabled=show, desc="train", unit="step")
     prof, result = runtime.Profiler(cfg.train.profile, r.dir / "tensorboard"), {"preempted": False}
-    report = _Report(cfg, writer, bar, r.mesh.size, first.step)
+    report = _Report(cfg, writer, bar, r.mesh.size, first.step, first.skipped)
     gp = Goodput(r.dir, t_start, enabled=distributed.is_primary())
     gp.start(first.goodput)
     gp.mark("startup")

@@ -114,6 +114,7 @@ class Start:
     step: int
     state: TrainState
     goodput: dict | None = None
+    skipped: int = 0  # updates skipped before `step` (train.nan_policy=skip), which max_skipped_steps counts on from
 
 
 def open_state(run: Run, source: posttrain.Source | None) -> Start:
@@ -124,7 +125,7 @@ def open_state(run: Run, source: posttrain.Source | None) -> Start:
         step, state, data_state, meta = restored
         run.data.train.set_state(data_state)
         say(f"resuming from checkpoint {step} in {run.ck.dir}")
-        return Start(step, state, meta.get("goodput"))
+        return Start(step, state, meta.get("goodput"), meta.get("skipped_steps", 0))
     if source is not None:  # read only now, before the first checkpoint
         return Start(0, posttrain.initial_state(run.cfg, source, run.progs), {})
     return Start(0, run.progs.init(), {})
