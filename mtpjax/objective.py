@@ -41,8 +41,8 @@ class LambdaSchedule:
 
     @classmethod
     def parse(cls, text: str) -> LambdaSchedule:
-        """`kind:body` (a bare number is constant); SpellingError unless one of FORMS with finite numbers."""
-        bad = SpellingError(text, f"expected one of {cls.FORMS} (finite numbers, steps > 0)")
+        """`kind:body` (a bare number is constant); SpellingError unless one of FORMS with finite numbers >= 0."""
+        bad = SpellingError(text, f"expected one of {cls.FORMS} (finite numbers >= 0, steps > 0)")
         kind, sep, body = text.replace(" ", "").partition(":")
         kind, body = (kind, body) if sep else ("constant", kind)
         if kind not in _LAMBDA_RE or not _LAMBDA_RE[kind].match(body):
@@ -54,8 +54,10 @@ class LambdaSchedule:
         except ValueError:
             raise bad from None
         ramp_ok = kind not in ("linear", "cosine") or steps[0] > 0
-        if steps != tuple(sorted(set(steps))) or not ramp_ok or not all(map(math.isfinite, values)):
-            raise bad  # steps out of order, an empty ramp, or inf (which would not load again)
+        if steps != tuple(sorted(set(steps))) or not ramp_ok or not all(0 <= v < math.inf for v in values):
+            # steps out of order, an empty ramp, inf (which would not load again), or a negative weight (the MTP
+            # heads trained to predict wrongly: the objective has no lower bound)
+            raise bad
         return cls(kind, values, steps)
 
     def __str__(self) -> str:

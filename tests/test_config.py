@@ -346,7 +346,7 @@ LAMBDAS = [  # (as written, the typed value, its saved string, hand-computed λ 
      {0: 0.3, 250: 0.25, 500: 0.2, 1000: 0.1, 5000: 0.1}),
     ("cosine:0->0.1@100", LambdaSchedule("cosine", (0.0, 0.1), (100,)), "cosine:0.0->0.1@100",
      {0: 0.0, 25: 0.1 * (1 - 0.5 ** 0.5) / 2, 50: 0.05, 100: 0.1, 200: 0.1}),
-    ("linear:1e-05->-2@3", LambdaSchedule("linear", (1e-5, -2.0), (3,)), "linear:1e-05->-2.0@3", {3: -2.0}),
+    ("linear:1e-05->2@3", LambdaSchedule("linear", (1e-5, 2.0), (3,)), "linear:1e-05->2.0@3", {3: 2.0}),
 ]
 
 
@@ -371,6 +371,16 @@ def test_lambda_of_a_non_finite_value_is_refused():
     """1e999 reads as inf, whose saved string ('inf') would not load again."""
     for spec in ("constant:1e999", "linear:0.3->-1e999@5", "piecewise:1e999@3,0"):
         assert "config key 'loss.mtp_lambda'" in error_of([f"loss.mtp_lambda={spec}"])
+
+
+def test_a_negative_lambda_is_refused():
+    """A negative weight trains the MTP heads to predict wrongly, the total loss falling without bound (tiny, λ=-1:
+    -15.6 after 40 steps of one batch, the MTP losses rising from 5.5 to 16.5); 0 still turns them off."""
+    for key, spec in (("loss.mtp_lambda", "-0.3"), ("loss.mtp_lambda", "piecewise:0.3@10,-0.1"),
+                      ("loss.mtp_lambda", "linear:0.3->-0.1@5"), ("loss.mtp_lambda_depths", "0.3;-0.1")):
+        msg = error_of([f"{key}={spec}", "model.mtp_depth=2"])
+        assert msg.startswith(f"config key '{key}'") and "finite numbers >= 0" in msg, msg
+    assert float(load_config(None, ["loss.mtp_lambda=0"]).loss.mtp_lambda(0)) == 0.0
 
 
 @pytest.mark.parametrize("spec, w_self, saved", [

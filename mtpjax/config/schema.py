@@ -133,8 +133,8 @@ class ModelConfig(Section):
 
 class LossConfig(Section):
     mtp_lambda: parsed(LambdaSchedule) = Field(LambdaSchedule.parse("constant:0.3"), description="λ(step), the MTP "
-        "losses' weight (a bare number is constant): piecewise holds each value until the next step mark, linear and "
-        "cosine ramp from the first value to the second over that many steps and then hold it")
+        "losses' weight, ≥ 0 (a bare number is constant): piecewise holds each value until the next step mark, linear "
+        "and cosine ramp from the first value to the second over that many steps and then hold it")
     chunk_size: Int = Field(0, description="sequence positions per cross-entropy chunk (must divide `data.seq_len`; 0 "
         "= all at once)", ge=0)
     mtp_target: parsed(TargetMix) = Field(TargetMix.parse("data"), description="what depth k learns: the token "
