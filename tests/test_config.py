@@ -471,7 +471,7 @@ def test_the_checks_come_from_the_field_types_and_metadata():
 
 
 def test_runtime_keys_are_marked_on_their_fields():
-    assert RUNTIME_KEYS == {"model.attention", "loss.head_kernel", "data.cache_dir", "data.num_workers",
+    assert RUNTIME_KEYS == {"model.attention", "model.remat", "loss.head_kernel", "data.cache_dir", "data.num_workers",
                             "data.prepare_workers"}
 
 

@@ -156,3 +156,13 @@ def test_a_trained_bpe_whose_corpus_changed_names_the_corpus(tmp_path, capsys):
     err = one_line_error(capsys, main, cli_args(cfg, "train.steps=2"))
     assert "data.tokenizer=bpe gives other token ids" in err and "which changed since: restore the corpus" in err
     assert "back at bpe" not in err
+
+
+def test_a_run_resumes_with_another_remat(tiny_run, tmp_path, capsys):
+    """model.remat says what the backward keeps, not what it computes (test_model: remat changes nothing): a run that
+    runs out of memory resumes with remat on. It was refused as 'a different model config'."""
+    cfg, run = _copy_run(tiny_run, tmp_path)
+    assert main(cli_args(cfg, "train.steps=8", "model.remat=full")) == 0
+    assert "model.remat" not in capsys.readouterr().err
+    err = one_line_error(capsys, main, cli_args(cfg, "train.steps=9", "model.n_layers=3"))  # a model key still is
+    assert "model.n_layers: 2 -> 3" in err

@@ -93,9 +93,10 @@ class ModelConfig(Section):
     mtp_init: one_of("MTP modules' initialization (on import, from the imported trunk)", random="fresh weights",
         last_block="each module's block starts as a copy of the last trunk block; its norms and `eh_proj` fresh")
     scan_layers: Bool = Field(False, description="`lax.scan` over a stacked trunk (faster compiles for deep models)")
-    remat: one_of("activation rematerialization per block", none="keep activations", full="recompute the block",
-        dots="save only matmul outputs", save_kernels="recompute the block but its kernels' work: attention's and "
-        "the grouped matmuls' outputs and the routed experts' rows kept (no kernel or dispatch rerun)")
+    remat: one_of("activation rematerialization per block", runtime=True, none="keep activations",
+        full="recompute the block", dots="save only matmul outputs", save_kernels="recompute the block but its "
+        "kernels' work: attention's and the grouped matmuls' outputs and the routed experts' rows kept (no kernel or "
+        "dispatch rerun)")
     dtype: choice("float32", "bfloat16", "float16") = Field("float32", description="activation / compute dtype")
     param_dtype: choice("float32", "bfloat16") = Field("float32", description="parameter dtype")
     init_std: Float = Field(0.02, description="init standard deviation (output projections scaled by 1/√(2L))", gt=0)
@@ -364,8 +365,8 @@ def walk(cls: type[Section] = Config, prefix: str = "") -> list[tuple[str, Any, 
 
 
 KEYS = tuple(k for k, _, _ in walk())  # every dotted key, in schema order
-# Keys that change neither the weights nor the prepared tokens and their stream (a backend, worker counts, a cache
-# location): a run resumes, and a checkpoint decodes, with other values.
+# Keys that change neither the weights nor the prepared tokens and their stream (a backend, what the backward
+# recomputes, worker counts, a cache location): a run resumes, and a checkpoint decodes, with other values.
 RUNTIME_KEYS = frozenset(k for k, f, _ in walk() if (f.json_schema_extra or {}).get("runtime"))
 
 
