@@ -199,8 +199,10 @@ class DataConfig(Section):
     seq_len: Int = Field(256, description="tokens per training window (T; ≥ `model.mtp_depth` + 2)")
     cache_dir: Str = Field("~/.cache/mtpjax", description="where prepared (tokenized) corpora are cached; on several "
         "hosts, storage they all see", json_schema_extra=RUNTIME)
-    val_fraction: Float = Field(0.05, description="fraction of documents held out for validation (split by a hash of "
-        "their path, line or row)", gt=0, lt=1)
+    val_fraction: Float = Field(0.05, description="fraction held out for validation: of the documents, split by a "
+        "hash of their path, line or row (generated sources: of the instance); of the tokens, the stream's last, for "
+        "`array` ids or where every document hashes to one side (`python -m mtpjax data prepare` names the split)",
+        gt=0, lt=1)
     shuffle: Bool = Field(True, description="shuffle training windows (seeded by `train.seed`)")
     num_workers: Int = Field(0, description="prefetch threads of the input pipeline", ge=0, json_schema_extra=RUNTIME)
     prepare_workers: Int = Field(0, description="processes that read and tokenize during preparation (0: the training "
