@@ -221,6 +221,7 @@ def test_latent_cache_after_rejections_equals_a_fresh_prefill(model):
     (["model.qk_rope_head_dim=5"], "model.qk_rope_head_dim"),
     (["model.attention_kind=gqa", "model.rope_scaling=yarn"], "model.rope_scaling"),
     (["model.rope_scaling=yarn", "model.rope_beta_fast=1", "model.rope_beta_slow=2"], "model.rope_beta_fast"),
+    (["model.qkv_bias=true"], "model.qkv_bias"),  # MLA has no q/k/v projections: it was accepted, and ignored
 ])
 def test_bad_mla_settings_are_refused_in_one_line(over, needle):
     base = ["model.d_model=64"] + [f"model.{k}={v}" for k, v in MLA.items()]

@@ -82,7 +82,7 @@ class ModelConfig(Section):
         gt=0)
     v_head_dim: Int = Field(32, description="mla: per-head value width", gt=0)
     norm_eps: Float = Field(1e-6, description="RMSNorm epsilon")
-    qkv_bias: Bool = Field(False, description="biases on the q/k/v projections (Qwen2), zero-initialised")
+    qkv_bias: Bool = Field(False, description="biases on the q/k/v projections (Qwen2; `gqa`), zero-initialised")
     tie_embeddings: Bool = Field(True, description="output head = embedding transposed")
     mtp_depth: Int = Field(1, description="D, the number of MTP modules (0 = plain LM)", ge=0)
     mtp_kind: one_of("how the MTP modules are wired", sequential="the DeepSeek-V3 chain", parallel="independent heads "

@@ -93,13 +93,15 @@ def _train(cfg) -> Rules:
 
 
 def _mla(m) -> Rules:
-    """Latent ranks within the width, a rotatable RoPE part, YaRN only where its softmax scale is defined."""
+    """Latent ranks within the width, a rotatable RoPE part, YaRN where its scale is defined, no q/k/v bias ignored."""
     yield "model.rope_scaling", m.rope_scaling != "yarn" or m.attention_kind == "mla", \
         "yarn is defined here for model.attention_kind=mla; use llama3, or set model.attention_kind=mla"
     yield "model.rope_beta_fast", m.rope_beta_fast > m.rope_beta_slow, \
         f"must be > model.rope_beta_slow={m.rope_beta_slow}"
     if m.attention_kind != "mla":
         return
+    yield "model.qkv_bias", not m.qkv_bias, "biases gqa's q/k/v projections; model.attention_kind=mla has none, " \
+        "so it would be ignored: set model.qkv_bias=false"
     for name in ("kv_lora_rank", "q_lora_rank"):
         yield f"model.{name}", getattr(m, name) <= m.d_model, \
             f"a latent rank above the width compresses nothing; use <= model.d_model={m.d_model}"
