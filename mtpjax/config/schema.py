@@ -90,8 +90,9 @@ class ModelConfig(Section):
     mtp_hidden: one_of("the trunk state MTP module 1 reads (every module, when parallel)", raw="the residual stream "
         "before the trunk's final norm", normed="after the trunk's final norm, as DeepSeek-V3's reference code, its "
         "engines and Megatron feed it (needed by `convert export --format deepseek_v3`)")
-    mtp_init: one_of("MTP modules' initialization (on import, from the imported trunk)", random="fresh weights",
-        last_block="each module's block starts as a copy of the last trunk block; its norms and `eh_proj` fresh")
+    mtp_init: one_of("fresh MTP modules' initialization, from the trunk the run starts with (random, "
+        "`train.init_from`'s or imported)", random="fresh weights", last_block="each module's block starts as a copy "
+        "of the last trunk block; its norms and `eh_proj` fresh")
     scan_layers: Bool = Field(False, description="`lax.scan` over a stacked trunk (faster compiles for deep models)")
     remat: one_of("activation rematerialization per block", runtime=True, none="keep activations",
         full="recompute the block", dots="save only matmul outputs", save_kernels="recompute the block but its "
