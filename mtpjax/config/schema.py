@@ -238,7 +238,8 @@ class TrainConfig(Section):
     eval_tasks: Strs = Field((), description="lm-eval tasks scored every `eval_tasks_every` steps, logged to "
         "TensorBoard as `tasks/<task>/<metric>` (the shipped ones: `mtpjax`; needs the `eval` extra); empty: none")
     eval_tasks_every: Int = Field(1000, description="steps between task evals (`eval_tasks`), and the last step", gt=0)
-    eval_tasks_limit: Float = Field(0.0, description="documents per task in a task eval (0: all)", ge=0)
+    eval_tasks_limit: Float = Field(0.0, description="documents per task in a task eval (0: all; below 1: that "
+        "fraction of each task's, as `decode.py --limit`)", ge=0)
     nan_policy: one_of("on a non-finite loss or gradient", stop="stop the run", skip="skip the update")
     max_skipped_steps: Int = Field(10, description="`skip` policy: stop after this many skipped updates (the run's, "
         "restarts included)", ge=0)
