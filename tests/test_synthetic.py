@@ -112,6 +112,8 @@ def test_bad_synthetic_settings_are_one_line(tmp_path):
         prepare(_cfg(tmp_path, "algorithmic", synthetic_instances=1))
     with pytest.raises(DataError, match="induction stories have 1..8 names"):
         prepare(_cfg(tmp_path, "induction", synthetic_difficulty=9))
+    with pytest.raises(DataError, match="algorithmic operands have 1..18 digits"):  # was numpy's traceback
+        prepare(_cfg(tmp_path, "algorithmic", synthetic_difficulty=19))
     cfg = load_config(None, ["data.source=induction"])  # no data.paths needed
     assert cfg.data.source == "induction" and cfg.data.paths == ()
 

@@ -190,7 +190,7 @@ class DataConfig(Section):
         "split (repeated instances stay on one side of it)", gt=0)
     synthetic_seed: Int = Field(0, description="`induction`/`algorithmic`: seed of the generated instances", ge=0)
     synthetic_difficulty: Int = Field(2, description="`induction`: names per story (1-8); `algorithmic`: digits per "
-        "operand", ge=1)
+        "operand (1-18)", ge=1)
     task_instances: Int = Field(64, description="`induction`/`algorithmic`: held-out instances the task metric scores "
         "at each eval (`eval/task/...`) and in `decode.py --eval`", ge=0)
     tokenizer: Str = Field("byte", description="`byte` (256 ids, byte 0 = end of document), `bpe` (byte-level BPE "

@@ -32,6 +32,7 @@ KINDS = ("induction", "algorithmic")
 VERSION = 1  # part of the cache key: bump when an instance's text changes
 NAME_LETTERS = 3  # lower-case letters after a name's capital
 SENTENCES = 8  # sentences per induction story
+MAX_DIGITS = 18  # an algorithmic operand below 10**digits is drawn as an int64
 VERBS = ("saw", "took", "found", "lost", "liked", "held", "gave", "made")
 NOUNS = ("cat", "dog", "ball", "book", "cake", "tree", "boat", "hat", "cup", "bird", "key", "box")
 
@@ -84,6 +85,8 @@ def instance(kind: str, seed: int, i: int, difficulty: int) -> Instance:
             raise DataError(f"data.synthetic_difficulty={difficulty}: induction stories have 1..{SENTENCES} names")
         return induction(rng, difficulty)
     if kind == "algorithmic":
+        if not 1 <= difficulty <= MAX_DIGITS:
+            raise DataError(f"data.synthetic_difficulty={difficulty}: algorithmic operands have 1..{MAX_DIGITS} digits")
         return algorithmic(rng, difficulty)
     raise DataError(f"unknown synthetic source '{kind}'; use {' or '.join(KINDS)}")
 
