@@ -180,6 +180,7 @@ def test_wrong_type(override, key, allowed):
     (["model.param_dtype=float16"], "model.param_dtype"),
     (["model.rope_theta=0"], "model.rope_theta"),
     (["model.init_std=0"], "model.init_std"),
+    (["model.norm_eps=-1"], "model.norm_eps"),  # was accepted: NaN at step 1, "lower optim.lr"
     (["loss.chunk_size=-1"], "loss.chunk_size"),
     (["loss.chunk_size=100"], "loss.chunk_size"),
     (["data.source=web"], "data.source"),

@@ -81,7 +81,7 @@ class ModelConfig(Section):
     qk_rope_head_dim: Int = Field(16, description="mla: width of the RoPE part (one key shared by every head; even)",
         gt=0)
     v_head_dim: Int = Field(32, description="mla: per-head value width", gt=0)
-    norm_eps: Float = Field(1e-6, description="RMSNorm epsilon")
+    norm_eps: Float = Field(1e-6, description="RMSNorm epsilon", ge=0)
     qkv_bias: Bool = Field(False, description="biases on the q/k/v projections (Qwen2; `gqa`), zero-initialised")
     tie_embeddings: Bool = Field(True, description="output head = embedding transposed")
     mtp_depth: Int = Field(1, description="D, the number of MTP modules (0 = plain LM)", ge=0)
