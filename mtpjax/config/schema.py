@@ -233,8 +233,9 @@ class TrainConfig(Section):
     log_every: Int = Field(10, description="steps between logged training scalars", gt=0)
     eval_every: Int = Field(200, description="steps between validation evals (and samples)", gt=0)
     eval_batches: Int = Field(8, description="validation batches per eval (fewer if the split is short: each window "
-        "once)", ge=0)
-    num_samples: Int = Field(2, description="generated samples written to TensorBoard per eval", ge=0)
+        "once); 0: no evals, so neither samples nor a task metric", ge=0)
+    num_samples: Int = Field(2, description="generated samples written to TensorBoard per eval (at most `batch_size`; "
+        "on several processes, process 0's rows of a batch)", ge=0)
     eval_tasks: Strs = Field((), description="lm-eval tasks scored every `eval_tasks_every` steps, logged to "
         "TensorBoard as `tasks/<task>/<metric>` (the shipped ones: `mtpjax`; needs the `eval` extra); empty: none")
     eval_tasks_every: Int = Field(1000, description="steps between task evals (`eval_tasks`), and the last step", gt=0)
