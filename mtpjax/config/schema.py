@@ -298,9 +298,9 @@ class CheckpointConfig(Section):
         "storage early, and the last step are always saved)", gt=0)
     keep: Int = Field(3, description="checkpoints kept", gt=0)
     async_save: Bool = Field(True, description="save in the background while training continues")
-    verify: Bool = Field(True, description="check every restored array, the data position and the config against the "
-        "xxh3-128 digests saved with them (a mismatch falls back to the previous checkpoint); false skips the check, "
-        "for speed")
+    verify: Bool = Field(True, description="on resume, check every restored array, the data position and the config "
+        "against the xxh3-128 digests saved with them (a mismatch falls back to the previous checkpoint); false skips "
+        "the check, for speed (decoding, `train.init_from` and export always check)")
 
 
 Draft = parsed(drafts.Tree | drafts.Auto, drafts.parse, lambda d: d.name())  # a DraftError is a SpellingError
