@@ -180,8 +180,9 @@ class MixtureSource(Section):
 
 class DataConfig(Section):
     source: one_of("where documents come from", **SOURCES)
-    paths: Strs = Field((), description="files or directories for every source but `stdlib` (directories are walked "
-        "for the source's suffixes)")
+    paths: Strs = Field((), description="files or directories of the `text`, `array`, `parquet` and `arrow` sources "
+        "(directories are walked for the source's suffixes); `stdlib`, `induction` and `algorithmic` read none and "
+        "ignore them: set `source` too")
     text_field: Str = Field("text", description="the text column of Parquet/Arrow files and the field of JSON lines; "
         "null or empty values are no document")
     mixture: listed(MixtureSource) = Field((), description="weighted sources, each prepared and cached on its own; "
