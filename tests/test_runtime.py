@@ -125,6 +125,10 @@ def test_profile_window_parses_and_refuses_bad_values(tmp_path):
         with pytest.raises(ConfigError) as e:
             load_config(None, [f"train.profile={bad}"])
         assert "train.profile" in str(e.value) and "start:stop" in str(e.value) and "\n" not in str(e.value)
+    # a window starting at or past the last step traced nothing and said nothing
+    assert load_config(None, ["train.steps=11", "train.profile=10:15"]).train.profile == "10:15"
+    with pytest.raises(ConfigError, match=r"^config key 'train.profile' = '10:13' .*\(train.steps=10\), so nothing"):
+        load_config(None, ["train.steps=10", "train.profile=10:13"])
 
 
 def test_profiler_traces_the_window_only(monkeypatch, capsys):

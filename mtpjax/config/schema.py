@@ -251,7 +251,8 @@ class TrainConfig(Section):
     progress: Bool = Field(True, description="tqdm progress bar in a terminal; piped to a file, or false, a line per "
         "`log_every` steps instead (losses, lr, grad_norm, tokens/s, MFU)")
     profile: Str = Field("", description="`start:stop` (e.g. `10:13`): a `jax.profiler` trace of the steps after "
-        "`start` up to `stop` completed steps, in the run's TensorBoard directory (profile tab); empty: none")
+        "`start` up to `stop` completed steps (`start` < `steps`), in the run's TensorBoard directory (profile tab); "
+        "empty: none")
     compilation_cache: Bool = Field(True, description="persistent XLA compilation cache in `$MTPJAX_CACHE_DIR/xla` "
         "(default `~/.cache/mtpjax/xla`): a restarted run compiles nothing it compiled before")
     init_from: Str = Field("", description="a run directory (or `convert import --out`) whose trunk, embedding and "

@@ -77,7 +77,9 @@ def _train(cfg) -> Rules:
     m, d, t = cfg.model, cfg.data, cfg.train
     yield "train.micro_batches", t.batch_size % t.micro_batches == 0, f"must divide train.batch_size={t.batch_size}"
     yield "train.run_dir", bool(t.run_dir), "must be a directory path"
-    parse_profile(t.profile)
+    if window := parse_profile(t.profile):
+        yield "train.profile", window[0] < t.steps, f"starts at or past the run's end (train.steps={t.steps}), so " \
+            f"nothing would be traced; use a start below {t.steps}"
     yield "train.freeze", t.freeze == "none" or m.mtp_depth > 0, \
         "freezing the trunk leaves nothing to train with model.mtp_depth=0; set model.mtp_depth >= 1"
     yield "train.freeze", t.freeze == "none" or bool(t.init_from), \
