@@ -213,7 +213,8 @@ class DataConfig(Section):
 
 class OptimConfig(Section):
     lr: Float = Field(3e-3, description="peak learning rate", gt=0)
-    min_lr_ratio: Float = Field(0.1, description="final learning rate as a fraction of the peak", ge=0, le=1)
+    min_lr_ratio: Float = Field(0.1, description="final learning rate as a fraction of the peak (`cosine`, "
+        "`linear`; `constant` holds the peak)", ge=0, le=1)
     warmup_steps: Int = Field(50, description="linear warmup steps", ge=0)
     schedule: choice("cosine", "linear", "constant") = Field("cosine", description="decay after warmup")
     weight_decay: Float = Field(0.1, description="AdamW decoupled weight decay (not applied to 1-D parameters)", ge=0)
