@@ -68,7 +68,8 @@ class ModelConfig(Section):
     rope_beta_slow: Float = Field(1.0, description="yarn: rotations below which a frequency is divided by the factor; "
         "between, ramped (must be < `rope_beta_fast`)", gt=0)
     rope_mscale: Float = Field(1.0, description="yarn: the cos/sin scale is mscale(factor, this) / mscale(factor, "
-        "`rope_mscale_all_dim`), mscale(s, m) = 0.1·m·ln s + 1", ge=0)
+        "`rope_mscale_all_dim`), mscale(s, m) = 0.1·m·ln s + 1 (either 0: mscale(factor, 1), as DeepSeek-V3's)",
+        ge=0)
     rope_mscale_all_dim: Float = Field(1.0, description="yarn: the softmax scale is multiplied by mscale(factor, "
         "this)² (0: not, and the cos/sin scale is mscale(factor, 1))", ge=0)
     attention_kind: one_of("what attention computes (trunk and MTP modules)", gqa="grouped-query attention "
