@@ -115,8 +115,8 @@ class ModelConfig(Section):
     topk_group: Int = Field(1, description="moe: groups a token's experts are chosen from (≤ `n_group`)", gt=0)
     routed_scaling_factor: Float = Field(1.0, description="moe: the chosen experts' normalized weights are multiplied "
         "by this", gt=0)
-    first_k_dense_replace: Int = Field(0, description="moe: the first k trunk blocks keep the dense MLP (< `n_layers`)",
-        ge=0)
+    first_k_dense_replace: Int = Field(0, description="moe: the first k trunk blocks keep the dense MLP (< `n_layers`; "
+        "0 with `scan_layers`, whose stacked trunk is one block kind)", ge=0)
     moe_buffer_factor: Float = Field(0.0, description="moe with `mesh.expert` > 1: each expert shard receives this "
         "many times its balanced share of token-slots (every device's N·k), the all-to-all moving ceil(factor · N·k / "
         "expert) rows per pair of shards; slots past that are dropped, counted (`moe/<layer>/dropped_fraction`), "
