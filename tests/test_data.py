@@ -196,6 +196,10 @@ def test_iterator_reads_a_memmapped_prepared_split(tmp_path):
 def test_corpus_smaller_than_one_batch_names_both_counts():
     with pytest.raises(DataError, match=r"has 40 tokens but one batch needs 4 x 16 = 64"):
         make_iterator(_numbered(10), split="train", seq_len=16, batch_size=4, seed=0)
+    # a short validation split is the held-out share's: its fixes are named (they were only batch, length and data)
+    with pytest.raises(DataError, match=r"has 4 tokens .* data.seq_len, raise data.val_fraction \(or skip evals: "
+                                        r"train.eval_batches=0\), or add data$"):
+        make_iterator(_numbered(10), split="val", seq_len=16, batch_size=4, seed=0)
 
 
 @pytest.mark.parametrize("rows", [[], [0, 0], [4], [-1], [[0]]])

@@ -184,8 +184,9 @@ def make_iterator(prepared, *, split: str, seq_len: int, batch_size: int, seed: 
         tokens = p.tokens(split)
         w = _Windows(tokens, seq_len, source_seed(seed, name), shuffle, num_epochs)
         if not name and w.count < batch_size:
+            more = ", raise data.val_fraction (or skip evals: train.eval_batches=0)" if split == "val" else ""
             raise DataError(f"the {split} split has {len(tokens)} tokens but one batch needs {batch_size} x {seq_len}"
-                            f" = {batch_size * seq_len}; lower train.batch_size or data.seq_len, or add data")
+                            f" = {batch_size * seq_len}; lower train.batch_size or data.seq_len{more}, or add data")
         if name and w.count < 1:
             raise DataError(f"the {split} split of data.mixture source '{name}' has {len(tokens)} tokens, less than "
                             f"one window of data.seq_len={seq_len}; lower data.seq_len or add data to it")
