@@ -227,7 +227,6 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
     """Steps from `first` up to train.steps or max_steps, the jobs run between them; the final metrics."""
     cfg, end = r.cfg, min(r.cfg.train.steps, r.cfg.train.steps if max_steps is None else max_steps)
     say(banner(cfg, r.mesh, r.dir, first.step, r.data.prepared, len(r.data.val)))
-    task_evals.check(cfg)
     writer = Writer(r.dir, enabled=jax.process_index() == 0, purge_step=first.step + 1 if first.step else None)
     if first.step == 0:
         writer.text(0, "config", cfg.to_yaml())

@@ -2,9 +2,9 @@
 
 compilation cache → mesh → init_from → run directory and data → own text → programs → state; `loop.train` runs
 `open_run`, then the loop. The mesh comes first: the data shards its batches over it. Nothing is written before
-every check that can refuse the run has passed (batch vs mesh, init_from, identity, data), so a refused run
-leaves no run directory behind. The state stage chooses among resuming, post-training (train.init_from, read
-and checked up front with the other refusals by `posttrain.source_config`) and a fresh init.
+every check that can refuse the run has passed (train.eval_tasks, batch vs mesh, init_from, identity, data), so
+a refused run leaves no run directory behind. The state stage chooses among resuming, post-training
+(train.init_from, read and checked up front with the other refusals by `posttrain.source_config`) and a fresh init.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from mtpjax.config import Config
 from mtpjax.errors import MtpjaxError
 from mtpjax.parallel.sharding import BATCH_AXES, batch_sharding, data_parallelism, make_mesh, named_axes
 from mtpjax.parallel import runtime
-from mtpjax.train import owntext, posttrain, rundir
+from mtpjax.train import owntext, posttrain, rundir, task_evals
 from mtpjax.train.checkpoint import Checkpointer
 from mtpjax.train.report import say
 from mtpjax.train.step import Programs, TrainState
@@ -35,6 +35,7 @@ def open_run(cfg: Config, fresh: bool, make_programs: Callable[[Config, Mesh], P
     """Every stage of a run's setup in order, and the loop's first step; the programs come from `make_programs`
     (train.step's, or a wrapper that records what a sweep's variants train on)."""
     runtime.enable_compilation_cache(cfg.train.compilation_cache)
+    task_evals.check(cfg)  # an unknown train.eval_tasks, refused before anything is written
     mesh = open_mesh(cfg)
     source = posttrain.source_config(cfg, fresh)  # a new run's init_from, checked before anything is written
     run_dir, run_data = open_run_dir(cfg, mesh, fresh, source)
