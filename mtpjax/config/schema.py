@@ -245,8 +245,8 @@ class TrainConfig(Section):
     eval_tasks_limit: Float = Field(0.0, description="documents per task in a task eval (0: all; below 1: that "
         "fraction of each task's, as `decode.py --limit`)", ge=0)
     nan_policy: one_of("on a non-finite loss or gradient", stop="stop the run", skip="skip the update")
-    max_skipped_steps: Int = Field(10, description="`skip` policy: stop after this many skipped updates (the run's, "
-        "restarts included)", ge=0)
+    max_skipped_steps: Int = Field(10, description="`skip` policy: skipped updates allowed (the run's, restarts "
+        "included); the next one stops the run", ge=0)
     peak_flops: Float = Field(0.0, description="per-device peak FLOP/s for MFU; 0 = the chip's published dense bf16 "
         "peak on a GPU or TPU (the table `compile` reports use), and only on CPU the best float32 matmul rate of XLA, "
         "numpy or torch, measured at start (the log says which)", ge=0)
