@@ -234,7 +234,8 @@ class TrainConfig(Section):
     seed: Int = Field(0, description="parameter init and data order")
     run_dir: Str = Field("runs/default", description="checkpoints, TensorBoard logs, config and tokenizer of the run")
     log_every: Int = Field(10, description="steps between logged training scalars", gt=0)
-    eval_every: Int = Field(200, description="steps between validation evals (and samples)", gt=0)
+    eval_every: Int = Field(200, description="steps between validation evals (and samples), and the last step",
+        gt=0)
     eval_batches: Int = Field(8, description="validation batches per eval (fewer if the split is short: each window "
         "once); 0: no evals, so neither samples nor a task metric", ge=0)
     num_samples: Int = Field(2, description="generated samples written to TensorBoard per eval (at most `batch_size`; "
