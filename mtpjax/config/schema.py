@@ -233,7 +233,7 @@ class TrainConfig(Section):
         "divide `batch_size`; exactly equivalent); the eval step computes in the same parts", gt=0)
     seed: Int = Field(0, description="parameter init and data order")
     run_dir: Str = Field("runs/default", description="checkpoints, TensorBoard logs, config and tokenizer of the run")
-    log_every: Int = Field(10, description="steps between logged training scalars", gt=0)
+    log_every: Int = Field(10, description="steps between logged training scalars, and the last step", gt=0)
     eval_every: Int = Field(200, description="steps between validation evals (and samples), and the last step",
         gt=0)
     eval_batches: Int = Field(8, description="validation batches per eval (fewer if the split is short: each window "
