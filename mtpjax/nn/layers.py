@@ -20,6 +20,11 @@ from mtpjax.config import ModelConfig
 from mtpjax.nn.placement import Placement
 
 
+def residual_std(cfg: ModelConfig) -> float:
+    """Init std of a projection that writes to the residual stream: init_std / √(2L), as GPT-2 scales them."""
+    return cfg.init_std / math.sqrt(2 * max(1, cfg.n_layers))
+
+
 def dtype_of(name: str):
     """jnp dtype from its config name."""
     return jnp.dtype(name)
@@ -276,7 +281,7 @@ class Attention(nnx.Module):
         self.n_heads, self.n_kv, self.head_dim, self.theta = h, kv, hd, cfg.rope_theta
         self.llama3 = llama3_rope(cfg)
         self.attention, self.placement = cfg.attention, placement  # how, not what: no parameter depends on them
-        out_std = cfg.init_std / math.sqrt(2 * max(1, cfg.n_layers))
+        out_std = residual_std(cfg)
         self.wq = Dense(d, h * hd, ("embed", "heads"), cfg, rngs, bias=cfg.qkv_bias)
         self.wk = Dense(d, kv * hd, ("embed", "kv_heads"), cfg, rngs, bias=cfg.qkv_bias)
         self.wv = Dense(d, kv * hd, ("embed", "kv_heads"), cfg, rngs, bias=cfg.qkv_bias)
@@ -312,7 +317,7 @@ class MLP(nnx.Module):
         d, f = cfg.d_model, cfg.resolved_d_ff if d_ff is None else d_ff
         self.gate = Dense(d, f, ("embed", "mlp"), cfg, rngs)
         self.up = Dense(d, f, ("embed", "mlp"), cfg, rngs)
-        self.down = Dense(f, d, ("mlp", "embed"), cfg, rngs, std=cfg.init_std / math.sqrt(2 * max(1, cfg.n_layers)))
+        self.down = Dense(f, d, ("mlp", "embed"), cfg, rngs, std=residual_std(cfg))
         self.placement = placement or Placement()  # how, not what: no parameter depends on it
 
     def __call__(self, x):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtpjax.config import ModelConfig
-from mtpjax.nn.layers import Dense, RMSNorm, apply_rope, dtype_of, llama3_rope, new_rows_seen, param, \
+from mtpjax.nn.layers import Dense, RMSNorm, apply_rope, dtype_of, llama3_rope, new_rows_seen, param, residual_std, \
     rope_frequencies, rope_tables, self_attention
 from mtpjax.nn.placement import Placement
 
@@ -162,8 +162,7 @@ class MLAttention(nnx.Module):
         self.kv_a = Dense(d, self.rank + self.rope, ("embed", "latent"), cfg, rngs)
         self.kv_a_norm = _latent_norm(self.rank, cfg, rngs)
         self.kv_b = Dense(self.rank, N * (self.nope + self.v_dim), ("latent", "heads"), cfg, rngs)
-        self.wo = Dense(N * self.v_dim, d, ("heads", "embed"), cfg, rngs,
-                        std=cfg.init_std / math.sqrt(2 * max(1, cfg.n_layers)))
+        self.wo = Dense(N * self.v_dim, d, ("heads", "embed"), cfg, rngs, std=residual_std(cfg))
 
     def project(self, x_BTD, pos_BT):
         """(q_nope, q_rope) [B,T,N,·] with the softmax scale folded in, the normed latent c [B,T,Z] and the roped

@@ -32,7 +32,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from mtpjax.config import ModelConfig
 from mtpjax.nn import gmm, kernels
-from mtpjax.nn.layers import MLP, dtype_of, param
+from mtpjax.nn.layers import MLP, dtype_of, param, residual_std
 from mtpjax.nn.placement import Placement
 
 
@@ -259,14 +259,13 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, placement: Placement):
         d, f, E = cfg.d_model, cfg.moe_d_ff, cfg.n_routed_experts
         pdt = dtype_of(cfg.param_dtype)
-        out_std = cfg.init_std / math.sqrt(2 * max(1, cfg.n_layers))
         self.k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.scale, self.dtype = cfg.routed_scaling_factor, dtype_of(cfg.dtype)
         self.router = param(rngs, (d, E), cfg.init_std, ("embed", None), pdt)
         self.bias = ExpertBias(jnp.zeros((E,), jnp.float32), logical_axes=(None,))
         self.w_gate = param(rngs, (E, d, f), cfg.init_std, ("expert", "embed", "mlp"), pdt)
         self.w_up = param(rngs, (E, d, f), cfg.init_std, ("expert", "embed", "mlp"), pdt)
-        self.w_down = param(rngs, (E, f, d), out_std, ("expert", "mlp", "embed"), pdt)
+        self.w_down = param(rngs, (E, f, d), residual_std(cfg), ("expert", "mlp", "embed"), pdt)
         if cfg.n_shared_experts:
             self.shared = MLP(cfg, rngs, d_ff=cfg.n_shared_experts * f, placement=placement)
         self.grouping = grouping_for(placement.platform)  # how, not what: all are exact
