@@ -146,7 +146,7 @@ class LossConfig(Section):
     distill_temperature: Float = Field(1.0, description="temperature of both distributions in the `self` target's soft "
         "cross-entropy (scaled by its square)", gt=0)
     mtp_unroll: Int = Field(0, description="U: the module `mtp_unroll_module` names is also applied U more times, each "
-        "on its own previous output and the next true token, each application scored as one more depth", ge=0)
+        "on its own previous output and (a sequential module) the next true token, each scored as one more depth", ge=0)
     mtp_unroll_module: one_of("which module `mtp_unroll` reuses", first="module 1 (the chain `decode.proposer=mtp1` "
         "and the engines run)", last="module D (the chain `decode.proposer=mtp` runs beyond D)")
     mtp_lambda_depths: parsed(DepthLambdas) = Field(DepthLambdas.parse(""), description="λ per scored application "
