@@ -87,6 +87,21 @@ def test_load_model_errors_are_one_line(tmp_path):
         load_model(tmp_path / "empty")
 
 
+@pytest.mark.parametrize("text", [b"\xff\xfe\x00garbage", b"model: [1\n"], ids=["binary", "bad yaml"])
+def test_a_run_config_that_does_not_read_is_one_line_with_its_fix(tmp_path, text):
+    """A run dir's config.yaml of binary bytes (was a UnicodeDecodeError traceback) or broken YAML (its several-line
+    message was cut to its first line, the fix with it): one line that ends with what to do."""
+    from mtpjax.train.checkpoint import read_run_config
+
+    (tmp_path / "config.yaml").write_bytes(text)
+    with pytest.raises(CheckpointError) as e:
+        read_run_config(tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"'{tmp_path / 'config.yaml'}' is not a valid config (")
+    assert msg.endswith("delete it to resume with the config of the latest checkpoint, or use --fresh to move the "
+                        "old run aside")
+
+
 def test_load_model_reads_a_model_only_directory(tiny_run, tmp_path):
     """Export/import write only the `model` and `meta` items (no optimizer, no data position): enough for load_model."""
     cfg, run = tiny_run

@@ -1,6 +1,8 @@
 """Config schema: loading, dotted overrides with types, and every ConfigError naming its key."""
 
 import json
+import os
+import threading
 import typing
 from pathlib import Path
 from typing import Literal
@@ -321,6 +323,29 @@ def test_invalid_yaml(tmp_path):
     p.write_text("model:\n  d_model: 64\n  n_layers: [1, 2\n")
     msg = error_of([], p)
     assert f"config file '{p}' is not valid YAML" in msg and "line" in msg
+
+
+def test_a_config_file_that_is_not_text_or_cannot_be_read_is_one_line(tmp_path):
+    """Binary bytes and a read that fails (an I/O error; a file this user may not read) are a ConfigError naming the
+    file, not a UnicodeDecodeError or OSError traceback."""
+    p = tmp_path / "bin.yaml"
+    p.write_bytes(b"model:\n  d_model: 64\xff\xfe\n")
+    assert error_of([], p) == (f"config file '{p}' is not UTF-8 text (byte 20); pass a YAML file such as "
+                               "configs/tiny.yaml")
+    mem = Path("/proc/self/mem")  # a regular file whose read fails with EIO, even for root
+    if mem.exists():
+        assert error_of([], mem) == (f"config file '{mem}' cannot be read (Input/output error); pass a readable "
+                                     "YAML file")
+
+
+def test_a_config_read_from_a_pipe(tmp_path):
+    """--config <(...) names a pipe, not a regular file: it is read, not refused as missing."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("train:\n  steps: 7\n"), daemon=True)
+    writer.start()
+    assert load_config(fifo).train.steps == 7
+    writer.join()
 
 
 def test_yaml_not_a_mapping(tmp_path):

@@ -60,11 +60,17 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
     raw: Any = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
+        if p.is_dir() or not p.exists():  # anything else is read: a pipe too (--config <(...))
             what = "is a directory" if p.is_dir() else "does not exist"
             raise ConfigError(f"config file '{p}' {what}; pass a YAML file such as configs/tiny.yaml")
         try:
             raw = _yaml(p.read_text()) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file '{p}' is not UTF-8 text (byte {e.start}); pass a YAML file such as "
+                              "configs/tiny.yaml") from None
+        except OSError as e:
+            raise ConfigError(f"config file '{p}' cannot be read ({e.strerror or e}); pass a readable YAML file") \
+                from None
         except yaml.constructor.ConstructorError as e:  # a tag such as !!python/object: no code runs from a config
             line = f" (line {e.problem_mark.line + 1})" if e.problem_mark else ""
             raise ConfigError(f"config file '{p}' uses a YAML tag that safe loading refuses{line}: {e.problem}; "

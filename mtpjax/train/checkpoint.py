@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
-from mtpjax.config import CheckpointConfig, Config, ConfigError, from_dict
+from mtpjax.config import CheckpointConfig, Config, ConfigError, from_dict, load_config
 from mtpjax.errors import MtpjaxError, first_line
 from mtpjax.parallel import console
 from mtpjax.nn.model import build_model
@@ -379,13 +379,11 @@ def _fill(target_state, pure: dict):
 
 def read_run_config(run_dir: str | Path) -> Config | None:
     """The config saved in `<run_dir>/config.yaml` (None if the run has none yet)."""
-    import yaml
-
     p = Path(run_dir) / "config.yaml"
     if not p.is_file():
         return None
     try:
-        return from_dict(yaml.safe_load(p.read_text()) or {})
-    except (ConfigError, yaml.YAMLError) as e:
+        return load_config(p)  # its errors are one line (a YAML error's own message is several)
+    except ConfigError as e:
         raise CheckpointError(f"'{p}' is not a valid config ({e}); delete it to resume with the config of the latest "
                               "checkpoint, or use --fresh to move the old run aside") from None
