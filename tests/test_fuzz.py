@@ -10,6 +10,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -199,6 +200,8 @@ DECODE = [  # (argv after --run-dir, expected exit status, words in the error or
     # latin.txt below: invalid bytes become U+FFFD, only the \n, \t and \\ escapes are read
     (["--prompts-file", "{latin}"], 0, ["caf\ufffd", "\\x\\u12 \n ok", "\ufffd\ufffd"]),
     (["--prompts-file", "{empty}"], 2, "no prompts"),
+    (["--prompts-file", "{blank}"], 2, "blank.txt' line 2 is empty; remove its blank lines"),  # was "empty prompt"
+    (["--prompts-file", "/proc/self/mem"], 2, "'/proc/self/mem' cannot be read (Input/output error)"),  # a failing read
     (["--prompt", "x", "--max-new-tokens", str(10**12)], 2, "exceeds the cache"),
     (["--prompt", "x", "--max-new-tokens", str(10**10), "--max-len", str(10**12)], 2, "KV cache"),
     (["--prompt", "x", "--max-new-tokens", "-5"], 2, "max_new_tokens=-5"),
@@ -220,7 +223,8 @@ def test_decode_requests_error_in_one_line_or_work(trained, tmp_path, capsys, ar
     _, run = trained
     latin = _write(tmp_path, "latin.txt", b"caf\xe9\n\\x\\u12 \\n ok\n\xff\xfe\n")
     empty = _write(tmp_path, "empty.txt", "")
-    argv = ["--run-dir", str(run), *(a.format(latin=latin, empty=empty) for a in argv)]
+    blank = _write(tmp_path, "blank.txt", "a\n\nb\n")
+    argv = ["--run-dir", str(run), *(a.format(latin=latin, empty=empty, blank=blank) for a in argv)]
     if code == 0:
         argv += ["--max-new-tokens", "4"]
     before = tree_hash(run)
@@ -232,6 +236,16 @@ def test_decode_requests_error_in_one_line_or_work(trained, tmp_path, capsys, ar
         assert "Traceback" not in out.err
         assert out.out == _greedy_output(run, words)  # each prompt, continued as generate continues it
     assert tree_hash(run) == before
+
+
+def test_prompts_read_from_a_pipe(trained, tmp_path, capsys):
+    """--prompts-file <(...) or /dev/stdin names a pipe, not a regular file: its prompts are decoded (it was refused
+    as a file that does not exist)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    threading.Thread(target=lambda: fifo.write_text("def f(\nimport os\n"), daemon=True).start()
+    assert decode_cli.main(["--run-dir", str(trained[1]), "--prompts-file", str(fifo), "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out == _greedy_output(trained[1], ["def f(", "import os"])
 
 
 def _greedy_output(run, prompts: list[str]) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -16,13 +15,12 @@ from mtpjax.decode import api, autodraft
 from mtpjax.decode.cache import cache_bytes, rows
 from mtpjax.decode.host import DecodeError, make_loop
 from mtpjax.decode.mesh import describe
+from mtpjax.decode.prompts import read_prompts_file
 from mtpjax.decode.text import encode
 from mtpjax.drafts import Auto, DraftError, Tree, parse
 from mtpjax.eval import verdict
 from mtpjax.parallel import console
 from mtpjax.eval.log import agreement_at
-
-_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 
 
 def parser() -> Parser:
@@ -136,16 +134,7 @@ def _prompts(args) -> list[str]:
     if args.prompt is not None:
         # Bytes of the command line that are not UTF-8 arrive as lone surrogates: make them U+FFFD.
         return [args.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace")]
-    path = Path(args.prompts_file)
-    if path.is_dir():
-        raise DecodeError(f"prompts file '{path}' is a directory; give a file with one prompt per line")
-    if not path.is_file():
-        raise DecodeError(f"prompts file '{path}' does not exist")
-    lines = [re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m[1]], ln)  # only \n, \t and \\
-             for ln in path.read_text(errors="replace").splitlines()]
-    if not lines:
-        raise DecodeError(f"prompts file '{path}' has no prompts; write one prompt per line")
-    return lines
+    return read_prompts_file(Path(args.prompts_file))
 
 
 def _proposer(args, cfg) -> str:

@@ -1,13 +1,17 @@
-"""What `generate` accepts as prompts: a batch of token-id lists; anything else is one line naming the fix."""
+"""What `generate` accepts as prompts: a batch of token-id lists; anything else is one line naming the fix. And
+decode.py's prompts file, one text prompt per line."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 from mtpjax.errors import MtpjaxError
 
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 TEXT_HINT = "for text, use mtpjax.load(run_dir)(text) or mtpjax.Generator(model, tokenizer)"
 
 
@@ -40,3 +44,23 @@ def check_token_prompts(prompts) -> None:
         ids = p.tolist() if isinstance(p, np.ndarray) else p
         if not isinstance(ids, Sequence) or not all(map(_is_id, ids)):
             raise PromptError(f"prompt {i} is not a list of integer token ids ({type(p).__name__}: {str(p)[:40]})")
+
+
+def read_prompts_file(path: Path) -> list[str]:
+    """The prompts of a file, one a line (only the escapes \\n, \\t and \\\\ are read); PromptError naming the file."""
+    if path.is_dir():
+        raise PromptError(f"prompts file '{path}' is a directory; give a file with one prompt per line")
+    if not path.exists():  # anything else is read: a pipe too (--prompts-file <(...), /dev/stdin)
+        raise PromptError(f"prompts file '{path}' does not exist")
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as e:
+        raise PromptError(f"prompts file '{path}' cannot be read ({e.strerror or e}); give a readable file with one "
+                          "prompt per line") from None
+    lines = [re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m[1]], ln) for ln in text.splitlines()]
+    if not lines:
+        raise PromptError(f"prompts file '{path}' has no prompts; write one prompt per line")
+    if "" in lines:  # a prompt needs text: say where, not only that one is empty
+        raise PromptError(f"prompts file '{path}' line {lines.index('') + 1} is empty; remove its blank lines (each "
+                          "line is one prompt)")
+    return lines
