@@ -123,6 +123,11 @@ def _write(tmp: Path, name: str, data) -> Path:
     return p
 
 
+def _link(tmp: Path, name: str, target: str) -> Path:
+    (tmp / name).symlink_to(target)
+    return tmp / name
+
+
 def _npy(tmp: Path, name: str, arr, **kw) -> Path:
     p = tmp / name
     np.save(p, arr, **kw)
@@ -132,6 +137,11 @@ def _npy(tmp: Path, name: str, arr, **kw) -> Path:
 BAD_DATA = {  # name: (make files -> overrides, words the error names)
     "empty text file": (lambda t: [f"data.paths={_write(t, 'e.txt', '')}"], "e.txt"),
     "jsonl that is not json": (lambda t: [f"data.paths={_write(t, 'd.jsonl', b'{oops')}"], "d.jsonl:1"),
+    # a file that lists but does not read (an I/O error; for a user, no permission): was an OSError traceback
+    "text file whose read fails": (lambda t: ["data.paths=/proc/self/mem"], "'/proc/self/mem' cannot be read"),
+    "jsonl file whose read fails": (
+        lambda t: [f"data.paths={_link(t, 'mem.jsonl', '/proc/self/mem')}"],
+        "mem.jsonl' cannot be read (Input/output error); fix data.paths"),
     "tokenizer file that does not parse": (
         lambda t: [f"data.tokenizer={_write(t, 'tok.json', b'{not json at all')}"], "does not parse"),
     "tokenizer json that is not a tokenizer": (

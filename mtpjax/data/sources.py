@@ -166,13 +166,16 @@ def _jsonl_docs(u: Unit, field: str, utf8: Utf8Tracker) -> Iterator[tuple[str, s
 
 def read_unit(u: Unit, field: str, utf8: Utf8Tracker) -> Iterator[tuple[str, str]]:
     """(key, text) for every non-empty document of a unit, in order."""
-    if u.kind == "txt":
-        text = utf8.decode(Path(u.path).read_bytes(), u.path).removeprefix(BOM)
-        if text:
-            yield u.key, text
-    elif u.kind == "jsonl":
-        yield from _jsonl_docs(u, field, utf8)
-    else:
+    try:
+        if u.kind == "txt":
+            text = utf8.decode(Path(u.path).read_bytes(), u.path).removeprefix(BOM)
+            if text:
+                yield u.key, text
+        elif u.kind == "jsonl":
+            yield from _jsonl_docs(u, field, utf8)
+    except OSError as e:  # a file that lists but does not read (an I/O error, no permission)
+        raise DataError(f"data file '{u.path}' cannot be read ({e.strerror or e}); fix data.paths") from None
+    if u.kind in ("parquet", "arrow"):
         from mtpjax.data import tables
 
         yield from tables.read_part(Path(u.path), u.key, u.kind, u.part, u.first_row, field,
