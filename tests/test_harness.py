@@ -230,6 +230,8 @@ def test_the_training_hook_logs_task_scores(run):
     (["--tasks", "arc_easy"], "cannot be read here"),  # a hub dataset, offline
     (["--tasks", " , "], "names no task"),
     (["--tasks", "mtpjax", "--limit", "0"], "--limit 0.0 must be > 0"),
+    (["--tasks", "mtpjax", "--limit", "nan"], "--limit nan must be > 0 and finite"),  # were lm-eval's tracebacks
+    (["--tasks", "mtpjax", "--limit", "inf"], "--limit inf must be > 0 and finite"),
     (["--tasks", "mtpjax", "--num-fewshot", "-1"], "--num-fewshot -1 must be >= 0"),
     (["--tasks", "mtpjax", "--batch-size", "0"], "--batch-size 0 must be >= 1"),
     (["--tasks", "mtpjax"], "is not a run directory"),
@@ -260,6 +262,8 @@ def test_decode_tasks_bad_input_is_one_line_exit_2(run, capsys, argv, words):
      "model_args seed=one must be an integer >= 0"),
     (["--model", "mtpjax", "--model_args", "run_dir=RUN", "--tasks", "mtpjax", "--batch_size", "eight"],
      "--batch_size=eight must be an integer >= 1"),
+    (["--model", "mtpjax", "--model_args", "run_dir=RUN", "--tasks", "mtpjax", "--limit", "nan"],
+     "--limit nan must be > 0 and finite"),  # was lm-eval's traceback, as decode.py --tasks's was
 ])
 def test_lm_eval_bad_input_is_one_line_exit_2(run, capsys, argv, words):
     capsys.readouterr()

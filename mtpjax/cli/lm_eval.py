@@ -16,6 +16,7 @@ works after `import mtpjax.cli.lm_eval`; `load_lm(run_dir)` returns an instance 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 from pathlib import Path
@@ -94,6 +95,12 @@ def _harness_cli() -> HarnessParsers:
     return cli
 
 
+def check_limit(limit: float | None) -> None:
+    """UsageError unless --limit (documents per task, or a fraction below 1), when given, is a number in (0, inf)."""
+    if limit is not None and not 0 < limit < math.inf:  # nan and inf reached lm-eval's int(limit), a traceback
+        raise UsageError(f"--limit {limit} must be > 0 and finite (documents per task, or a fraction below 1)")
+
+
 def check_run_args(args, dirs: list[str]) -> None:
     """Before lm-eval starts: the mtpjax backend's run directory and the tasks (the shipped ones, lm-eval's and
     those in the user's directories `dirs`), each problem one line."""
@@ -103,6 +110,7 @@ def check_run_args(args, dirs: list[str]) -> None:
         SavedRun(lm_options(args.model_args or {}, getattr(args, "batch_size", None))["run_dir"]).close()
     if not args.tasks:
         raise UsageError("give --tasks NAMES (the shipped tasks: mtpjax)")
+    check_limit(args.limit)
     names = list(args.tasks)
     if dirs:
         from lm_eval.tasks import TaskManager
@@ -158,8 +166,7 @@ def run_tasks(args, cfg, model, tok, step: int, proposer: str, draft, draft_mode
     from mtpjax.eval.harness import spec_summary
 
     names = tasks.parse_names(args.tasks)
-    if args.limit is not None and args.limit <= 0:
-        raise UsageError(f"--limit {args.limit} must be > 0 (documents per task, or a fraction below 1)")
+    check_limit(args.limit)
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise UsageError(f"--num-fewshot {args.num_fewshot} must be >= 0")
     if args.batch_size is not None and args.batch_size < 1:
