@@ -153,6 +153,9 @@ def test_unknown_key(override, expected):
     ("model.d_model=abc", "model.d_model", "expected an integer"),
     ("model.d_model=1.5", "model.d_model", "expected an integer"),
     ("model.n_layers=true", "model.n_layers", "expected an integer"),
+    # past int64, what numpy and JAX hold it in: train.seed's was an OverflowError traceback, eval_batches' islice's
+    ("train.seed=99999999999999999999999", "train.seed", "expected an integer (between -2**63 and 2**63)"),
+    ("train.eval_batches=-9223372036854775809", "train.eval_batches", "expected an integer (between -2**63"),
     ("model.tie_embeddings=1", "model.tie_embeddings", "expected true or false"),
     ("optim.lr=fast", "optim.lr", "expected a number"),
     ("optim.lr=true", "optim.lr", "expected a number"),

@@ -223,6 +223,7 @@ DECODE = [  # (argv after --run-dir, expected exit status, words in the error or
     (["--prompt", "x", "--top-p", "2"], 2, "top_p"),
     (["--prompt", "x", "--top-k", "-1"], 2, "top_k"),
     (["--prompt", "x", "--step", str(10**30)], 2, "no checkpoint at step"),
+    (["--prompt", "x", "--seed", str(10**23)], 2, f"seed={10**23} must be between -2**63 and 2**63"),  # was a traceback
     (["--prompt", "x", "--step", "-1"], 2, "no checkpoint at step"),
     (["--prompt", "x", "--max-new-tokens", "1e9"], 2, "invalid int"),
 ]

@@ -45,7 +45,9 @@ def _as(tp: type, ok: typing.Callable[[Any], bool], allowed: str) -> BeforeValid
 
 _STR = _as(str, lambda v: _plain(v, str, int, float), "expected a string")
 Str = Annotated[str, _STR]
-Int = Annotated[int, _as(int, lambda v: _plain(v, int) or _plain(v, float) and v.is_integer(), "expected an integer")]
+# within int64 (what numpy and JAX hold it in: a seed of 10**23 was an OverflowError traceback)
+Int = Annotated[int, _as(int, lambda v: (_plain(v, int) or _plain(v, float) and v.is_integer()) and abs(v) < 2**63,
+                         "expected an integer (between -2**63 and 2**63)")]
 Bool = Annotated[bool, _as(bool, lambda v: isinstance(v, bool), "expected true or false")]
 Float = Annotated[float, BeforeValidator(_number)]
 Strs = Annotated[tuple[Str, ...], BeforeValidator(_list)]

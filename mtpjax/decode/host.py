@@ -73,6 +73,8 @@ def integer(name: str, value, *, least: int | None = None, none_ok: bool = False
                           f"{' or None' if none_ok else ''}")
     if least is not None and value < least:
         raise DecodeError(f"{name}={value} must be >= {least}")
+    if not -(2**63) <= value < 2**63:  # what JAX holds it in (a seed of 10**23 was an OverflowError traceback)
+        raise DecodeError(f"{name}={value} must be between -2**63 and 2**63")
     return int(value)
 
 
