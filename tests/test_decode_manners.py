@@ -5,7 +5,10 @@ run reuses."""
 
 import json
 import logging
+import os
 import shutil
+import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -159,6 +162,33 @@ def test_a_calibration_file_holding_something_else_is_refused_and_left_as_it_is(
     assert f.read_text() == text
     assert main(_argv(tiny_run[1], "--calibration-file", str(tmp_path))) == 2  # a directory cannot be told apart
     assert capsys.readouterr().err.startswith(f"error: calibration file '{tmp_path}' cannot be read ([Errno 21]")
+
+
+def test_a_calibration_file_that_is_a_pipe_or_device_is_refused_and_left_as_it_is(tiny_run, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """A pipe (or a device: /dev/null) is neither read nor replaced: a pipe's read may never end, and a save replaced
+    the node with a file (as root, /dev/null). Here a writer opens and closes the pipe until told to stop, so each
+    unfixed read got '' (not a hang) and the save replaced the pipe."""
+    monkeypatch.setattr(autodraft, "calibrate", _fake_calibration)
+    fifo, stop = tmp_path / "cal.fifo", threading.Event()
+    os.mkfifo(fifo)
+
+    def writer():
+        while not stop.is_set() and stat.S_ISFIFO(fifo.stat().st_mode):
+            open(fifo, "w").close()  # noqa: SIM115 - blocks until a reader opens it
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    try:
+        assert main(_argv(tiny_run[1], "--calibration-file", str(fifo))) == 2
+        assert capsys.readouterr().err == (f"error: calibration file '{fifo}' is not a regular file (left as it is); "
+                                           "give another path (decode.py --calibration-file)\n")
+        assert stat.S_ISFIFO(fifo.stat().st_mode)
+    finally:
+        stop.set()
+        if stat.S_ISFIFO(fifo.stat().st_mode):
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))  # a reader, so the writer's open returns
+        t.join()
 
 
 def test_companion_an_empty_or_damaged_calibration_file_is_rebuilt(tiny_run, tmp_path, capsys, monkeypatch):

@@ -265,6 +265,10 @@ class SavedCalibrations:
 
     def _check_ours(self) -> None:
         """DecodeError, the file left as it is, unless the existing file is one of these (or empty)."""
+        if not self.path.is_file() and not self.path.is_dir():  # a directory's read says so, below
+            # a device or pipe: reading a pipe may never end, and a save replaces the node (/dev/null, as root)
+            raise host.DecodeError(f"calibration file '{self.path}' is not a regular file (left as it is); give "
+                                   "another path (decode.py --calibration-file)")
         try:
             text = self.path.read_text(errors="replace")
         except OSError as e:  # a directory, or a file this user cannot read: it cannot be told from a foreign one
