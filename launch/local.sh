@@ -15,6 +15,10 @@ N=$1; shift
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 PY=${PYTHON:-python3}
+if ! command -v "$PY" >/dev/null; then
+  echo "local.sh: PYTHON=$PY is not a command here; set PYTHON to the interpreter that has mtpjax" >&2
+  exit 2
+fi
 # A free port picked by the kernel; it is released right away, so a race with another program is possible
 # but harmless here: process 0 would fail to bind and every process would stop with an error.
 PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])') || exit 1

@@ -209,6 +209,14 @@ def test_local_sh_usage():
         assert p.returncode == 2 and p.stderr.startswith("usage: launch/local.sh N"), p.stderr
 
 
+def test_local_sh_names_a_python_that_is_not_there():
+    """PYTHON naming no command: one line naming it, exit 2 (was bash's 'command not found', exit 1)."""
+    p = subprocess.run(["bash", str(LAUNCH / "local.sh"), "1"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHON": "/no/such/python"})
+    assert p.returncode == 2 and p.stderr == ("local.sh: PYTHON=/no/such/python is not a command here; set PYTHON to "
+                                              "the interpreter that has mtpjax\n"), p.stderr
+
+
 def test_local_sh_stops_the_others_when_one_fails(tmp_path):
     # Process 0 would run for a minute and notes when it is stopped; process 1 fails as soon as process 0 has
     # written its line (an event: failing before that, local.sh could stop process 0 before it wrote anything).
