@@ -230,7 +230,8 @@ class TrainConfig(Section):
     steps: Int = Field(1000, description="total optimizer steps", gt=0)
     batch_size: Int = Field(16, description="global batch (sequences per step)", gt=0)
     micro_batches: Int = Field(1, description="gradient accumulation: the batch is split into this many parts (must "
-        "divide `batch_size`; exactly equivalent); the eval step computes in the same parts", gt=0)
+        "divide `batch_size`; equivalent, but for the slots a `model.moe_buffer_factor` > 0 drops, sized per part); "
+        "the eval step computes in the same parts", gt=0)
     seed: Int = Field(0, description="parameter init and data order")
     run_dir: Str = Field("runs/default", description="checkpoints, TensorBoard logs, config and tokenizer of the run")
     log_every: Int = Field(10, description="steps between logged training scalars, and the last step", gt=0)
