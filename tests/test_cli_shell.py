@@ -181,3 +181,22 @@ def test_a_spawned_worker_importing_the_script_loads_no_library(script):
                            .replace("runpy.run_path", "sys.argv[1:] = ['--help']; runpy.run_path")],
                           capture_output=True, text=True, timeout=120, cwd=root)
     assert main.returncode == 0 and "usage:" in main.stdout  # run as a script it is the command
+
+
+@pytest.mark.parametrize("argv, code", [(["--help"], 0), (["-h"], 0), (["--out", "x"], 2)])
+def test_the_task_generator_answers_help_or_a_bad_argument_and_writes_nothing(capsys, monkeypatch, tmp_path, argv,
+                                                                              code):
+    """`python -m mtpjax.eval.tasks.generate --help` says what it writes (it used to ignore its arguments and rewrite
+    the committed tasks from this interpreter's stdlib); another argument is one line, exit 2. Companion: with no
+    argument it writes the four files."""
+    from mtpjax.eval.tasks import generate
+
+    monkeypatch.setattr(generate, "HERE", tmp_path)
+    monkeypatch.setattr(generate, "heldout_files", lambda: [("a.py", "def f():\n    return 1\n")])
+    assert generate.main(argv) == code
+    out, err = capsys.readouterr()
+    assert list(tmp_path.iterdir()) == []
+    assert ("nextline.jsonl" in out) if code == 0 else (err.count("\n") == 1 and "takes none" in err)
+    assert generate.main([]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["funcret.jsonl", "heldout.jsonl", "meta.json",
+                                                          "nextline.jsonl"]

@@ -106,7 +106,16 @@ def write(name: str, docs: list[dict]) -> None:
             f.write(json.dumps(d, ensure_ascii=False) + "\n")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Write the task files; `--help` prints what they are, any other argument is one line, exit 2: neither writes."""
+    args = sys.argv[1:] if argv is None else argv
+    if args in (["-h"], ["--help"]):  # said, not run: a run rewrites the committed files (from this stdlib)
+        print(__doc__)
+        return 0
+    if args:
+        print(f"error: unrecognized arguments: {' '.join(args)} (python -m mtpjax.eval.tasks.generate takes none; "
+              "--help says what it writes)", file=sys.stderr)
+        return 2
     files = heldout_files()
     write("nextline.jsonl", nextline(files, random.Random(0)))
     write("funcret.jsonl", funcret(files, random.Random(1)))
