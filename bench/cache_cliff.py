@@ -15,7 +15,7 @@ is on the benchmarks page (docs/benchmarks.md).
 cache written in place) relative to one row, and the drafting cost c(γ) of the MTP proposer per draft in the
 same unit, each timed apart (a jitted loop of forwards) with every loop interleaved in each round, so the split
 of a round into v(γ+1) + γc does not drift with the load. A speculative round with γ drafts costs at least
-v(γ+1) + γc plain steps (docs/benchmarks.md#verification-cost).
+v(γ+1) + γc plain steps (docs/benchmarks.md#verification-cost-on-the-memory-bound-model).
 """
 
 from __future__ import annotations

@@ -51,6 +51,12 @@ def broken_doc_links(text: str, root: Path) -> list[str]:
     return broken
 
 
+def broken_citations(sources: list[Path], root: Path) -> list[str]:
+    """`file: docs/page.md#heading` for each heading the sources cite (in prose, not as a link) that does not exist."""
+    return [f"{p.name}: {target}" for p in sources for target in re.findall(r"docs/[\w-]+\.md#[\w-]+", p.read_text())
+            if broken_doc_links(f"]({target})", root)]
+
+
 def design_sections(text: str) -> set[str]:
     """The section numbers of the design page ('## 6a. Leaving ...' -> '6a')."""
     return set(re.findall(r"^## (\w+)\. ", text, re.MULTILINE))
@@ -112,3 +118,19 @@ def test_uncited_sees_a_section_the_design_lacks(tmp_path):
     src.write_text('"""See docs/design.md §2 and docs/design.md §9."""\n')
     assert uncited([src], {"2"}) == ["m.py: §9"]
     assert design_sections("## 6a. Leaving\n## 7. Layout\n### 8. not a section\n") == {"6a", "7"}
+
+
+def test_headings_the_code_cites_exist():
+    """A docstring or help text's `docs/page.md#heading` names a heading of that page (bench/cache_cliff.py cited
+    benchmarks.md#verification-cost after the heading grew to "Verification cost on the memory-bound model")."""
+    sources = [*(ROOT / "mtpjax").rglob("*.py"), *(ROOT / "bench").rglob("*.py"), *(ROOT / "launch").iterdir(),
+               ROOT / "train.py", ROOT / "decode.py"]
+    assert not broken_citations(sources, ROOT)
+
+
+def test_broken_citations_sees_a_missing_heading_and_page(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# A\n\n## Some heading\n")
+    src = tmp_path / "m.py"
+    src.write_text('"""See docs/a.md#some-heading, docs/a.md#other and docs/b.md#x."""\n')
+    assert broken_citations([src], tmp_path) == ["m.py: docs/a.md#other", "m.py: docs/b.md#x"]
