@@ -301,6 +301,15 @@ def test_an_unknown_training_task_stops_the_run_before_its_first_step(tmp_path):
     # with another model config was refused as "a different model config"
 
 
+
+@pytest.mark.parametrize("text", [b"\xff\xfe\x00 not text", b"just a string\n", b"task: [1, 2\n"])
+def test_a_task_file_that_is_not_task_yaml_is_one_line(run, capsys, tmp_path, text):
+    """decode.py --tasks F.yaml whose F is binary, a bare string or broken YAML: one line, exit 2 (lm-eval's
+    ValueError / YAMLError traceback before)."""
+    (tmp_path / "t.yaml").write_bytes(text)
+    err = one_line_error(capsys, harness().decode_main, ["--run-dir", str(run[0]), "--tasks", str(tmp_path / "t.yaml")])
+    assert f"a task file among {tmp_path / 't.yaml'} is not lm-eval task YAML" in err
+
 def test_a_continuation_longer_than_the_window_is_refused_and_one_that_fits_is_scored_whole():
     from mtpjax.eval.harness import HarnessError, pack
 

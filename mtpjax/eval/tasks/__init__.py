@@ -88,6 +88,9 @@ def load(names: list[str], manager=None) -> dict:
     except (ConnectionError, FileNotFoundError) as e:
         raise TaskError(f"a task's data cannot be read here ({first_arg(e)}); with the network, set "
                         "HF_DATASETS_OFFLINE=0 HF_HUB_OFFLINE=0 to download it once") from None
+    except (ValueError, yaml.YAMLError) as e:  # a task file that is not a task's YAML (binary, a bare string)
+        raise TaskError(f"a task file among {', '.join(names)} is not lm-eval task YAML ({first_arg(e)}); fix it, "
+                        "or name a known task") from None
 
 
 def first_arg(e: BaseException) -> str:
