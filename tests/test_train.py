@@ -385,6 +385,30 @@ def test_ctrl_c_saves_the_step_and_exits_130_and_twice_stops_at_once(tmp_path, m
         assert err[-1] == "interrupted" and saved == 1  # the fresh run's first step only
 
 
+
+def test_ctrl_c_during_setup_says_the_run_stops_before_its_first_step(tmp_path, monkeypatch, capfd):
+    """A first Ctrl-C while the run sets up (data, compile) cannot stop "after this step": the line says the run
+    stops once set up, before its first step, and it does, nothing saved, exit 130."""
+    from mtpjax.train import setup
+
+    real = setup.open_run
+
+    def press_then_open(*a, **k):
+        signal.raise_signal(signal.SIGINT)
+        return real(*a, **k)
+
+    monkeypatch.setattr(setup, "open_run", press_then_open)
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        cfg = tiny_cfg(tmp_path, "train.steps=6")
+        rc = main(cli_args(cfg))
+    finally:
+        signal.signal(signal.SIGINT, outer)
+    err = capfd.readouterr().err.strip().splitlines()
+    assert rc == 130 and "interrupt: stopping once set up, before the first step (Ctrl-C again to stop at once)" in err
+    assert err[-1] == "interrupted at step 0, before anything to save; run the same command again"
+    assert Checkpointer(tmp_path / "run", cfg.checkpoint).latest_step() is None
+
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path):
     cfg = tiny_cfg(tmp_path, "train.steps=100000", "checkpoint.every=5", "train.eval_every=100000")

@@ -48,6 +48,7 @@ class _Preemption:
 
     def __init__(self):
         self.requested, self.interrupted, self.old = False, False, {}
+        self.stepping = False  # set when the loop begins: before, a stop waits for the setup (data, compile) to end
 
     def __enter__(self):
         # Several processes must stop at the same step: JAX's preemption sync manager catches SIGTERM there.
@@ -70,7 +71,8 @@ class _Preemption:
         if signum == signal.SIGINT and not self.interrupted:
             self.interrupted = True
             signal.signal(signal.SIGINT, self.old[signal.SIGINT])  # the next Ctrl-C: Python's KeyboardInterrupt
-            os.write(2, b"\ninterrupt: stopping after this step and saving it (Ctrl-C again to stop at once)\n")
+            when = b"after this step and saving it" if self.stepping else b"once set up, before the first step"
+            os.write(2, b"\ninterrupt: stopping " + when + b" (Ctrl-C again to stop at once)\n")
 
     def __exit__(self, *exc):
         for sig, old in self.old.items():
@@ -249,6 +251,7 @@ def _loop(r: setup.Run, first: setup.Start, pre: _Preemption, max_steps: int | N
     hooks.add(lambda t: pre.check(t.step), before_step=True)
     hooks.add(lambda t: prof.step(t.step, t.state), before_step=True)
     tick = Tick(first.step, first.state, None, last=first.step >= end)
+    pre.stepping = True
     try:
         while not hooks.run(tick) and not tick.last:
             tick = _step(r, tick, prof, first.step, end)
