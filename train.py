@@ -2,7 +2,14 @@
 
 import sys
 
-if __name__ == "__main__":  # a spawned worker (data.prepare_workers) imports this file too, and needs no library
+
+def main(argv: list[str]) -> int:
+    """mtpjax.cli.train.main(argv), loaded when called: a spawned worker (data.prepare_workers) imports this file too,
+    and needs no library."""
     from mtpjax.cli.args import entry
 
-    sys.exit(entry("mtpjax.cli.train", sys.argv[1:]))
+    return entry("mtpjax.cli.train", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -90,12 +91,14 @@ def entry(module: str, argv: list[str]) -> int:
 
     prepare_environment()
     pressed, python = [], signal.getsignal(signal.SIGINT)
-    if python is signal.default_int_handler:  # a flag, not Python's exception, which JAX's import can swallow (a
-        signal.signal(signal.SIGINT, lambda *_: pressed.append(True))  # gc callback's "Exception ignored")
+    ours = python is signal.default_int_handler and threading.current_thread() is threading.main_thread()
+    if ours:  # a flag, not Python's exception, which JAX's import can swallow (a gc callback's "Exception ignored")
+        signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
     try:
         main = importlib.import_module(module).main
     finally:
-        signal.signal(signal.SIGINT, python)
+        if ours:
+            signal.signal(signal.SIGINT, python)
     if pressed:
         print("interrupted", file=sys.stderr, flush=True)
         return 130
